@@ -1,0 +1,175 @@
+"""gRPC plumbing shared by every service: servers, channels, error mapping, retries.
+
+Servers are `grpc.aio` servers with the standard health service and server
+reflection. `map_errors` turns domain errors into status codes (through
+`errors.grpc_code`, the only mapping) with `google.rpc.BadRequest` field
+violations attached, so servicers stay thin. Client calls always carry a
+deadline; `retry` retries only retryable codes, a bounded number of times.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+import random
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
+from typing import Any, TypeVar
+
+import grpc
+from google.protobuf import any_pb2
+from google.rpc import code_pb2, error_details_pb2, status_pb2
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+from grpc_status import rpc_status
+
+from services.common.errors import (
+    RETRYABLE_CODES,
+    ConfigError,
+    FleetError,
+    InvalidArgument,
+    from_grpc,
+    grpc_code,
+)
+
+log = logging.getLogger(__name__)
+
+MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+CHANNEL_OPTIONS = [
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.keepalive_time_ms", 30_000),
+    ("grpc.keepalive_timeout_ms", 10_000),
+    ("grpc.enable_retries", 0),
+]
+
+T = TypeVar("T")
+
+
+def status_for(error: BaseException) -> status_pb2.Status:
+    """The rich status of a domain error: code, message and BadRequest field violations."""
+    code = grpc_code(error)
+    status = status_pb2.Status(code=getattr(code_pb2, code.name), message=str(error) or type(error).__name__)
+    violations = getattr(error, "violations", None)
+    if isinstance(error, ConfigError | InvalidArgument) and violations:
+        bad = error_details_pb2.BadRequest(field_violations=[
+            error_details_pb2.BadRequest.FieldViolation(field=v.field, description=v.description)
+            for v in violations
+        ])
+        detail = any_pb2.Any()
+        detail.Pack(bad)
+        status.details.append(detail)
+    return status
+
+
+def field_violations(error: grpc.RpcError) -> list[tuple[str, str]]:
+    """(field, description) pairs of a failed call's BadRequest details, if any."""
+    status = rpc_status.from_call(error)  # type: ignore[arg-type]
+    out: list[tuple[str, str]] = []
+    for detail in status.details if status else []:
+        bad = error_details_pb2.BadRequest()
+        if detail.Unpack(bad):
+            out.extend((v.field, v.description) for v in bad.field_violations)
+    return out
+
+
+async def abort_with(context: grpc.aio.ServicerContext, error: BaseException) -> None:
+    if not isinstance(error, FleetError):
+        log.exception("unexpected error in servicer", exc_info=error)
+    await context.abort_with_status(rpc_status.to_status(status_for(error)))
+
+
+def map_errors(method: Callable[..., Awaitable[T]]) -> Callable[..., Awaitable[T]]:
+    """Decorate a unary async servicer method: domain errors become their status code."""
+
+    @functools.wraps(method)
+    async def wrapper(self: Any, request: Any, context: grpc.aio.ServicerContext) -> T:
+        try:
+            return await method(self, request, context)
+        except (asyncio.CancelledError, grpc.aio.AbortError):
+            raise
+        except Exception as error:  # the one place servicer errors become statuses
+            await abort_with(context, error)
+            raise AssertionError("unreachable: abort raises") from error
+
+    return wrapper
+
+
+def map_stream_errors(method: Callable[..., AsyncIterator[T]]) -> Callable[..., AsyncIterator[T]]:
+    """Like map_errors, for server-streaming async generator methods."""
+
+    @functools.wraps(method)
+    async def wrapper(self: Any, request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[T]:
+        try:
+            async for item in method(self, request, context):
+                yield item
+        except (asyncio.CancelledError, grpc.aio.AbortError):
+            raise
+        except Exception as error:
+            await abort_with(context, error)
+
+    return wrapper
+
+
+async def start_server(
+    address: str,
+    register: Iterable[Callable[[grpc.aio.Server], str]],
+    *,
+    interceptors: list[grpc.aio.ServerInterceptor] | None = None,
+    credentials: grpc.ServerCredentials | None = None,
+) -> tuple[grpc.aio.Server, int, health.aio.HealthServicer]:
+    """Start an aio server on address ("host:port", port 0 = free) with health and reflection.
+
+    Each `register(server)` adds one servicer and returns its full service name.
+    Returns the server, the bound port and the health servicer (set NOT_SERVING on shutdown).
+    """
+    server = grpc.aio.server(options=CHANNEL_OPTIONS, interceptors=interceptors or [])
+    names = [add(server) for add in register]
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    for name in [*names, ""]:
+        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    reflection.enable_server_reflection([*names, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
+    port = server.add_secure_port(address, credentials) if credentials else server.add_insecure_port(address)
+    if port == 0:
+        raise OSError(f"cannot bind gRPC server to {address}")
+    await server.start()
+    return server, port, health_servicer
+
+
+async def stop_server(server: grpc.aio.Server, health_servicer: health.aio.HealthServicer, grace_s: float) -> None:
+    """Report NOT_SERVING, then let in-flight calls finish for grace_s."""
+    await health_servicer.enter_graceful_shutdown()
+    await server.stop(grace_s)
+
+
+def channel(address: str, credentials: grpc.ChannelCredentials | None = None) -> grpc.aio.Channel:
+    """An aio channel with fleetrl's message limits and keepalive."""
+    if credentials is not None:
+        return grpc.aio.secure_channel(address, credentials, options=CHANNEL_OPTIONS)
+    return grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+
+
+async def retry(
+    call: Callable[[], Awaitable[T]],
+    *,
+    what: str,
+    attempts: int = 5,
+    base_delay_s: float = 0.2,
+    max_delay_s: float = 5.0,
+) -> T:
+    """Run call() until it succeeds, retrying retryable gRPC codes with jittered exponential backoff.
+
+    Non-retryable codes raise their domain error at once; after `attempts` tries the last
+    error is raised as its domain error.
+    """
+    for attempt in range(1, attempts + 1):
+        try:
+            return await call()
+        except grpc.aio.AioRpcError as error:
+            if error.code() not in RETRYABLE_CODES or attempt == attempts:
+                raise from_grpc(error) from error
+            delay = min(max_delay_s, base_delay_s * 2 ** (attempt - 1)) * (0.5 + random.random())
+            log.info("%s failed (%s), retry %d/%d in %.2fs", what, error.code().name, attempt, attempts, delay)
+            await asyncio.sleep(delay)
+    raise AssertionError("unreachable")
