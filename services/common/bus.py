@@ -15,18 +15,17 @@ KV `fleet_weights`: key `<job>` -> weight pointer JSON. Object store
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import re
 
 import nats
 from nats.aio.client import Client as NATS
-from nats.js import JetStreamContext
-from nats.js import api
+from nats.js import JetStreamContext, api
 from nats.js.errors import BadRequestError, NotFoundError
 from nats.js.kv import KeyValue
 from nats.js.object_store import ObjectStore
 
+from services.common.config import JobSpec
 from services.common.errors import InvalidArgument, Unavailable
 
 log = logging.getLogger(__name__)
@@ -91,7 +90,7 @@ async def connect(url: str, name: str, *, max_reconnect_attempts: int = -1) -> N
             max_outstanding_pings=3,
             error_cb=on_error,
         )
-    except (OSError, asyncio.TimeoutError, nats.errors.NoServersError) as error:
+    except (TimeoutError, OSError, nats.errors.NoServersError) as error:
         raise Unavailable(f"cannot connect to NATS at {url}: {error}") from error
 
 
@@ -153,3 +152,27 @@ async def ensure_object_store(js: JetStreamContext, job_id: str) -> ObjectStore:
         return await js.object_store(bucket)
     except NotFoundError:
         return await js.create_object_store(bucket, api.ObjectStoreConfig(storage=api.StorageType.FILE))
+
+
+def task_consumer_limits(spec: JobSpec) -> dict[str, float | int]:
+    """Consumer settings derived from a job spec, so learner and actors create identical consumers.
+
+    max_ack_pending bounds how many of the job's tasks all actors together hold unacked: the
+    feeder never has more than prompts_per_step * (max_staleness + 1) in flight, twice that
+    leaves room for redeliveries without letting one slow actor hoard the queue.
+    """
+    in_flight = spec.rollout.prompts_per_step * (spec.train.max_staleness + 1)
+    return {
+        "ack_wait_s": spec.train.task_ack_wait_s,
+        "max_deliver": spec.train.max_retries_per_episode + 1,
+        "max_ack_pending": max(4, 2 * in_flight),
+    }
+
+
+async def ensure_job_consumer(js: JetStreamContext, job_id: str, spec: JobSpec) -> api.ConsumerInfo:
+    """The job's shared task consumer, with the settings its spec implies."""
+    limits = task_consumer_limits(spec)
+    return await ensure_task_consumer(
+        js, job_id, ack_wait_s=float(limits["ack_wait_s"]), max_deliver=int(limits["max_deliver"]),
+        max_ack_pending=int(limits["max_ack_pending"]),
+    )

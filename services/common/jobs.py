@@ -1,0 +1,254 @@
+"""The job store: job records, their files and step metrics, in Redis.
+
+The gateway creates jobs; a learner claims one (a lease key with a TTL, so at
+most one learner runs a job and a crashed learner's job is claimable again
+once its lease lapses); actors read the spec and the prompt/reward files.
+State changes are compare-and-set Lua scripts, so two writers never race a job
+out of a terminal state. Keys (all under `fleetrl:`):
+
+- `jobs:index` zset job_id -> created ms;  `jobs:idem` hash tenant/key -> job_id
+- `job:<id>` hash (record fields);  `job:<id>:prompts`, `job:<id>:reward_file` bytes
+- `job:<id>:lease` learner id with TTL;  `job:<id>:steps` list of step-metric JSON
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+import secrets
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import redis.asyncio as aioredis
+
+from services.common.config import JobSpec
+from services.common.errors import FailedPrecondition, NotFound
+
+PREFIX = "fleetrl:"
+
+
+class JobState(enum.StrEnum):
+    QUEUED = "queued"
+    RUNNING = "running"
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+
+    @property
+    def terminal(self) -> bool:
+        return self in (JobState.SUCCEEDED, JobState.FAILED, JobState.CANCELLED)
+
+
+ACTIVE = (JobState.QUEUED, JobState.RUNNING)
+
+
+@dataclass(frozen=True)
+class JobRecord:
+    """A job as stored."""
+
+    job_id: str
+    tenant: str
+    name: str
+    state: JobState
+    reason: str
+    spec: JobSpec
+    created_ms: int
+    updated_ms: int
+    model_uri: str
+    last_step: dict[str, Any] | None
+
+    @classmethod
+    def from_hash(cls, fields: dict[bytes, bytes]) -> JobRecord:
+        f = {k.decode(): v.decode() for k, v in fields.items()}
+        return cls(
+            job_id=f["job_id"], tenant=f["tenant"], name=f["name"], state=JobState(f["state"]),
+            reason=f.get("reason", ""), spec=JobSpec.model_validate_json(f["spec_json"]),
+            created_ms=int(f["created_ms"]), updated_ms=int(f["updated_ms"]),
+            model_uri=f.get("model_uri", ""), last_step=json.loads(f["last_step"]) if f.get("last_step") else None,
+        )
+
+
+def now_ms() -> int:
+    return int(time.time() * 1000)
+
+
+def _key(job_id: str, suffix: str = "") -> str:
+    return f"{PREFIX}job:{job_id}{suffix}"
+
+
+# KEYS[1]=job hash; ARGV: new state, reason, now ms, allowed-from states...
+_SET_STATE = """
+local cur = redis.call('HGET', KEYS[1], 'state')
+if not cur then return {-1, ''} end
+for i = 4, #ARGV do
+  if ARGV[i] == cur then
+    redis.call('HSET', KEYS[1], 'state', ARGV[1], 'reason', ARGV[2], 'updated_ms', ARGV[3])
+    return {1, cur}
+  end
+end
+return {0, cur}
+"""
+
+# KEYS[1]=index zset; ARGV: learner id, lease ms, now ms, prefix. Claims the oldest active job
+# without a live lease; a RUNNING job without a lease is one whose learner died: it is resumed.
+_CLAIM = """
+local ids = redis.call('ZRANGE', KEYS[1], 0, -1)
+for _, id in ipairs(ids) do
+  local h = ARGV[4] .. 'job:' .. id
+  local st = redis.call('HGET', h, 'state')
+  if st == 'queued' or st == 'running' then
+    if redis.call('SET', h .. ':lease', ARGV[1], 'NX', 'PX', ARGV[2]) then
+      redis.call('HSET', h, 'state', 'running', 'updated_ms', ARGV[3], 'learner_id', ARGV[1])
+      return id
+    end
+  end
+end
+return false
+"""
+
+# KEYS[1]=lease key; ARGV: learner id, lease ms. Renew only our own lease.
+_RENEW = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then
+  redis.call('PEXPIRE', KEYS[1], ARGV[2]); return 1
+end
+return 0
+"""
+
+_RELEASE = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
+return 0
+"""
+
+
+class JobStore:
+    """Async access to job records. One instance per process; cheap to share."""
+
+    redis: aioredis.Redis
+
+    def __init__(self, client: aioredis.Redis) -> None:
+        self.redis = client
+        self._set_state = client.register_script(_SET_STATE)
+        self._claim = client.register_script(_CLAIM)
+        self._renew = client.register_script(_RENEW)
+        self._release = client.register_script(_RELEASE)
+
+    @classmethod
+    def from_url(cls, url: str) -> JobStore:
+        return cls(aioredis.Redis.from_url(url, socket_timeout=10, socket_connect_timeout=5))
+
+    async def close(self) -> None:
+        await self.redis.aclose()
+
+    async def create(
+        self, tenant: str, spec: JobSpec, prompts: bytes, reward_file: bytes | None, idempotency_key: str = ""
+    ) -> JobRecord:
+        """Store a new queued job with its files, all in one transaction; same key, same job."""
+        if idempotency_key:
+            existing = await self.redis.hget(f"{PREFIX}jobs:idem", f"{tenant}/{idempotency_key}")
+            if existing:
+                return await self.get(existing.decode())
+        job_id = "j-" + secrets.token_hex(6)
+        ms = now_ms()
+        record = {
+            "job_id": job_id, "tenant": tenant, "name": spec.name, "state": JobState.QUEUED.value, "reason": "",
+            "spec_json": spec.model_dump_json(), "created_ms": ms, "updated_ms": ms, "model_uri": "",
+        }
+        async with self.redis.pipeline(transaction=True) as pipe:
+            pipe.hset(_key(job_id), mapping=record)
+            pipe.set(_key(job_id, ":prompts"), prompts)
+            if reward_file is not None:
+                pipe.set(_key(job_id, ":reward_file"), reward_file)
+            pipe.zadd(f"{PREFIX}jobs:index", {job_id: ms})
+            if idempotency_key:
+                pipe.hset(f"{PREFIX}jobs:idem", f"{tenant}/{idempotency_key}", job_id)
+            await pipe.execute()
+        return await self.get(job_id)
+
+    async def get(self, job_id: str) -> JobRecord:
+        fields = await self.redis.hgetall(_key(job_id))
+        if not fields:
+            raise NotFound(f"job {job_id!r} does not exist")
+        return JobRecord.from_hash(fields)
+
+    async def list(self, tenant: str | None = None, limit: int = 50) -> list[JobRecord]:
+        """Newest first; tenant None lists every tenant's jobs."""
+        ids = await self.redis.zrevrange(f"{PREFIX}jobs:index", 0, -1)
+        out: list[JobRecord] = []
+        for raw in ids:
+            record = await self.get(raw.decode())
+            if tenant is None or record.tenant == tenant:
+                out.append(record)
+                if len(out) >= limit:
+                    break
+        return out
+
+    async def files(self, job_id: str) -> tuple[bytes, bytes | None]:
+        """The job's prompt JSONL and reward file (None when the reward is a built-in)."""
+        prompts, reward_file = await self.redis.mget(_key(job_id, ":prompts"), _key(job_id, ":reward_file"))
+        if prompts is None:
+            raise NotFound(f"job {job_id!r} has no prompts stored")
+        return prompts, reward_file
+
+    async def set_state(
+        self, job_id: str, state: JobState, reason: str = "", *, allowed_from: tuple[JobState, ...] = ACTIVE
+    ) -> JobRecord:
+        """Move the job to state if it is in one of allowed_from; FailedPrecondition otherwise."""
+        changed, previous = await self._set_state(
+            keys=[_key(job_id)], args=[state.value, reason, now_ms(), *(s.value for s in allowed_from)]
+        )
+        if changed == -1:
+            raise NotFound(f"job {job_id!r} does not exist")
+        if changed == 0:
+            raise FailedPrecondition(f"job {job_id} is {previous.decode()}, cannot become {state.value}")
+        await self.redis.publish(f"{PREFIX}job-events", job_id)
+        return await self.get(job_id)
+
+    async def claim(self, learner_id: str, lease_s: float) -> JobRecord | None:
+        """Take the oldest queued (or orphaned running) job; None if there is none."""
+        job_id = await self._claim(
+            keys=[f"{PREFIX}jobs:index"], args=[learner_id, int(lease_s * 1000), now_ms(), PREFIX]
+        )
+        return await self.get(job_id.decode()) if job_id else None
+
+    async def renew(self, job_id: str, learner_id: str, lease_s: float) -> bool:
+        """Extend our lease; False means we lost the job (another learner may own it now)."""
+        return bool(await self._renew(keys=[_key(job_id, ":lease")], args=[learner_id, int(lease_s * 1000)]))
+
+    async def release(self, job_id: str, learner_id: str) -> None:
+        await self._release(keys=[_key(job_id, ":lease")], args=[learner_id])
+
+    async def lease_holder(self, job_id: str) -> str | None:
+        holder = await self.redis.get(_key(job_id, ":lease"))
+        return holder.decode() if holder else None
+
+    async def append_step(self, job_id: str, metrics: dict[str, Any]) -> None:
+        """Record one step's metrics (must contain "step"); idempotent per step number."""
+        step = int(metrics["step"])
+        length = await self.redis.llen(_key(job_id, ":steps"))
+        if step <= length:  # a resumed learner re-reporting a step it already reported
+            return
+        payload = json.dumps(metrics)
+        async with self.redis.pipeline(transaction=True) as pipe:
+            pipe.rpush(_key(job_id, ":steps"), payload)
+            pipe.hset(_key(job_id), mapping={"last_step": payload, "updated_ms": now_ms()})
+            await pipe.execute()
+
+    async def steps(self, job_id: str, from_step: int = 0) -> list[dict[str, Any]]:
+        """Step metrics from from_step on (steps are 1-based)."""
+        raw = await self.redis.lrange(_key(job_id, ":steps"), max(0, from_step - 1), -1)
+        return [json.loads(item) for item in raw]
+
+    async def set_model_uri(self, job_id: str, uri: str) -> None:
+        await self.redis.hset(_key(job_id), mapping={"model_uri": uri, "updated_ms": now_ms()})
+
+    async def active_jobs(self) -> list[JobRecord]:
+        """Jobs queued or running, oldest first (what actors serve)."""
+        ids = await self.redis.zrange(f"{PREFIX}jobs:index", 0, -1)
+        records = [await self.get(raw.decode()) for raw in ids]
+        return [r for r in records if r.state in ACTIVE]
+
+
+def require_state(record: JobRecord, *states: JobState) -> None:
+    if record.state not in states:
+        raise FailedPrecondition(f"job {record.job_id} is {record.state.value}")
