@@ -1,0 +1,129 @@
+"""Groups from replay -> padded training tensors, micro-batches, and completion log-probs.
+
+Layout choice: each row is `prompt ++ completion`, RIGHT-padded, so every real token sits at its
+true position 0..len-1 and causal attention never sees padding. Only the positions that can
+predict a completion token are kept: with `start = min(prompt_len) - 1` over the batch, column t
+of every (B, T) tensor is the prediction made at position `start + t` of the token
+`input_ids[:, start + t + 1]`, where T = L - 1 - start. `completion_mask` marks the columns whose
+target is a real completion token. The model is asked for just those logits (`logits_to_keep`),
+which keeps the (B, T, vocab) tensor as small as the completions.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from services.learner.losses import LossConfig, compute_group_advantages
+from services.proto.fleetrl.v1 import common_pb2
+
+
+@dataclass
+class TrainBatch:
+    """A padded (micro-)batch of B sequences; see the module docstring for the column alignment."""
+
+    input_ids: Tensor  # (B, L) long, prompt ++ completion, right-padded
+    attention_mask: Tensor  # (B, L) long, 1 for real tokens
+    start: int  # column t of (B, T) tensors predicts input_ids[:, start + t + 1]
+    completion_mask: Tensor  # (B, T) float, 1 where the target is a real completion token
+    behaviour_logprobs: Tensor  # (B, T) float, actor's log-probs at completion columns, 0 elsewhere
+    advantages: Tensor  # (B,) float
+    rewards: Tensor  # (B,) float
+    prompt_lens: Tensor  # (B,) long
+    completion_lens: Tensor  # (B,) long
+
+    @property
+    def num_sequences(self) -> int:
+        return int(self.input_ids.shape[0])
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.completion_mask.sum())
+
+
+def group_rewards(group: common_pb2.Group) -> Tensor:
+    """Rewards (G,) of a group's samples, in sample order."""
+    return torch.tensor([sample.reward for sample in group.samples], dtype=torch.float32)
+
+
+def group_advantages(groups: list[common_pb2.Group], cfg: LossConfig) -> list[Tensor]:
+    """Per group, the advantages (G,) of its samples under cfg.advantage."""
+    return [compute_group_advantages(group_rewards(group), cfg.advantage) for group in groups]
+
+
+def has_signal(group: common_pb2.Group) -> bool:
+    """False when every sample of the group has the same reward (no GRPO signal)."""
+    rewards = group_rewards(group)
+    return bool((rewards != rewards[0]).any())
+
+
+def build_batch(groups: list[common_pb2.Group], advantages_per_group: list[Tensor], pad_id: int) -> TrainBatch:
+    """Every sample of every group as one padded batch, in group then sample order."""
+    samples = [sample for group in groups for sample in group.samples]
+    advantages = torch.cat([adv.to(torch.float32).reshape(-1) for adv in advantages_per_group])
+    prompt_lens = torch.tensor([len(s.prompt_token_ids) for s in samples], dtype=torch.long)
+    completion_lens = torch.tensor([len(s.completion_token_ids) for s in samples], dtype=torch.long)
+    length = int((prompt_lens + completion_lens).max())
+    start = int(prompt_lens.min()) - 1
+    width = length - 1 - start
+    input_ids = torch.full((len(samples), length), pad_id, dtype=torch.long)
+    attention_mask = torch.zeros((len(samples), length), dtype=torch.long)
+    completion_mask = torch.zeros((len(samples), width), dtype=torch.float32)
+    behaviour = torch.zeros((len(samples), width), dtype=torch.float32)
+    for row, sample in enumerate(samples):
+        tokens = [*sample.prompt_token_ids, *sample.completion_token_ids]
+        input_ids[row, : len(tokens)] = torch.tensor(tokens, dtype=torch.long)
+        attention_mask[row, : len(tokens)] = 1
+        first = len(sample.prompt_token_ids) - 1 - start  # column predicting the first completion token
+        count = len(sample.completion_token_ids)
+        completion_mask[row, first : first + count] = 1.0
+        behaviour[row, first : first + count] = torch.tensor(list(sample.behaviour_logprobs), dtype=torch.float32)
+    rewards = torch.tensor([s.reward for s in samples], dtype=torch.float32)
+    return TrainBatch(
+        input_ids, attention_mask, start, completion_mask, behaviour, advantages, rewards, prompt_lens, completion_lens
+    )
+
+
+def select_rows(batch: TrainBatch, rows: slice) -> TrainBatch:
+    """Rows of a batch, with the padding columns that no selected row needs trimmed away."""
+    prompt_lens, completion_lens = batch.prompt_lens[rows], batch.completion_lens[rows]
+    length = int((prompt_lens + completion_lens).max())
+    start = int(prompt_lens.min()) - 1
+    offset, width = start - batch.start, length - 1 - start
+    columns = slice(offset, offset + width)
+    return TrainBatch(
+        input_ids=batch.input_ids[rows, :length],
+        attention_mask=batch.attention_mask[rows, :length],
+        start=start,
+        completion_mask=batch.completion_mask[rows, columns],
+        behaviour_logprobs=batch.behaviour_logprobs[rows, columns],
+        advantages=batch.advantages[rows],
+        rewards=batch.rewards[rows],
+        prompt_lens=prompt_lens,
+        completion_lens=completion_lens,
+    )
+
+
+def micro_batches(batch: TrainBatch, micro_batch_samples: int) -> list[TrainBatch]:
+    """Consecutive slices of at most micro_batch_samples rows, each trimmed to its own padding."""
+    size, step = batch.num_sequences, micro_batch_samples
+    return [select_rows(batch, slice(i, min(i + step, size))) for i in range(0, size, step)]
+
+
+def completion_logprobs(model: torch.nn.Module, batch: TrainBatch, temperature: float = 1.0) -> tuple[Tensor, Tensor]:
+    """(log-probs (B, T), entropy (B, T)) of the batch's target tokens under softmax(logits / temperature).
+
+    The actor samples at `temperature`, so these are the log-probs of the same distribution as its
+    behaviour log-probs. Columns outside completion_mask hold values of prompt or padding tokens;
+    callers mask them.
+    """
+    keep = batch.input_ids.shape[1] - batch.start
+    out = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, logits_to_keep=keep, use_cache=False)
+    logits = out.logits[:, :-1].float() / temperature  # (B, T, V)
+    logp_all = torch.log_softmax(logits, dim=-1)
+    targets = batch.input_ids[:, batch.start + 1 :]  # (B, T)
+    logprobs = logp_all.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    entropy = -(logp_all.exp() * logp_all).sum(-1)
+    return logprobs, entropy

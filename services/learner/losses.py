@@ -1,0 +1,256 @@
+"""RL objectives as pure functions of tensors: advantages, KL estimators, the clipped policy loss.
+
+Design choice (prime-rl's trainer/rl/loss.py): `policy_loss(inputs, cfg) -> LossOutputs` holds no
+trainer state, and every variant is picked from a registry by name (`ADVANTAGES`,
+`KL_ESTIMATORS`, `LOSS_AGGREGATIONS`) instead of an if-ladder in the trainer. The loss is
+
+    ratio_t = exp(logprobs_t - old_logprobs_t)
+    pg_t    = -min(ratio_t * A, clip(ratio_t, 1 - clip_eps, 1 + clip_eps_high) * A)
+    w_t     = min(exp(old_logprobs_t - behaviour_logprobs_t), tis_cap)          (detached)
+    loss_t  = w_t * pg_t + kl_coef * KL_t(policy || ref) - entropy_coef * H_t
+
+aggregated over real completion tokens by `loss_agg`. Normalisers take the WHOLE step batch's
+token and sequence counts when `LossInputs.num_tokens` / `num_sequences` are given, so summing
+the gradients of micro-batches gives exactly the full-batch gradient.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+
+import torch
+from torch import Tensor
+
+from services.common.config import JobSpec
+
+GRPO_STD_EPS = 1e-6
+"""Added to the group's reward std in GRPO advantages, so a constant group gives 0, not NaN."""
+
+
+@dataclass(frozen=True)
+class LossConfig:
+    """Resolved objective of a job: JobSpec.algorithm with the preset of its `name` applied."""
+
+    clip_eps: float
+    clip_eps_high: float
+    loss_agg: str
+    kl_coef: float
+    kl_estimator: str
+    entropy_coef: float
+    tis_cap: float
+    max_new_tokens: int
+    advantage: str
+    skip_zero_variance_groups: bool
+
+
+@dataclass(frozen=True)
+class _Preset:
+    advantage: str
+    loss_agg: str
+    clip_eps_high: float | None  # None: same as clip_eps
+    skip_zero_variance_groups: bool
+
+
+PRESETS: dict[str, _Preset] = {
+    "grpo": _Preset("grpo", "seq_mean_token_mean", None, False),
+    "dr_grpo": _Preset("dr_grpo", "seq_mean_token_sum_norm", None, False),
+    "dapo": _Preset("grpo", "token_mean", 0.28, True),
+    "ppo": _Preset("rloo", "token_mean", None, False),
+}
+"""Defaults per algorithm name for the fields a JobSpec leaves as None."""
+
+
+def loss_config_for(spec: JobSpec) -> LossConfig:
+    """The LossConfig of a job: explicit fields win, None fields take the algorithm's preset."""
+    algo = spec.algorithm
+    preset = PRESETS[algo.name]
+    high = algo.clip_eps_high if algo.clip_eps_high is not None else preset.clip_eps_high
+    return LossConfig(
+        clip_eps=algo.clip_eps,
+        clip_eps_high=high if high is not None else algo.clip_eps,
+        loss_agg=algo.loss_agg or preset.loss_agg,
+        kl_coef=algo.kl_coef,
+        kl_estimator=algo.kl_estimator,
+        entropy_coef=algo.entropy_coef,
+        tis_cap=algo.tis_cap,
+        max_new_tokens=spec.rollout.max_new_tokens,
+        advantage=algo.advantage or preset.advantage,
+        skip_zero_variance_groups=algo.skip_zero_variance_groups or preset.skip_zero_variance_groups,
+    )
+
+
+# --------------------------------------------------------------------------- advantages
+
+
+def _grpo_advantages(rewards_G: Tensor) -> Tensor:
+    """(r - mean) / (std + eps), std with Bessel's correction (as TRL and verl); G = 1 gives 0."""
+    centred = rewards_G - rewards_G.mean()
+    if rewards_G.numel() < 2:
+        return centred
+    return centred / (rewards_G.std() + GRPO_STD_EPS)
+
+
+def _dr_grpo_advantages(rewards_G: Tensor) -> Tensor:
+    """r - mean: Dr. GRPO drops the std division, which over-weights near-constant groups."""
+    return rewards_G - rewards_G.mean()
+
+
+def _rloo_advantages(rewards_G: Tensor) -> Tensor:
+    """r_i - mean_{j != i} r_j = G / (G - 1) * (r_i - mean); G = 1 gives 0."""
+    size = rewards_G.numel()
+    centred = rewards_G - rewards_G.mean()
+    return centred * (size / (size - 1)) if size > 1 else centred
+
+
+ADVANTAGES: dict[str, Callable[[Tensor], Tensor]] = {
+    "grpo": _grpo_advantages,
+    "dr_grpo": _dr_grpo_advantages,
+    "rloo": _rloo_advantages,
+}
+"""Group advantage estimators by AlgorithmConfig.advantage name: rewards (G,) -> advantages (G,)."""
+
+
+def compute_group_advantages(rewards_G: Tensor, kind: str) -> Tensor:
+    """Advantages (G,) of one group's rewards (G,) by estimator name (see ADVANTAGES)."""
+    return ADVANTAGES[kind](rewards_G.to(torch.float32))
+
+
+# --------------------------------------------------------------------------- KL
+
+
+def _kl_k1(log_ratio: Tensor) -> Tensor:
+    return -log_ratio
+
+
+def _kl_k2(log_ratio: Tensor) -> Tensor:
+    return 0.5 * log_ratio.square()
+
+
+def _kl_k3(log_ratio: Tensor) -> Tensor:
+    return torch.expm1(log_ratio) - log_ratio
+
+
+KL_ESTIMATORS: dict[str, Callable[[Tensor], Tensor]] = {"k1": _kl_k1, "k2": _kl_k2, "k3": _kl_k3}
+"""Schulman's estimators of KL(policy || ref) from log r = ref_logprobs - logprobs of sampled tokens."""
+
+
+def kl_penalty(logprobs: Tensor, ref_logprobs: Tensor, estimator: str) -> Tensor:
+    """Per-token KL(policy || ref) estimate (B, T): k1 = -log r, k2 = (log r)^2 / 2, k3 = r - 1 - log r."""
+    return KL_ESTIMATORS[estimator](ref_logprobs - logprobs)
+
+
+# --------------------------------------------------------------------------- aggregation
+
+
+@dataclass
+class LossInputs:
+    """Per-token tensors of one micro-batch (B sequences, T completion positions)."""
+
+    logprobs: Tensor  # (B, T) current policy, requires grad
+    old_logprobs: Tensor  # (B, T) learner's policy at the start of the step, detached
+    behaviour_logprobs: Tensor  # (B, T) the actor's policy that sampled the tokens
+    advantages: Tensor  # (B,) or (B, T)
+    mask: Tensor  # (B, T) 1 for real completion tokens
+    ref_logprobs: Tensor | None = None  # (B, T) frozen reference, for the KL term
+    entropy: Tensor | None = None  # (B, T) per-token entropy of the current policy
+    num_tokens: float | None = None  # real tokens in the whole step batch (None: this micro-batch's)
+    num_sequences: float | None = None  # sequences in the whole step batch (None: this micro-batch's)
+
+
+@dataclass
+class LossOutputs:
+    """The scalar to backpropagate and micro-batch metrics (token means over real tokens)."""
+
+    loss: Tensor
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+def _token_mean(loss_BT: Tensor, inputs: LossInputs, cfg: LossConfig) -> Tensor:
+    """Sum over every real token of the step, divided by the step's token count (DAPO)."""
+    num_tokens = inputs.num_tokens if inputs.num_tokens is not None else inputs.mask.sum().clamp(min=1)
+    return (loss_BT * inputs.mask).sum() / num_tokens
+
+
+def _seq_mean_token_mean(loss_BT: Tensor, inputs: LossInputs, cfg: LossConfig) -> Tensor:
+    """Mean over each sequence's tokens, then mean over the step's sequences (GRPO paper)."""
+    per_seq = (loss_BT * inputs.mask).sum(-1) / inputs.mask.sum(-1).clamp(min=1)
+    return per_seq.sum() / _num_sequences(inputs)
+
+
+def _seq_mean_token_sum_norm(loss_BT: Tensor, inputs: LossInputs, cfg: LossConfig) -> Tensor:
+    """Sum over each sequence's tokens / max_new_tokens, mean over sequences (Dr. GRPO): no length bias."""
+    per_seq = (loss_BT * inputs.mask).sum(-1) / cfg.max_new_tokens
+    return per_seq.sum() / _num_sequences(inputs)
+
+
+def _num_sequences(inputs: LossInputs) -> float:
+    return inputs.num_sequences if inputs.num_sequences is not None else float(inputs.mask.shape[0])
+
+
+LOSS_AGGREGATIONS: dict[str, Callable[[Tensor, LossInputs, LossConfig], Tensor]] = {
+    "token_mean": _token_mean,
+    "seq_mean_token_mean": _seq_mean_token_mean,
+    "seq_mean_token_sum_norm": _seq_mean_token_sum_norm,
+}
+"""Per-token loss (B, T) -> scalar, by AlgorithmConfig.loss_agg name."""
+
+
+# --------------------------------------------------------------------------- policy loss
+
+
+def policy_loss(inputs: LossInputs, cfg: LossConfig) -> LossOutputs:
+    """Clipped surrogate with truncated importance sampling, KL and entropy terms, aggregated by cfg."""
+    inputs = replace(inputs, mask=inputs.mask.to(inputs.logprobs.dtype))
+    adv = inputs.advantages if inputs.advantages.dim() == 2 else inputs.advantages[:, None]  # (B, T) | (B, 1)
+    ratio = torch.exp(inputs.logprobs - inputs.old_logprobs)  # (B, T)
+    clipped = ratio.clamp(1 - cfg.clip_eps, 1 + cfg.clip_eps_high)
+    pg_BT = -torch.minimum(ratio * adv, clipped * adv)
+    tis_raw = torch.exp(inputs.old_logprobs - inputs.behaviour_logprobs).detach()
+    tis_w = tis_raw.clamp(max=cfg.tis_cap)
+    loss_BT = tis_w * pg_BT
+    kl_BT = None
+    if inputs.ref_logprobs is not None:
+        kl_BT = kl_penalty(inputs.logprobs, inputs.ref_logprobs, cfg.kl_estimator)
+        loss_BT = loss_BT + cfg.kl_coef * kl_BT
+    if inputs.entropy is not None and cfg.entropy_coef > 0:
+        loss_BT = loss_BT - cfg.entropy_coef * inputs.entropy
+    aggregate = LOSS_AGGREGATIONS[cfg.loss_agg]
+    loss = aggregate(loss_BT, inputs, cfg)
+    metrics = _metrics(inputs, ratio, adv, cfg, tis_raw, pg_BT, kl_BT)
+    metrics["loss"] = float(loss.detach())
+    metrics["pg_loss"] = float(aggregate((tis_w * pg_BT).detach(), inputs, cfg))
+    return LossOutputs(loss=loss, metrics=metrics)
+
+
+def _masked_mean(values_BT: Tensor, mask: Tensor) -> float:
+    return float((values_BT.detach().to(mask.dtype) * mask).sum() / mask.sum().clamp(min=1))
+
+
+def _metrics(
+    inputs: LossInputs,
+    ratio: Tensor,
+    adv: Tensor,
+    cfg: LossConfig,
+    tis_raw: Tensor,
+    pg_BT: Tensor,
+    kl_BT: Tensor | None,
+) -> dict[str, float]:
+    """Token means over this micro-batch's real tokens, plus its token count for weighting."""
+    mask = inputs.mask
+    ratio = ratio.detach()
+    clip_low = (ratio < 1 - cfg.clip_eps) & (adv < 0)
+    clip_high = (ratio > 1 + cfg.clip_eps_high) & (adv > 0)
+    out = {
+        "tokens": float(mask.sum()),
+        "ratio_mean": _masked_mean(ratio, mask),
+        "clip_low_frac": _masked_mean(clip_low, mask),
+        "clip_high_frac": _masked_mean(clip_high, mask),
+        "clip_frac": _masked_mean(clip_low | clip_high, mask),
+        "tis_frac": _masked_mean(tis_raw > cfg.tis_cap, mask),
+        "tis_weight_mean": _masked_mean(tis_raw.clamp(max=cfg.tis_cap), mask),
+        "pg_token_mean": _masked_mean(pg_BT, mask),
+        "kl": _masked_mean(kl_BT, mask) if kl_BT is not None else 0.0,
+        "entropy": _masked_mean(inputs.entropy, mask) if inputs.entropy is not None else 0.0,
+    }
+    return out
