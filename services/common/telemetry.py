@@ -1,0 +1,124 @@
+"""OpenTelemetry tracing for fleetrl: one trace per trajectory, across processes.
+
+Tracing is off unless enabled (`FLEETRL_TRACING=1` or `setup_tracing(enabled=True)`);
+off, the global tracer is OpenTelemetry's no-op and spans cost a function call.
+On, spans go to OTLP when `OTEL_EXPORTER_OTLP_ENDPOINT` is set (needs the
+`otlp` extra), else to a JSONL file per process under `<run_dir>/traces/`, so a
+local run can be inspected offline. Context crosses NATS messages as message
+headers and gRPC calls as metadata, both in W3C `traceparent` form.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
+
+from opentelemetry import context as otel_context
+from opentelemetry import propagate, trace
+from opentelemetry.sdk.resources import Resource
+from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
+from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, SpanExportResult
+
+_configured = False
+
+
+class JsonlSpanExporter(SpanExporter):
+    """Append finished spans as one JSON object per line (ids in hex, times in ns)."""
+
+    def __init__(self, path: Path) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self._file = open(path, "a", encoding="utf-8")  # noqa: SIM115 - closed in shutdown()
+        self._lock = threading.Lock()
+
+    def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
+        lines = [json.dumps(span_record(span)) for span in spans]
+        with self._lock:
+            self._file.write("".join(line + "\n" for line in lines))
+            self._file.flush()
+        return SpanExportResult.SUCCESS
+
+    def shutdown(self) -> None:
+        with self._lock:
+            self._file.close()
+
+
+def span_record(span: ReadableSpan) -> dict[str, object]:
+    ctx = span.get_span_context()
+    assert ctx is not None
+    return {
+        "name": span.name,
+        "trace_id": format(ctx.trace_id, "032x"),
+        "span_id": format(ctx.span_id, "016x"),
+        "parent_id": format(span.parent.span_id, "016x") if span.parent else None,
+        "service": span.resource.attributes.get("service.name"),
+        "start_ns": span.start_time,
+        "end_ns": span.end_time,
+        "attributes": dict(span.attributes or {}),
+    }
+
+
+def tracing_enabled() -> bool:
+    return os.environ.get("FLEETRL_TRACING", "0").lower() in ("1", "true", "yes", "on")
+
+
+def setup_tracing(service_name: str, run_dir: Path, *, enabled: bool | None = None) -> bool:
+    """Install the tracer provider for this process; returns whether tracing is on."""
+    global _configured
+    if _configured:
+        return True
+    if not (tracing_enabled() if enabled is None else enabled):
+        return False
+    provider = TracerProvider(resource=Resource.create({"service.name": service_name}))
+    provider.add_span_processor(BatchSpanProcessor(_exporter(service_name, run_dir), schedule_delay_millis=500))
+    trace.set_tracer_provider(provider)
+    _configured = True
+    return True
+
+
+def _exporter(service_name: str, run_dir: Path) -> SpanExporter:
+    if os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT"):
+        from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+
+        return OTLPSpanExporter()
+    return JsonlSpanExporter(Path(run_dir) / "traces" / f"{service_name}-{os.getpid()}.jsonl")
+
+
+def shutdown_tracing() -> None:
+    """Flush and close exporters (call at process exit)."""
+    provider = trace.get_tracer_provider()
+    if isinstance(provider, TracerProvider):
+        provider.shutdown()
+
+
+def tracer(name: str) -> trace.Tracer:
+    return trace.get_tracer(name)
+
+
+def inject_headers(headers: dict[str, str] | None = None) -> dict[str, str]:
+    """The current context as W3C headers (for NATS message headers)."""
+    carrier: dict[str, str] = dict(headers or {})
+    propagate.inject(carrier)
+    return carrier
+
+
+def grpc_metadata() -> list[tuple[str, str]]:
+    """The current context as gRPC call metadata."""
+    return list(inject_headers().items())
+
+
+def extract(carrier: Mapping[str, str] | Iterable[tuple[str, str | bytes]] | None) -> otel_context.Context:
+    """A context from NATS headers or gRPC invocation metadata (missing: the empty context)."""
+    if carrier is None:
+        return otel_context.Context()
+    pairs = carrier.items() if isinstance(carrier, Mapping) else carrier
+    flat = {str(k).lower(): v.decode() if isinstance(v, bytes) else str(v) for k, v in pairs}
+    return propagate.extract(flat)
+
+
+def current_trace_id() -> str:
+    """Hex trace id of the active span, or "" when tracing is off."""
+    ctx = trace.get_current_span().get_span_context()
+    return format(ctx.trace_id, "032x") if ctx.is_valid else ""

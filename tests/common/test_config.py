@@ -1,0 +1,93 @@
+"""JobSpec validation names every bad field; settings load defaults < TOML < env < CLI."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from services.common.config import InfraSettings, JobSpec, load_settings, parse_job_spec
+from services.common.errors import ConfigError
+
+GOOD = """
+name = "addition"
+model = "smollm2-135m"
+prompts = "addition.jsonl"
+seed = 3
+[reward]
+builtin = "numeric_match"
+params = { format_weight = 0.5 }
+[algorithm]
+name = "dapo"
+clip_eps = 0.2
+clip_eps_high = 0.28
+kl_coef = 0.01
+kl_estimator = "k2"
+[rollout]
+prompts_per_step = 4
+samples_per_prompt = 8
+temperature = 0.9
+[train]
+max_steps = 30
+max_staleness = 0
+"""
+
+
+def test_good_spec_parses_with_defaults_filled() -> None:
+    spec = parse_job_spec(GOOD)
+    assert spec.algorithm.name == "dapo" and spec.algorithm.kl_estimator == "k2"
+    assert spec.rollout.samples_per_prompt == 8 and spec.optim.learning_rate == 1e-6
+    assert JobSpec.model_validate_json(spec.model_dump_json()) == spec
+
+
+@pytest.mark.parametrize(
+    ("patch", "field"),
+    [
+        ("[algorithm]\nname = 'sac'", "algorithm.name"),
+        ("[algorithm]\nclip_eps = -0.1", "algorithm.clip_eps"),
+        ("[algorithm]\nkl_estimator = 'k4'", "algorithm.kl_estimator"),
+        ("[optim]\nlearning_rate = 0", "optim.learning_rate"),
+        ("[optim]\nwarmup_steps = -1", "optim.warmup_steps"),
+        ("[rollout]\nsamples_per_prompt = 0", "rollout.samples_per_prompt"),
+        ("[rollout]\ntop_p = 1.5", "rollout.top_p"),
+        ("[train]\nmax_staleness = -1", "train.max_staleness"),
+        ("[train]\nmax_retries_per_episode = 0", "train.max_retries_per_episode"),
+        ("[replay]\ncapacity_groups = 0", "replay.capacity_groups"),
+        ("[replay]\nsampler = 'lifo'", "replay.sampler"),
+        ("[train]\nbatch_size = 8", "train.batch_size"),
+    ],
+)
+def test_each_bad_field_is_named(patch: str, field: str) -> None:
+    text = "prompts = 'p.jsonl'\n[reward]\nbuiltin = 'numeric_match'\n" + patch
+    with pytest.raises(ConfigError) as info:
+        parse_job_spec(text)
+    assert [v.field for v in info.value.violations] == [field]
+
+
+def test_all_mistakes_are_reported_at_once() -> None:
+    text = "[reward]\nbuiltin = 'x'\nfile = 'y.py'\n[rollout]\ntemperature = 0\n[optim]\nlr = 1\n"
+    with pytest.raises(ConfigError) as info:
+        parse_job_spec(text)
+    assert {v.field for v in info.value.violations} == {"prompts", "reward", "rollout.temperature", "optim.lr"}
+
+
+def test_unparseable_spec_is_a_config_error() -> None:
+    with pytest.raises(ConfigError, match="does not parse"):
+        parse_job_spec("name = ")
+
+
+def test_settings_precedence(tmp_path: Path) -> None:
+    toml = tmp_path / "s.toml"
+    toml.write_text('nats_url = "nats://toml:1"\nredis_url = "redis://toml:2"\nlog_level = "DEBUG"\n')
+    env = {"FLEETRL_X_REDIS_URL": "redis://env:3", "FLEETRL_X_LOG_LEVEL": "WARNING", "FLEETRL_X_OTHER": "ignored"}
+    settings = load_settings(
+        InfraSettings, env_prefix="FLEETRL_X_", toml_path=toml, overrides=["log_level=ERROR"], environ=env
+    )
+    assert settings.nats_url == "nats://toml:1"
+    assert settings.redis_url == "redis://env:3"
+    assert settings.log_level == "ERROR"
+
+
+def test_bad_setting_names_the_field() -> None:
+    with pytest.raises(ConfigError, match="metrics_port"):
+        load_settings(InfraSettings, env_prefix="FLEETRL_X_", overrides=["metrics_port=70000"], environ={})
