@@ -1,0 +1,96 @@
+"""Async client of the ReplayService for actors and the learner.
+
+Every call has a deadline and is retried with bounded backoff on UNAVAILABLE,
+RESOURCE_EXHAUSTED and DEADLINE_EXCEEDED (`grpcutil.retry`); other failures raise
+their domain error (NotFound, InvalidArgument, ...). Retrying is safe: Insert is
+idempotent (a retried group reports DUPLICATE) and a second Commit is a no-op.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from types import TracebackType
+from typing import Any
+
+import grpc
+
+from services.common.config import ReplayConfig
+from services.common.grpcutil import channel, retry
+from services.proto.fleetrl.v1 import common_pb2, replay_pb2, replay_pb2_grpc
+
+SAMPLERS = {"fifo": replay_pb2.SAMPLER_KIND_FIFO, "uniform": replay_pb2.SAMPLER_KIND_UNIFORM,
+            "prioritized": replay_pb2.SAMPLER_KIND_PRIORITIZED}
+INSERTED = replay_pb2.INSERT_OUTCOME_INSERTED
+DUPLICATE = replay_pb2.INSERT_OUTCOME_DUPLICATE
+
+
+class ReplayClient:
+    """One channel to a replay service; use as `async with ReplayClient(addr) as replay:`."""
+
+    addr: str
+    timeout_s: float
+    attempts: int
+
+    def __init__(self, addr: str, *, timeout_s: float = 10.0, attempts: int = 5) -> None:
+        self.addr = addr
+        self.timeout_s = timeout_s
+        self.attempts = attempts
+        self._channel: grpc.aio.Channel = channel(addr)
+        self._stub = replay_pb2_grpc.ReplayServiceStub(self._channel)
+
+    async def configure(self, job_id: str, cfg: ReplayConfig) -> replay_pb2.TableInfo:
+        """Create or update the job's table from the JobSpec's replay section."""
+        req = replay_pb2.ConfigureTableRequest(
+            job_id=job_id, capacity_groups=cfg.capacity_groups, sampler=SAMPLERS[cfg.sampler],
+            max_reuse=cfg.max_reuse, lease_timeout_s=cfg.lease_timeout_s)
+        return await self._call("ConfigureTable", req)
+
+    async def insert(self, groups: Sequence[common_pb2.Group]) -> list[int]:
+        """Insert groups; one InsertOutcome (INSERTED or DUPLICATE) per group, in order."""
+        resp = await self._call("Insert", replay_pb2.InsertRequest(groups=groups))
+        return list(resp.outcomes)
+
+    async def sample(self, job_id: str, max_groups: int, min_policy_version: int = 0, wait_s: float = 0.0,
+                     seed: int = 0) -> tuple[str, list[common_pb2.Group], int]:
+        """Lease up to max_groups groups: (lease_id or "" if none, groups, stale_dropped)."""
+        req = replay_pb2.SampleRequest(job_id=job_id, max_groups=max_groups,
+                                       min_policy_version=min_policy_version, wait_s=wait_s, seed=seed)
+        resp = await self._call("Sample", req, extra_s=wait_s)
+        return resp.lease_id, list(resp.groups), resp.stale_dropped
+
+    async def commit(self, job_id: str, lease_id: str) -> int:
+        """Consume a lease's groups; 0 if committed before. NotFound if unknown or expired."""
+        resp = await self._call("Commit", replay_pb2.CommitRequest(job_id=job_id, lease_id=lease_id))
+        return int(resp.committed_groups)
+
+    async def release(self, job_id: str, lease_id: str) -> int:
+        """Give a lease's groups back now; the number returned."""
+        resp = await self._call("Release", replay_pb2.ReleaseRequest(job_id=job_id, lease_id=lease_id))
+        return int(resp.released_groups)
+
+    async def stats(self, job_id: str) -> replay_pb2.TableStats:
+        return await self._call("Stats", replay_pb2.StatsRequest(job_id=job_id))
+
+    async def query(self, job_id: str, min_policy_version: int = 0, max_policy_version: int = 0,
+                    min_reward: float = 0.0, max_reward: float = 0.0,
+                    limit: int = 100) -> list[replay_pb2.LineageRecord]:
+        """Lineage records by inclusive policy-version range (max 0: open) and reward range (0, 0: any)."""
+        req = replay_pb2.QueryRequest(job_id=job_id, min_policy_version=min_policy_version,
+                                      max_policy_version=max_policy_version, min_reward=min_reward,
+                                      max_reward=max_reward, limit=limit)
+        return list((await self._call("Query", req)).records)
+
+    async def close(self) -> None:
+        await self._channel.close()
+
+    async def __aenter__(self) -> ReplayClient:
+        return self
+
+    async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                        tb: TracebackType | None) -> None:
+        await self.close()
+
+    async def _call(self, method: str, request: Any, extra_s: float = 0.0) -> Any:
+        rpc = getattr(self._stub, method)
+        return await retry(lambda: rpc(request, timeout=self.timeout_s + extra_s),
+                           what=f"replay {method}", attempts=self.attempts)

@@ -1,0 +1,149 @@
+"""Conversions between ReplayService messages and the domain core, with request validation.
+
+A Group is serialised once here and stored as those bytes; Sample hands the
+stored bytes back into the response without decoding them into Python objects
+field by field. Validation collects every bad field as a FieldViolation.
+"""
+
+from __future__ import annotations
+
+from services.common.errors import FieldViolation, InvalidArgument, ResourceExhausted
+from services.proto.fleetrl.v1 import common_pb2, replay_pb2
+from services.replay.table import SAMPLERS, GroupRecord, LineageRow, SampleResult, TableConfig, TableStats
+
+DEFAULT_LEASE_TIMEOUT_S = 300.0
+DEFAULT_QUERY_LIMIT = 100
+PRIORITY_EPS = 1e-3
+"""Added to mean |advantage| so a zero-variance group keeps a small chance of being sampled."""
+
+_SAMPLER_NAMES = {
+    replay_pb2.SAMPLER_KIND_UNSPECIFIED: "fifo",
+    replay_pb2.SAMPLER_KIND_FIFO: "fifo",
+    replay_pb2.SAMPLER_KIND_UNIFORM: "uniform",
+    replay_pb2.SAMPLER_KIND_PRIORITIZED: "prioritized",
+}
+_SAMPLER_KINDS = {name: kind for kind, name in _SAMPLER_NAMES.items() if kind}
+
+
+def require_job(job_id: str, field: str = "job_id") -> str:
+    if not job_id or len(job_id) > 256 or any(c in job_id for c in ":{} \t\n"):
+        why = "must be 1-256 chars without ':', braces or whitespace"
+        raise InvalidArgument(f"bad job id {job_id!r}: {why}", [FieldViolation(field, why)])
+    return job_id
+
+
+def to_table_config(req: replay_pb2.ConfigureTableRequest) -> TableConfig:
+    """Table settings; 0 for max_reuse / lease_timeout_s means the defaults (1 / 300 s)."""
+    require_job(req.job_id)
+    if req.capacity_groups < 1:
+        raise InvalidArgument("capacity_groups must be at least 1", [FieldViolation("capacity_groups", "must be >= 1")])
+    if req.sampler not in _SAMPLER_NAMES:
+        raise InvalidArgument(f"unknown sampler {req.sampler}", [FieldViolation("sampler", "unknown SamplerKind")])
+    sampler = SAMPLERS[_SAMPLER_NAMES[req.sampler]]
+    lease_timeout_s = req.lease_timeout_s or DEFAULT_LEASE_TIMEOUT_S
+    if not 0 < lease_timeout_s <= 86_400:
+        raise InvalidArgument("lease_timeout_s out of range",
+                              [FieldViolation("lease_timeout_s", "must be in (0, 86400]")])
+    max_reuse = 1 if not sampler.reuses else max(1, req.max_reuse)
+    return TableConfig(req.capacity_groups, sampler, max_reuse, lease_timeout_s)
+
+
+def table_info(job_id: str, cfg: TableConfig, size_groups: int) -> replay_pb2.TableInfo:
+    config = replay_pb2.ConfigureTableRequest(
+        job_id=job_id, capacity_groups=cfg.capacity_groups, sampler=_SAMPLER_KINDS[cfg.sampler.name],
+        max_reuse=cfg.max_reuse, lease_timeout_s=cfg.lease_timeout_s)
+    return replay_pb2.TableInfo(job_id=job_id, config=config, size_groups=size_groups)
+
+
+def group_violations(i: int, group: common_pb2.Group) -> list[FieldViolation]:
+    where = f"groups[{i}]"
+    bad = []
+    if not group.job_id:
+        bad.append(FieldViolation(f"{where}.job_id", "empty job id"))
+    if not group.task_id:
+        bad.append(FieldViolation(f"{where}.task_id", "empty task id"))
+    if not group.samples:
+        bad.append(FieldViolation(f"{where}.samples", "a group needs at least one sample"))
+    for j, s in enumerate(group.samples):
+        if len(s.completion_token_ids) != len(s.behaviour_logprobs):
+            bad.append(FieldViolation(
+                f"{where}.samples[{j}].behaviour_logprobs",
+                f"{len(s.behaviour_logprobs)} log-probs for {len(s.completion_token_ids)} completion tokens"))
+    return bad
+
+
+def priority_of(group: common_pb2.Group) -> float:
+    """Group.priority, or the mean |advantage| (reward minus group mean) when it is 0."""
+    if group.priority > 0:
+        return float(group.priority)
+    rewards = [s.reward for s in group.samples]
+    mean = sum(rewards) / len(rewards)
+    return sum(abs(r - mean) for r in rewards) / len(rewards) + PRIORITY_EPS
+
+
+def to_record(group: common_pb2.Group, payload: bytes) -> GroupRecord:
+    lin = group.lineage
+    rewards = [s.reward for s in group.samples]
+    lineage = {"actor_id": lin.actor_id, "trace_id": lin.trace_id, "delivery_attempt": lin.delivery_attempt,
+               "received_unix_ms": lin.received_unix_ms, "generated_unix_ms": lin.generated_unix_ms,
+               "scored_unix_ms": lin.scored_unix_ms}
+    return GroupRecord(group.job_id, group.task_id, group.policy_version, sum(rewards) / len(rewards),
+                       priority_of(group), payload, lineage)
+
+
+def to_records(req: replay_pb2.InsertRequest, max_request_bytes: int) -> list[GroupRecord]:
+    """Validate and serialise every group; all-or-nothing on a bad request."""
+    if not req.groups:
+        raise InvalidArgument("Insert needs at least one group", [FieldViolation("groups", "empty")])
+    bad = [v for i, g in enumerate(req.groups) for v in group_violations(i, g)]
+    for i, g in enumerate(req.groups):
+        if g.job_id and not bad:
+            require_job(g.job_id, f"groups[{i}].job_id")
+    if bad:
+        raise InvalidArgument(f"invalid Insert request: {bad[0].field}: {bad[0].description}", bad)
+    payloads = [g.SerializeToString() for g in req.groups]
+    size = sum(len(p) for p in payloads)
+    if size > max_request_bytes:
+        raise ResourceExhausted(f"Insert request holds {size} bytes of groups, over the limit of "
+                                f"{max_request_bytes}; send fewer groups per request")
+    return [to_record(g, p) for g, p in zip(req.groups, payloads, strict=True)]
+
+
+def insert_response(outcomes: list[bool], evicted: int) -> replay_pb2.InsertResponse:
+    codes = [replay_pb2.INSERT_OUTCOME_INSERTED if ok else replay_pb2.INSERT_OUTCOME_DUPLICATE for ok in outcomes]
+    return replay_pb2.InsertResponse(outcomes=codes, evicted_groups=evicted)
+
+
+def sample_response(result: SampleResult) -> replay_pb2.SampleResponse:
+    resp = replay_pb2.SampleResponse(lease_id=result.lease_id, stale_dropped=result.stale_dropped,
+                                     lease_expires_unix_ms=result.expires_unix_ms)
+    for payload in result.payloads:
+        resp.groups.add().MergeFromString(payload)
+    return resp
+
+
+def stats_to_proto(stats: TableStats) -> replay_pb2.TableStats:
+    names = replay_pb2.TableStats.DESCRIPTOR.fields_by_name
+    return replay_pb2.TableStats(**{name: getattr(stats, name) for name in names})
+
+
+def query_args(req: replay_pb2.QueryRequest) -> tuple[int, int | None, tuple[float, float] | None, int]:
+    require_job(req.job_id)
+    max_pv = req.max_policy_version or None
+    if max_pv is not None and max_pv < req.min_policy_version:
+        raise InvalidArgument("empty policy-version range",
+                              [FieldViolation("max_policy_version", "below min_policy_version")])
+    rewards = None if req.min_reward == 0 and req.max_reward == 0 else (req.min_reward, req.max_reward)
+    if rewards is not None and rewards[1] < rewards[0]:
+        raise InvalidArgument("empty reward range", [FieldViolation("max_reward", "below min_reward")])
+    return req.min_policy_version, max_pv, rewards, req.limit or DEFAULT_QUERY_LIMIT
+
+
+def query_response(rows: list[LineageRow]) -> replay_pb2.QueryResponse:
+    records = []
+    for row in rows:
+        lin = common_pb2.Lineage(**row.lineage)
+        records.append(replay_pb2.LineageRecord(task_id=row.task_id, policy_version=row.policy_version,
+                                                mean_reward=row.mean_reward, lineage=lin,
+                                                times_committed=row.times_committed))
+    return replay_pb2.QueryResponse(records=records)

@@ -1,0 +1,178 @@
+"""The gRPC ReplayService: a thin adapter over `ReplayTables`, plus the process lifecycle.
+
+Each RPC converts its request (`convert`), calls the domain core and converts the
+result; `map_errors` maps domain errors to status codes in one place. `serve`
+owns Redis, the gRPC server, the lease-reclaim task and the metrics endpoint in
+one AsyncExitStack; a failure of the background task stops the server instead
+of dying silently.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import grpc
+import redis.asyncio as aioredis
+from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
+
+from services.common.grpcutil import map_errors, start_server, stop_server
+from services.proto.fleetrl.v1 import replay_pb2, replay_pb2_grpc
+from services.replay import convert
+from services.replay.config import ReplaySettings
+from services.replay.table import ReplayTables
+
+log = logging.getLogger(__name__)
+
+
+class Metrics:
+    """Prometheus metrics of this process, in a private registry."""
+
+    registry: CollectorRegistry
+    groups: Gauge
+    inserted: Counter
+    duplicates: Counter
+    evicted: Counter
+    sampled: Counter
+    committed: Counter
+    stale_dropped: Counter
+    expired_leases: Counter
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        self.groups = Gauge("fleetrl_replay_groups", "Groups stored per job", ["job"], registry=self.registry)
+        for name, doc in [("inserted", "Groups inserted"), ("duplicates", "Inserts dropped as duplicates"),
+                          ("evicted", "Groups evicted for capacity"), ("sampled", "Groups leased by Sample"),
+                          ("committed", "Groups committed"), ("stale_dropped", "Groups dropped as stale")]:
+            setattr(self, name, Counter(f"fleetrl_replay_{name}", doc, ["job"], registry=self.registry))
+        self.expired_leases = Counter("fleetrl_replay_expired_leases", "Leases reclaimed by this process",
+                                      registry=self.registry)
+
+
+class ReplayServicer(replay_pb2_grpc.ReplayServiceServicer):
+    """ReplayService RPCs over one ReplayTables."""
+
+    tables: ReplayTables
+    settings: ReplaySettings
+    metrics: Metrics
+
+    def __init__(self, tables: ReplayTables, settings: ReplaySettings, metrics: Metrics) -> None:
+        self.tables = tables
+        self.settings = settings
+        self.metrics = metrics
+
+    @map_errors
+    async def ConfigureTable(self, request: replay_pb2.ConfigureTableRequest,
+                             context: grpc.aio.ServicerContext) -> replay_pb2.TableInfo:
+        cfg = convert.to_table_config(request)
+        size = await self.tables.configure(request.job_id, cfg)
+        log.info("configured table of job %s: %s", request.job_id, cfg)
+        return convert.table_info(request.job_id, cfg, size)
+
+    @map_errors
+    async def Insert(self, request: replay_pb2.InsertRequest,
+                     context: grpc.aio.ServicerContext) -> replay_pb2.InsertResponse:
+        records = convert.to_records(request, self.settings.max_request_bytes)
+        outcomes, evicted = await self.tables.insert(records)
+        for record, ok in zip(records, outcomes, strict=True):
+            (self.metrics.inserted if ok else self.metrics.duplicates).labels(record.job_id).inc()
+        if evicted:
+            self.metrics.evicted.labels(records[0].job_id).inc(evicted)
+        return convert.insert_response(outcomes, evicted)
+
+    @map_errors
+    async def Sample(self, request: replay_pb2.SampleRequest,
+                     context: grpc.aio.ServicerContext) -> replay_pb2.SampleResponse:
+        job = convert.require_job(request.job_id)
+        max_groups = min(request.max_groups or 1, self.settings.max_groups_per_sample)
+        wait_s = max(0.0, min(request.wait_s, self.settings.max_wait_s))
+        result = await self.tables.sample(job, max_groups, request.min_policy_version, wait_s, request.seed)
+        self.metrics.sampled.labels(job).inc(len(result.payloads))
+        self.metrics.stale_dropped.labels(job).inc(result.stale_dropped)
+        return convert.sample_response(result)
+
+    @map_errors
+    async def Commit(self, request: replay_pb2.CommitRequest,
+                     context: grpc.aio.ServicerContext) -> replay_pb2.CommitResponse:
+        n = await self.tables.commit(convert.require_job(request.job_id), request.lease_id)
+        self.metrics.committed.labels(request.job_id).inc(n)
+        return replay_pb2.CommitResponse(committed_groups=n)
+
+    @map_errors
+    async def Release(self, request: replay_pb2.ReleaseRequest,
+                      context: grpc.aio.ServicerContext) -> replay_pb2.ReleaseResponse:
+        n = await self.tables.release(convert.require_job(request.job_id), request.lease_id)
+        return replay_pb2.ReleaseResponse(released_groups=n)
+
+    @map_errors
+    async def Stats(self, request: replay_pb2.StatsRequest,
+                    context: grpc.aio.ServicerContext) -> replay_pb2.TableStats:
+        stats = await self.tables.stats(convert.require_job(request.job_id))
+        self.metrics.groups.labels(request.job_id).set(stats.size_groups)
+        return convert.stats_to_proto(stats)
+
+    @map_errors
+    async def Query(self, request: replay_pb2.QueryRequest,
+                    context: grpc.aio.ServicerContext) -> replay_pb2.QueryResponse:
+        rows = await self.tables.query(request.job_id, *convert.query_args(request))
+        return convert.query_response(rows)
+
+
+@dataclass
+class Running:
+    """A started replay service: its bound port, its core and its background task."""
+
+    port: int
+    tables: ReplayTables
+    background: asyncio.Task[None]
+
+
+async def reclaim_loop(tables: ReplayTables, metrics: Metrics, interval_s: float) -> None:
+    """Return expired leases' groups even when nobody samples."""
+    while True:
+        await asyncio.sleep(interval_s)
+        try:
+            metrics.expired_leases.inc(await tables.reclaim_all())
+        except ConnectionError as error:  # Redis restarting: try again next period
+            log.warning("lease reclaim skipped: %s", error)
+
+
+@contextlib.asynccontextmanager
+async def running(settings: ReplaySettings) -> AsyncIterator[Running]:
+    """Run the service until the context exits (then stop gracefully)."""
+    async with contextlib.AsyncExitStack() as stack:
+        client = aioredis.Redis.from_url(settings.redis_url, health_check_interval=10, socket_timeout=30,
+                                         retry_on_timeout=False)
+        stack.push_async_callback(client.aclose)
+        tables = ReplayTables(client, max_lineage_records=settings.max_lineage_records,
+                              poll_interval_s=settings.poll_interval_s)
+        if settings.check_maxmemory_policy:
+            await tables.check_redis()
+        metrics = Metrics()
+        if settings.metrics_port:
+            start_http_server(settings.metrics_port, registry=metrics.registry)
+        servicer = ReplayServicer(tables, settings, metrics)
+
+        def register(server: grpc.aio.Server) -> str:
+            replay_pb2_grpc.add_ReplayServiceServicer_to_server(servicer, server)
+            return str(replay_pb2.DESCRIPTOR.services_by_name["ReplayService"].full_name)
+
+        server, port, health = await start_server(settings.listen, [register])
+        stack.push_async_callback(stop_server, server, health, settings.grace_s)
+        reclaim = asyncio.create_task(reclaim_loop(tables, metrics, settings.reclaim_interval_s))
+        stack.callback(reclaim.cancel)
+        log.info("replay service on port %d, redis %s", port, settings.redis_url)
+        yield Running(port, tables, reclaim)
+
+
+async def serve(settings: ReplaySettings, stop: asyncio.Event) -> None:
+    """Serve until `stop` is set or the background task fails."""
+    async with running(settings) as svc:
+        stopped = asyncio.create_task(stop.wait())
+        await asyncio.wait([stopped, svc.background], return_when=asyncio.FIRST_COMPLETED)
+        stopped.cancel()
+        if svc.background.done():
+            svc.background.result()

@@ -1,0 +1,160 @@
+"""ReplayService semantics over a real Valkey and a real gRPC server: dedup, leases, samplers."""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+
+import grpc
+import pytest
+from replay_helpers import configure, make_group
+
+from services.common.errors import InvalidArgument, NotFound
+from services.common.grpcutil import field_violations
+from services.proto.fleetrl.v1 import replay_pb2, replay_pb2_grpc
+from services.replay.client import DUPLICATE, INSERTED, ReplayClient
+from services.replay.server import Running
+
+
+async def test_concurrent_duplicate_inserts_store_one_copy(replay_service: Running) -> None:
+    addr = f"127.0.0.1:{replay_service.port}"
+    clients = [ReplayClient(addr) for _ in range(4)]
+    await configure(clients[0], "j", capacity_groups=1000)
+    groups = [make_group("j", f"0/{i}") for i in range(50)]
+
+    async def insert_all(client: ReplayClient) -> list[int]:
+        outcomes = []
+        for start in range(0, 50, 5):
+            outcomes += await client.insert(groups[start:start + 5])
+        return outcomes
+
+    results = await asyncio.gather(*(insert_all(c) for c in clients))
+    per_task = collections.Counter(i for outcomes in results for i, o in enumerate(outcomes) if o == INSERTED)
+    assert per_task == {i: 1 for i in range(50)}
+    assert sum(o == DUPLICATE for outcomes in results for o in outcomes) == 150
+    stats = await clients[0].stats("j")
+    assert (stats.size_groups, stats.inserted, stats.duplicates) == (50, 50, 150)
+    for c in clients:
+        await c.close()
+
+
+async def test_fifo_lease_commit_and_late_duplicate(replay: ReplayClient) -> None:
+    await configure(replay, "j", capacity_groups=100)
+    await replay.insert([make_group("j", f"0/{i}") for i in range(5)])
+    lease, groups, _ = await replay.sample("j", 3)
+    assert [g.task_id for g in groups] == ["0/0", "0/1", "0/2"]
+    assert await replay.commit("j", lease) == 3
+    assert await replay.commit("j", lease) == 0  # twice: a no-op
+    assert await replay.insert([make_group("j", "0/1")]) == [DUPLICATE]  # dedup outlives consumption
+    lease2, rest, _ = await replay.sample("j", 10)
+    assert [g.task_id for g in rest] == ["0/3", "0/4"]
+    stats = await replay.stats("j")
+    assert (stats.size_groups, stats.leased_groups, stats.committed, stats.sampled) == (2, 2, 3, 5)
+    assert await replay.release("j", lease2) == 2
+    assert (await replay.stats("j")).leased_groups == 0
+
+
+async def test_lease_expiry_after_learner_crash_returns_groups(replay: ReplayClient) -> None:
+    await configure(replay, "j", capacity_groups=100, lease_timeout_s=0.3)
+    await replay.insert([make_group("j", f"0/{i}") for i in range(4)])
+    crashed_lease, groups, _ = await replay.sample("j", 4)
+    assert len(groups) == 4
+    assert (await replay.sample("j", 4))[1] == []  # all leased
+    await asyncio.sleep(0.8)  # the learner "crashed": it never commits
+    with pytest.raises(NotFound, match="expired"):
+        await replay.commit("j", crashed_lease)
+    lease, again, _ = await replay.sample("j", 4)
+    assert sorted(g.task_id for g in again) == [f"0/{i}" for i in range(4)]
+    assert await replay.commit("j", lease) == 4
+    stats = await replay.stats("j")
+    assert (stats.size_groups, stats.committed, stats.expired_leases) == (0, 4, 1)
+
+
+async def test_fifo_staleness_filter_drops_and_counts(replay: ReplayClient) -> None:
+    await configure(replay, "j", capacity_groups=100)
+    await replay.insert([make_group("j", f"0/{i}", policy_version=i % 3) for i in range(9)])
+    _, groups, stale = await replay.sample("j", 10, min_policy_version=1)
+    assert stale == 3
+    assert sorted(g.policy_version for g in groups) == [1, 1, 1, 2, 2, 2]
+    assert (await replay.stats("j")).stale_dropped == 3
+
+
+async def test_uniform_reuse_limit_and_staleness_skip(replay: ReplayClient) -> None:
+    await configure(replay, "j", capacity_groups=100, sampler="uniform", max_reuse=3)
+    await replay.insert([make_group("j", f"0/{i}", policy_version=i % 2) for i in range(10)])
+    uses: collections.Counter[str] = collections.Counter()
+    for _ in range(20):
+        lease, groups, stale = await replay.sample("j", 2, min_policy_version=1)
+        assert stale == 0 and all(g.policy_version == 1 for g in groups)
+        uses.update(g.task_id for g in groups)
+        if lease:
+            await replay.commit("j", lease)
+    assert uses == {f"0/{i}": 3 for i in range(1, 10, 2)}  # each eligible group used exactly max_reuse times
+    stats = await replay.stats("j")
+    assert (stats.size_groups, stats.stale_dropped, stats.committed) == (5, 0, 15)
+    records = await replay.query("j", min_policy_version=1, max_policy_version=1)
+    assert {r.task_id: r.times_committed for r in records} == {f"0/{i}": 3 for i in range(1, 10, 2)}
+
+
+async def test_prioritized_prefers_high_priority(replay: ReplayClient) -> None:
+    await configure(replay, "j", capacity_groups=100, sampler="prioritized", max_reuse=1000)
+    hot = make_group("j", "hot", rewards=(0.0, 1.0))
+    hot.priority = 100.0
+    await replay.insert([hot, *[make_group("j", f"cold{i}", rewards=(1.0, 1.0)) for i in range(9)]])
+    picks: collections.Counter[str] = collections.Counter()
+    for seed in range(1, 41):
+        lease, groups, _ = await replay.sample("j", 1, seed=seed)
+        picks.update(g.task_id for g in groups)
+        await replay.release("j", lease)
+    assert picks["hot"] >= 38
+
+
+async def test_capacity_evicts_oldest_unleased(replay: ReplayClient) -> None:
+    await configure(replay, "j", capacity_groups=3)
+    await replay.insert([make_group("j", f"0/{i}") for i in range(2)])
+    lease, _, _ = await replay.sample("j", 1)  # 0/0 leased: never evicted
+    await replay.insert([make_group("j", f"0/{i}") for i in range(2, 5)])
+    stats = await replay.stats("j")
+    assert (stats.size_groups, stats.evicted) == (3, 2)
+    _, groups, _ = await replay.sample("j", 10)
+    assert [g.task_id for g in groups] == ["0/3", "0/4"]
+    assert await replay.commit("j", lease) == 1
+
+
+async def test_query_lineage_by_version_and_reward(replay: ReplayClient) -> None:
+    await configure(replay, "j", capacity_groups=100)
+    await replay.insert([make_group("j", f"0/{i}", policy_version=i, rewards=(i / 10, i / 10), actor=f"a{i}")
+                         for i in range(10)])
+    lease, _, _ = await replay.sample("j", 10)
+    await replay.commit("j", lease)  # lineage survives consumption
+    records = await replay.query("j", min_policy_version=2, max_policy_version=7, min_reward=0.35, max_reward=1)
+    assert sorted(r.task_id for r in records) == ["0/4", "0/5", "0/6", "0/7"]
+    r = next(r for r in records if r.task_id == "0/5")
+    assert (r.policy_version, r.lineage.actor_id, r.lineage.trace_id, r.times_committed) == (5, "a5", "ab" * 16, 1)
+    assert r.mean_reward == pytest.approx(0.5)
+
+
+async def test_bad_input_gets_clear_errors_and_server_keeps_serving(
+        replay: ReplayClient, replay_service: Running) -> None:
+    with pytest.raises(NotFound, match="ConfigureTable"):
+        await replay.insert([make_group("nojob", "0/0")])
+    await configure(replay, "j", capacity_groups=10)
+    with pytest.raises(InvalidArgument, match="at least one sample"):
+        await replay.insert([make_group("j", "0/0", rewards=())])
+    stub = replay_pb2_grpc.ReplayServiceStub(replay._channel)
+    bad = make_group("j", "0/1")
+    del bad.samples[1].behaviour_logprobs[1:]
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await stub.Insert(replay_pb2.InsertRequest(groups=[bad]), timeout=5)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert field_violations(info.value) == [("groups[0].samples[1].behaviour_logprobs",
+                                             "1 log-probs for 4 completion tokens")]
+    big = [make_group("j", f"big{i}", tokens=120_000) for i in range(22)]  # ~36 MB: over 32 MiB, under 64 MiB
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await stub.Insert(replay_pb2.InsertRequest(groups=big), timeout=30)
+    assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "over the limit" in (info.value.details() or "")
+    with pytest.raises(InvalidArgument):
+        await replay.sample("", 1)
+    assert await replay.insert([make_group("j", "0/2")]) == [INSERTED]
+    assert (await replay.stats("j")).inserted == 1
