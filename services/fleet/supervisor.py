@@ -1,0 +1,147 @@
+"""A small process supervisor: the fleet's services as child processes.
+
+Each child runs in its own session (process group), so stopping it stops
+everything it spawned (the reward service's sandbox workers included) and
+Ctrl-C on `fleetrl up` leaves no orphans. A child that exits unexpectedly is
+restarted with exponential backoff (capped), and its restarts are counted;
+one that keeps crashing right after start is still retried, never spun on.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import subprocess
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+BACKOFF_START_S = 0.5
+BACKOFF_MAX_S = 30.0
+HEALTHY_AFTER_S = 30.0  # a child that lived this long resets its backoff
+
+
+@dataclass
+class ChildSpec:
+    """How to run one child: name (also its log file), argv and extra environment."""
+
+    name: str
+    argv: list[str]
+    env: dict[str, str] = field(default_factory=dict)
+    restart: bool = True
+
+
+@dataclass
+class Child:
+    spec: ChildSpec
+    log_path: Path
+    proc: subprocess.Popen[bytes] | None = None
+    started_at: float = 0.0
+    restarts: int = 0
+    next_start_at: float = 0.0
+    backoff_s: float = BACKOFF_START_S
+    stopping: bool = False
+
+    @property
+    def pid(self) -> int | None:
+        return self.proc.pid if self.proc else None
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+
+class Supervisor:
+    """Start, watch, restart and stop named child processes."""
+
+    children: dict[str, Child]
+
+    def __init__(self, log_dir: Path, base_env: dict[str, str] | None = None) -> None:
+        self.log_dir = log_dir
+        self.base_env = dict(os.environ if base_env is None else base_env)
+        self.children = {}
+        log_dir.mkdir(parents=True, exist_ok=True)
+
+    def add(self, spec: ChildSpec) -> Child:
+        if spec.name in self.children:
+            raise ValueError(f"child {spec.name!r} exists already")
+        child = Child(spec, self.log_dir / f"{spec.name}.log")
+        self.children[spec.name] = child
+        self._start(child)
+        return child
+
+    def remove(self, name: str, grace_s: float = 10.0) -> None:
+        """Stop a child for good (SIGTERM, then SIGKILL after grace_s)."""
+        child = self.children.pop(name)
+        child.stopping = True
+        _terminate(child, grace_s)
+
+    def poll(self) -> list[str]:
+        """Restart children that died (after their backoff); return the names (re)started now."""
+        now = time.monotonic()
+        started = []
+        for child in self.children.values():
+            if child.alive() or child.stopping or not child.spec.restart:
+                continue
+            if child.proc is not None:  # it just died: schedule the restart
+                code = child.proc.returncode
+                lived = now - child.started_at
+                child.backoff_s = BACKOFF_START_S if lived > HEALTHY_AFTER_S else min(BACKOFF_MAX_S, child.backoff_s * 2)
+                child.next_start_at = now + child.backoff_s
+                child.proc = None
+                log.warning("%s exited with %s after %.1fs; restart in %.1fs", child.spec.name, code, lived,
+                            child.backoff_s)
+            if now >= child.next_start_at:
+                child.restarts += 1
+                self._start(child)
+                started.append(child.spec.name)
+        return started
+
+    def stop_all(self, grace_s: float = 15.0) -> None:
+        """SIGTERM every child's process group, wait up to grace_s, SIGKILL what is left."""
+        for child in self.children.values():
+            child.stopping = True
+            _signal_group(child, signal.SIGTERM)
+        deadline = time.monotonic() + grace_s
+        for child in self.children.values():
+            if child.proc is not None:
+                try:
+                    child.proc.wait(max(0.0, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    log.warning("%s did not stop in %.0fs; killing it", child.spec.name, grace_s)
+            _signal_group(child, signal.SIGKILL)  # also reaps grandchildren left in the group
+            if child.proc is not None:
+                child.proc.wait()
+
+    def _start(self, child: Child) -> None:
+        env = {**self.base_env, **child.spec.env}
+        with open(child.log_path, "ab") as out:
+            out.write(f"\n==== start {time.strftime('%H:%M:%S')}: {' '.join(child.spec.argv)}\n".encode())
+            out.flush()
+            child.proc = subprocess.Popen(
+                child.spec.argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
+                start_new_session=True,
+            )
+        child.started_at = time.monotonic()
+
+
+def _signal_group(child: Child, sig: int) -> None:
+    if child.proc is None:
+        return
+    try:
+        os.killpg(child.proc.pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _terminate(child: Child, grace_s: float) -> None:
+    _signal_group(child, signal.SIGTERM)
+    if child.proc is not None:
+        try:
+            child.proc.wait(grace_s)
+        except subprocess.TimeoutExpired:
+            pass
+        _signal_group(child, signal.SIGKILL)
+        child.proc.wait()
