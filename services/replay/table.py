@@ -28,7 +28,7 @@ from typing import Any, Literal
 
 import redis.asyncio as aioredis
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import ResponseError
+from redis.exceptions import OutOfMemoryError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from services.common.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted, Unavailable
@@ -318,7 +318,7 @@ def _no_table(job_id: str) -> NotFound:
 
 
 def _mapped(error: BaseException) -> BaseException:
-    if isinstance(error, ResponseError) and str(error).startswith("OOM"):
+    if isinstance(error, OutOfMemoryError) or (isinstance(error, ResponseError) and str(error).startswith("OOM")):
         return ResourceExhausted(f"Redis is out of memory, retry later: {error}")
     if isinstance(error, RedisConnectionError | RedisTimeoutError):
         return Unavailable(f"Redis unreachable: {error}")

@@ -1,0 +1,123 @@
+"""Faults with real processes: Redis kill -9 under AOF, replay service SIGKILL, unsafe Redis, OOM."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import redis
+import redis.asyncio as aioredis
+from replay_helpers import configure, make_group, settings_for
+
+from services.common.embedded import EmbeddedValkey, free_port, wait_for_port
+from services.common.errors import FailedPrecondition, FleetError, ResourceExhausted
+from services.replay.client import INSERTED, ReplayClient
+from services.replay.server import running
+from services.replay.table import prefix
+
+EVERYSEC_LOSS_BOUND_S = 2.0
+"""Documented bound: with appendfsync everysec, acks older than this survive a kill -9 of Redis."""
+
+
+async def load_until(client: ReplayClient, stop: asyncio.Event, acked: dict[str, float]) -> None:
+    """Insert one group per call until stopped, recording when each insert was acknowledged."""
+    i = 0
+    while not stop.is_set():
+        task = f"0/{i}"
+        i += 1
+        with contextlib.suppress(FleetError):
+            if await client.insert([make_group("j", task, tokens=64)]) == [INSERTED]:
+                acked[task] = time.monotonic()
+
+
+@pytest.mark.parametrize("fsync", ["always", "everysec"])
+async def test_acknowledged_inserts_survive_redis_kill9(tmp_path: Path, fsync: str) -> None:
+    valkey = EmbeddedValkey(data_dir=tmp_path / "v", appendfsync=fsync)  # type: ignore[arg-type]
+    with valkey:
+        async with running(settings_for(valkey.url)) as svc, \
+                ReplayClient(f"127.0.0.1:{svc.port}", timeout_s=2, attempts=1) as client:
+            await configure(client, "j", capacity_groups=100_000)
+            acked: dict[str, float] = {}
+            stop = asyncio.Event()
+            loader = asyncio.create_task(load_until(client, stop, acked))
+            await asyncio.sleep(1.0)
+            valkey.kill()
+            killed_at = time.monotonic()
+            await asyncio.sleep(0.3)
+            valkey.start()
+            await asyncio.sleep(0.5)
+            stop.set()
+            await loader
+            store = redis.Redis.from_url(valkey.url)
+            present = {t for t in acked if store.hexists(prefix("j") + "data", t)}
+            before_kill = [t for t, at in acked.items() if at < killed_at]
+            assert len(before_kill) > 50
+            if fsync == "always":
+                assert present == set(acked)
+            else:
+                assert {t for t, at in acked.items() if at < killed_at - EVERYSEC_LOSS_BOUND_S} <= present
+            assert (await client.stats("j")).size_groups >= len(present)  # service serves after the restart
+
+
+def start_service(port: int, redis_url: str) -> subprocess.Popen[bytes]:
+    cmd = [sys.executable, "-m", "services.replay", "--listen", f"127.0.0.1:{port}", "--redis-url", redis_url,
+           "--set", "reclaim_interval_s=0.2"]
+    proc = subprocess.Popen(cmd, cwd=Path(__file__).resolve().parents[2], start_new_session=True)
+    wait_for_port("127.0.0.1", port, 30, proc)
+    return proc
+
+
+async def test_service_sigkill_and_restart_loses_nothing(redis_url: str) -> None:
+    port = free_port()
+    proc = start_service(port, redis_url)
+    try:
+        async with ReplayClient(f"127.0.0.1:{port}", timeout_s=3, attempts=10) as client:
+            await configure(client, "j", capacity_groups=1000)
+            await client.insert([make_group("j", f"0/{i}") for i in range(20)])
+            lease, groups, _ = await client.sample("j", 5)
+            os.kill(proc.pid, signal.SIGKILL)
+            proc.wait()
+            pending = asyncio.create_task(client.insert([make_group("j", f"1/{i}") for i in range(10)]))
+            await asyncio.sleep(0.5)
+            proc = start_service(port, redis_url)
+            assert await pending == [INSERTED] * 10  # retried through the outage
+            assert await client.commit("j", lease) == 5
+            stats = await client.stats("j")
+            assert (stats.inserted, stats.size_groups, stats.committed, stats.leased_groups) == (30, 25, 5, 0)
+            _, rest, _ = await client.sample("j", 100)
+            assert len(rest) == 25 and not {g.task_id for g in groups} & {g.task_id for g in rest}
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(15) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+async def test_refuses_redis_that_can_evict(redis_url: str) -> None:
+    await aioredis.Redis.from_url(redis_url).config_set("maxmemory-policy", "allkeys-lru")
+    with pytest.raises(FailedPrecondition, match="noeviction"):
+        async with running(settings_for(redis_url)):
+            pass
+
+
+async def test_redis_oom_is_backpressure_and_commit_still_works(redis_url: str) -> None:
+    async with running(settings_for(redis_url)) as svc, \
+            ReplayClient(f"127.0.0.1:{svc.port}", timeout_s=3, attempts=2) as client:
+        await configure(client, "j", capacity_groups=1000)
+        await client.insert([make_group("j", f"0/{i}", tokens=2000) for i in range(20)])
+        lease, _, _ = await client.sample("j", 20)
+        store = aioredis.Redis.from_url(redis_url)
+        used = int((await store.info("memory"))["used_memory"])
+        await store.config_set("maxmemory", used - 1024)
+        with pytest.raises(ResourceExhausted, match="out of memory"):
+            await client.insert([make_group("j", "1/0", tokens=2000)])
+        assert await client.commit("j", lease) == 20  # frees memory even when Redis is full
+        await store.config_set("maxmemory", 0)
+        assert await client.insert([make_group("j", "1/0")]) == [INSERTED]
