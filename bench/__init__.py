@@ -1,0 +1,1 @@
+"""fleetrl benchmarks: each module runs with `python -m bench.<name> --json` and prints one JSON object."""

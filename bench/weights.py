@@ -1,0 +1,102 @@
+"""Weight store throughput: fleetrl's publish/pull against stock nats-py get and raw loopback TCP.
+
+`python -m bench.weights --json [--payload-mb 270]` starts its own embedded nats-server in a temp
+dir, publishes one payload of random bytes (the size of SmolLM2-135M in bf16 by default) through
+WeightStore, pulls it back, reads the same object with stock `ObjectStore.get`, copies the same
+bytes over a 127.0.0.1 socket, and prints one JSON object with the timings and ratios.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import socket
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from services.common import bus
+from services.common.embedded import EmbeddedNats
+from services.common.weights import WeightStore
+
+JOB = "bench"
+
+
+def loopback_s(payload: bytes) -> float:
+    """Seconds to send payload over a 127.0.0.1 TCP socket into a preallocated buffer."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    received = bytearray(len(payload))
+
+    def receive() -> None:
+        conn, _ = listener.accept()
+        view, offset = memoryview(received), 0
+        with conn:
+            while offset < len(received):
+                offset += conn.recv_into(view[offset : offset + (1 << 20)])
+
+    reader = threading.Thread(target=receive)
+    reader.start()
+    started = time.perf_counter()
+    with socket.create_connection(listener.getsockname()) as conn:
+        conn.sendall(payload)
+        reader.join()
+    elapsed = time.perf_counter() - started
+    listener.close()
+    assert received == payload
+    return elapsed
+
+
+async def timed(coro: Any) -> tuple[Any, float]:
+    started = time.perf_counter()
+    result = await coro
+    return result, time.perf_counter() - started
+
+
+async def measure(url: str, payload: bytes, stock_mb: int, repeats: int) -> dict[str, Any]:
+    nc = await bus.connect(url, "bench-weights")
+    js = bus.jetstream(nc)
+    store = WeightStore(nc, js)
+    pointer, publish_s = await timed(store.publish(JOB, 1, payload, "bfloat16"))
+    pulls = []
+    for _ in range(repeats):
+        pulled, seconds = await timed(store.pull(JOB, pointer))
+        assert pulled == payload
+        pulls.append(seconds)
+    stock_payload = payload if stock_mb >= len(payload) / 1e6 else payload[: stock_mb * 10**6]
+    if stock_payload is not payload:
+        pointer = await store.publish(JOB, 2, stock_payload, "bfloat16")
+    objects = await js.object_store(bus.weights_bucket(JOB))
+    result, stock_s = await timed(objects.get(pointer.object))
+    assert result.data == stock_payload
+    await nc.drain()
+    mb = len(payload) / 1e6
+    return {
+        "payload_mb": mb, "publish_s": publish_s, "pull_s": min(pulls), "pull_s_all": pulls,
+        "pull_mb_s": mb / min(pulls), "nats_py_get_payload_mb": len(stock_payload) / 1e6,
+        "nats_py_get_s": stock_s, "nats_py_get_mb_s": len(stock_payload) / 1e6 / stock_s,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--json", action="store_true", help="print one JSON object (the only output format)")
+    parser.add_argument("--payload-mb", type=int, default=270, help="payload size in MB (10**6 bytes)")
+    parser.add_argument("--stock-mb", type=int, default=20, help="largest payload stock ObjectStore.get reads")
+    parser.add_argument("--repeats", type=int, default=3, help="pulls; pull_s is the fastest")
+    args = parser.parse_args()
+    payload = os.urandom(args.payload_mb * 10**6)
+    with tempfile.TemporaryDirectory() as tmp, EmbeddedNats(data_dir=Path(tmp)) as server:
+        figures = asyncio.run(measure(server.url, payload, args.stock_mb, args.repeats))
+    loopback = min(loopback_s(payload) for _ in range(args.repeats))
+    figures["loopback_mb_s"] = len(payload) / 1e6 / loopback
+    figures["ratio_vs_stock"] = figures["pull_mb_s"] / figures["nats_py_get_mb_s"]
+    figures["ratio_vs_loopback"] = figures["pull_mb_s"] / figures["loopback_mb_s"]
+    print(json.dumps(figures))
+
+
+if __name__ == "__main__":
+    main()

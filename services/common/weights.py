@@ -1,0 +1,295 @@
+"""Weight store: the learner publishes policy weights, actors pull them, over NATS JetStream.
+
+Layout (docs: DESIGN.md, Weights): one object store bucket per job (`bus.weights_bucket`),
+objects `v<version>` holding safetensors bytes; a pointer in KV bucket `bus.WEIGHTS_KV`, key
+`<job>`, JSON {version, object, sha256, bytes, dtype}, moved only forward by compare-and-swap.
+
+Design choices:
+- Objects are written in nats-py's object store layout (chunks on `$O.<bucket>.C.<nuid>`, one
+  ObjectInfo JSON on `$O.<bucket>.M.<base64url(name)>`), so stock `ObjectStore.get` still reads
+  them, but by a pipelined writer (a window of async JetStream publishes of large chunks) instead
+  of `put()`'s one publish round trip per 128 KiB.
+- Pulls read the chunk subject with an ordered consumer into a preallocated buffer and verify
+  the pointer's sha256; `ObjectStore.get` concatenates with `bytes +=` and is ~50x slower.
+- A publish whose version is not above the pointer's raises FailedPrecondition before anything
+  is written: the object `v<version>` may be the one actors are pulling, so it is never
+  overwritten. A learner that resumes asks `latest()` and publishes above it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import builtins
+import hashlib
+import json
+import re
+from collections import deque
+from collections.abc import AsyncIterator
+from dataclasses import asdict, dataclass
+from datetime import UTC, datetime
+
+import nats.aio.client
+import nats.errors
+import torch
+from nats.js import JetStreamContext, api
+from nats.js.errors import KeyDeletedError, KeyNotFoundError, KeyWrongLastSequenceError, NotFoundError
+from nats.js.kv import MSG_ROLLUP_SUBJECT, KeyValue
+from nats.js.object_store import ObjectStore
+from safetensors.torch import load as st_load
+from safetensors.torch import save as st_save
+
+from services.common import bus
+from services.common.errors import DeadlineExceeded, FailedPrecondition, FleetError, NotFound
+
+CHUNK_BYTES = 1024 * 1024
+"""Chunk size; capped below the server's max_payload (1 MiB by default) at publish time."""
+PUBLISH_WINDOW = 16
+"""Chunk publishes awaiting their JetStream ack at once."""
+MIN_PULL_TIMEOUT_S = 30.0
+MIN_PULL_MB_S = 20.0
+"""Default pull deadline: MIN_PULL_TIMEOUT_S plus the payload at MIN_PULL_MB_S."""
+_VERSION_RE = re.compile(r"^v(\d+)$")
+
+
+class WeightsCorrupt(FleetError, ValueError):
+    """A pulled object's size or sha256 differs from its pointer."""
+
+
+@dataclass(frozen=True)
+class WeightPointer:
+    """The KV value naming one published weight object."""
+
+    version: int
+    object: str
+    sha256: str
+    bytes: int
+    dtype: str
+
+    def to_json(self) -> builtins.bytes:
+        return json.dumps(asdict(self), sort_keys=True).encode()
+
+    @classmethod
+    def from_json(cls, raw: builtins.bytes) -> WeightPointer:
+        fields = json.loads(raw)
+        return cls(
+            version=int(fields["version"]), object=str(fields["object"]), sha256=str(fields["sha256"]),
+            bytes=int(fields["bytes"]), dtype=str(fields["dtype"]),
+        )
+
+
+def encode_safetensors(tensors: dict[str, torch.Tensor]) -> bytes:
+    """safetensors bytes of a state dict (tensors must be contiguous and unshared)."""
+    return st_save(tensors)
+
+
+def decode_safetensors(payload: bytes) -> dict[str, torch.Tensor]:
+    return st_load(payload)
+
+
+def _meta_subject(bucket: str, name: str) -> str:
+    return f"$O.{bucket}.M.{base64.urlsafe_b64encode(name.encode()).decode()}"
+
+
+def _object_digest(sha256_hex: str) -> str:
+    """ObjectInfo's digest field: `SHA-256=` + base64url of the raw digest."""
+    return "SHA-256=" + base64.urlsafe_b64encode(bytes.fromhex(sha256_hex)).decode()
+
+
+class WeightStore:
+    """Publish, find, pull and watch a job's weights. One instance per NATS connection."""
+
+    _nc: nats.aio.client.Client
+    _js: JetStreamContext
+    _kv: KeyValue | None
+    _stores: dict[str, ObjectStore]
+
+    def __init__(self, nc: nats.aio.client.Client, js: JetStreamContext) -> None:
+        self._nc = nc
+        self._js = js
+        self._kv = None
+        self._stores = {}
+
+    async def publish(self, job_id: str, version: int, payload: bytes, dtype: str, *, keep: int = 3) -> WeightPointer:
+        """Write `v<version>`, move the pointer to it, delete all but the newest `keep` objects.
+
+        Raises FailedPrecondition if the pointer is already at `version` or above.
+        """
+        kv = await self._pointer_kv()
+        current, revision = await self._pointer_entry(kv, job_id)
+        _check_forward(current, version)
+        name = f"v{version}"
+        sha256_hex = await self._write_object(job_id, name, payload)
+        pointer = WeightPointer(version=version, object=name, sha256=sha256_hex, bytes=len(payload), dtype=dtype)
+        await self._move_pointer(kv, job_id, pointer, revision)
+        await self._prune(job_id, keep)
+        return pointer
+
+    async def latest(self, job_id: str) -> WeightPointer | None:
+        """The job's current pointer, or None before its first publish."""
+        pointer, _ = await self._pointer_entry(await self._pointer_kv(), job_id)
+        return pointer
+
+    async def pull(self, job_id: str, pointer: WeightPointer, *, timeout_s: float | None = None) -> bytes:
+        """The object's bytes, verified against the pointer (WeightsCorrupt), within a deadline.
+
+        NotFound if the object was deleted (pruned); DeadlineExceeded past `timeout_s`
+        (default MIN_PULL_TIMEOUT_S plus the payload at MIN_PULL_MB_S).
+        """
+        if timeout_s is None:
+            timeout_s = MIN_PULL_TIMEOUT_S + pointer.bytes / (MIN_PULL_MB_S * 1e6)
+        try:
+            return await asyncio.wait_for(self._pull(job_id, pointer), timeout_s)
+        except TimeoutError as error:
+            raise DeadlineExceeded(f"pull of {job_id}/{pointer.object} took over {timeout_s:.0f}s") from error
+
+    async def watch(self, job_id: str) -> AsyncIterator[WeightPointer]:
+        """Pointers with strictly increasing versions as the key moves, the current one first."""
+        watcher = await (await self._pointer_kv()).watch(bus.check_job_id(job_id))
+        newest = -1
+        try:
+            async for entry in watcher:
+                if entry is None or entry.value is None or entry.operation is not None:
+                    continue  # end-of-history marker, or a delete/purge
+                pointer = WeightPointer.from_json(entry.value)
+                if pointer.version > newest:
+                    newest = pointer.version
+                    yield pointer
+        finally:
+            await watcher.stop()
+
+    # ---------------------------------------------------------------- pointer
+
+    async def _pointer_kv(self) -> KeyValue:
+        if self._kv is None:
+            self._kv = await bus.ensure_weights_kv(self._js)
+        return self._kv
+
+    @staticmethod
+    async def _pointer_entry(kv: KeyValue, job_id: str) -> tuple[WeightPointer | None, int]:
+        """(pointer, revision); (None, 0) when absent, (None, revision) when deleted."""
+        try:
+            entry = await kv.get(bus.check_job_id(job_id))
+        except KeyDeletedError as error:
+            return None, int(error.entry.revision) if error.entry else 0
+        except KeyNotFoundError:
+            return None, 0
+        assert entry.value is not None and entry.revision is not None
+        return WeightPointer.from_json(entry.value), entry.revision
+
+    @staticmethod
+    async def _move_pointer(kv: KeyValue, job_id: str, pointer: WeightPointer, revision: int) -> None:
+        """Compare-and-swap from `revision`; someone else moving it first is a FailedPrecondition."""
+        try:
+            if revision:
+                await kv.update(job_id, pointer.to_json(), last=revision)
+            else:
+                await kv.create(job_id, pointer.to_json())
+        except KeyWrongLastSequenceError as error:
+            raise FailedPrecondition(f"weights pointer of {job_id} moved during publish of {pointer.object}") from error
+
+    # ---------------------------------------------------------------- objects
+
+    async def _store(self, job_id: str) -> ObjectStore:
+        if job_id not in self._stores:
+            self._stores[job_id] = await bus.ensure_object_store(self._js, job_id)
+        return self._stores[job_id]
+
+    async def _write_object(self, job_id: str, name: str, payload: bytes) -> str:
+        """Chunks with a window of async publishes, then the ObjectInfo; returns the sha256 hex."""
+        await self._store(job_id)
+        bucket = bus.weights_bucket(job_id)
+        nuid = self._nc._nuid.next().decode()
+        chunk_subject = f"$O.{bucket}.C.{nuid}"
+        digest = asyncio.create_task(asyncio.to_thread(lambda: hashlib.sha256(payload).hexdigest()))
+        chunk = self._chunk_bytes()
+        try:
+            chunks = await self._publish_chunks(chunk_subject, payload, chunk)
+            sha256_hex = await digest
+            info = api.ObjectInfo(
+                name=name, bucket=bucket, nuid=nuid, size=len(payload), chunks=chunks,
+                digest=_object_digest(sha256_hex), mtime=datetime.now(UTC).isoformat(),
+                options=api.ObjectMetaOptions(max_chunk_size=chunk),
+            )
+            await self._js.publish(
+                _meta_subject(bucket, name), json.dumps(info.as_dict()).encode(),
+                headers={api.Header.ROLLUP: MSG_ROLLUP_SUBJECT},
+            )
+        except BaseException:
+            digest.cancel()
+            await self._js.purge_stream(f"OBJ_{bucket}", subject=chunk_subject)
+            raise
+        return sha256_hex
+
+    def _chunk_bytes(self) -> int:
+        """CHUNK_BYTES, or less where the server's max_payload (minus headers) is smaller."""
+        return min(CHUNK_BYTES, self._nc.max_payload - 4096)
+
+    async def _publish_chunks(self, subject: str, payload: bytes, chunk: int) -> int:
+        """Publish payload in `chunk`-sized pieces, at most PUBLISH_WINDOW unacked; the count."""
+        window: deque[asyncio.Future[api.PubAck]] = deque()
+        view = memoryview(payload)
+        count = 0
+        for start in range(0, len(payload), chunk):
+            if len(window) >= PUBLISH_WINDOW:
+                await asyncio.wait_for(window.popleft(), bus.REQUEST_TIMEOUT_S)
+            window.append(await self._js.publish_async(subject, bytes(view[start : start + chunk])))
+            count += 1
+        for future in window:
+            await asyncio.wait_for(future, bus.REQUEST_TIMEOUT_S)
+        return count
+
+    async def _info(self, job_id: str, name: str) -> api.ObjectInfo:
+        try:
+            info = await (await self._store(job_id)).get_info(name)
+        except NotFoundError as error:  # ObjectNotFoundError subclasses it
+            raise NotFound(f"weights object {job_id}/{name} does not exist") from error
+        return info
+
+    async def _pull(self, job_id: str, pointer: WeightPointer) -> bytes:
+        info = await self._info(job_id, pointer.object)
+        if info.size != pointer.bytes:
+            raise WeightsCorrupt(f"{job_id}/{pointer.object}: object has {info.size} bytes, pointer {pointer.bytes}")
+        buffer = bytearray(pointer.bytes)
+        if pointer.bytes:
+            await self._read_chunks(f"$O.{info.bucket}.C.{info.nuid}", f"OBJ_{info.bucket}", buffer)
+        if hashlib.sha256(buffer).hexdigest() != pointer.sha256:
+            raise WeightsCorrupt(f"{job_id}/{pointer.object}: sha256 differs from the pointer's")
+        return bytes(buffer)
+
+    async def _read_chunks(self, subject: str, stream: str, buffer: bytearray) -> None:
+        """Fill buffer from an ordered consumer on the chunk subject; the stream's last chunk
+        (num_pending 0) must end exactly at len(buffer)."""
+        sub = await self._js.subscribe(subject, stream=stream, ordered_consumer=True)
+        view, offset = memoryview(buffer), 0
+        try:
+            while True:
+                msg = await sub.next_msg(timeout=None)
+                end = offset + len(msg.data)
+                if end > len(buffer):
+                    raise WeightsCorrupt(f"{subject}: more than the {len(buffer)} bytes recorded")
+                view[offset:end] = msg.data
+                offset = end
+                if msg.metadata.num_pending == 0:
+                    break
+        finally:
+            await sub.unsubscribe()
+        if offset != len(buffer):
+            raise WeightsCorrupt(f"{subject}: {offset} bytes stored, {len(buffer)} recorded")
+
+    async def _prune(self, job_id: str, keep: int) -> None:
+        """Delete `v<n>` objects older than the newest `keep`."""
+        store = await self._store(job_id)
+        try:
+            infos = await store.list(ignore_deletes=True)
+        except NotFoundError:
+            return
+        versions = sorted(int(m.group(1)) for info in infos if (m := _VERSION_RE.match(info.name)))
+        for version in versions[: max(0, len(versions) - max(1, keep))]:
+            await store.delete(f"v{version}")
+
+
+def _check_forward(current: WeightPointer | None, version: int) -> None:
+    if current is not None and version <= current.version:
+        raise FailedPrecondition(f"weights version {version} is not above the published {current.version}")
+
