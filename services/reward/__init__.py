@@ -1,0 +1,15 @@
+"""Reward service: scores completions with built-in verifiers or sandboxed user reward files.
+
+Components (none references the others' internals; `scorer.Scorer` wires them):
+- `builtins`: the registry of built-in verifiers, each a function with a strict params model.
+- `guard`, `protocol`, `worker`: the stdlib-only side that runs inside a sandboxed worker process
+  (isolation set-up, audit hook, length-prefixed JSON framing, the item loop).
+- `sandbox`: the service side of the workers: start under limits, call with a wall-clock timeout,
+  kill the whole process group, replace; `WorkerPool` keeps N of them per reward spec.
+- `scorer`: validates specs, caches one pool per spec digest (bounded, idle pools reaped), turns
+  worker replies into `Result`s and records metrics.
+- `server` + `convert`: the thin gRPC adapter; `__main__`: `python -m services.reward` / `fleetrl reward`.
+
+Every spec, built-in or user file, is scored in sandboxed worker processes, never in the service
+process: built-ins parse untrusted text (sympy can hang) or run untrusted code (`code_tests`).
+"""

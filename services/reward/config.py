@@ -1,0 +1,46 @@
+"""Settings of the reward service (`FLEETRL_REWARD_*`, TOML, `--set`), on top of InfraSettings."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pydantic import Field
+
+from services.common.config import InfraSettings
+
+ENV_PREFIX = "FLEETRL_REWARD_"
+
+
+class RewardSettings(InfraSettings):
+    """How the reward service listens, and how many sandboxed workers it keeps under which limits."""
+
+    listen: str = "127.0.0.1:50053"
+    """gRPC listen address (host:port; port 0 picks a free one)."""
+    workers_per_pool: int = Field(4, ge=1, le=512)
+    """Sandboxed worker processes per reward spec; throughput grows with it."""
+    max_pools: int = Field(16, ge=1, le=1024)
+    """Most reward specs with live workers; the least recently used pool is closed beyond it."""
+    pool_idle_s: float = Field(600.0, gt=0, le=86400)
+    """A pool unused this long is closed (its workers killed)."""
+    worker_start_timeout_s: float = Field(30.0, gt=0, le=600)
+    """Limit for a worker to start and load its spec (import the reward file, sympy, ...)."""
+    worker_max_processes: int = Field(2, ge=1, le=1024)
+    """RLIMIT_NPROC of a worker's private uid (the worker plus one code_tests child)."""
+    worker_max_open_files: int = Field(64, ge=16, le=65536)
+    """RLIMIT_NOFILE of a worker."""
+    worker_max_file_mb: int = Field(16, ge=1, le=65536)
+    """RLIMIT_FSIZE of a worker: the largest file it may write, in MiB."""
+    worker_cpu_limit_s: int = Field(600, ge=1, le=86400)
+    """RLIMIT_CPU of a worker over its life; it is replaced once it has used half."""
+    max_items_per_worker: int = Field(100_000, ge=1)
+    """A worker is replaced after this many items."""
+    sandbox_uid_base: int = Field(200_000, ge=0, le=2**31 - 2**16)
+    """When the service runs as root, worker i runs as uid/gid base+i (0: keep root's uid)."""
+    sandbox_dir: Path | None = None
+    """Where workers' private temp dirs are made (None: the system temp dir)."""
+    max_items_per_request: int = Field(4096, ge=1, le=1_000_000)
+    """Largest batch one Score call may carry."""
+    max_reply_bytes: int = Field(1 << 20, ge=1024, le=64 << 20)
+    """Largest reply frame a worker may send for one item."""
+    grace_s: float = Field(5.0, ge=0, le=600)
+    """On SIGTERM, in-flight calls get this long to finish."""

@@ -1,0 +1,128 @@
+"""Isolation of a sandboxed worker: namespaces, resource limits, dropped uid and an audit hook.
+
+Layers, strongest first (each one is applied where the machine allows it):
+1. Network namespace (`unshare(CLONE_NEWNET)`, via ctypes since Python 3.11 has no os.unshare): the
+   worker sees only a down loopback, so no socket reaches anything. As root it works directly; as
+   another user it is tried together with CLONE_NEWUSER (unprivileged user namespaces).
+2. PID namespace (CLONE_NEWPID): the worker forks once and the item loop runs as PID 1 of a new
+   namespace, so when it dies the kernel kills every process it left, even ones that called setsid.
+3. rlimits: address space, CPU seconds, file size, open files, processes, no core files.
+4. A private uid when the service runs as root (RLIMIT_NPROC is not enforced for root): one uid per
+   worker, taken from `sandbox_uid_base`, so the process limit counts that worker alone.
+5. An audit hook (`sys.addaudithook`) installed before user code runs. It denies sockets, process
+   creation (fork, exec, spawn, system, subprocess), signals, ctypes, rlimit changes and any write,
+   rename, delete, link or mkdir outside the worker's temp dir. It is defence in depth, not the
+   boundary: Python-level hooks can be bypassed by code that reaches C, which layers 1-4 contain.
+Fallback without namespaces (unprivileged, no user namespaces): layers 3 and 5 plus the service's
+wall-clock kill of the worker's process group. `isolation` in the worker's ready message says which
+layers are active, and the service logs it.
+Stdlib only: this runs in the worker before any user code.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import resource
+import sys
+from collections.abc import Callable
+from typing import Any
+
+CLONE_NEWNET = 0x40000000
+CLONE_NEWPID = 0x20000000
+CLONE_NEWUSER = 0x10000000
+
+DENIED_EVENTS = (
+    "socket.", "subprocess.", "os.fork", "os.forkpty", "os.exec", "os.spawn", "os.posix_spawn",
+    "os.system", "os.kill", "os.killpg", "signal.pthread_kill", "ctypes.", "resource.setrlimit",
+    "resource.prlimit", "os.chown", "os.link", "os.symlink", "pty.", "mmap.", "winreg.", "webbrowser.",
+    "ftplib.", "http.", "smtplib.", "urllib.", "imaplib.", "poplib.", "nntplib.", "telnetlib.",
+)
+PATH_EVENTS = {"os.rename": 2, "os.remove": 1, "os.rmdir": 1, "os.mkdir": 1, "os.chmod": 1,
+               "os.truncate": 1, "os.utime": 1, "shutil.rmtree": 1, "shutil.copyfile": 2,
+               "shutil.copytree": 2, "shutil.move": 2, "os.chflags": 1, "os.lchmod": 1}
+WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_TRUNC
+
+
+def _unshare(flags: int) -> bool:
+    libc = ctypes.CDLL(None, use_errno=True)
+    return bool(libc.unshare(flags) == 0)
+
+
+def unshare_namespaces(want_pid: bool) -> dict[str, bool]:
+    """Enter new network (and PID) namespaces if allowed; returns which ones were entered."""
+    pid_flag = CLONE_NEWPID if want_pid else 0
+    if os.geteuid() == 0 and _unshare(CLONE_NEWNET | pid_flag):
+        return {"netns": True, "pidns": bool(pid_flag), "userns": False}
+    if _unshare(CLONE_NEWUSER | CLONE_NEWNET | pid_flag):
+        return {"netns": True, "pidns": bool(pid_flag), "userns": True}
+    if os.geteuid() == 0 and _unshare(CLONE_NEWNET):
+        return {"netns": True, "pidns": False, "userns": False}
+    return {"netns": False, "pidns": False, "userns": False}
+
+
+def forget_ctypes() -> None:
+    """Drop ctypes from sys.modules so a later `import ctypes` raises its (denied) dlopen event."""
+    for name in [n for n in sys.modules if n == "ctypes" or n.startswith(("ctypes.", "_ctypes"))]:
+        del sys.modules[name]
+
+
+def set_limits(memory_mb: int, cpu_s: int, file_mb: int, open_files: int, processes: int) -> None:
+    """Apply the worker's rlimits (soft = hard, so user code cannot raise them)."""
+    limits = {
+        resource.RLIMIT_AS: memory_mb * 1024 * 1024,
+        resource.RLIMIT_CPU: cpu_s,
+        resource.RLIMIT_FSIZE: file_mb * 1024 * 1024,
+        resource.RLIMIT_NOFILE: open_files,
+        resource.RLIMIT_CORE: 0,
+    }
+    if processes > 0:
+        limits[resource.RLIMIT_NPROC] = processes
+    for which, value in limits.items():
+        resource.setrlimit(which, (value, value))
+
+
+def drop_privileges(uid: int) -> bool:
+    """Become uid (and gid uid) with no supplementary groups; only possible as root."""
+    if os.geteuid() != 0 or uid <= 0:
+        return False
+    os.setgroups([])
+    os.setgid(uid)
+    os.setuid(uid)
+    return True
+
+
+def _inside(path: Any, root: str) -> bool:
+    if isinstance(path, int):
+        return True  # an already-open descriptor; its open was checked
+    real = os.path.realpath(os.fsdecode(path))
+    return real == root or real.startswith(root + os.sep)
+
+
+def _is_write(mode: Any, flags: Any) -> bool:
+    if isinstance(mode, str) and any(c in mode for c in "wax+"):
+        return True
+    return isinstance(flags, int) and bool(flags & WRITE_FLAGS)
+
+
+def make_hook(root: str) -> Callable[[str, tuple[Any, ...]], None]:
+    """The audit hook confining Python-level side effects to root (the worker's temp dir)."""
+    root = os.path.realpath(root)
+
+    def hook(event: str, args: tuple[Any, ...]) -> None:
+        if event.startswith(DENIED_EVENTS):
+            raise PermissionError(f"sandbox: {event} is not allowed")
+        if event == "open" and len(args) >= 3 and _is_write(args[1], args[2]) and not _inside(args[0], root):
+            raise PermissionError(f"sandbox: writing {args[0]!r} outside the temp dir is not allowed")
+        count = PATH_EVENTS.get(event, 0)
+        for path in args[:count]:
+            if not _inside(path, root):
+                raise PermissionError(f"sandbox: {event} on {path!r} outside the temp dir is not allowed")
+
+    return hook
+
+
+def install_hook(root: str) -> None:
+    """Install the audit hook (irreversible for this process and its forks)."""
+    forget_ctypes()
+    sys.addaudithook(make_hook(root))

@@ -1,0 +1,33 @@
+"""Prometheus metrics of one reward service instance, in a private registry."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+LATENCY_BUCKETS_S = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+
+
+class RewardMetrics:
+    """Items scored per job and status (errors by kind), latency, worker replacements, pools."""
+
+    registry: CollectorRegistry
+    items: Counter
+    latency: Histogram
+    worker_restarts: Counter
+    pools: Gauge
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        self.items = Counter("fleetrl_reward_items_total", "Items scored, by job and status",
+                             ["job", "status"], registry=self.registry)
+        self.latency = Histogram("fleetrl_reward_latency_seconds", "Wall-clock seconds per item on a worker",
+                                 ["status"], buckets=LATENCY_BUCKETS_S, registry=self.registry)
+        self.worker_restarts = Counter("fleetrl_reward_worker_restarts_total",
+                                       "Workers killed and replaced (timeout, crash, limit)", registry=self.registry)
+        self.pools = Gauge("fleetrl_reward_pools", "Live worker pools (one per reward spec)", registry=self.registry)
+
+    def observe(self, job_id: str, status: str, latency_s: float) -> None:
+        self.items.labels(job=job_id, status=status).inc()
+        self.latency.labels(status=status).observe(latency_s)
+        if status in ("timeout", "killed"):
+            self.worker_restarts.inc()

@@ -1,0 +1,144 @@
+"""A pool of sandboxed workers for one reward spec.
+
+The first worker is started before the pool is used, so a spec that cannot load fails the call
+that brought it (and Validate) with the reason; the other workers start in the background. Each
+item takes an idle worker, runs with the spec's wall-clock timeout and gives the worker back, or,
+when the item timed out, crashed the worker, or the call was cancelled, kills it and starts a
+replacement. A hostile item therefore holds one worker for at most its timeout.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from typing import Any
+
+from services.common.errors import Unavailable
+from services.reward.sandbox import Outcome, PoolConfig, UidPool, Worker, WorkerDied
+
+log = logging.getLogger(__name__)
+
+SPAWN_ATTEMPTS = 3
+
+
+class WorkerPool:
+    """`cfg.size` workers serving one spec (boot message) concurrently."""
+
+    boot: dict[str, Any]
+    cfg: PoolConfig
+    last_used: float
+    restarts: int
+
+    def __init__(self, boot: dict[str, Any], cfg: PoolConfig, uids: UidPool) -> None:
+        self.boot, self.cfg, self._uids = boot, cfg, uids
+        self._idle: asyncio.Queue[Worker] = asyncio.Queue()
+        self._live: set[Worker] = set()
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._spawns: set[asyncio.Task[None]] = set()
+        self._broken: str | None = None
+        self._closed = False
+        self.last_used, self.restarts = time.monotonic(), 0
+
+    @property
+    def live_workers(self) -> int:
+        return len(self._live)
+
+    @property
+    def isolation(self) -> dict[str, Any]:
+        return next(iter(self._live)).isolation if self._live else {}
+
+    async def start(self) -> None:
+        """Start the first worker (raising ConfigError if the spec cannot load), then the rest."""
+        self._add(await self._start_worker())
+        for _ in range(self.cfg.size - 1):
+            self._spawn()
+
+    async def _start_worker(self) -> Worker:
+        uid = self._uids.take()
+        try:
+            return await Worker.start(self.boot, uid, self.cfg)
+        except BaseException:
+            self._uids.give(uid)
+            raise
+
+    def _add(self, worker: Worker) -> None:
+        if self._closed:
+            self._background(self._retire(worker))
+            return
+        self._live.add(worker)
+        self._idle.put_nowait(worker)
+
+    def _background(self, coro: Any, tasks: set[asyncio.Task[None]] | None = None) -> None:
+        group = self._tasks if tasks is None else tasks
+        task = asyncio.get_running_loop().create_task(coro)
+        group.add(task)
+        task.add_done_callback(group.discard)
+
+    def _spawn(self) -> None:
+        self._background(self._spawn_with_retries(), self._spawns)
+
+    async def _spawn_with_retries(self) -> None:
+        for attempt in range(1, SPAWN_ATTEMPTS + 1):
+            try:
+                self._add(await self._start_worker())
+                return
+            except Exception as error:  # deliberate: a failed replacement is retried, then reported
+                log.warning("reward worker start failed (%d/%d): %s", attempt, SPAWN_ATTEMPTS, error)
+                await asyncio.sleep(0.2 * attempt)
+        if not self._live:
+            self._broken = f"no reward worker could be started ({SPAWN_ATTEMPTS} attempts)"
+
+    async def _retire(self, worker: Worker) -> None:
+        self._live.discard(worker)
+        await worker.kill()
+        self._uids.give(worker.uid)
+
+    def _replace(self, worker: Worker) -> None:
+        self._live.discard(worker)
+        self.restarts += 1
+        self._background(self._retire(worker))
+        if not self._closed:
+            self._spawn()
+
+    async def _acquire(self) -> Worker:
+        while True:
+            if self._broken or self._closed:
+                raise Unavailable(self._broken or "reward pool closed")
+            with contextlib.suppress(TimeoutError):
+                return await asyncio.wait_for(self._idle.get(), 0.5)
+
+    async def run(self, request: dict[str, Any], timeout_s: float) -> Outcome:
+        """Score one item on an idle worker; every failure mode becomes an Outcome."""
+        self.last_used = time.monotonic()
+        worker = await self._acquire()
+        start = time.monotonic()
+        try:
+            reply = await worker.call(request, timeout_s, self.cfg.max_reply_bytes)
+        except TimeoutError:
+            self._replace(worker)
+            return Outcome("timeout", reason=f"timed out after {timeout_s:g}s", latency_s=time.monotonic() - start)
+        except WorkerDied as died:
+            self._replace(worker)
+            return Outcome("killed", reason=str(died), latency_s=time.monotonic() - start)
+        except BaseException:
+            self._replace(worker)  # cancelled mid-item: its late reply must not reach the next item
+            raise
+        self._release(worker)
+        return Outcome("reply", reply=reply, latency_s=time.monotonic() - start)
+
+    def _release(self, worker: Worker) -> None:
+        worn = worker.items >= self.cfg.max_items_per_worker or worker.cpu_s > self.cfg.limits.cpu_s / 2
+        if worn:
+            self._replace(worker)
+        else:
+            self._idle.put_nowait(worker)
+
+    async def close(self) -> None:
+        """Kill every worker and stop starting new ones."""
+        self._closed = True
+        for task in list(self._spawns):
+            task.cancel()
+        await asyncio.gather(*self._spawns, *self._tasks, return_exceptions=True)
+        await asyncio.gather(*(self._retire(w) for w in list(self._live)), return_exceptions=True)

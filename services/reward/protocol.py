@@ -1,0 +1,63 @@
+"""Length-prefixed JSON frames between the reward service and its sandboxed workers.
+
+A frame is a 4-byte big-endian length followed by that many bytes of UTF-8 JSON. JSON is the only
+encoding in both directions, so the service never unpickles anything a worker produced. This module
+is stdlib-only because it is imported inside the worker before any isolation is in place.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+from typing import Any
+
+HEADER = struct.Struct(">I")
+MAX_FRAME_BYTES = 64 * 1024 * 1024
+
+
+class ProtocolError(Exception):
+    """A frame is malformed, oversized or truncated."""
+
+
+def encode(message: dict[str, Any]) -> bytes:
+    """One frame carrying message."""
+    body = json.dumps(message, separators=(",", ":")).encode()
+    return HEADER.pack(len(body)) + body
+
+
+def decode(body: bytes) -> dict[str, Any]:
+    """The message of a frame body; ProtocolError unless it is a JSON object."""
+    try:
+        message = json.loads(body)
+    except (UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise ProtocolError(f"frame is not JSON: {error}") from None
+    if not isinstance(message, dict):
+        raise ProtocolError("frame is not a JSON object")
+    return message
+
+
+def _read_exact(fd: int, size: int) -> bytes:
+    chunks: list[bytes] = []
+    while size:
+        chunk = os.read(fd, min(size, 1 << 20))
+        if not chunk:
+            raise EOFError("peer closed the pipe")
+        chunks.append(chunk)
+        size -= len(chunk)
+    return b"".join(chunks)
+
+
+def read_fd(fd: int) -> dict[str, Any]:
+    """Read one frame from a blocking file descriptor (worker side)."""
+    (size,) = HEADER.unpack(_read_exact(fd, HEADER.size))
+    if size > MAX_FRAME_BYTES:
+        raise ProtocolError(f"frame of {size} bytes exceeds {MAX_FRAME_BYTES}")
+    return decode(_read_exact(fd, size))
+
+
+def write_fd(fd: int, message: dict[str, Any]) -> None:
+    """Write one frame to a blocking file descriptor (worker side)."""
+    data = memoryview(encode(message))
+    while data:
+        data = data[os.write(fd, data):]

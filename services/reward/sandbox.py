@@ -1,0 +1,197 @@
+"""Sandboxed worker processes, seen from the service: start, call with a timeout, kill, replace.
+
+A `Worker` is a fresh `python -I` process in its own session (process group), with a minimal
+environment (PATH, LANG, HOME=TMPDIR=its private temp dir) and that temp dir as cwd; inside, it
+isolates itself (see `guard`) before loading the spec. Every item has a wall-clock timeout (CPU
+limits alone miss `sleep`); on timeout, death, an oversized or malformed reply, or a cancelled call,
+the whole process group is SIGKILLed, reaped, its temp dir removed and a fresh worker started, so
+the rest of the batch keeps being scored. Only JSON crosses from worker to service.
+`WorkerPool` keeps `size` workers for one spec and hands each item to an idle one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import shutil
+import signal
+import sys
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from services.common.errors import ConfigError, FieldViolation
+from services.reward import protocol
+
+log = logging.getLogger(__name__)
+
+ROOT = str(Path(__file__).resolve().parents[2])
+BOOTSTRAP = f"import sys; sys.path.insert(0, {ROOT!r}); from services.reward.worker import main; main()"
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Resource limits of one worker."""
+
+    memory_mb: int
+    cpu_s: int
+    file_mb: int
+    open_files: int
+    processes: int
+
+
+@dataclass(frozen=True)
+class PoolConfig:
+    """How a pool starts, limits and recycles its workers."""
+
+    size: int
+    limits: Limits
+    start_timeout_s: float
+    max_items_per_worker: int
+    max_reply_bytes: int
+    sandbox_dir: Path | None = None
+
+
+@dataclass
+class Outcome:
+    """How one item went on a worker: its reply, or why there is none."""
+
+    kind: Literal["reply", "timeout", "killed", "error"]
+    reply: dict[str, Any] = field(default_factory=dict)
+    reason: str = ""
+    latency_s: float = 0.0
+
+
+class WorkerDied(Exception):
+    """The worker ended (or broke the protocol) before replying."""
+
+
+class UidPool:
+    """Private uids for workers when running as root (RLIMIT_NPROC then counts one worker)."""
+
+    def __init__(self, base: int) -> None:
+        self._enabled = base > 0 and os.geteuid() == 0
+        self._next = base
+        self._free: list[int] = []
+
+    def take(self) -> int:
+        if not self._enabled:
+            return 0
+        if self._free:
+            return self._free.pop()
+        self._next += 1
+        return self._next - 1
+
+    def give(self, uid: int) -> None:
+        if uid:
+            self._free.append(uid)
+
+
+def death_reason(returncode: int | None) -> str:
+    """Words for how a worker process ended."""
+    if returncode is None:
+        return "worker closed its pipe"
+    if returncode < 0:
+        name = signal.Signals(-returncode).name
+        hint = {"SIGKILL": " (CPU or memory limit, or killed)", "SIGXCPU": " (CPU time limit)",
+                "SIGXFSZ": " (file size limit)", "SIGSEGV": " (crash)"}.get(name, "")
+        return f"worker killed by {name}{hint}"
+    return f"worker exited with code {returncode}"
+
+
+def worker_env(tmpdir: str) -> dict[str, str]:
+    """The whole environment a worker gets: nothing of the service's (no credentials)."""
+    return {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8", "HOME": tmpdir, "TMPDIR": tmpdir}
+
+
+class Worker:
+    """One sandboxed worker process serving one spec, one item at a time."""
+
+    proc: asyncio.subprocess.Process
+    tmpdir: str
+    uid: int
+    isolation: dict[str, Any]
+    items: int
+    cpu_s: float
+
+    def __init__(self, proc: asyncio.subprocess.Process, tmpdir: str, uid: int) -> None:
+        self.proc, self.tmpdir, self.uid = proc, tmpdir, uid
+        self.isolation, self.items, self.cpu_s = {}, 0, 0.0
+
+    @classmethod
+    async def start(cls, boot: dict[str, Any], uid: int, cfg: PoolConfig) -> Worker:
+        """Start a worker and load the spec; ConfigError naming why when it cannot load."""
+        tmpdir = tempfile.mkdtemp(prefix="fleetrl-reward-", dir=cfg.sandbox_dir)
+        if uid:
+            os.chown(tmpdir, uid, uid)
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-I", "-c", BOOTSTRAP, stdin=asyncio.subprocess.PIPE,
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.DEVNULL, cwd=tmpdir,
+            env=worker_env(tmpdir), start_new_session=True)
+        worker = cls(proc, tmpdir, uid)
+        limits = cfg.limits.__dict__
+        message = {**boot, "limits": limits, "uid": uid, "tmpdir": tmpdir, "root": ROOT}
+        try:
+            ready = await worker._exchange(message, cfg.start_timeout_s, cfg.max_reply_bytes)
+        except (TimeoutError, WorkerDied) as error:
+            await worker.kill()
+            what = f"did not load within {cfg.start_timeout_s:g}s" if isinstance(error, TimeoutError) else str(error)
+            raise ConfigError("reward spec cannot load", [FieldViolation(_spec_field(boot), what)]) from None
+        except BaseException:
+            await worker.kill()  # cancelled while loading: leave no process behind
+            raise
+        if not ready.get("ok"):
+            await worker.kill()
+            reason = str(ready.get("reason", "unknown"))
+            raise ConfigError("reward spec cannot load", [FieldViolation(_spec_field(boot), reason)])
+        worker.isolation = dict(ready.get("isolation") or {})
+        return worker
+
+    async def _exchange(self, message: dict[str, Any], timeout_s: float, max_bytes: int) -> dict[str, Any]:
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        try:
+            self.proc.stdin.write(protocol.encode(message))
+            await self.proc.stdin.drain()
+        except (BrokenPipeError, ConnectionResetError):
+            raise WorkerDied(await self._reason()) from None
+        return await asyncio.wait_for(self._read(self.proc.stdout, max_bytes), timeout_s)
+
+    async def _read(self, stream: asyncio.StreamReader, max_bytes: int) -> dict[str, Any]:
+        try:
+            (size,) = protocol.HEADER.unpack(await stream.readexactly(protocol.HEADER.size))
+            if size > max_bytes:
+                raise WorkerDied(f"reply of {size} bytes exceeds {max_bytes}")
+            return protocol.decode(await stream.readexactly(size))
+        except asyncio.IncompleteReadError:
+            raise WorkerDied(await self._reason()) from None
+        except protocol.ProtocolError as error:
+            raise WorkerDied(f"protocol error: {error}") from None
+
+    async def _reason(self) -> str:
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self.proc.wait(), 1.0)
+        return death_reason(self.proc.returncode)
+
+    async def call(self, request: dict[str, Any], timeout_s: float, max_bytes: int) -> dict[str, Any]:
+        """The worker's reply to one item; TimeoutError or WorkerDied otherwise."""
+        reply = await self._exchange(request, timeout_s, max_bytes)
+        self.items += 1
+        cpu = reply.get("cpu_s")
+        self.cpu_s = float(cpu) if isinstance(cpu, int | float) else self.cpu_s
+        return reply
+
+    async def kill(self) -> None:
+        """SIGKILL the worker's whole process group, reap it and remove its temp dir."""
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        with contextlib.suppress(ProcessLookupError):
+            self.proc.kill()
+        await self.proc.wait()
+        shutil.rmtree(self.tmpdir, ignore_errors=True)
+
+
+def _spec_field(boot: dict[str, Any]) -> str:
+    return "reward.file" if boot.get("mode") == "file" else "reward.params"

@@ -1,0 +1,231 @@
+"""The reward service's domain core: validate specs, keep worker pools, score batches.
+
+`Scorer.score(job_id, spec, items)` scores every item concurrently on the spec's pool and always
+returns one `Result` per item, in order: a hanging or crashing item costs only its own result.
+Pools are cached by the spec's digest (sha256 of its JSON and file source), at most `max_pools`
+of them (least recently used closed first), and closed after `pool_idle_s` unused. Worker replies
+are re-checked here, since user code could have forged them: a reward must be a finite number,
+or a dict of finite numbers whose "reward" entry (else their sum) is the reward.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import enum
+import hashlib
+import json
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from pydantic import ValidationError
+
+from services.common.config import RewardSpec, validate
+from services.common.errors import ConfigError, FieldViolation, InvalidArgument
+from services.reward import builtins
+from services.reward.config import RewardSettings
+from services.reward.metrics import RewardMetrics
+from services.reward.pool import WorkerPool
+from services.reward.sandbox import Limits, Outcome, PoolConfig, UidPool
+
+MAX_COMPONENTS = 64
+
+
+class Status(enum.StrEnum):
+    OK = "ok"
+    ERROR = "error"
+    TIMEOUT = "timeout"
+    KILLED = "killed"
+
+
+@dataclass(frozen=True)
+class Item:
+    """One completion to score, with its prompt and the prompt line's other fields."""
+
+    completion: str
+    prompt: str
+    metadata: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Result:
+    """How one item scored; reward is 0 unless status is OK."""
+
+    reward: float
+    components: dict[str, float]
+    status: Status
+    reason: str = ""
+    latency_s: float = 0.0
+
+
+@dataclass(frozen=True)
+class SpecInput:
+    """A validated reward spec with its file source and the digest pools are cached by."""
+
+    spec: RewardSpec
+    source: str
+    digest: str
+
+
+def parse_spec(spec_json: str, file_source: bytes) -> SpecInput:
+    """Validate the job's reward spec (ConfigError naming every bad field)."""
+    try:
+        data = json.loads(spec_json)
+    except json.JSONDecodeError as error:
+        raise ConfigError("reward spec is not JSON", [FieldViolation("spec.spec_json", str(error))]) from None
+    if not isinstance(data, dict):
+        raise ConfigError("reward spec must be an object", [FieldViolation("spec.spec_json", "not an object")])
+    spec = validate(RewardSpec, data, "reward spec")
+    try:
+        source = file_source.decode()
+    except UnicodeDecodeError as error:
+        raise ConfigError("reward file is not UTF-8", [FieldViolation("spec.file_source", str(error))]) from None
+    if spec.file is not None and not source.strip():
+        raise ConfigError("reward file is empty", [FieldViolation("spec.file_source", "no source sent")])
+    if spec.builtin is not None:
+        check_builtin(spec.builtin, spec.params)
+    digest = hashlib.sha256(spec_json.encode() + b"\0" + file_source).hexdigest()
+    return SpecInput(spec, source if spec.file is not None else "", digest)
+
+
+def check_builtin(name: str, params: dict[str, Any]) -> None:
+    """ConfigError unless name is a built-in and params fit its model."""
+    try:
+        builtins.resolve(name, params)
+    except KeyError as error:
+        raise ConfigError("unknown reward built-in", [FieldViolation("reward.builtin", str(error.args[0]))]) from None
+    except ValidationError as error:
+        violations = [FieldViolation(".".join(["reward.params", *map(str, e["loc"])]), e["msg"])
+                      for e in error.errors()]
+        raise ConfigError(f"bad params for built-in {name!r}", violations) from None
+
+
+def boot_message(spec: SpecInput) -> dict[str, Any]:
+    """What a worker needs to load the spec."""
+    if spec.spec.builtin is not None:
+        return {"mode": "builtin", "spec": {"builtin": spec.spec.builtin, "params": spec.spec.params}}
+    return {"mode": "file", "spec": {"params": spec.spec.params}, "source": spec.source}
+
+
+def _finite(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def to_result(outcome: Outcome) -> Result:
+    """Check a worker's reply and turn any outcome into a Result."""
+    if outcome.kind != "reply":
+        status = Status.TIMEOUT if outcome.kind == "timeout" else Status.KILLED
+        return Result(0.0, {}, status, outcome.reason, outcome.latency_s)
+    reply = outcome.reply
+    if "error" in reply:
+        return Result(0.0, {}, Status.ERROR, str(reply["error"])[:4000], outcome.latency_s)
+    if "value" in reply:
+        if not _finite(reply["value"]):
+            return Result(0.0, {}, Status.ERROR, f"reward is not a finite number: {reply['value']!r:.80}",
+                          outcome.latency_s)
+        return Result(float(reply["value"]), {}, Status.OK, "", outcome.latency_s)
+    return _components_result(reply.get("components"), outcome.latency_s)
+
+
+def _components_result(components: Any, latency_s: float) -> Result:
+    if not isinstance(components, dict) or len(components) > MAX_COMPONENTS:
+        return Result(0.0, {}, Status.ERROR, "malformed reply from the reward worker", latency_s)
+    if not all(isinstance(k, str) and _finite(v) for k, v in components.items()):
+        return Result(0.0, {}, Status.ERROR, "reward dict values must be finite numbers", latency_s)
+    parts = {k: float(v) for k, v in components.items() if k != "reward"}
+    reward = float(components["reward"]) if "reward" in components else sum(parts.values())
+    return Result(reward, parts, Status.OK, "", latency_s)
+
+
+class Scorer:
+    """Scores batches on cached worker pools; one instance per service."""
+
+    settings: RewardSettings
+    metrics: RewardMetrics
+
+    def __init__(self, settings: RewardSettings, metrics: RewardMetrics | None = None) -> None:
+        self.settings = settings
+        self.metrics = metrics or RewardMetrics()
+        self._pools: dict[str, asyncio.Task[WorkerPool]] = {}
+        self._uids = UidPool(settings.sandbox_uid_base)
+
+    def _pool_config(self, spec: RewardSpec) -> PoolConfig:
+        s = self.settings
+        limits = Limits(spec.memory_limit_mb, s.worker_cpu_limit_s, s.worker_max_file_mb,
+                        s.worker_max_open_files, s.worker_max_processes)
+        return PoolConfig(s.workers_per_pool, limits, s.worker_start_timeout_s, s.max_items_per_worker,
+                          s.max_reply_bytes, s.sandbox_dir)
+
+    async def _new_pool(self, spec: SpecInput) -> WorkerPool:
+        pool = WorkerPool(boot_message(spec), self._pool_config(spec.spec), self._uids)
+        try:
+            await pool.start()
+        except BaseException:
+            await pool.close()
+            raise
+        return pool
+
+    async def pool(self, spec: SpecInput) -> WorkerPool:
+        """The spec's pool, started on first use; ConfigError when the spec cannot load."""
+        task = self._pools.get(spec.digest)
+        if task is None:
+            task = asyncio.get_running_loop().create_task(self._new_pool(spec))
+            self._pools[spec.digest] = task
+        try:
+            pool = await asyncio.shield(task)
+        except Exception:
+            if self._pools.get(spec.digest) is task:
+                del self._pools[spec.digest]
+            raise
+        pool.last_used = time.monotonic()
+        await self._evict(keep=spec.digest)
+        return pool
+
+    async def _evict(self, keep: str) -> None:
+        ready = {d: t.result() for d, t in self._pools.items() if t.done() and not t.exception()}
+        while len(self._pools) > self.settings.max_pools and len(ready) > 1:
+            digest = min((d for d in ready if d != keep), key=lambda d: ready[d].last_used)
+            del self._pools[digest]
+            await ready.pop(digest).close()
+        self.metrics.pools.set(len(self._pools))
+
+    async def validate(self, spec: SpecInput) -> None:
+        """Load the spec in a sandboxed worker; ConfigError with the reason when it cannot."""
+        await self.pool(spec)
+
+    async def score(self, job_id: str, spec: SpecInput, items: list[Item]) -> list[Result]:
+        """One Result per item, in order, scored concurrently on the spec's pool."""
+        if len(items) > self.settings.max_items_per_request:
+            raise InvalidArgument("too many items", [FieldViolation(
+                "items", f"{len(items)} > max_items_per_request {self.settings.max_items_per_request}")])
+        if not items:
+            return []
+        pool = await self.pool(spec)
+        timeout_s = spec.spec.timeout_per_item_s
+        return list(await asyncio.gather(*(self._score_one(job_id, pool, item, timeout_s) for item in items)))
+
+    async def _score_one(self, job_id: str, pool: WorkerPool, item: Item, timeout_s: float) -> Result:
+        request = {"completion": item.completion, "prompt": item.prompt, "metadata": item.metadata}
+        result = to_result(await pool.run(request, timeout_s))
+        self.metrics.observe(job_id, result.status.value, result.latency_s)
+        return result
+
+    async def reap_idle(self) -> int:
+        """Close pools unused for pool_idle_s; returns how many were closed."""
+        now = time.monotonic()
+        idle = [d for d, t in self._pools.items() if t.done() and not t.exception()
+                and now - t.result().last_used > self.settings.pool_idle_s]
+        for digest in idle:
+            await self._pools.pop(digest).result().close()
+        self.metrics.pools.set(len(self._pools))
+        return len(idle)
+
+    async def close(self) -> None:
+        """Close every pool (kills all workers)."""
+        tasks = list(self._pools.values())
+        self._pools.clear()
+        for task in tasks:
+            with contextlib.suppress(Exception):
+                await (await task).close()
