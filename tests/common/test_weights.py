@@ -1,0 +1,154 @@
+"""Weight store against a real nats-server: round trip, corruption, CAS, pruning, watch, restart."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import os
+from collections.abc import AsyncIterator
+
+import pytest
+import torch
+from nats.aio.client import Client as NATS
+from nats.js.object_store import ObjectStore
+
+from services.common import bus
+from services.common.embedded import EmbeddedNats
+from services.common.errors import FailedPrecondition, NotFound
+from services.common.weights import (
+    WeightPointer,
+    WeightsCorrupt,
+    WeightStore,
+    decode_safetensors,
+    encode_safetensors,
+)
+
+JOB = "job-w"
+
+
+@pytest.fixture
+async def nc(nats_url: str) -> AsyncIterator[NATS]:
+    client = await bus.connect(nats_url, "test-weights")
+    yield client
+    await client.close()
+
+
+@pytest.fixture
+def store(nc: NATS) -> WeightStore:
+    return WeightStore(nc, bus.jetstream(nc))
+
+
+async def object_store(nc: NATS) -> ObjectStore:
+    return await bus.jetstream(nc).object_store(bus.weights_bucket(JOB))
+
+
+async def test_round_trip_verifies_digest_and_stock_get_reads_it(store: WeightStore, nc: NATS) -> None:
+    payload = os.urandom(5 * 1024 * 1024 + 123)
+    pointer = await store.publish(JOB, 0, payload, "bfloat16")
+    assert pointer == WeightPointer(0, "v0", hashlib.sha256(payload).hexdigest(), len(payload), "bfloat16")
+    assert await store.latest(JOB) == pointer
+    assert await store.pull(JOB, pointer) == payload
+    assert (await (await object_store(nc)).get("v0")).data == payload  # same layout as nats-py's put
+
+
+async def test_safetensors_through_the_store(store: WeightStore) -> None:
+    tensors = {"w": torch.randn(64, 32).to(torch.bfloat16), "b": torch.arange(7, dtype=torch.float32)}
+    pointer = await store.publish(JOB, 1, encode_safetensors(tensors), "bfloat16")
+    pulled = decode_safetensors(await store.pull(JOB, pointer))
+    assert pulled.keys() == tensors.keys()
+    assert all(torch.equal(pulled[name], tensors[name]) for name in tensors)
+
+
+async def test_latest_is_none_before_first_publish(store: WeightStore) -> None:
+    assert await store.latest(JOB) is None
+
+
+async def test_pointer_with_wrong_sha_raises_corrupt(store: WeightStore) -> None:
+    pointer = await store.publish(JOB, 0, os.urandom(300_000), "bfloat16")
+    forged = WeightPointer(0, pointer.object, "0" * 64, pointer.bytes, pointer.dtype)
+    with pytest.raises(WeightsCorrupt, match="sha256"):
+        await store.pull(JOB, forged)
+    with pytest.raises(WeightsCorrupt, match="bytes"):
+        await store.pull(JOB, WeightPointer(0, pointer.object, pointer.sha256, pointer.bytes + 1, "bfloat16"))
+
+
+async def test_replaced_chunk_raises_corrupt(store: WeightStore, nc: NATS) -> None:
+    """Delete one stored chunk and append a same-sized forged one: size matches, digest does not."""
+    pointer = await store.publish(JOB, 0, os.urandom(3 * 1024 * 1024), "bfloat16")
+    js = bus.jetstream(nc)
+    info = await (await object_store(nc)).get_info("v0")
+    subject = f"$O.{info.bucket}.C.{info.nuid}"
+    stream = f"OBJ_{info.bucket}"
+    first = await js.get_last_msg(stream, subject)  # the last chunk, a full one here
+    await js.delete_msg(stream, first.seq)
+    await js.publish(subject, os.urandom(len(first.data)))
+    with pytest.raises(WeightsCorrupt, match="sha256"):
+        await store.pull(JOB, pointer)
+
+
+async def test_missing_chunk_raises_corrupt(store: WeightStore, nc: NATS) -> None:
+    pointer = await store.publish(JOB, 0, os.urandom(3 * 1024 * 1024), "bfloat16")
+    js = bus.jetstream(nc)
+    info = await (await object_store(nc)).get_info("v0")
+    last = await js.get_last_msg(f"OBJ_{info.bucket}", f"$O.{info.bucket}.C.{info.nuid}")
+    await js.delete_msg(f"OBJ_{info.bucket}", last.seq)
+    with pytest.raises(WeightsCorrupt, match="bytes stored"):
+        await store.pull(JOB, pointer)
+
+
+async def test_pointer_never_moves_backwards(store: WeightStore) -> None:
+    await store.publish(JOB, 5, b"five", "bfloat16")
+    for stale in (5, 4):
+        with pytest.raises(FailedPrecondition):
+            await store.publish(JOB, stale, b"stale", "bfloat16")
+    latest = await store.latest(JOB)
+    assert latest is not None and latest.version == 5
+    assert await store.pull(JOB, latest) == b"five"  # v5 was not overwritten
+
+
+async def test_keep_deletes_older_objects(store: WeightStore, nc: NATS) -> None:
+    pointers = [await store.publish(JOB, version, os.urandom(1000), "bfloat16", keep=2) for version in range(4)]
+    names = {info.name for info in await (await object_store(nc)).list(ignore_deletes=True)}
+    assert names == {"v2", "v3"}
+    with pytest.raises(NotFound):
+        await store.pull(JOB, pointers[1])
+    assert len(await store.pull(JOB, pointers[3])) == 1000
+
+
+async def test_watch_yields_increasing_versions(store: WeightStore) -> None:
+    await store.publish(JOB, 0, b"zero", "bfloat16")
+    seen: list[int] = []
+
+    async def consume() -> None:
+        async for pointer in store.watch(JOB):
+            seen.append(pointer.version)
+            if pointer.version == 3:
+                return
+
+    watching = asyncio.create_task(consume())
+    for version in (1, 2, 3):
+        await asyncio.sleep(0.05)
+        await store.publish(JOB, version, f"v{version}".encode(), "bfloat16")
+    await asyncio.wait_for(watching, 10)
+    assert seen == [0, 1, 2, 3]
+
+
+async def test_pull_after_server_sigkill_and_restart(nats_server: EmbeddedNats, store: WeightStore, nc: NATS) -> None:
+    payload = os.urandom(2 * 1024 * 1024)
+    pointer = await store.publish(JOB, 7, payload, "bfloat16")
+    nats_server.kill()
+    nats_server.start()
+    fresh = await bus.connect(nats_server.url, "test-weights-after")
+    try:
+        after = WeightStore(fresh, bus.jetstream(fresh))
+        assert await after.latest(JOB) == pointer
+        assert await after.pull(JOB, pointer) == payload
+    finally:
+        await fresh.close()
+    await asyncio.wait_for(_until_connected(nc), 10)
+    assert await store.pull(JOB, pointer) == payload  # the reconnected original client too
+
+
+async def _until_connected(client: NATS) -> None:
+    while not client.is_connected:
+        await asyncio.sleep(0.05)
