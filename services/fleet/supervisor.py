@@ -9,6 +9,7 @@ one that keeps crashing right after start is still retried, never spun on.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
@@ -88,7 +89,8 @@ class Supervisor:
             if child.proc is not None:  # it just died: schedule the restart
                 code = child.proc.returncode
                 lived = now - child.started_at
-                child.backoff_s = BACKOFF_START_S if lived > HEALTHY_AFTER_S else min(BACKOFF_MAX_S, child.backoff_s * 2)
+                healthy = lived > HEALTHY_AFTER_S
+                child.backoff_s = BACKOFF_START_S if healthy else min(BACKOFF_MAX_S, child.backoff_s * 2)
                 child.next_start_at = now + child.backoff_s
                 child.proc = None
                 log.warning("%s exited with %s after %.1fs; restart in %.1fs", child.spec.name, code, lived,
@@ -130,18 +132,14 @@ class Supervisor:
 def _signal_group(child: Child, sig: int) -> None:
     if child.proc is None:
         return
-    try:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(child.proc.pid, sig)
-    except (ProcessLookupError, PermissionError):
-        pass
 
 
 def _terminate(child: Child, grace_s: float) -> None:
     _signal_group(child, signal.SIGTERM)
     if child.proc is not None:
-        try:
+        with contextlib.suppress(subprocess.TimeoutExpired):
             child.proc.wait(grace_s)
-        except subprocess.TimeoutExpired:
-            pass
         _signal_group(child, signal.SIGKILL)
         child.proc.wait()

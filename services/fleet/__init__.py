@@ -1,0 +1,12 @@
+"""The local fleet: every service as a supervised child process, one command away.
+
+- `fleet.Fleet`: starts embedded NATS + Valkey (or uses given URLs), then gateway, replay,
+  reward, learner and N actors under a `supervisor.Supervisor`; records where everything
+  listens in `<run_dir>/fleet.json`; `scale` changes the actor count of a running fleet.
+- `cli`: `fleetrl up`, `fleetrl scale`, `fleetrl demo` (the addition demo and its report).
+- `evaluate`: held-out greedy accuracy / format rate for the demo's report.
+- `top`: `fleetrl top`, a live terminal view over the gateway's API.
+
+Services are configured only through their environment variables (`FLEETRL_<SERVICE>_<FIELD>`),
+the same interface docker-compose.yml uses, so the two launchers cannot drift apart.
+"""

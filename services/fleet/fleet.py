@@ -1,0 +1,185 @@
+"""Start, scale and stop a whole fleet on one machine.
+
+The fleet's layout goes to `<run_dir>/fleet.json` (addresses, pids, log
+directory); `fleetrl scale` writes the wanted actor count to
+`<run_dir>/fleet.scale` and sends SIGHUP to the supervising process, which
+adds actors or stops the newest ones with SIGTERM (they finish or release
+their task first).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import sys
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from services.common import embedded
+from services.fleet.supervisor import ChildSpec, Supervisor
+
+log = logging.getLogger(__name__)
+
+STATE_FILE = "fleet.json"
+SCALE_FILE = "fleet.scale"
+SERVICES = ("replay", "reward", "gateway", "learner")
+
+
+@dataclass
+class FleetOptions:
+    """What `fleetrl up` was asked for."""
+
+    run_dir: Path
+    actors: int = 2
+    nats_url: str | None = None
+    redis_url: str | None = None
+    host: str = "127.0.0.1"
+    tracing: bool = False
+    metrics: bool = True
+    extra_env: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass
+class FleetLayout:
+    """Where a running fleet's parts listen."""
+
+    nats_url: str
+    redis_url: str
+    addresses: dict[str, str]
+    metrics_ports: dict[str, int]
+    log_dir: Path
+    pid: int
+
+    def to_json(self) -> str:
+        data = {**self.__dict__, "log_dir": str(self.log_dir)}
+        return json.dumps(data, indent=2)
+
+    @classmethod
+    def read(cls, run_dir: Path) -> FleetLayout | None:
+        path = run_dir / STATE_FILE
+        if not path.exists():
+            return None
+        data = json.loads(path.read_text())
+        layout = cls(**{**data, "log_dir": Path(data["log_dir"])})
+        return layout if _pid_alive(layout.pid) else None
+
+
+class Fleet:
+    """The fleet's processes. `start()`, then `serve(stop)` until stop is set, then `stop()`."""
+
+    def __init__(self, options: FleetOptions) -> None:
+        self.options = options
+        self.run_dir = options.run_dir.resolve()
+        self.infra: embedded.Infra | None = None
+        self.supervisor = Supervisor(self.run_dir / "logs")
+        self.layout: FleetLayout | None = None
+        self._actor_ids = 0
+        self._rescale = threading.Event()
+
+    def start(self) -> FleetLayout:
+        nats_url, redis_url = self._start_infra()
+        host = self.options.host
+        addresses = {name: f"{host}:{embedded.free_port(host)}" for name in SERVICES}
+        metrics = {name: embedded.free_port(host) if self.options.metrics else 0 for name in (*SERVICES, "actor")}
+        self.layout = FleetLayout(nats_url, redis_url, addresses, metrics, self.supervisor.log_dir, os.getpid())
+        for name in SERVICES:
+            self.supervisor.add(ChildSpec(name, _module_argv(name), self._env(name)))
+        embedded.wait_for_port(host, int(addresses["gateway"].rsplit(":", 1)[1]), 60.0)
+        self.set_actors(self.options.actors)
+        (self.run_dir / STATE_FILE).write_text(self.layout.to_json())
+        return self.layout
+
+    def _start_infra(self) -> tuple[str, str]:
+        if self.options.nats_url and self.options.redis_url:
+            return self.options.nats_url, self.options.redis_url
+        self.infra = embedded.Infra(self.run_dir / "infra")
+        if not self.options.nats_url:
+            self.infra.nats.start()
+        if not self.options.redis_url:
+            self.infra.valkey.start()
+        return self.options.nats_url or self.infra.nats.url, self.options.redis_url or self.infra.valkey.url
+
+    def _env(self, service: str, actor_index: int = 0) -> dict[str, str]:
+        assert self.layout is not None
+        prefix = f"FLEETRL_{service.upper()}_"
+        addresses = self.layout.addresses
+        env = {
+            "NATS_URL": self.layout.nats_url, "REDIS_URL": self.layout.redis_url, "RUN_DIR": str(self.run_dir),
+            "REPLAY_ADDR": addresses["replay"], "REWARD_ADDR": addresses["reward"],
+            "GATEWAY_ADDR": addresses["gateway"], "LEARNER_ADDR": addresses["learner"],
+        }
+        if service in addresses:
+            env["LISTEN"] = addresses[service]
+        port = self.layout.metrics_ports.get(service, 0)
+        if port and service != "actor":
+            env["METRICS_PORT"] = str(port)
+        if service == "actor":
+            env["ACTOR_ID"] = f"actor-{actor_index}"
+        if service == "gateway":
+            env["OPEN_MODE"] = "true"
+        out = {prefix + key: value for key, value in env.items()}
+        out["FLEETRL_TRACING"] = "1" if self.options.tracing else "0"
+        out["TOKENIZERS_PARALLELISM"] = "false"
+        return {**out, **self.options.extra_env}
+
+    def actor_names(self) -> list[str]:
+        return sorted((n for n in self.supervisor.children if n.startswith("actor-")), key=lambda n: int(n[6:]))
+
+    def set_actors(self, count: int) -> None:
+        """Add actors, or stop the newest ones (SIGTERM: they finish or release their task)."""
+        names = self.actor_names()
+        for name in names[count:][::-1]:
+            self.supervisor.remove(name)
+        for _ in range(count - len(names)):
+            self._actor_ids += 1
+            name = f"actor-{self._actor_ids}"
+            self.supervisor.add(ChildSpec(name, _module_argv("actor"), self._env("actor", self._actor_ids)))
+        log.info("actors: %s", ", ".join(self.actor_names()) or "none")
+
+    def request_rescale(self, *_: object) -> None:
+        self._rescale.set()
+
+    def serve(self, stop: threading.Event) -> None:
+        """Supervise until stop is set: restart crashed children, apply `fleetrl scale` requests."""
+        signal.signal(signal.SIGHUP, self.request_rescale)
+        while not stop.wait(0.25):
+            for name in self.supervisor.poll():
+                log.warning("restarted %s", name)
+            if self._rescale.is_set():
+                self._rescale.clear()
+                self.set_actors(read_scale(self.run_dir))
+
+    def stop(self) -> None:
+        self.supervisor.stop_all()
+        if self.infra is not None:
+            self.infra.stop()
+        (self.run_dir / STATE_FILE).unlink(missing_ok=True)
+
+
+def _module_argv(service: str) -> list[str]:
+    return [sys.executable, "-m", f"services.{service}"]
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def read_scale(run_dir: Path) -> int:
+    return int(json.loads((run_dir / SCALE_FILE).read_text())["actor"])
+
+
+def request_scale(run_dir: Path, actors: int) -> FleetLayout:
+    """Ask the fleet running in run_dir to run `actors` actors."""
+    layout = FleetLayout.read(run_dir)
+    if layout is None:
+        raise RuntimeError(f"no running fleet recorded in {run_dir} (start one with `fleetrl up --dir {run_dir}`)")
+    (run_dir / SCALE_FILE).write_text(json.dumps({"actor": actors}))
+    os.kill(layout.pid, signal.SIGHUP)
+    return layout
