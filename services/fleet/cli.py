@@ -1,0 +1,89 @@
+"""`fleetrl up`, `fleetrl scale` and `fleetrl demo`."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import sys
+import threading
+from pathlib import Path
+
+from services.fleet.fleet import Fleet, FleetLayout, FleetOptions, request_scale
+
+
+def _up_parser(prog: str) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog=prog, description="start the whole fleet as supervised processes")
+    parser.add_argument("--actors", type=int, default=2, help="actor replicas (default 2)")
+    parser.add_argument("--dir", type=Path, default=Path("runs/local"), help="run directory (logs, data, models)")
+    parser.add_argument("--nats-url", help="use this NATS instead of an embedded one")
+    parser.add_argument("--redis-url", help="use this Redis instead of an embedded Valkey")
+    parser.add_argument("--tracing", action="store_true", help="write traces to RUN_DIR/traces (or OTLP)")
+    return parser
+
+
+def options_from(args: argparse.Namespace) -> FleetOptions:
+    if args.actors < 0:
+        raise SystemExit("--actors must be >= 0")
+    return FleetOptions(run_dir=args.dir, actors=args.actors, nats_url=args.nats_url, redis_url=args.redis_url,
+                        tracing=args.tracing)
+
+
+def print_layout(layout: FleetLayout, actors: int) -> None:
+    print(f"NATS     {layout.nats_url}")
+    print(f"Redis    {layout.redis_url}")
+    for name, address in layout.addresses.items():
+        metrics = layout.metrics_ports.get(name)
+        print(f"{name:<8} {address}" + (f"   metrics http://127.0.0.1:{metrics}/metrics" if metrics else ""))
+    print(f"actors   {actors}   logs in {layout.log_dir}")
+
+
+def up(argv: list[str]) -> int:
+    args = _up_parser("fleetrl up").parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s fleet %(levelname)s %(message)s")
+    fleet = Fleet(options_from(args))
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    try:
+        layout = fleet.start()
+        print_layout(layout, args.actors)
+        gateway = layout.addresses["gateway"]
+        print(f"submit with: fleetrl submit JOB.toml --gateway {gateway}   (Ctrl-C stops the fleet)")
+        sys.stdout.flush()
+        fleet.serve(stop)
+    finally:
+        fleet.stop()
+    print("fleet stopped")
+    return 0
+
+
+def scale(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="fleetrl scale", description="change the actor count of a running fleet")
+    parser.add_argument("target", help="actor=N")
+    parser.add_argument("--dir", type=Path, default=Path("runs/local"), help="run directory of the fleet")
+    args = parser.parse_args(argv)
+    role, _, count = args.target.partition("=")
+    if role != "actor" or not count.isdigit():
+        print(f"expected actor=N, got {args.target!r}", file=sys.stderr)
+        return 2
+    try:
+        request_scale(args.dir, int(count))
+    except RuntimeError as error:
+        print(error, file=sys.stderr)
+        return 1
+    print(f"asked the fleet in {args.dir} for {count} actor(s)")
+    return 0
+
+
+def main(argv: list[str]) -> int:
+    command, rest = argv[0], argv[1:]
+    if command == "up":
+        return up(rest)
+    if command == "scale":
+        return scale(rest)
+    if command == "demo":
+        from services.fleet.demo import main as demo_main
+
+        return demo_main(rest)
+    raise SystemExit(f"unknown fleet command {command!r}")
