@@ -1,0 +1,15 @@
+"""Gateway: how users submit, watch and cancel jobs (gRPC JobService), plus the Python client and CLI.
+
+Components (none references another's internals; `server.serve` wires them):
+- `config`: GatewaySettings (environment prefix FLEETRL_GATEWAY_).
+- `auth`: bearer-token table (sha256 hashes at rest) and the interceptor that puts the caller's
+  tenant on each call; health and reflection are exempt.
+- `service`: the domain core (no grpc): submission checks, tenant scoping, the job state machine
+  through `services.common.jobs.JobStore`, watch streams and model downloads.
+- `adapters`: what the core calls outside Redis: the reward service's Validate, the JetStream task
+  purge and the job event subject.
+- `convert` + `server`: the thin gRPC adapter and the process lifecycle; `__main__`:
+  `python -m services.gateway` / `fleetrl gateway`.
+- `client`: the synchronous Python client (`Client.create_run(...) -> Run`); `cli`: `fleetrl submit|
+  status|watch|cancel|jobs|download`.
+"""

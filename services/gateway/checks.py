@@ -1,0 +1,139 @@
+"""Submission checks that need no other service: sizes, the spec, the prompt JSONL, file pairing.
+
+Every problem becomes a FieldViolation and all of them are gathered before anything is raised, so
+one round trip shows the user every mistake. Sizes are checked first and raise at once
+(RESOURCE_EXHAUSTED): parsing a file that is too large is wasted work.
+"""
+
+from __future__ import annotations
+
+import json
+import tomllib
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from services.common.config import JobSpec, RewardSpec, parse_job_spec
+from services.common.errors import ConfigError, FieldViolation, ResourceExhausted
+
+MAX_REPORTED_LINES = 20
+MAX_IDEMPOTENCY_KEY = 128
+
+
+@dataclass(frozen=True)
+class Submission:
+    """What a user sends to create a job."""
+
+    spec_text: str
+    spec_format: str
+    prompts: bytes
+    reward_file: bytes
+    idempotency_key: str = ""
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Size limits of a submission, in bytes."""
+
+    max_prompts_bytes: int
+    max_reward_file_bytes: int
+
+
+@dataclass(frozen=True)
+class Checked:
+    """Outcome of the local checks: the spec if it parsed, the reward spec to ask the reward
+    service about (also when other parts of the spec are bad), and every violation found."""
+
+    spec: JobSpec | None
+    reward: RewardSpec | None
+    violations: list[FieldViolation]
+
+
+def check_sizes(sub: Submission, limits: Limits) -> None:
+    if len(sub.prompts) > limits.max_prompts_bytes:
+        raise ResourceExhausted(
+            f"prompt file is {len(sub.prompts)} bytes, more than the limit of {limits.max_prompts_bytes}")
+    if len(sub.reward_file) > limits.max_reward_file_bytes:
+        raise ResourceExhausted(
+            f"reward file is {len(sub.reward_file)} bytes, more than the limit of {limits.max_reward_file_bytes}")
+
+
+def check_submission(sub: Submission) -> Checked:
+    """Parse the spec and check the prompts and the reward file's pairing with the spec."""
+    violations: list[FieldViolation] = []
+    fmt = _format(sub.spec_format, violations)
+    spec, reward = _spec(sub.spec_text, fmt, violations)
+    violations += prompt_violations(sub.prompts)
+    if reward is not None:
+        violations += _pairing(reward, sub.reward_file)
+    if len(sub.idempotency_key) > MAX_IDEMPOTENCY_KEY:
+        violations.append(FieldViolation("idempotency_key", f"longer than {MAX_IDEMPOTENCY_KEY} characters"))
+    return Checked(spec, reward, violations)
+
+
+def _format(raw: str, violations: list[FieldViolation]) -> Literal["toml", "json"]:
+    if raw in ("", "toml"):
+        return "toml"
+    if raw == "json":
+        return "json"
+    violations.append(FieldViolation("spec_format", f"must be 'toml' or 'json', not {raw!r}"))
+    return "toml"
+
+
+def _spec(text: str, fmt: Literal["toml", "json"],
+          violations: list[FieldViolation]) -> tuple[JobSpec | None, RewardSpec | None]:
+    try:
+        spec = parse_job_spec(text, fmt)
+        return spec, spec.reward
+    except ConfigError as error:
+        violations += error.violations
+    return None, _reward_alone(text, fmt)
+
+
+def _reward_alone(text: str, fmt: Literal["toml", "json"]) -> RewardSpec | None:
+    """The reward table of a spec that failed elsewhere, if the table itself is valid."""
+    try:
+        data: Any = tomllib.loads(text) if fmt == "toml" else json.loads(text)
+        return RewardSpec.model_validate(data["reward"])
+    except (ValueError, KeyError, TypeError):  # pydantic's ValidationError is a ValueError
+        return None
+
+
+def _pairing(reward: RewardSpec, source: bytes) -> list[FieldViolation]:
+    if reward.file is not None and not source:
+        return [FieldViolation("reward_file", f"the spec names reward.file {reward.file!r} but no file "
+                                              "contents were sent")]
+    if reward.file is None and source:
+        return [FieldViolation("reward_file", "a reward file was sent but the spec uses reward.builtin")]
+    return []
+
+
+def prompt_violations(data: bytes) -> list[FieldViolation]:
+    """Every bad line of a prompt JSONL (`prompts[line N]`, 1-based), at most MAX_REPORTED_LINES."""
+    if not data.strip():
+        return [FieldViolation("prompts", "the prompt file is empty")]
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as error:
+        return [FieldViolation("prompts", f"not UTF-8: {error}")]
+    bad = [FieldViolation(f"prompts[line {n}]", problem)
+           for n, line in enumerate(text.splitlines(), 1) if (problem := line_problem(line))]
+    if len(bad) > MAX_REPORTED_LINES:
+        more = len(bad) - MAX_REPORTED_LINES
+        bad = [*bad[:MAX_REPORTED_LINES], FieldViolation("prompts", f"{more} more bad lines not shown")]
+    return bad
+
+
+def line_problem(line: str) -> str | None:
+    """Why one prompt line is unusable, or None."""
+    if not line.strip():
+        return "blank line: the file must hold one JSON object per line"
+    try:
+        item = json.loads(line)
+    except json.JSONDecodeError as error:
+        return f"not JSON: {error}"
+    if not isinstance(item, dict):
+        return "not a JSON object"
+    prompt = item.get("prompt")
+    if not isinstance(prompt, str) or not prompt:
+        return 'needs a non-empty string field "prompt"'
+    return None

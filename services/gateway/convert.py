@@ -1,0 +1,86 @@
+"""Conversions between JobService protos and the gateway's domain and client types (the only place).
+
+Server side: requests -> `Submission`, `JobRecord`/`WatchEvent`/`ModelChunk` -> protos. Client side:
+protos -> `JobInfo`/`StepInfo`/`JobEventInfo`. Step metrics are stored by the learner as a flat
+JSON object; `step`, `policy_version` and `unix_ms` are structural, every other number is a value.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from typing import Any
+
+from services.common.jobs import JobRecord, JobState
+from services.gateway.checks import Submission
+from services.gateway.models import JobEventInfo, JobInfo, StepInfo
+from services.gateway.service import ModelChunk, WatchEvent
+from services.proto.fleetrl.v1 import gateway_pb2, learner_pb2
+
+_STATES = {state: getattr(gateway_pb2, f"JOB_STATE_{state.name}") for state in JobState}
+_NAMES = {number: state.value for state, number in _STATES.items()}
+STRUCTURAL = ("step", "policy_version", "unix_ms")
+
+
+# ----------------------------------------------------------------------------- server side
+
+def to_submission(request: gateway_pb2.SubmitJobRequest) -> Submission:
+    return Submission(spec_text=request.spec, spec_format=request.spec_format, prompts=request.prompts,
+                      reward_file=request.reward_file, idempotency_key=request.idempotency_key)
+
+
+def step_to_proto(metrics: dict[str, Any]) -> learner_pb2.StepMetrics:
+    values = {k: float(v) for k, v in metrics.items()
+              if k not in STRUCTURAL and isinstance(v, int | float) and math.isfinite(float(v))}
+    return learner_pb2.StepMetrics(step=int(metrics.get("step", 0)), values=values,
+                                   policy_version=int(metrics.get("policy_version", 0)),
+                                   unix_ms=int(metrics.get("unix_ms", 0)))
+
+
+def job_to_proto(record: JobRecord) -> gateway_pb2.Job:
+    job = gateway_pb2.Job(
+        job_id=record.job_id, tenant=record.tenant, name=record.name, state=_STATES[record.state],
+        reason=record.reason, spec_json=record.spec.model_dump_json(), created_unix_ms=record.created_ms,
+        updated_unix_ms=record.updated_ms, model_uri=record.model_uri,
+    )
+    if record.last_step is not None:
+        job.last.CopyFrom(step_to_proto(record.last_step))
+    return job
+
+
+def event_to_proto(event: WatchEvent) -> gateway_pb2.JobEvent:
+    out = gateway_pb2.JobEvent(job=job_to_proto(event.job))
+    if event.step is not None:
+        out.step.CopyFrom(step_to_proto(event.step))
+    elif event.state is not None:
+        out.state = _STATES[event.state]
+    return out
+
+
+def chunk_to_proto(chunk: ModelChunk) -> gateway_pb2.FileChunk:
+    return gateway_pb2.FileChunk(path=chunk.path, offset=chunk.offset, data=chunk.data, last=chunk.last)
+
+
+# ----------------------------------------------------------------------------- client side
+
+def step_info(step: learner_pb2.StepMetrics) -> StepInfo:
+    return StepInfo(step=step.step, policy_version=step.policy_version, values=dict(step.values),
+                    unix_ms=step.unix_ms)
+
+
+def job_info(job: gateway_pb2.Job) -> JobInfo:
+    return JobInfo(
+        job_id=job.job_id, tenant=job.tenant, name=job.name, state=_NAMES.get(job.state, "unspecified"),
+        reason=job.reason, spec=json.loads(job.spec_json) if job.spec_json else {},
+        created_unix_ms=job.created_unix_ms, updated_unix_ms=job.updated_unix_ms,
+        last=step_info(job.last) if job.HasField("last") else None, model_uri=job.model_uri,
+    )
+
+
+def event_info(event: gateway_pb2.JobEvent) -> JobEventInfo:
+    kind = event.WhichOneof("event")
+    return JobEventInfo(
+        job=job_info(event.job),
+        state=_NAMES.get(event.state, "unspecified") if kind == "state" else None,
+        step=step_info(event.step) if kind == "step" else None,
+    )

@@ -1,0 +1,58 @@
+"""What the Python client and the CLI hand to users: plain dataclasses, no protobuf."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+TERMINAL_STATES = ("succeeded", "failed", "cancelled")
+
+
+@dataclass(frozen=True)
+class StepInfo:
+    """Metrics of one finished optimizer step (`values`: loss, reward_mean, kl, tokens_per_s, ...)."""
+
+    step: int
+    policy_version: int
+    values: dict[str, float] = field(default_factory=dict)
+    unix_ms: int = 0
+
+    def __getitem__(self, name: str) -> float:
+        return self.values[name]
+
+
+@dataclass(frozen=True)
+class JobInfo:
+    """A job as the gateway reports it. `state` is one of queued, running, succeeded, failed, cancelled."""
+
+    job_id: str
+    tenant: str
+    name: str
+    state: str
+    reason: str
+    spec: dict[str, Any]
+    created_unix_ms: int
+    updated_unix_ms: int
+    last: StepInfo | None
+    model_uri: str
+
+    @property
+    def done(self) -> bool:
+        return self.state in TERMINAL_STATES
+
+    @property
+    def max_steps(self) -> int:
+        return int(self.spec.get("train", {}).get("max_steps", 0))
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+
+@dataclass(frozen=True)
+class JobEventInfo:
+    """One WatchJob event: the job after it, and either its new state or a step's metrics."""
+
+    job: JobInfo
+    state: str | None = None
+    step: StepInfo | None = None

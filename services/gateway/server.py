@@ -1,0 +1,196 @@
+"""The gRPC JobService: a thin adapter over `service.Gateway`, plus the process lifecycle.
+
+Each RPC converts its request, calls the core as the caller's tenant (`auth.current_tenant`) and
+converts the result; `map_errors` maps domain errors to status codes in one place. Requests are
+deserialised by a wrapper that turns undecodable bytes into INVALID_ARGUMENT instead of gRPC's
+INTERNAL. `serve` owns Redis, NATS, the reward channel and the gRPC server in one AsyncExitStack.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from services.common import bus, grpcutil
+from services.common.errors import ConfigError, FieldViolation, InvalidArgument
+from services.common.grpcutil import map_errors, map_stream_errors
+from services.common.jobs import JobStore
+from services.gateway import convert
+from services.gateway.adapters import JetStreamEvents, JetStreamPurger, RewardValidator
+from services.gateway.auth import AuthInterceptor, TokenTable, current_tenant
+from services.gateway.checks import Limits
+from services.gateway.config import GatewaySettings
+from services.gateway.service import Gateway
+from services.proto.fleetrl.v1 import gateway_pb2, gateway_pb2_grpc
+
+log = logging.getLogger(__name__)
+SERVICE_NAME = gateway_pb2.DESCRIPTOR.services_by_name["JobService"].full_name
+
+
+class Undecodable:
+    """Stands in for a request whose bytes do not parse; the servicer answers INVALID_ARGUMENT."""
+
+    type_name: str
+    error: str
+
+    def __init__(self, type_name: str, error: str) -> None:
+        self.type_name, self.error = type_name, error
+
+
+def _require(request: Any) -> None:
+    if isinstance(request, Undecodable):
+        raise InvalidArgument(f"request is not a valid {request.type_name}: {request.error}")
+
+
+class JobServicer(gateway_pb2_grpc.JobServiceServicer):
+    """JobService RPCs over one Gateway."""
+
+    gateway: Gateway
+    max_list: int
+
+    def __init__(self, gateway: Gateway, max_list: int) -> None:
+        self.gateway, self.max_list = gateway, max_list
+
+    @map_errors
+    async def SubmitJob(self, request: gateway_pb2.SubmitJobRequest, context: Any) -> gateway_pb2.Job:
+        _require(request)
+        return convert.job_to_proto(await self.gateway.submit(current_tenant(), convert.to_submission(request)))
+
+    @map_errors
+    async def GetJob(self, request: gateway_pb2.GetJobRequest, context: Any) -> gateway_pb2.Job:
+        _require(request)
+        return convert.job_to_proto(await self.gateway.get(current_tenant(), request.job_id))
+
+    @map_errors
+    async def ListJobs(self, request: gateway_pb2.ListJobsRequest, context: Any) -> gateway_pb2.ListJobsResponse:
+        _require(request)
+        records = await self.gateway.list_jobs(current_tenant(), min(request.limit or 50, self.max_list))
+        return gateway_pb2.ListJobsResponse(jobs=[convert.job_to_proto(r) for r in records])
+
+    @map_errors
+    async def CancelJob(self, request: gateway_pb2.CancelJobRequest, context: Any) -> gateway_pb2.Job:
+        _require(request)
+        return convert.job_to_proto(await self.gateway.cancel(current_tenant(), request.job_id, request.reason))
+
+    @map_stream_errors
+    async def WatchJob(self, request: gateway_pb2.WatchJobRequest, context: Any) -> AsyncIterator[gateway_pb2.JobEvent]:
+        _require(request)
+        async for event in self.gateway.watch(current_tenant(), request.job_id, request.from_step):
+            yield convert.event_to_proto(event)
+
+    @map_stream_errors
+    async def DownloadModel(self, request: gateway_pb2.DownloadModelRequest,
+                            context: Any) -> AsyncIterator[gateway_pb2.FileChunk]:
+        _require(request)
+        async for chunk in self.gateway.model_chunks(current_tenant(), request.job_id):
+            yield convert.chunk_to_proto(chunk)
+
+
+def _safe_deserializer(message_cls: Any) -> Callable[[bytes], Any]:
+    def parse(data: bytes) -> Any:
+        try:
+            return message_cls.FromString(data)
+        except Exception as error:  # protobuf's DecodeError, or a string field that is not UTF-8
+            return Undecodable(message_cls.DESCRIPTOR.full_name, str(error) or type(error).__name__)
+
+    return parse
+
+
+def add_job_service(servicer: JobServicer) -> Callable[[grpc.aio.Server], str]:
+    """A register function for start_server, with undecodable requests kept away from gRPC's INTERNAL."""
+
+    def register(server: grpc.aio.Server) -> str:
+        service = gateway_pb2.DESCRIPTOR.services_by_name["JobService"]
+        handlers = {}
+        for method in service.methods:
+            request_cls = getattr(gateway_pb2, method.input_type.name)
+            response_cls = getattr(gateway_pb2, method.output_type.name)
+            make = (grpc.unary_stream_rpc_method_handler if method.server_streaming
+                    else grpc.unary_unary_rpc_method_handler)
+            handlers[method.name] = make(getattr(servicer, method.name),
+                                         request_deserializer=_safe_deserializer(request_cls),
+                                         response_serializer=response_cls.SerializeToString)
+        server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service.full_name, handlers),))
+        return service.full_name
+
+    return register
+
+
+async def start_grpc(settings: GatewaySettings, register: list[Callable[[grpc.aio.Server], str]],
+                     table: TokenTable) -> tuple[grpc.aio.Server, int, health.aio.HealthServicer]:
+    """Like grpcutil.start_server, with the gateway's own message limit and the auth interceptor."""
+    limit = int(settings.max_message_mb * 1024 * 1024)
+    keep = [(k, v) for k, v in grpcutil.CHANNEL_OPTIONS if not k.startswith("grpc.max_")]
+    options = [*keep, ("grpc.max_receive_message_length", limit),
+               ("grpc.max_send_message_length", grpcutil.MAX_MESSAGE_BYTES)]
+    server = grpc.aio.server(options=options, interceptors=[AuthInterceptor(table)])
+    names = [add(server) for add in register]
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    for name in [*names, ""]:
+        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    reflection.enable_server_reflection([*names, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
+    credentials = server_credentials(settings)
+    port = (server.add_secure_port(settings.listen, credentials) if credentials
+            else server.add_insecure_port(settings.listen))
+    if port == 0:
+        raise OSError(f"cannot bind gRPC server to {settings.listen}")
+    await server.start()
+    return server, port, health_servicer
+
+
+def server_credentials(settings: GatewaySettings) -> grpc.ServerCredentials | None:
+    if settings.tls_cert is None or settings.tls_key is None:
+        return None
+    return grpc.ssl_server_credentials([(settings.tls_key.read_bytes(), settings.tls_cert.read_bytes())])
+
+
+def token_table(settings: GatewaySettings) -> TokenTable:
+    """The auth table; refuses a closed gateway without tokens, shouts about open mode."""
+    digests = settings.token_table()
+    if settings.open_mode:
+        log.warning("!!! OPEN MODE: no authentication, every caller is tenant 'local'. "
+                    "Use only on a single-user machine; configure tokens for anything else. !!!")
+        if digests:
+            log.warning("open mode ignores the %d configured tokens", len(digests))
+    elif not digests:
+        raise ConfigError("gateway settings", [FieldViolation(
+            "tokens", "no tokens configured: set tokens or tokens_file, or open_mode = true for local use")])
+    return TokenTable(digests, settings.open_mode)
+
+
+async def serve(settings: GatewaySettings, stop: asyncio.Event,
+                on_start: Callable[[int], None] | None = None) -> None:
+    """Run the gateway until stop is set."""
+    table = token_table(settings)
+    async with contextlib.AsyncExitStack() as stack:
+        store = JobStore.from_url(settings.redis_url)
+        stack.push_async_callback(store.close)
+        nc = await bus.connect(settings.nats_url, "gateway")
+        stack.push_async_callback(nc.drain)
+        js = bus.jetstream(nc)
+        await bus.ensure_streams(js)
+        reward_channel = grpcutil.channel(settings.reward_addr)
+        stack.push_async_callback(reward_channel.close)
+        gateway = Gateway(
+            store, RewardValidator(reward_channel, settings.reward_addr, settings.reward_validate_timeout_s),
+            JetStreamPurger(js), JetStreamEvents(js),
+            Limits(int(settings.max_prompts_mb * 1024 * 1024), int(settings.max_reward_file_kb * 1024)),
+            poll_s=settings.watch_poll_s, chunk_bytes=settings.download_chunk_kb * 1024,
+        )
+        server, port, health_servicer = await start_grpc(
+            settings, [add_job_service(JobServicer(gateway, settings.max_list_jobs))], table)
+        log.info("gateway listening on %s (port %d, %s)", settings.listen, port,
+                 "TLS" if settings.tls_cert else "plaintext")
+        if on_start is not None:
+            on_start(port)
+        await stop.wait()
+        log.info("gateway stopping (grace %.1fs)", settings.grace_s)
+        await grpcutil.stop_server(server, health_servicer, settings.grace_s)

@@ -1,0 +1,188 @@
+"""The gateway's domain core: jobs scoped to their tenant, over the Redis job store. No grpc here.
+
+Design choices:
+- Another tenant's job answers NOT_FOUND, exactly like a job that does not exist, so job ids
+  cannot be probed across tenants.
+- Submission gathers every violation (spec, prompt lines, file pairing, and the reward service's
+  verdict on the reward spec) into one ConfigError; an unreachable reward service is UNAVAILABLE,
+  never an unchecked accept.
+- Watching polls the store (`get` + `steps`) rather than a transient channel: the store is the
+  source of truth, so a stream resumed after a gateway restart (with from_step) misses nothing.
+- Cancel is idempotent: cancelling a cancelled job purges its queued tasks again (a retry after a
+  failed purge completes it); cancelling a succeeded or failed job is a no-op.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol, cast
+
+from services.common.bus import check_job_id
+from services.common.config import RewardSpec
+from services.common.errors import ConfigError, FailedPrecondition, FieldViolation, NotFound
+from services.common.jobs import ACTIVE, JobRecord, JobState, JobStore, now_ms
+from services.gateway.checks import Limits, Submission, check_sizes, check_submission
+
+log = logging.getLogger(__name__)
+
+
+class RewardChecker(Protocol):
+    async def check(self, spec: RewardSpec, source: bytes | None) -> str | None:
+        """None when the spec can score, else why not; Unavailable when the checker is unreachable."""
+
+
+class TaskPurger(Protocol):
+    async def purge(self, job_id: str) -> None:
+        """Drop the job's queued tasks."""
+
+
+class EventSink(Protocol):
+    async def publish(self, job_id: str, event: dict[str, Any]) -> None:
+        """Announce a job event (best effort: the job store stays the source of truth)."""
+
+
+@dataclass(frozen=True)
+class WatchEvent:
+    """The job after the event, and either its new state or a finished step's metrics."""
+
+    job: JobRecord
+    state: JobState | None = None
+    step: dict[str, Any] | None = None
+
+
+@dataclass(frozen=True)
+class ModelChunk:
+    """A piece of one file of an exported model directory."""
+
+    path: str
+    offset: int
+    data: bytes
+    last: bool
+
+
+class Gateway:
+    """Job submission, lookup, cancellation, watching and model download for authenticated tenants."""
+
+    store: JobStore
+    reward: RewardChecker
+    purger: TaskPurger
+    events: EventSink
+    limits: Limits
+    poll_s: float
+    chunk_bytes: int
+
+    def __init__(self, store: JobStore, reward: RewardChecker, purger: TaskPurger, events: EventSink,
+                 limits: Limits, *, poll_s: float = 0.25, chunk_bytes: int = 1 << 20) -> None:
+        self.store, self.reward, self.purger, self.events = store, reward, purger, events
+        self.limits, self.poll_s, self.chunk_bytes = limits, poll_s, chunk_bytes
+
+    async def submit(self, tenant: str, sub: Submission) -> JobRecord:
+        """Check everything, then store the job with its files (same idempotency key, same job)."""
+        check_sizes(sub, self.limits)
+        checked = await asyncio.to_thread(check_submission, sub)
+        violations = list(checked.violations)
+        if checked.reward is not None:
+            violations += await self._reward_violations(checked.reward, sub.reward_file)
+        if violations or checked.spec is None:
+            raise ConfigError("invalid job submission", violations)
+        record = await self.store.create(tenant, checked.spec, sub.prompts, sub.reward_file or None,
+                                         sub.idempotency_key)
+        log.info("job %s (%s) submitted by %s", record.job_id, record.name, tenant)
+        await self.events.publish(record.job_id, {"type": "submitted", "state": record.state.value})
+        return record
+
+    async def _reward_violations(self, spec: RewardSpec, source: bytes) -> list[FieldViolation]:
+        if spec.file is not None and not source:
+            return []  # already reported as a missing reward_file
+        reason = await self.reward.check(spec, source or None)
+        if reason is None:
+            return []
+        return [FieldViolation("reward.file" if spec.file is not None else "reward.builtin", reason)]
+
+    async def get(self, tenant: str, job_id: str) -> JobRecord:
+        """The tenant's job; NotFound for an unknown job or another tenant's."""
+        check_job_id(job_id)
+        try:
+            record = await self.store.get(job_id)
+        except NotFound:
+            record = None
+        if record is None or record.tenant != tenant:
+            raise NotFound(f"job {job_id!r} does not exist")
+        return record
+
+    async def list_jobs(self, tenant: str, limit: int) -> list[JobRecord]:
+        return await self.store.list(tenant, limit)
+
+    async def cancel(self, tenant: str, job_id: str, reason: str) -> JobRecord:
+        """Cancel a queued or running job and drop its queued tasks."""
+        record = await self.get(tenant, job_id)
+        if record.state in ACTIVE:
+            try:
+                record = await self.store.set_state(job_id, JobState.CANCELLED, reason or "cancelled by user")
+            except FailedPrecondition:  # it finished meanwhile
+                record = await self.store.get(job_id)
+            if record.state is JobState.CANCELLED:
+                log.info("job %s cancelled by %s", job_id, tenant)
+                await self.events.publish(job_id, {"type": "cancelled", "state": record.state.value})
+        if record.state is JobState.CANCELLED:
+            await self.purger.purge(job_id)
+        return record
+
+    async def watch(self, tenant: str, job_id: str, from_step: int = 0) -> AsyncIterator[WatchEvent]:
+        """The current state, then every step from from_step and every state change, until the end."""
+        record = await self.get(tenant, job_id)
+        yield WatchEvent(record, state=record.state)
+        next_step, state = max(1, from_step), record.state
+        while True:
+            record = await self.store.get(job_id)
+            # read after the record, so a terminal record's steps are all in them
+            steps = cast("list[dict[str, Any]]", await self.store.steps(job_id, next_step))
+            for metrics in steps:
+                yield WatchEvent(record, step=metrics)
+            next_step += len(steps)
+            if record.state is not state:
+                state = record.state
+                yield WatchEvent(record, state=state)
+            if state.terminal:
+                return
+            await asyncio.sleep(self.poll_s)
+
+    async def model_chunks(self, tenant: str, job_id: str) -> AsyncIterator[ModelChunk]:
+        """Every file of the succeeded job's exported model, in chunk_bytes pieces, sorted by path."""
+        root = model_dir(await self.get(tenant, job_id))
+        for path in sorted(p for p in root.rglob("*") if p.is_file()):
+            async for chunk in file_chunks(path, path.relative_to(root).as_posix(), self.chunk_bytes):
+                yield chunk
+
+
+def model_dir(record: JobRecord) -> Path:
+    """The exported model directory of a succeeded job; FailedPrecondition otherwise."""
+    if record.state is not JobState.SUCCEEDED:
+        raise FailedPrecondition(f"job {record.job_id} is {record.state.value}; only a succeeded job has a model")
+    if not record.model_uri:
+        raise FailedPrecondition(f"job {record.job_id} succeeded but recorded no exported model")
+    root = Path(record.model_uri.removeprefix("file://"))
+    if not root.is_dir():
+        raise FailedPrecondition(f"exported model {root} of job {record.job_id} is not on this gateway's storage")
+    return root
+
+
+async def file_chunks(path: Path, rel: str, chunk_bytes: int) -> AsyncIterator[ModelChunk]:
+    with path.open("rb") as fh:
+        offset = 0
+        data = await asyncio.to_thread(fh.read, chunk_bytes)
+        while True:
+            following = await asyncio.to_thread(fh.read, chunk_bytes) if data else b""
+            yield ModelChunk(rel, offset, data, last=not following)
+            if not following:
+                return
+            offset += len(data)
+            data = following
+
+
+def event_payload(job_id: str, event: dict[str, Any]) -> dict[str, Any]:
+    return {"job_id": job_id, "unix_ms": now_ms(), **event}
