@@ -8,7 +8,10 @@ Layers, strongest first (each one is applied where the machine allows it):
    namespace, so when it dies the kernel kills every process it left, even ones that called setsid.
 3. rlimits: address space, CPU seconds, file size, open files, processes, no core files.
 4. A private uid when the service runs as root (RLIMIT_NPROC is not enforced for root): one uid per
-   worker, taken from `sandbox_uid_base`, so the process limit counts that worker alone.
+   worker, taken from `sandbox_uid_base`, so the process limit counts that worker alone. When the
+   Python installation sits under a private directory (a 0700 /root), a private mount namespace
+   puts a tmpfs over that directory and binds back only what Python needs, so the dropped uid can
+   import the stdlib while the rest of root's home (keys, tokens) is hidden.
 5. An audit hook (`sys.addaudithook`) installed before user code runs. It denies sockets, process
    creation (fork, exec, spawn, system, subprocess), signals, ctypes, rlimit changes and any write,
    rename, delete, link or mkdir outside the worker's temp dir. It is defence in depth, not the
@@ -28,6 +31,7 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
+CLONE_NEWNS = 0x00020000
 CLONE_NEWNET = 0x40000000
 CLONE_NEWPID = 0x20000000
 CLONE_NEWUSER = 0x10000000
@@ -41,6 +45,7 @@ DENIED_EVENTS = (
 PATH_EVENTS = {"os.rename": 2, "os.remove": 1, "os.rmdir": 1, "os.mkdir": 1, "os.chmod": 1,
                "os.truncate": 1, "os.utime": 1, "shutil.rmtree": 1, "shutil.copyfile": 2,
                "shutil.copytree": 2, "shutil.move": 2, "os.chflags": 1, "os.lchmod": 1}
+MS_BIND, MS_REC, MS_PRIVATE = 0x1000, 0x4000, 0x40000
 WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_TRUNC
 
 
@@ -59,6 +64,54 @@ def unshare_namespaces(want_pid: bool) -> dict[str, bool]:
     if os.geteuid() == 0 and _unshare(CLONE_NEWNET):
         return {"netns": True, "pidns": False, "userns": False}
     return {"netns": False, "pidns": False, "userns": False}
+
+
+def _enc(value: str | None) -> bytes | None:
+    return value.encode() if value is not None else None
+
+
+def _mount(source: str, target: str, fstype: str | None, flags: int, data: str | None) -> None:
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.mount(_enc(source), _enc(target), _enc(fstype), flags, _enc(data)) != 0:
+        raise OSError(ctypes.get_errno(), f"mount {source} on {target} failed")
+
+
+def _blocked_ancestor(path: str) -> str | None:
+    """The first ancestor of path that other users cannot traverse (e.g. a 0700 /root)."""
+    parts = os.path.realpath(path).split(os.sep)[1:]
+    for i in range(1, len(parts)):
+        ancestor = os.sep + os.sep.join(parts[:i])
+        if not os.stat(ancestor).st_mode & 0o001:
+            return ancestor
+    return None
+
+
+def expose_paths(paths: list[str]) -> bool:
+    """Make paths readable to an unprivileged uid although an ancestor is private (0700 /root).
+
+    In a private mount namespace, a tmpfs (mode 0755) is mounted over each private ancestor, which
+    also hides the rest of it (credentials in root's home), and the needed child directories are
+    bind-mounted back. Needs root; returns False when there was nothing to do.
+    """
+    needed: dict[str, set[str]] = {}
+    for path in paths:
+        ancestor = _blocked_ancestor(path) if os.path.exists(path) else None
+        if ancestor:
+            child = os.path.relpath(os.path.realpath(path), ancestor).split(os.sep)[0]
+            needed.setdefault(ancestor, set()).add(child)
+    if not needed:
+        return False
+    if not _unshare(CLONE_NEWNS):
+        raise OSError(ctypes.get_errno(), "unshare(CLONE_NEWNS) failed")
+    _mount("none", "/", None, MS_REC | MS_PRIVATE, None)
+    for ancestor, children in needed.items():
+        fds = {child: os.open(os.path.join(ancestor, child), os.O_RDONLY) for child in children}
+        _mount("tmpfs", ancestor, "tmpfs", 0, "mode=0755,size=64k")
+        for child, fd in fds.items():
+            os.mkdir(os.path.join(ancestor, child))
+            _mount(f"/proc/self/fd/{fd}", os.path.join(ancestor, child), None, MS_BIND | MS_REC, None)
+            os.close(fd)
+    return True
 
 
 def forget_ctypes() -> None:

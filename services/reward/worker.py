@@ -57,9 +57,17 @@ def isolate(boot: dict[str, Any], fds: tuple[int, int]) -> dict[str, Any]:
         _preload_builtins(boot)
     guard.set_limits(limits["memory_mb"], limits["cpu_s"], limits["file_mb"], limits["open_files"],
                      limits["processes"])
-    isolation["dropped_uid"] = guard.drop_privileges(int(boot.get("uid") or 0))
+    uid = int(boot.get("uid") or 0)
+    if uid and os.geteuid() == 0:
+        isolation["mountns"] = guard.expose_paths(_python_paths(boot))
+    isolation["dropped_uid"] = guard.drop_privileges(uid)
     isolation["uid"] = os.getuid()
     return isolation
+
+
+def _python_paths(boot: dict[str, Any]) -> list[str]:
+    paths = [p for p in sys.path if p and p != boot["root"]]
+    return [*paths, sys.prefix, sys.base_prefix, sys.executable, boot["tmpdir"]]
 
 
 def _preload_builtins(boot: dict[str, Any]) -> None:

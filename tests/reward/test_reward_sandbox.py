@@ -1,0 +1,137 @@
+"""Hostile reward files through a real RewardService: each is stopped or denied within timeout + 1 s,
+scored as a non-OK result with a reason, leaves no process behind, and benign requests keep working."""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+from services.proto.fleetrl.v1 import common_pb2, reward_pb2, reward_pb2_grpc
+from tests.reward.conftest import file_spec, items
+
+OK, ERROR = common_pb2.REWARD_STATUS_OK, common_pb2.REWARD_STATUS_ERROR
+TIMEOUT, KILLED = common_pb2.REWARD_STATUS_TIMEOUT, common_pb2.REWARD_STATUS_KILLED
+ESCAPE = f"/tmp/fleetrl-escape-{uuid.uuid4().hex}"
+BENIGN = "def reward(completion, prompt, **meta):\n    return float(completion.strip() == meta['answer'])\n"
+
+HOSTILE = {
+    "loop": ("def reward(c, p, **m):\n    while True:\n        pass\n", TIMEOUT, "timed out"),
+    "sleep": ("import time\ndef reward(c, p, **m):\n    time.sleep(1e9)\n", TIMEOUT, "timed out"),
+    "allocate_10gb": ("def reward(c, p, **m):\n    b = bytearray(10 * 1024**3)\n    return 1.0\n",
+                      ERROR, "MemoryError"),
+    "fork_bomb": ("import os\ndef reward(c, p, **m):\n    while True:\n        os.fork()\n", ERROR, "os.fork"),
+    "socket": ("import socket\ndef reward(c, p, **m):\n"
+               "    socket.create_connection(('127.0.0.1', m['port']), timeout=0.5)\n    return 1.0\n",
+               ERROR, "socket"),
+    "write_outside": (f"def reward(c, p, **m):\n    open({ESCAPE!r}, 'w').write('x')\n    return 1.0\n",
+                      ERROR, "outside the temp dir"),
+    "environ_secret": ("import os, glob\ndef reward(c, p, **m):\n"
+                       "    for path in glob.glob('/proc/*/environ'):\n"
+                       "        try:\n"
+                       "            if b'hunter2' in open(path, 'rb').read():\n"
+                       "                return 1.0\n"
+                       "        except OSError:\n"
+                       "            pass\n"
+                       "    return os.environ['FLEETRL_TEST_SECRET']\n", ERROR, "KeyError"),
+    "raises": ("def reward(c, p, **m):\n    raise ValueError('boom')\n", ERROR, "ValueError: boom"),
+    "nan": ("def reward(c, p, **m):\n    return float('nan')\n", ERROR, "not a finite number"),
+    "string": ("def reward(c, p, **m):\n    return 'one'\n", ERROR, "expected a float or dict"),
+    "subclasses_escape": (
+        "def reward(c, p, **m):\n"
+        "    for cls in ''.__class__.__bases__[0].__subclasses__():\n"
+        "        if cls.__name__ == '_wrap_close':\n"
+        f"            cls.__init__.__globals__['system']('touch {ESCAPE}')\n"
+        "            return 1.0\n"
+        "    raise RuntimeError('no _wrap_close found')\n", ERROR, "os.system"),
+    "exits": ("import os\ndef reward(c, p, **m):\n    os._exit(7)\n", KILLED, "exited with code 7"),
+}
+
+
+@pytest.fixture
+def listener() -> socket.socket:
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    sock.listen()
+    yield sock
+    sock.close()
+
+
+@pytest.mark.parametrize("case", sorted(HOSTILE))
+async def test_hostile_file_is_contained(case: str, reward_stub: reward_pb2_grpc.RewardServiceStub,
+                                         listener: socket.socket, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("FLEETRL_TEST_SECRET", "hunter2")
+    source, want_status, want_reason = HOSTILE[case]
+    spec = file_spec(source, timeout_s=1.0)
+    assert (await reward_stub.Validate(reward_pb2.ValidateRequest(spec=spec), timeout=10)).ok
+    port = listener.getsockname()[1]
+    start = time.monotonic()
+    reply = await reward_stub.Score(reward_pb2.ScoreRequest(
+        job_id="j", spec=spec, items=items(("x", {"port": port}), ("y", {"port": port}))), timeout=10)
+    assert time.monotonic() - start < 1.0 + 1.0
+    for result in reply.results:
+        assert result.status == want_status, (case, result)
+        assert want_reason in result.reason, (case, result.reason)
+        assert result.reward == 0.0
+    assert not Path(ESCAPE).exists()
+    benign = await reward_stub.Score(reward_pb2.ScoreRequest(
+        job_id="j", spec=file_spec(BENIGN), items=items(("57", {"answer": "57"}))), timeout=10)
+    assert benign.results[0].status == OK and benign.results[0].reward == 1.0
+
+
+async def test_hostile_items_do_not_block_the_rest_of_the_batch(
+        reward_stub: reward_pb2_grpc.RewardServiceStub) -> None:
+    source = ("import time\ndef reward(c, p, **m):\n    if m.get('hang'):\n        time.sleep(1e9)\n"
+              "    return 1.0\n")
+    rows = [("x", {"hang": i % 4 == 0}) for i in range(12)]
+    start = time.monotonic()
+    reply = await reward_stub.Score(reward_pb2.ScoreRequest(
+        job_id="j", spec=file_spec(source, timeout_s=0.5), items=items(*rows)), timeout=20)
+    statuses = [r.status for r in reply.results]
+    assert statuses == [TIMEOUT if m["hang"] else OK for _, m in rows]
+    assert time.monotonic() - start < 6.0
+
+
+async def test_import_problems_are_reported_at_validation(reward_stub: reward_pb2_grpc.RewardServiceStub) -> None:
+    cases = {
+        "import nonexistent_module_xyz\n": "ModuleNotFoundError",
+        "x = 1\n": "callable `reward",
+        "def reward(:\n": "SyntaxError",
+        "import time\ntime.sleep(1e9)\n": "did not load within",
+        "import socket\nsocket.socket()\ndef reward(c, p): return 1\n": "socket",
+    }
+    for source, reason in cases.items():
+        reply = await reward_stub.Validate(reward_pb2.ValidateRequest(spec=file_spec(source)), timeout=10)
+        assert not reply.ok and reason in reply.reason, (source, reply.reason)
+
+
+async def test_dict_rewards_params_and_temp_dir_writes(reward_stub: reward_pb2_grpc.RewardServiceStub) -> None:
+    source = ("import os\ndef reward(completion, prompt, params, **meta):\n"
+              "    open('scratch.txt', 'w').write(completion)\n"
+              "    assert os.environ['HOME'] == os.getcwd()\n"
+              "    return {'correct': float(completion == meta['answer']), 'bonus': params['bonus']}\n")
+    reply = await reward_stub.Score(reward_pb2.ScoreRequest(
+        job_id="j", spec=file_spec(source, bonus=0.25), items=items(("57", {"answer": "57"}))), timeout=10)
+    result = reply.results[0]
+    assert result.status == OK, result.reason
+    assert result.reward == 1.25 and dict(result.components) == {"correct": 1.0, "bonus": 0.25}
+
+
+async def test_workers_are_isolated(tmp_path: Path) -> None:
+    from services.reward.config import RewardSettings
+    from services.reward.scorer import Scorer, parse_spec
+    from tests.reward.conftest import UID_BASE, descendants
+
+    scorer = Scorer(RewardSettings(workers_per_pool=1, sandbox_uid_base=UID_BASE, sandbox_dir=tmp_path))
+    spec = file_spec(BENIGN)
+    pool = await scorer.pool(parse_spec(spec.spec_json, spec.file_source))
+    isolation = pool.isolation
+    await scorer.close()
+    if os.geteuid() == 0:
+        assert isolation["netns"] and isolation["pidns"] and isolation["dropped_uid"]
+        assert UID_BASE <= isolation["uid"] < UID_BASE + 10_000
+    assert descendants() == []
