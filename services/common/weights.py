@@ -43,12 +43,14 @@ from services.common import bus
 from services.common.errors import DeadlineExceeded, FailedPrecondition, FleetError, NotFound
 
 CHUNK_BYTES = 1024 * 1024
-"""Chunk size; capped below the server's max_payload (1 MiB by default) at publish time."""
+"""Default chunk size (measured best in bench.weights); NATS' default max_payload is also 1 MiB."""
 PUBLISH_WINDOW = 16
 """Chunk publishes awaiting their JetStream ack at once."""
 MIN_PULL_TIMEOUT_S = 30.0
 MIN_PULL_MB_S = 20.0
 """Default pull deadline: MIN_PULL_TIMEOUT_S plus the payload at MIN_PULL_MB_S."""
+STALL_CHECK_S = 5.0
+"""A pull that receives no chunk for this long checks that its object was not deleted."""
 _VERSION_RE = re.compile(r"^v(\d+)$")
 
 
@@ -103,10 +105,13 @@ class WeightStore:
     _js: JetStreamContext
     _kv: KeyValue | None
     _stores: dict[str, ObjectStore]
+    _chunk_bytes: int
 
-    def __init__(self, nc: nats.aio.client.Client, js: JetStreamContext) -> None:
+    def __init__(self, nc: nats.aio.client.Client, js: JetStreamContext, *, chunk_bytes: int = CHUNK_BYTES) -> None:
+        """`chunk_bytes` is capped below the server's max_payload at publish time."""
         self._nc = nc
         self._js = js
+        self._chunk_bytes = chunk_bytes
         self._kv = None
         self._stores = {}
 
@@ -202,7 +207,7 @@ class WeightStore:
         nuid = self._nc._nuid.next().decode()
         chunk_subject = f"$O.{bucket}.C.{nuid}"
         digest = asyncio.create_task(asyncio.to_thread(lambda: hashlib.sha256(payload).hexdigest()))
-        chunk = self._chunk_bytes()
+        chunk = min(self._chunk_bytes, self._nc.max_payload - 4096)  # room for headers
         try:
             chunks = await self._publish_chunks(chunk_subject, payload, chunk)
             sha256_hex = await digest
@@ -220,10 +225,6 @@ class WeightStore:
             await self._js.purge_stream(f"OBJ_{bucket}", subject=chunk_subject)
             raise
         return sha256_hex
-
-    def _chunk_bytes(self) -> int:
-        """CHUNK_BYTES, or less where the server's max_payload (minus headers) is smaller."""
-        return min(CHUNK_BYTES, self._nc.max_payload - 4096)
 
     async def _publish_chunks(self, subject: str, payload: bytes, chunk: int) -> int:
         """Publish payload in `chunk`-sized pieces, at most PUBLISH_WINDOW unacked; the count."""
@@ -252,19 +253,25 @@ class WeightStore:
             raise WeightsCorrupt(f"{job_id}/{pointer.object}: object has {info.size} bytes, pointer {pointer.bytes}")
         buffer = bytearray(pointer.bytes)
         if pointer.bytes:
-            await self._read_chunks(f"$O.{info.bucket}.C.{info.nuid}", f"OBJ_{info.bucket}", buffer)
+            await self._read_chunks(job_id, info, buffer)
         if hashlib.sha256(buffer).hexdigest() != pointer.sha256:
             raise WeightsCorrupt(f"{job_id}/{pointer.object}: sha256 differs from the pointer's")
         return bytes(buffer)
 
-    async def _read_chunks(self, subject: str, stream: str, buffer: bytearray) -> None:
-        """Fill buffer from an ordered consumer on the chunk subject; the stream's last chunk
-        (num_pending 0) must end exactly at len(buffer)."""
-        sub = await self._js.subscribe(subject, stream=stream, ordered_consumer=True)
+    async def _read_chunks(self, job_id: str, info: api.ObjectInfo, buffer: bytearray) -> None:
+        """Fill buffer from an ordered consumer on the object's chunk subject; the last chunk
+        (num_pending 0) must end exactly at len(buffer). A stall longer than STALL_CHECK_S checks
+        that the object still exists, so a pull of an object pruned meanwhile ends in NotFound."""
+        subject = f"$O.{info.bucket}.C.{info.nuid}"
+        sub = await self._js.subscribe(subject, stream=f"OBJ_{info.bucket}", ordered_consumer=True)
         view, offset = memoryview(buffer), 0
         try:
             while True:
-                msg = await sub.next_msg(timeout=None)
+                try:
+                    msg = await sub.next_msg(timeout=STALL_CHECK_S)
+                except nats.errors.TimeoutError:
+                    await self._info(job_id, info.name)
+                    continue
                 end = offset + len(msg.data)
                 if end > len(buffer):
                     raise WeightsCorrupt(f"{subject}: more than the {len(buffer)} bytes recorded")

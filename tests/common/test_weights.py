@@ -12,9 +12,9 @@ import torch
 from nats.aio.client import Client as NATS
 from nats.js.object_store import ObjectStore
 
-from services.common import bus
+from services.common import bus, weights
 from services.common.embedded import EmbeddedNats
-from services.common.errors import FailedPrecondition, NotFound
+from services.common.errors import DeadlineExceeded, FailedPrecondition, NotFound
 from services.common.weights import (
     WeightPointer,
     WeightsCorrupt,
@@ -94,6 +94,31 @@ async def test_missing_chunk_raises_corrupt(store: WeightStore, nc: NATS) -> Non
     await js.delete_msg(f"OBJ_{info.bucket}", last.seq)
     with pytest.raises(WeightsCorrupt, match="bytes stored"):
         await store.pull(JOB, pointer)
+
+
+async def purge_chunks(nc: NATS, name: str) -> None:
+    info = await (await object_store(nc)).get_info(name)
+    await bus.jetstream(nc).purge_stream(f"OBJ_{info.bucket}", subject=f"$O.{info.bucket}.C.{info.nuid}")
+
+
+async def test_pull_is_bounded_by_its_deadline(store: WeightStore, nc: NATS) -> None:
+    pointer = await store.publish(JOB, 0, os.urandom(100_000), "bfloat16")
+    await purge_chunks(nc, "v0")
+    with pytest.raises(DeadlineExceeded):
+        await store.pull(JOB, pointer, timeout_s=1.0)
+
+
+async def test_pull_of_object_deleted_meanwhile_raises_not_found(
+    store: WeightStore, nc: NATS, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(weights, "STALL_CHECK_S", 0.2)
+    pointer = await store.publish(JOB, 0, os.urandom(100_000), "bfloat16")
+    await purge_chunks(nc, "v0")  # the pull stalls as if the object were pruned mid-read
+    pulling = asyncio.create_task(store.pull(JOB, pointer, timeout_s=10.0))
+    await asyncio.sleep(0.5)
+    await (await object_store(nc)).delete("v0")
+    with pytest.raises(NotFound):
+        await pulling
 
 
 async def test_pointer_never_moves_backwards(store: WeightStore) -> None:
