@@ -1,0 +1,175 @@
+"""Round trips through a real gateway process: submit, get, list, cancel (with task purge), watch,
+download, idempotency, and the CLI's output and exit codes."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from services.common import bus
+from services.common.errors import ConfigError, FailedPrecondition, NotFound
+from services.common.jobs import JobState, JobStore
+from services.gateway import cli
+from services.gateway.client import Client, Run
+from tests.gateway.conftest import TOKENS, Infra, Proc
+
+
+def builtin_run(client: Client, prompts: Path, **params: object) -> Run:
+    return client.create_run(model="tiny-test", prompt_file=prompts, reward_builtin="numeric_match", **params)
+
+
+def test_submit_get_list_cancel(client_for: Callable[..., Client], job_dir: Path) -> None:
+    alice = client_for("carol")
+    run = alice.create_run(model="tiny-test", prompt_file=job_dir / "prompts.jsonl",
+                           reward_file=job_dir / "reward.py", name="first", learning_rate=3e-5, max_steps=7,
+                           algorithm="dapo", rollout={"temperature": 0.7})
+    job = run.status()
+    assert (job.state, job.name, job.tenant) == ("queued", "first", "carol")
+    assert job.spec["optim"]["learning_rate"] == 3e-5 and job.spec["train"]["max_steps"] == 7
+    assert job.spec["algorithm"]["name"] == "dapo" and job.spec["rollout"]["temperature"] == 0.7
+    second = builtin_run(alice, job_dir / "prompts.jsonl")
+    listed = [j.job_id for j in alice.list_jobs()]
+    assert listed.index(second.job_id) < listed.index(run.job_id)  # newest first
+    cancelled = run.cancel("changed my mind")
+    assert (cancelled.state, cancelled.reason) == ("cancelled", "changed my mind")
+    assert run.cancel().state == "cancelled"  # idempotent
+    with pytest.raises(ConfigError) as bad:
+        alice.create_run(model="m", prompt_file=job_dir / "prompts.jsonl", reward_builtin="x", learnig_rate=1)
+    assert [v.field for v in bad.value.violations] == ["learnig_rate"]
+
+
+def test_idempotency_key_returns_the_same_job(client_for: Callable[..., Client], job_dir: Path) -> None:
+    client = client_for("carol")
+    first = client.submit_file(job_dir / "job.toml", idempotency_key="same")
+    again = client.submit_file(job_dir / "job.toml", idempotency_key="same")
+    assert first.job_id == again.job_id
+
+
+def test_cancel_purges_queued_tasks(infra: Infra, client_for: Callable[..., Client], job_dir: Path) -> None:
+    run = builtin_run(client_for("alice"), job_dir / "prompts.jsonl")
+
+    async def publish_and_count(n: int) -> int:
+        nc = await bus.connect(infra.nats_url, "test")
+        js = bus.jetstream(nc)
+        await bus.ensure_streams(js)
+        for i in range(n):
+            await js.publish(bus.task_subject(run.job_id), b"task", headers={"Nats-Msg-Id": f"{run.job_id}/0/{i}"})
+        info = await js.stream_info(bus.TASKS_STREAM, subjects_filter=bus.task_subject(run.job_id))
+        await nc.drain()
+        return int((info.state.subjects or {}).get(bus.task_subject(run.job_id), 0))
+
+    assert asyncio.run(publish_and_count(5)) == 5
+    assert run.cancel().state == "cancelled"
+    assert asyncio.run(publish_and_count(0)) == 0
+
+
+def play_learner(infra: Infra, job_id: str, steps: int, model_dir: Path | None = None) -> None:
+    """What a learner writes: running, step metrics, exported model, succeeded."""
+    async def go(store: JobStore) -> None:
+        await asyncio.sleep(0.3)
+        await store.set_state(job_id, JobState.RUNNING, allowed_from=(JobState.QUEUED,))
+        for step in range(1, steps + 1):
+            await asyncio.sleep(0.1)
+            await store.append_step(job_id, {"step": step, "policy_version": step, "reward_mean": step / 10,
+                                             "kl": 0.01 * step, "tokens_per_s": 100.0 + step})
+        if model_dir is not None:
+            await store.set_model_uri(job_id, str(model_dir))
+        await store.set_state(job_id, JobState.SUCCEEDED)
+
+    infra.store(go)
+
+
+def test_watch_streams_states_and_steps_then_ends(infra: Infra, client_for: Callable[..., Client],
+                                                  job_dir: Path) -> None:
+    client = client_for("bob")
+    run = builtin_run(client, job_dir / "prompts.jsonl", max_steps=4)
+    learner = threading.Thread(target=play_learner, args=(infra, run.job_id, 4))
+    learner.start()
+    events = list(run.events())
+    learner.join()
+    states = [e.state for e in events if e.state]
+    assert states[0] == "queued" and states[-1] == "succeeded" and "running" in states
+    assert [e.step.step for e in events if e.step] == [1, 2, 3, 4]
+    assert events[-1].job.last is not None and events[-1].job.last["reward_mean"] == pytest.approx(0.4)
+    assert [s.step for s in run.watch(from_step=3)] == [3, 4]
+    assert run.wait(timeout_s=10).state == "succeeded"
+
+
+def test_download_model(infra: Infra, client_for: Callable[..., Client], job_dir: Path, tmp_path: Path) -> None:
+    client = client_for("bob")
+    run = builtin_run(client, job_dir / "prompts.jsonl")
+    with pytest.raises(FailedPrecondition, match="queued"):
+        run.download_model(tmp_path / "early")
+    model = tmp_path / "export"
+    (model / "sub").mkdir(parents=True)
+    files = {"model.safetensors": bytes(range(256)) * 9000, "config.json": b'{"a": 1}', "sub/empty.txt": b""}
+    for name, data in files.items():
+        (model / name).write_bytes(data)
+    play_learner(infra, run.job_id, 1, model)
+    out = run.download_model(tmp_path / "got")
+    assert {p.relative_to(out).as_posix(): p.read_bytes() for p in out.rglob("*") if p.is_file()} == files
+
+
+# ----------------------------------------------------------------------------- CLI
+
+def cli_run(gateway: Proc, *args: str, tenant: str = "alice") -> list[str]:
+    return [*args, "--gateway", gateway.address, "--token", TOKENS[tenant]]
+
+
+def test_cli_submit_status_jobs_cancel(gateway: Proc, job_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(cli_run(gateway, "submit", str(job_dir / "job.toml"), "--set", "train.max_steps=9",
+                            "--json")) == 0
+    job = json.loads(capsys.readouterr().out)
+    assert job["spec"]["train"]["max_steps"] == 9 and job["state"] == "queued"
+    assert cli.main(cli_run(gateway, "status", job["job_id"])) == 0
+    assert "cli-job" in capsys.readouterr().out
+    assert cli.main(cli_run(gateway, "jobs")) == 0
+    assert job["job_id"] in capsys.readouterr().out
+    assert cli.main(cli_run(gateway, "status", "--json")) == 0
+    assert job["job_id"] in [j["job_id"] for j in json.loads(capsys.readouterr().out)]
+    assert cli.main(cli_run(gateway, "cancel", job["job_id"], "--json")) == 0
+    assert json.loads(capsys.readouterr().out)["state"] == "cancelled"
+
+
+def test_cli_bad_input_exits_2_and_names_every_field(gateway: Proc, job_dir: Path,
+                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    code = cli.main(cli_run(gateway, "submit", str(job_dir / "job.toml"), "--set", "train.max_steps=0",
+                            "--set", "rollout.temperature=-1", "--set", "optim.lr=1"))
+    err = capsys.readouterr().err
+    assert code == 2
+    for field in ("train.max_steps", "rollout.temperature", "optim.lr"):
+        assert f"  {field}: " in err
+    (job_dir / "prompts.jsonl").unlink()
+    assert cli.main(cli_run(gateway, "submit", str(job_dir / "job.toml"))) == 2
+    assert "prompts:" in capsys.readouterr().err
+    assert cli.main(cli_run(gateway, "status", "j-000000000000")) == 2
+    assert cli.main(cli_run(gateway, "status", "not/an id")) == 2
+    assert cli.main(["jobs", "--gateway", "127.0.0.1:1", "--token", "x"]) == 1
+    assert cli.main(["frobnicate"]) == 2
+
+
+def test_cli_watch_prints_summary(infra: Infra, gateway: Proc, client_for: Callable[..., Client],
+                                  job_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    run = builtin_run(client_for("alice"), job_dir / "prompts.jsonl", max_steps=3)
+    learner = threading.Thread(target=play_learner, args=(infra, run.job_id, 3))
+    learner.start()
+    assert cli.main(cli_run(gateway, "watch", run.job_id)) == 0
+    learner.join()
+    out = capsys.readouterr().out
+    assert "succeeded" in out and "reward_mean" in out and "3 steps watched" in out
+    assert cli.main(cli_run(gateway, "watch", run.job_id, "--json")) == 0
+    lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [line["step"]["step"] for line in lines if line["step"]] == [1, 2, 3]
+    cancelled = builtin_run(client_for("alice"), job_dir / "prompts.jsonl")
+    cancelled.cancel()
+    assert cli.main(cli_run(gateway, "watch", cancelled.job_id)) == 1
+
+
+def test_unknown_job_is_not_found(client_for: Callable[..., Client]) -> None:
+    with pytest.raises(NotFound):
+        client_for("alice").get_job("j-ffffffffffff")
