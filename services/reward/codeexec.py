@@ -61,7 +61,7 @@ def run_test(program: str, test: Any, timeout_s: float, max_output_bytes: int) -
         program, stdin, expected = f"{program}\n\n{test}\n", "", None
     else:
         stdin, expected = str(test.get("input", "")), str(test.get("output", ""))
-    stdin_path, stdout_path = os.path.abspath("test_stdin.txt"), os.path.abspath("test_stdout.txt")
+    stdin_path, stdout_path = "test_stdin.txt", "test_stdout.txt"  # relative: cwd is the private temp dir
     with open(stdin_path, "w") as handle:
         handle.write(stdin)
     pid = os.fork()

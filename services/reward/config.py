@@ -34,8 +34,8 @@ class RewardSettings(InfraSettings):
     """RLIMIT_CPU of a worker over its life; it is replaced once it has used half."""
     max_items_per_worker: int = Field(100_000, ge=1)
     """A worker is replaced after this many items."""
-    sandbox_uid_base: int = Field(200_000, ge=0, le=2**31 - 2**16)
-    """When the service runs as root, worker i runs as uid/gid base+i (0: keep root's uid)."""
+    sandbox_uid_base: int = Field(200_000, ge=0, le=2**31 - 2**17)
+    """When the service runs as root, workers run as private uids/gids in [base, base+60000) (0: stay root)."""
     sandbox_dir: Path | None = None
     """Where workers' private temp dirs are made (None: the system temp dir)."""
     max_items_per_request: int = Field(4096, ge=1, le=1_000_000)

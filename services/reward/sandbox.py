@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import logging
 import os
 import shutil
@@ -70,24 +71,25 @@ class WorkerDied(Exception):
 
 
 class UidPool:
-    """Private uids for workers when running as root (RLIMIT_NPROC then counts one worker)."""
+    """Private uids for workers when running as root (RLIMIT_NPROC then counts one worker).
+
+    Uids are not reused soon: a killed worker's processes still count against its uid until the
+    kernel has reaped them. The walk through the range starts at a pid-derived offset, so two
+    services on one host rarely share a uid (sharing only tightens the process limit).
+    """
+
+    SPAN = 60_000
+    _counter = itertools.count((os.getpid() * 7919) % SPAN)
 
     def __init__(self, base: int) -> None:
         self._enabled = base > 0 and os.geteuid() == 0
-        self._next = base
-        self._free: list[int] = []
+        self._base = base
 
     def take(self) -> int:
-        if not self._enabled:
-            return 0
-        if self._free:
-            return self._free.pop()
-        self._next += 1
-        return self._next - 1
+        return self._base + next(self._counter) % self.SPAN if self._enabled else 0
 
     def give(self, uid: int) -> None:
-        if uid:
-            self._free.append(uid)
+        """Nothing to do: uids are handed out round-robin over SPAN."""
 
 
 def death_reason(returncode: int | None) -> str:

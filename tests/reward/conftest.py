@@ -51,7 +51,7 @@ def sandbox_uid_processes() -> list[int]:
                 zombie = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
             except OSError:
                 continue
-            if UID_BASE <= uid < UID_BASE + 10_000 and not zombie:
+            if UID_BASE <= uid < UID_BASE + 60_000 and not zombie:
                 out.append(int(entry.name))
     return out
 

@@ -133,5 +133,5 @@ async def test_workers_are_isolated(tmp_path: Path) -> None:
     await scorer.close()
     if os.geteuid() == 0:
         assert isolation["netns"] and isolation["pidns"] and isolation["dropped_uid"]
-        assert UID_BASE <= isolation["uid"] < UID_BASE + 10_000
+        assert UID_BASE <= isolation["uid"] < UID_BASE + 60_000
     assert descendants() == []
