@@ -1,0 +1,138 @@
+"""Durable checkpoints of a job: model, optimizer, scheduler, RNG, step, feeder cursor, leases.
+
+Layout: `{run_dir}/jobs/{job}/checkpoints/step-{N:08d}/` holding `model.safetensors`,
+`optimizer.pt`, `extra.pt` (scheduler and RNG states) and `state.json` (step, version, feeder
+cursor, replay leases to commit, counters), then a `COMPLETE` marker.
+
+Design choice: a checkpoint is written into `step-N.tmp`, every file and the directory are
+fsynced, the directory is renamed to `step-N`, and only then is `COMPLETE` written (and fsynced).
+A reader trusts only directories with the marker, so a learner killed at any moment leaves
+either the previous complete checkpoint or a new complete one, never a half-read state.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+
+MARKER = "COMPLETE"
+_NAME_RE = re.compile(r"^step-(\d{8})$")
+
+
+@dataclass
+class Checkpoint:
+    """What a checkpoint holds, in memory."""
+
+    step: int
+    model: dict[str, torch.Tensor]
+    optimizer: dict[str, Any]
+    scheduler: dict[str, Any]
+    rng: dict[str, Any]
+    state: dict[str, Any]
+    """JSON-able: version, feeder cursor, pending leases, counters."""
+
+
+def checkpoint_root(run_dir: Path, job_id: str) -> Path:
+    return Path(run_dir) / "jobs" / job_id / "checkpoints"
+
+
+def rng_state() -> dict[str, Any]:
+    """Every RNG that training may draw from."""
+    state: dict[str, Any] = {"python": random.getstate(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    random.setstate(state["python"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def save(root: Path, ckpt: Checkpoint, *, delay_s: float = 0.0) -> Path:
+    """Write ckpt durably (temp dir, fsync, rename, marker); returns the final directory."""
+    root.mkdir(parents=True, exist_ok=True)
+    final = root / f"step-{ckpt.step:08d}"
+    tmp = root / f"step-{ckpt.step:08d}.tmp"
+    for stale in (tmp, final):  # a previous incarnation's partial attempt at this step
+        shutil.rmtree(stale, ignore_errors=True)
+    tmp.mkdir()
+    save_file(ckpt.model, str(tmp / "model.safetensors"))
+    torch.save(ckpt.optimizer, tmp / "optimizer.pt")
+    torch.save({"scheduler": ckpt.scheduler, "rng": ckpt.rng}, tmp / "extra.pt")
+    (tmp / "state.json").write_text(json.dumps({"step": ckpt.step, **ckpt.state}, sort_keys=True))
+    for item in tmp.iterdir():
+        _fsync(item)
+    _fsync(tmp)
+    if delay_s:
+        time.sleep(delay_s)
+    os.rename(tmp, final)
+    _fsync(root)
+    (final / MARKER).write_text(str(ckpt.step))
+    _fsync(final / MARKER)
+    _fsync(final)
+    return final
+
+
+def complete_steps(root: Path) -> list[int]:
+    """Steps of the complete checkpoints under root, ascending."""
+    if not root.is_dir():
+        return []
+    out = []
+    for item in root.iterdir():
+        match = _NAME_RE.match(item.name)
+        if match and (item / MARKER).is_file():
+            out.append(int(match.group(1)))
+    return sorted(out)
+
+
+def load(root: Path, step: int) -> Checkpoint:
+    path = root / f"step-{step:08d}"
+    extra = torch.load(path / "extra.pt", weights_only=False)
+    state = json.loads((path / "state.json").read_text())
+    return Checkpoint(
+        step=int(state.pop("step")), model=load_file(str(path / "model.safetensors")),
+        optimizer=torch.load(path / "optimizer.pt", weights_only=False),
+        scheduler=extra["scheduler"], rng=extra["rng"], state=state,
+    )
+
+
+def load_latest(root: Path) -> Checkpoint | None:
+    """The newest complete checkpoint; partial ones are ignored."""
+    steps = complete_steps(root)
+    return load(root, steps[-1]) if steps else None
+
+
+def prune(root: Path, keep: int) -> None:
+    """Delete all but the newest `keep` complete checkpoints, and any partial ones older than them."""
+    steps = complete_steps(root)
+    kept = set(steps[-keep:])
+    newest = steps[-1] if steps else -1
+    for item in root.iterdir():
+        name = item.name.removesuffix(".tmp")
+        match = _NAME_RE.match(name)
+        if not match:
+            continue
+        step = int(match.group(1))
+        if step not in kept and step <= newest:
+            shutil.rmtree(item, ignore_errors=True)

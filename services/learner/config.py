@@ -1,0 +1,52 @@
+"""Settings of the learner service (environment prefix FLEETRL_LEARNER_).
+
+What a job trains (model, algorithm, schedule, intervals) is in its JobSpec; these settings say
+how one learner process runs: where the infrastructure is, where it writes, how it holds leases.
+This module imports no torch, so `--help` and validation are instant.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import uuid
+from typing import Literal
+
+from pydantic import Field
+
+from services.common.config import InfraSettings
+
+ENV_PREFIX = "FLEETRL_LEARNER_"
+
+
+def default_learner_id() -> str:
+    return f"{socket.gethostname()}/{os.getpid()}/{uuid.uuid4().hex[:8]}"
+
+
+class LearnerSettings(InfraSettings):
+    """How one learner process runs."""
+
+    replay_addr: str = "127.0.0.1:50052"
+    """ReplayService address host:port."""
+    listen: str = "127.0.0.1:50054"
+    """gRPC listen address of LearnerService (status); port 0: a free port."""
+    learner_id: str = Field(default_factory=default_learner_id)
+    """Id of this learner replica in job leases and status (default host/pid/random)."""
+    lease_s: float = Field(15.0, ge=1, le=3600)
+    """TTL of the job lease; renewed every lease_s / 3. A learner that cannot renew stops at once."""
+    claim_poll_s: float = Field(1.0, gt=0, le=60)
+    """How often an idle learner looks for a queued job."""
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    """Where the model trains; auto: cuda when available, else cpu."""
+    torch_threads: int = Field(0, ge=0, le=1024)
+    """torch intra-op threads (0: torch's default)."""
+    sample_wait_s: float = Field(2.0, gt=0, le=60)
+    """Longest one replay Sample call waits for groups (the step deadline is the job's
+    train.timeout_per_step_s)."""
+    rpc_timeout_s: float = Field(30.0, gt=0, le=600)
+    """Deadline of each replay call beyond its own wait."""
+    grace_s: float = Field(5.0, ge=0, le=600)
+    """Seconds in-flight status calls may finish at shutdown."""
+    checkpoint_delay_s: float = Field(0.0, ge=0, le=600)
+    """Fault injection for tests: sleep this long after a checkpoint's files are written and
+    before it is renamed and marked complete (0 in production)."""

@@ -1,0 +1,163 @@
+"""The feeder: turns the job's prompt JSONL into tasks on JetStream, bounded by staleness.
+
+Design choice: the staleness bound is enforced twice, by pure functions of counters.
+- At publish time the feeder keeps at most `prompts_per_step * (max_staleness + 1)` tasks in
+  flight (published, not yet trained or dropped) and tags each task with the policy version
+  current when it is published, so an actor never generates it with older weights. With
+  max_staleness 0 that is strictly on-policy: step s's prompts go out after weights v=s.
+- At sample time the learner at version v asks replay for groups of version >= v - max_staleness;
+  replay drops older ones (counted stale), and the feeder publishes more prompts to fill the step.
+Prompts are shuffled per epoch with `seeding.prompt_order(n, seed, epoch)`; each task carries
+`Nats-Msg-Id = bus.task_msg_id(job, epoch, index)`, so re-publishing after a resume is a no-op.
+The cursor (epoch, position, counters) is saved in every checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from nats.js import JetStreamContext
+
+from services.common import bus, seeding
+from services.common.config import JobSpec
+from services.common.errors import InvalidArgument
+from services.proto.fleetrl.v1 import common_pb2
+
+
+@dataclass
+class FeederCursor:
+    """Where the feeder is: the next prompt to publish and how many tasks are settled."""
+
+    epoch: int = 0
+    position: int = 0
+    """Index into `prompt_order(..., epoch)` of the next prompt to publish."""
+    published: int = 0
+    """Tasks published since the job started."""
+    settled: int = 0
+    """Published tasks whose groups were trained in a step or dropped as stale."""
+
+    def to_dict(self) -> dict[str, int]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> FeederCursor:
+        return cls(**{k: int(v) for k, v in data.items()})
+
+
+# --------------------------------------------------------------------------- the bound, as pure functions
+
+
+def in_flight_limit(prompts_per_step: int, max_staleness: int) -> int:
+    """Most tasks published but not yet settled: the prompts of max_staleness + 1 steps."""
+    return prompts_per_step * (max_staleness + 1)
+
+
+def tasks_to_publish(cursor: FeederCursor, prompts_per_step: int, max_staleness: int) -> int:
+    """How many tasks the feeder may publish now without exceeding the in-flight limit."""
+    in_flight = max(0, cursor.published - cursor.settled)
+    return max(0, in_flight_limit(prompts_per_step, max_staleness) - in_flight)
+
+
+def task_min_version(current_version: int) -> int:
+    """Tag of a task published while `current_version` is the newest published weights."""
+    return current_version
+
+
+def sample_min_version(learner_version: int, max_staleness: int) -> int:
+    """Oldest group version the learner at `learner_version` may train on."""
+    return max(0, learner_version - max_staleness)
+
+
+def is_fresh(learner_version: int, group_version: int, max_staleness: int) -> bool:
+    """True when training a group of group_version at learner_version respects the bound."""
+    return learner_version - group_version <= max_staleness
+
+
+# --------------------------------------------------------------------------- prompts and publishing
+
+
+@dataclass(frozen=True)
+class Prompt:
+    text: str
+    metadata_json: str
+
+
+def parse_prompts(data: bytes) -> list[Prompt]:
+    """Non-empty lines of a prompt JSONL; each must be an object with a string `prompt`."""
+    out: list[Prompt] = []
+    for number, line in enumerate(data.decode().splitlines(), start=1):
+        if not line.strip():
+            continue
+        item = json.loads(line)
+        if not isinstance(item, dict) or not isinstance(item.get("prompt"), str):
+            raise InvalidArgument(f"prompts line {number}: expected an object with a string 'prompt'")
+        text = item.pop("prompt")
+        out.append(Prompt(text, json.dumps(item, sort_keys=True)))
+    if not out:
+        raise InvalidArgument("prompts: the file holds no prompt")
+    return out
+
+
+class Feeder:
+    """Publishes a job's tasks within the in-flight bound and advances its cursor."""
+
+    job_id: str
+    spec: JobSpec
+    prompts: list[Prompt]
+    cursor: FeederCursor
+    _js: JetStreamContext
+    _order: tuple[int, list[int]]
+
+    def __init__(self, js: JetStreamContext, job_id: str, spec: JobSpec, prompts: list[Prompt],
+                 cursor: FeederCursor | None = None) -> None:
+        self._js = js
+        self.job_id = job_id
+        self.spec = spec
+        self.prompts = prompts
+        self.cursor = cursor or FeederCursor()
+        self._order = (-1, [])
+
+    def settle(self, groups: int) -> None:
+        """Count groups that left the pipeline (trained in a step, or dropped as stale)."""
+        self.cursor.settled += groups
+
+    async def top_up(self, current_version: int) -> int:
+        """Publish as many tasks as the bound allows, tagged for current_version; returns the count."""
+        n = tasks_to_publish(self.cursor, self.spec.rollout.prompts_per_step, self.spec.train.max_staleness)
+        for _ in range(n):
+            await self._publish_next(task_min_version(current_version))
+        return n
+
+    def _prompt_index(self) -> int:
+        epoch = self.cursor.epoch
+        if self._order[0] != epoch:
+            self._order = (epoch, seeding.prompt_order(len(self.prompts), self.spec.seed, epoch))
+        return self._order[1][self.cursor.position]
+
+    async def _publish_next(self, min_version: int) -> None:
+        epoch, index = self.cursor.epoch, self._prompt_index()
+        prompt = self.prompts[index]
+        task = common_pb2.Task(
+            job_id=self.job_id, task_id=seeding.task_id(epoch, index), epoch=epoch, prompt_index=index,
+            prompt=prompt.text, metadata_json=prompt.metadata_json, min_policy_version=min_version,
+            published_unix_ms=int(time.time() * 1000),
+        )
+        headers = {"Nats-Msg-Id": bus.task_msg_id(self.job_id, epoch, index)}
+        await self._js.publish(bus.task_subject(self.job_id), task.SerializeToString(), headers=headers)
+        self.cursor.published += 1
+        self.cursor.position += 1
+        if self.cursor.position == len(self.prompts):
+            self.cursor.epoch, self.cursor.position = epoch + 1, 0
+
+
+def task_ids_in_order(num_prompts: int, seed: int, count: int) -> list[str]:
+    """The first `count` task ids the feeder publishes (epoch after epoch); for tests and tools."""
+    out: list[str] = []
+    epoch = 0
+    while len(out) < count:
+        out.extend(seeding.task_id(epoch, i) for i in seeding.prompt_order(num_prompts, seed, epoch))
+        epoch += 1
+    return out[:count]

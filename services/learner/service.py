@@ -1,0 +1,101 @@
+"""The learner process: claim a job, run it, report, repeat.
+
+Lifecycle (nats.py's graceful-shutdown pattern): an AsyncExitStack owns the NATS connection,
+the job store, the replay client and the status gRPC server. A job is claimed with a lease in
+Redis (`JobStore.claim`), renewed every lease_s / 3 by a background task; a lease that cannot be
+renewed sets `lease_lost` and the run stops at once without committing anything. A job that
+raises is marked FAILED with the reason and the learner goes on to the next one. SIGTERM lets
+the current step finish, checkpoints, hands the job back (lease released, state RUNNING, so any
+learner resumes it) and exits.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+
+from services.common import bus
+from services.common.errors import Cancelled, FailedPrecondition
+from services.common.grpcutil import stop_server
+from services.common.jobs import JobRecord, JobState, JobStore
+from services.common.weights import WeightStore
+from services.learner import server
+from services.learner.config import LearnerSettings
+from services.learner.status import StatusBoard
+from services.learner.trainer import Deps, JobRun, LeaseLost
+from services.replay.client import ReplayClient
+
+log = logging.getLogger(__name__)
+
+
+async def renew_loop(deps: Deps, job_id: str) -> None:
+    """Keep the job lease alive; set lease_lost when it is gone or cannot be renewed in time."""
+    settings = deps.settings
+    last_ok = time.monotonic()
+    while True:
+        await asyncio.sleep(settings.lease_s / 3)
+        try:
+            if not await deps.jobs.renew(job_id, settings.learner_id, settings.lease_s):
+                break
+            last_ok = time.monotonic()
+        except (ConnectionError, TimeoutError) as error:  # Redis restarting: retry until the lease would lapse
+            log.warning("lease renewal of job %s failed: %s", job_id, error)
+            if time.monotonic() - last_ok >= settings.lease_s:
+                break
+    log.error("job %s: lease lost", job_id)
+    deps.lease_lost.set()
+
+
+async def run_claimed(deps: Deps, record: JobRecord) -> None:
+    """Run one claimed job to its end; failures become FAILED, the lease is always released."""
+    deps.lease_lost = asyncio.Event()
+    deps.board.start_job(record.job_id)
+    renewer = asyncio.create_task(renew_loop(deps, record.job_id))
+    try:
+        await JobRun(deps, record).run()
+    except (LeaseLost, Cancelled) as error:
+        log.warning("job %s stopped: %s", record.job_id, error)
+    except Exception as error:  # deliberate: a failing job must not take the learner down
+        log.exception("job %s failed", record.job_id)
+        if not deps.lease_lost.is_set():
+            with contextlib.suppress(FailedPrecondition):
+                await deps.jobs.set_state(record.job_id, JobState.FAILED, f"{type(error).__name__}: {error}")
+    finally:
+        renewer.cancel()
+        if not deps.lease_lost.is_set():
+            await deps.jobs.release(record.job_id, deps.settings.learner_id)
+        deps.board.phase = "done" if deps.board.phase != "done" else deps.board.phase
+
+
+async def wait_or_stop(stop: asyncio.Event, timeout_s: float) -> None:
+    with contextlib.suppress(TimeoutError):
+        await asyncio.wait_for(stop.wait(), timeout_s)
+
+
+async def serve(settings: LearnerSettings, stop: asyncio.Event, *, once: bool = False) -> None:
+    """Claim and run jobs until stop is set (once: after the first job ends)."""
+    async with contextlib.AsyncExitStack() as stack:
+        nc = await bus.connect(settings.nats_url, f"learner {settings.learner_id}")
+        stack.push_async_callback(nc.drain)
+        js = bus.jetstream(nc)
+        await bus.ensure_streams(js)
+        jobs = JobStore.from_url(settings.redis_url)
+        stack.push_async_callback(jobs.close)
+        replay = ReplayClient(settings.replay_addr, timeout_s=settings.rpc_timeout_s)
+        stack.push_async_callback(replay.close)
+        board = StatusBoard(settings.learner_id)
+        grpc_server, port, health = await server.start(board, settings.listen)
+        stack.push_async_callback(stop_server, grpc_server, health, settings.grace_s)
+        log.info("learner %s: status on port %d", settings.learner_id, port)
+        deps = Deps(settings, jobs, nc, js, replay, WeightStore(nc, js), board, stop)
+        while not stop.is_set():
+            record = await jobs.claim(settings.learner_id, settings.lease_s)
+            if record is None:
+                await wait_or_stop(stop, settings.claim_poll_s)
+                continue
+            log.info("learner %s claimed job %s", settings.learner_id, record.job_id)
+            await run_claimed(deps, record)
+            if once:
+                return

@@ -1,0 +1,304 @@
+"""One job, start to finish: the learner's main loop.
+
+Reads top to bottom like torchtitan's `Trainer.train`: `setup` (model, replay table, task
+consumer, resume, publish the current weights, start the feeder), then per step
+`wait_for_data -> train -> publish -> feed -> checkpoint -> report`, then `finish` (final
+checkpoint, export, SUCCEEDED). Components (Feeder, Policy, WeightPublisher, LeaseBook,
+MetricsLog) do not know each other; JobRun wires them. Replay leases are committed only after
+the checkpoint that includes their steps is complete (see `leases` for the exactly-once
+argument). Policy version == optimizer steps applied: step s trains at version s - 1 on groups
+of version >= s - 1 - max_staleness and produces version s.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from nats.aio.client import Client as NATS
+from nats.js import JetStreamContext
+
+from services.common import bus
+from services.common.config import JobSpec
+from services.common.errors import Cancelled, ConfigError, DeadlineExceeded, FieldViolation, FleetError, NotFound
+from services.common.jobs import JobRecord, JobState, JobStore
+from services.common.weights import WeightStore
+from services.learner import checkpoint as ckpt
+from services.learner.config import LearnerSettings
+from services.learner.export import MetricsLog, export_model, job_dir
+from services.learner.feeder import Feeder, FeederCursor, parse_prompts, sample_min_version
+from services.learner.leases import LeaseBook, LeaseRecord
+from services.learner.policy import Policy, resolve_device
+from services.learner.publish import WeightPublisher
+from services.learner.status import StatusBoard, StepRecord
+from services.proto.fleetrl.v1 import common_pb2
+from services.replay.client import ReplayClient
+
+log = logging.getLogger(__name__)
+
+
+class LeaseLost(FleetError):
+    """Another learner may own the job now: stop at once, commit nothing."""
+
+
+@dataclass
+class Deps:
+    """What a job run needs from the process (owned by the service, shared by its runs)."""
+
+    settings: LearnerSettings
+    jobs: JobStore
+    nc: NATS
+    js: JetStreamContext
+    replay: ReplayClient
+    weights: WeightStore
+    board: StatusBoard
+    stop: asyncio.Event
+    """Set by SIGTERM: finish the step, checkpoint, hand the job back."""
+    lease_lost: asyncio.Event = field(default_factory=asyncio.Event)
+
+
+@dataclass
+class StepData:
+    groups: list[common_pb2.Group] = field(default_factory=list)
+    leases: list[LeaseRecord] = field(default_factory=list)
+    stale_dropped: int = 0
+    copies_skipped: int = 0
+
+
+def validate_spec(spec: JobSpec) -> None:
+    """Cross-field rules the learner needs beyond JobSpec's own bounds."""
+    if spec.train.max_staleness < spec.train.publish_interval - 1:
+        raise ConfigError("invalid job spec", [FieldViolation(
+            "train.max_staleness", f"must be >= train.publish_interval - 1 = {spec.train.publish_interval - 1}, "
+            "or no group generated with published weights could ever be fresh enough")])
+
+
+class JobRun:
+    """Trains one claimed job; `run()` returns when it ends, is cancelled or is handed back."""
+
+    deps: Deps
+    record: JobRecord
+    spec: JobSpec
+    root: Path
+    step: int
+    policy: Policy
+    feeder: Feeder
+    publisher: WeightPublisher
+    book: LeaseBook
+    metrics: MetricsLog
+    checkpoint_step: int
+
+    def __init__(self, deps: Deps, record: JobRecord, policy: Policy | None = None) -> None:
+        self.deps = deps
+        self.record = record
+        self.spec = record.spec
+        self.root = ckpt.checkpoint_root(deps.settings.run_dir, record.job_id)
+        self.metrics = MetricsLog(job_dir(deps.settings.run_dir, record.job_id) / "metrics.jsonl")
+        self.step = self.checkpoint_step = 0
+        self._policy = policy
+
+    @property
+    def job_id(self) -> str:
+        return self.record.job_id
+
+    # ------------------------------------------------------------------ the loop
+
+    async def run(self) -> None:
+        await self.setup()
+        while self.step < self.spec.train.max_steps:
+            if await self.should_stop():
+                return
+            data = await self.wait_for_data()
+            if data is None:
+                await self.hand_back()
+                return
+            values = await self.train(data)
+            await self.publish()
+            await self.feed()
+            await self.checkpoint_if_due()
+            await self.report(values, data)
+        await self.finish()
+
+    # ------------------------------------------------------------------ setup
+
+    async def setup(self) -> None:
+        validate_spec(self.spec)
+        self.phase("starting")
+        prompts_bytes, _ = await self.deps.jobs.files(self.job_id)
+        prompts = parse_prompts(prompts_bytes)
+        device = resolve_device(self.deps.settings.device)
+        self.policy = self._policy or await asyncio.to_thread(Policy, self.spec, device)
+        await self.deps.replay.configure(self.job_id, self.spec.replay)
+        await bus.ensure_streams(self.deps.js)
+        await bus.ensure_job_consumer(self.deps.js, self.job_id, self.spec)
+        cursor, self.book = await self.resume()
+        self.feeder = Feeder(self.deps.js, self.job_id, self.spec, prompts, cursor)
+        self.publisher = WeightPublisher(self.deps.weights, self.job_id, self.spec.train.weights_dtype,
+                                         self.spec.train.publish_interval, self.spec.train.keep_weight_versions)
+        await self.publisher.sync()
+        await self.publisher.publish(self.policy.model, self.step)
+        await self.feeder.top_up(self.publisher.published_version)
+
+    async def resume(self) -> tuple[FeederCursor, LeaseBook]:
+        """Restore the newest complete checkpoint (if any) and commit the leases it recorded."""
+        fifo = self.spec.replay.sampler == "fifo"
+        saved = await asyncio.to_thread(ckpt.load_latest, self.root)
+        if saved is None:
+            self.metrics.truncate_after(0)
+            return FeederCursor(), LeaseBook(fifo)
+        self.policy.restore(saved, self.root)
+        self.step = self.checkpoint_step = saved.step
+        self.deps.board.checkpoint_step = saved.step
+        self.metrics.truncate_after(saved.step)
+        book = LeaseBook.from_state(saved.state["leases"], fifo)
+        await self.commit(book)
+        log.info("job %s resumed from step %d", self.job_id, saved.step)
+        return FeederCursor.from_dict(saved.state["cursor"]), book
+
+    # ------------------------------------------------------------------ per step
+
+    async def should_stop(self) -> bool:
+        """True when the job was cancelled (tasks purged) or SIGTERM asked to hand it back."""
+        self.check_lease()
+        record = await self.deps.jobs.get(self.job_id)
+        if record.state == JobState.CANCELLED:
+            await self.deps.js.purge_stream(bus.TASKS_STREAM, subject=bus.task_subject(self.job_id))
+            log.info("job %s cancelled at step %d", self.job_id, self.step)
+            raise Cancelled(f"job {self.job_id} was cancelled")
+        if self.deps.stop.is_set():
+            await self.hand_back()
+            return True
+        return False
+
+    async def hand_back(self) -> None:
+        """SIGTERM: checkpoint what is trained so another learner resumes from here."""
+        self.check_lease()
+        await self.checkpoint()
+        log.info("job %s handed back at step %d", self.job_id, self.step)
+
+    def check_lease(self) -> None:
+        if self.deps.lease_lost.is_set():
+            raise LeaseLost(f"lost the lease of job {self.job_id}")
+
+    async def wait_for_data(self) -> StepData | None:
+        """prompts_per_step fresh groups under leases, or None if SIGTERM came first."""
+        self.phase("waiting_for_data")
+        need, data = self.spec.rollout.prompts_per_step, StepData()
+        min_version = sample_min_version(self.step, self.spec.train.max_staleness)
+        deadline = time.monotonic() + self.spec.train.timeout_per_step_s
+        while len(data.groups) < need:
+            if self.deps.stop.is_set() or self.deps.lease_lost.is_set():
+                await self.release(data)
+                return None
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise DeadlineExceeded(f"step {self.step + 1}: {len(data.groups)} of {need} groups "
+                                       f"after train.timeout_per_step_s={self.spec.train.timeout_per_step_s}s")
+            wait_s = min(left, self.deps.settings.sample_wait_s)
+            await self.sample_once(data, need - len(data.groups), min_version, wait_s)
+        return data
+
+    async def sample_once(self, data: StepData, want: int, min_version: int, wait_s: float) -> None:
+        lease_id, groups, stale = await self.deps.replay.sample(self.job_id, want, min_version, wait_s)
+        if stale:
+            data.stale_dropped += stale
+            self.feeder.settle(stale)
+            await self.feeder.top_up(self.publisher.published_version)
+        if not lease_id:
+            return
+        also = {t for r in data.leases for t in r.task_ids}
+        fresh, copies = self.book.split(groups, also)
+        data.leases.append(LeaseRecord(lease_id, tuple(g.task_id for g in groups)))
+        data.groups.extend(fresh)
+        data.copies_skipped += copies
+
+    async def release(self, data: StepData) -> None:
+        """Give back the leases of a step that will not be trained."""
+        for record in data.leases:
+            with contextlib.suppress(NotFound):  # expired already: its groups are back anyway
+                await self.deps.replay.release(self.job_id, record.lease_id)
+
+    async def train(self, data: StepData) -> dict[str, float]:
+        self.phase("training")
+        started = time.monotonic()
+        values = await asyncio.to_thread(self.policy.step, data.groups)
+        elapsed = time.monotonic() - started
+        self.check_lease()
+        staleness = [self.step - g.policy_version for g in data.groups]
+        self.step += 1
+        self.book.add(data.leases)
+        self.feeder.settle(len(data.groups))
+        values.update({
+            "staleness_mean": sum(staleness) / len(staleness), "staleness_max": float(max(staleness)),
+            "stale_dropped": float(data.stale_dropped), "copies_skipped": float(data.copies_skipped),
+            "tokens_per_s": values.get("tokens", 0.0) / max(elapsed, 1e-9), "step_time_s": elapsed,
+        })
+        return values
+
+    async def publish(self) -> None:
+        if self.publisher.due(self.step, self.step == self.spec.train.max_steps):
+            self.phase("publishing")
+            await self.publisher.publish(self.policy.model, self.step)
+
+    async def feed(self) -> None:
+        await self.feeder.top_up(self.publisher.published_version)
+
+    async def checkpoint_if_due(self) -> None:
+        if self.step % self.spec.train.checkpoint_interval == 0 or self.step == self.spec.train.max_steps:
+            await self.checkpoint()
+
+    async def checkpoint(self) -> None:
+        """Write the checkpoint of the current step, then commit the leases it includes."""
+        if self.step == self.checkpoint_step and not self.book.pending:
+            return
+        self.check_lease()
+        self.phase("checkpointing")
+        extra = {"version": self.step, "cursor": self.feeder.cursor.to_dict(), "leases": self.book.to_state()}
+        saved = self.policy.state(self.step, extra)
+        await asyncio.to_thread(ckpt.save, self.root, saved, delay_s=self.deps.settings.checkpoint_delay_s)
+        self.checkpoint_step = self.deps.board.checkpoint_step = self.step
+        await asyncio.to_thread(ckpt.prune, self.root, self.spec.train.keep_checkpoints)
+        self.check_lease()
+        await self.commit(self.book)
+
+    async def commit(self, book: LeaseBook) -> None:
+        for record in book.take_pending():
+            try:
+                await self.deps.replay.commit(self.job_id, record.lease_id)
+            except NotFound:
+                log.warning("job %s: lease %s expired before its commit; its %d groups will be skipped",
+                            self.job_id, record.lease_id, len(record.task_ids))
+                book.lost(record)
+
+    async def report(self, values: dict[str, float], data: StepData) -> None:
+        unix_ms = int(time.time() * 1000)
+        record = {"step": self.step, "policy_version": self.step, "unix_ms": unix_ms, **values}
+        self.metrics.append({**record, "task_ids": [g.task_id for g in data.groups]})
+        await self.deps.jobs.append_step(self.job_id, record)
+        await self.deps.nc.publish(bus.events_subject(self.job_id),
+                                   json.dumps({"type": "step", **record}).encode())
+        board = self.deps.board
+        board.step, board.policy_version = self.step, self.step
+        board.last = StepRecord(self.step, self.step, values, unix_ms)
+
+    # ------------------------------------------------------------------ end
+
+    async def finish(self) -> None:
+        await self.checkpoint()
+        self.phase("exporting")
+        path = await asyncio.to_thread(export_model, self.policy.model, self.policy.tokenizer,
+                                       self.deps.settings.run_dir, self.job_id)
+        self.check_lease()
+        await self.deps.jobs.set_model_uri(self.job_id, str(path.resolve()))
+        await self.deps.jobs.set_state(self.job_id, JobState.SUCCEEDED)
+        await self.deps.nc.publish(bus.events_subject(self.job_id), json.dumps(
+            {"type": "state", "state": "succeeded", "model_uri": str(path.resolve())}).encode())
+        self.phase("done")
+
+    def phase(self, name: str) -> None:
+        self.deps.board.phase = name

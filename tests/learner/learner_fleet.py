@@ -1,0 +1,93 @@
+"""Test helpers of the learner tests: a real replay service, jobs in a real Redis, synthetic groups.
+
+Groups are made here rather than by actors so a test controls exactly which groups exist and in
+which fifo order; the learner under test cannot tell the difference.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import random
+import subprocess
+import sys
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+from services.common.config import JobSpec
+from services.common.jobs import JobRecord, JobStore
+from services.learner.feeder import task_ids_in_order
+from services.proto.fleetrl.v1 import common_pb2
+from services.replay.client import ReplayClient
+from services.replay.config import ReplaySettings
+from services.replay.server import running
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def prompts_jsonl(n: int) -> bytes:
+    return "".join(json.dumps({"prompt": f"What is {i} + {i}?", "answer": str(2 * i)}) + "\n"
+                   for i in range(n)).encode()
+
+
+def spec_for(**train: Any) -> JobSpec:
+    replay = train.pop("replay", {})
+    rollout = {"prompts_per_step": 2, "samples_per_prompt": 3, "max_new_tokens": 8}
+    return JobSpec.model_validate({
+        "name": "t", "model": "tiny-llama", "prompts": "prompts.jsonl", "seed": 7,
+        "reward": {"builtin": "numeric_match"},
+        "optim": {"learning_rate": 1e-3, "warmup_steps": 1, "lr_schedule": "linear"},
+        "rollout": rollout, "train": {"max_steps": 4, "checkpoint_interval": 2, "max_staleness": 50,
+                                      "micro_batch_samples": 4, "weights_dtype": "float32",
+                                      "timeout_per_step_s": 60, **train},
+        "replay": {"lease_timeout_s": 2.0, **replay},
+    })
+
+
+def make_group(job_id: str, task_id: str, version: int, samples: int, seed: int = 0) -> common_pb2.Group:
+    """A deterministic synthetic group (token ids inside the tiny model's vocabulary)."""
+    rng = random.Random(f"{seed}:{task_id}")
+    prompt = [rng.randrange(10, 2000) for _ in range(rng.randrange(4, 9))]
+    out = []
+    for k in range(samples):
+        completion = [rng.randrange(10, 2000) for _ in range(rng.randrange(2, 7))]
+        out.append(common_pb2.Sample(
+            prompt_token_ids=prompt, completion_token_ids=completion,
+            behaviour_logprobs=[-rng.uniform(5.0, 12.0) for _ in completion],
+            reward=float(k % 2) + rng.uniform(0, 0.1), reward_status=common_pb2.REWARD_STATUS_OK,
+            finish_reason="length",
+        ))
+    return common_pb2.Group(job_id=job_id, task_id=task_id, policy_version=version, samples=out, prompt="p")
+
+
+async def create_job(jobs: JobStore, spec: JobSpec, num_prompts: int = 16) -> JobRecord:
+    return await jobs.create("tenant", spec, prompts_jsonl(num_prompts), None)
+
+
+async def insert_groups(replay: ReplayClient, record: JobRecord, count: int, version: int = 0,
+                        num_prompts: int = 16) -> list[str]:
+    """Insert the first `count` groups in the feeder's task order; returns their task ids."""
+    await replay.configure(record.job_id, record.spec.replay)
+    ids = task_ids_in_order(num_prompts, record.spec.seed, count)
+    groups = [make_group(record.job_id, t, version, record.spec.rollout.samples_per_prompt) for t in ids]
+    await replay.insert(groups)
+    return ids
+
+
+@contextlib.asynccontextmanager
+async def replay_service(redis_url: str) -> AsyncIterator[str]:
+    settings = ReplaySettings(redis_url=redis_url, listen="127.0.0.1:0", reclaim_interval_s=0.2)
+    async with running(settings) as svc:
+        yield f"127.0.0.1:{svc.port}"
+
+
+def learner_process(nats_url: str, redis_url: str, replay_addr: str, run_dir: Path, log: Path,
+                    **env: str) -> subprocess.Popen[bytes]:
+    """`python -m services.learner --once` as a real child process."""
+    environ = {**os.environ, "FLEETRL_LEARNER_LEASE_S": "3", "FLEETRL_LEARNER_LISTEN": "127.0.0.1:0",
+               "FLEETRL_LEARNER_SAMPLE_WAIT_S": "0.5", "FLEETRL_LEARNER_TORCH_THREADS": "1", **env}
+    cmd = [sys.executable, "-m", "services.learner", "--once", "--nats-url", nats_url, "--redis-url", redis_url,
+           "--replay-addr", replay_addr, "--run-dir", str(run_dir)]
+    return subprocess.Popen(cmd, cwd=REPO, env=environ, stdout=log.open("ab"), stderr=subprocess.STDOUT)

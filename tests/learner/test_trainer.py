@@ -1,0 +1,92 @@
+"""The learner service end to end in one process: real NATS, Valkey and replay service, tiny model."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+
+import grpc
+from learner_fleet import create_job, insert_groups, replay_service, spec_for
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from services.common import bus
+from services.common.jobs import JobState, JobStore
+from services.common.weights import WeightStore
+from services.learner import checkpoint as ckpt
+from services.learner.config import LearnerSettings
+from services.learner.service import serve
+from services.proto.fleetrl.v1 import learner_pb2, learner_pb2_grpc
+from services.replay.client import ReplayClient
+
+
+def settings(nats_url: str, redis_url: str, replay_addr: str, run_dir: Path) -> LearnerSettings:
+    return LearnerSettings(nats_url=nats_url, redis_url=redis_url, replay_addr=replay_addr, run_dir=run_dir,
+                           listen="127.0.0.1:0", lease_s=3, sample_wait_s=0.5, learner_id="L1")
+
+
+async def test_job_runs_to_export(nats_url: str, redis_url: str, tmp_path: Path) -> None:
+    jobs = JobStore.from_url(redis_url)
+    spec = spec_for(max_steps=4, checkpoint_interval=2, keep_checkpoints=1)
+    record = await create_job(jobs, spec)
+    async with replay_service(redis_url) as addr, ReplayClient(addr) as replay:
+        ids = await insert_groups(replay, record, 10)
+        await asyncio.wait_for(serve(settings(nats_url, redis_url, addr, tmp_path), asyncio.Event(), once=True), 120)
+        stats = await replay.stats(record.job_id)
+    done = await jobs.get(record.job_id)
+    assert done.state == JobState.SUCCEEDED, done.reason
+    lines = [json.loads(x) for x in (tmp_path / "jobs" / record.job_id / "metrics.jsonl").read_text().splitlines()]
+    assert [x["step"] for x in lines] == [1, 2, 3, 4]
+    assert [t for x in lines for t in x["task_ids"]] == ids[:8]  # fifo order, each group once
+    for key in ("loss", "reward_mean", "reward_std", "entropy", "clip_frac", "staleness_mean", "staleness_max",
+                "tokens_per_s", "stale_dropped"):
+        assert key in lines[0], key
+    assert stats.committed == 8 and stats.size_groups == 2 and stats.leased_groups == 0
+    assert len(await jobs.steps(record.job_id)) == 4
+    assert ckpt.complete_steps(ckpt.checkpoint_root(tmp_path, record.job_id)) == [4]
+    model = AutoModelForCausalLM.from_pretrained(done.model_uri)
+    AutoTokenizer.from_pretrained(done.model_uri)
+    assert model.config.hidden_size == 64
+    nc = await bus.connect(nats_url, "test")
+    js = bus.jetstream(nc)
+    pointer = await WeightStore(nc, js).latest(record.job_id)
+    info = await js.stream_info(bus.TASKS_STREAM)
+    await nc.close()
+    await jobs.close()
+    assert pointer is not None and pointer.version == 4
+    # in flight never exceeds prompts_per_step * (max_staleness + 1) = 102; 8 trained + 102 - 16 prompts/epoch
+    assert info.state.messages > 0
+
+
+async def test_staleness_drops_old_groups(nats_url: str, redis_url: str, tmp_path: Path) -> None:
+    """max_staleness 0: a group of version 0 cannot be trained at step 2 (learner at version 1)."""
+    jobs = JobStore.from_url(redis_url)
+    record = await create_job(jobs, spec_for(max_steps=2, max_staleness=0, timeout_per_step_s=3, checkpoint_interval=1))
+    async with replay_service(redis_url) as addr, ReplayClient(addr) as replay:
+        await insert_groups(replay, record, 4)
+        await asyncio.wait_for(serve(settings(nats_url, redis_url, addr, tmp_path), asyncio.Event(), once=True), 120)
+        stats = await replay.stats(record.job_id)
+    done = await jobs.get(record.job_id)
+    await jobs.close()
+    assert done.state == JobState.FAILED and "timeout_per_step_s" in done.reason
+    assert stats.committed == 2 and stats.stale_dropped == 2  # step 1 trained 2, step 2 dropped the rest
+
+
+async def test_get_status(redis_url: str, tmp_path: Path) -> None:
+    from services.learner import server
+    from services.learner.status import StatusBoard
+
+    board = StatusBoard("L9")
+    srv, port, health = await server.start(board, "127.0.0.1:0")
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+        stub = learner_pb2_grpc.LearnerServiceStub(channel)
+        try:
+            await stub.GetStatus(learner_pb2.LearnerStatusRequest(), timeout=5)
+            raise AssertionError("expected NOT_FOUND")
+        except grpc.aio.AioRpcError as error:
+            assert error.code() == grpc.StatusCode.NOT_FOUND
+        board.start_job("j-1")
+        board.step, board.phase = 3, "training"
+        status = await stub.GetStatus(learner_pb2.LearnerStatusRequest(job_id="j-1"), timeout=5)
+    await srv.stop(0)
+    assert status.step == 3 and status.phase == "training" and status.learner_id == "L9"
