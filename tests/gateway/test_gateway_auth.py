@@ -1,0 +1,104 @@
+"""Auth matrix (no token, bad token, other tenant, right tenant), exempt health/reflection, TLS,
+open mode, and the token table itself."""
+
+from __future__ import annotations
+
+import subprocess
+from collections.abc import Callable
+from pathlib import Path
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from services.common.errors import NotFound, Unauthenticated, Unavailable
+from services.gateway.__main__ import main as gateway_main
+from services.gateway.auth import TokenTable, hash_token
+from services.gateway.client import Client, Run
+from tests.gateway.conftest import TOKENS, Infra, Proc
+
+
+@pytest.fixture
+def bobs_run(client_for: Callable[..., Client], job_dir: Path) -> Run:
+    return client_for("bob").create_run(model="tiny-test", prompt_file=job_dir / "prompts.jsonl",
+                                        reward_builtin="numeric_match")
+
+
+@pytest.mark.parametrize("token", [None, "", "wrong-token", TOKENS["alice"] + "x"])
+def test_missing_or_bad_token_is_unauthenticated(client_for: Callable[..., Client], bobs_run: Run,
+                                                 job_dir: Path, token: str | None) -> None:
+    client = Client(client_for("bob").address, token=token)
+    for call in (client.list_jobs, lambda: client.get_job(bobs_run.job_id),
+                 lambda: client.cancel_job(bobs_run.job_id), lambda: list(client.watch_job(bobs_run.job_id)),
+                 lambda: client.submit_file(job_dir / "job.toml")):
+        with pytest.raises(Unauthenticated):
+            call()
+    client.close()
+
+
+def test_other_tenant_sees_nothing(client_for: Callable[..., Client], bobs_run: Run, tmp_path: Path) -> None:
+    alice = client_for("alice")
+    for call in (lambda: alice.get_job(bobs_run.job_id), lambda: alice.cancel_job(bobs_run.job_id),
+                 lambda: list(alice.watch_job(bobs_run.job_id)),
+                 lambda: alice.download_model(bobs_run.job_id, tmp_path)):
+        with pytest.raises(NotFound, match="does not exist"):
+            call()
+    assert bobs_run.job_id not in [j.job_id for j in alice.list_jobs(1000)]
+    assert bobs_run.status().state == "queued"  # alice's cancel did nothing
+
+
+def test_right_tenant_and_raw_bearer_header(gateway: Proc, bobs_run: Run) -> None:
+    assert bobs_run.status().tenant == "bob"
+    with grpc.insecure_channel(gateway.address) as channel:
+        health = health_pb2_grpc.HealthStub(channel)
+        reply = health.Check(health_pb2.HealthCheckRequest(service="fleetrl.v1.JobService"), timeout=5)
+        assert reply.status == health_pb2.HealthCheckResponse.SERVING  # exempt: no token needed
+
+
+def test_token_table() -> None:
+    table = TokenTable({"a": hash_token("s3cret")})
+    assert table.tenant_for("Bearer s3cret") == "a"
+    assert table.tenant_for("bearer  s3cret ") == "a"
+    for header in (None, "", "s3cret", "Basic s3cret", "Bearer ", "Bearer other"):
+        with pytest.raises(Unauthenticated):
+            table.tenant_for(header)
+    assert TokenTable({}, open_mode=True).tenant_for(None) == "local"
+
+
+def test_hash_token_command(capsys: pytest.CaptureFixture[str]) -> None:
+    assert gateway_main(["hash-token", "abc"]) == 0
+    assert capsys.readouterr().out.strip() == hash_token("abc")
+
+
+def test_closed_gateway_without_tokens_refuses_to_start(infra: Infra) -> None:
+    proc = infra.gateway("no-tokens", tokens={})
+    with pytest.raises(Unavailable):
+        proc.start(timeout_s=20)
+    assert proc.proc is not None and proc.proc.wait(10) == 2
+    assert "no tokens configured" in proc.log()
+
+
+def test_open_mode_is_loud_and_single_tenant(infra: Infra, job_dir: Path) -> None:
+    proc = infra.gateway("open", "open_mode = true", tokens={}).start()
+    try:
+        with Client(proc.address) as client:
+            job = client.submit_file(job_dir / "job.toml")
+            assert job.tenant == "local" and client.get_job(job.job_id).job_id == job.job_id
+        assert "OPEN MODE" in proc.log()
+    finally:
+        proc.stop()
+
+
+def test_tls(infra: Infra, tmp_path: Path, job_dir: Path) -> None:
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out",
+                    str(cert), "-days", "1", "-subj", "/CN=localhost",
+                    "-addext", "subjectAltName=IP:127.0.0.1,DNS:localhost"], check=True, capture_output=True)
+    proc = infra.gateway("tls", f'tls_cert = "{cert}"\ntls_key = "{key}"').start()
+    try:
+        with Client(proc.address, token=TOKENS["alice"], ca_file=cert) as client:
+            assert client.submit_file(job_dir / "job.toml").tenant == "alice"
+        with Client(proc.address, token=TOKENS["alice"], timeout_s=3) as plain, pytest.raises(Unavailable):
+            plain.list_jobs()
+    finally:
+        proc.stop()
