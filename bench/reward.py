@@ -1,0 +1,99 @@
+"""Reward-service throughput: a trivial user reward file through gRPC vs. in one process.
+
+`python -m bench.reward --json` prints one JSON object:
+- items_per_s: a trivial reward file scored through a real RewardService, batches of 64, several
+  concurrent callers (like several actors);
+- inprocess_items_per_s: the same function called in a loop in this process (the unsafe baseline);
+- hostile_mix_items_per_s: benign items per second while 10% of items hang until their timeout;
+- items_per_s_by_workers: items_per_s for each worker count tried.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import time
+from typing import Any
+
+from services.common.config import RewardSpec
+from services.common.grpcutil import channel
+from services.proto.fleetrl.v1 import common_pb2, reward_pb2, reward_pb2_grpc
+from services.reward.config import RewardSettings
+from services.reward.convert import spec_to_proto
+from services.reward.server import running
+
+SOURCE = """
+import time
+def reward(completion, prompt, **meta):
+    if meta.get("hang"):
+        time.sleep(1e9)
+    return float(completion.strip() == str(meta.get("answer")))
+"""
+BATCH = 64
+
+
+def inprocess_rate(seconds: float) -> float:
+    namespace: dict[str, Any] = {}
+    exec(compile(SOURCE, "reward.py", "exec"), namespace)
+    fn, n, start = namespace["reward"], 0, time.perf_counter()
+    while time.perf_counter() - start < seconds:
+        for _ in range(1000):
+            fn("57", "What is 20 + 37?", answer="57")
+        n += 1000
+    return n / (time.perf_counter() - start)
+
+
+def batch(hang_every: int = 0) -> list[reward_pb2.ScoreItem]:
+    return [reward_pb2.ScoreItem(completion="57", prompt="What is 20 + 37?", metadata_json=json.dumps(
+        {"answer": "57", "hang": bool(hang_every and i % hang_every == 0)})) for i in range(BATCH)]
+
+
+async def service_rate(workers: int, seconds: float, callers: int, hang_every: int, timeout_s: float) -> float:
+    """Benign (OK) items per second through a fresh service with `workers` workers."""
+    settings = RewardSettings(listen="127.0.0.1:0", workers_per_pool=workers, grace_s=0.5)
+    spec = spec_to_proto(RewardSpec(file="reward.py", timeout_per_item_s=timeout_s), SOURCE.encode())
+    async with running(settings) as service, channel(f"127.0.0.1:{service.port}") as chan:
+        stub = reward_pb2_grpc.RewardServiceStub(chan)
+        await stub.Validate(reward_pb2.ValidateRequest(spec=spec), timeout=60)
+        request = reward_pb2.ScoreRequest(job_id="bench", spec=spec, items=batch(hang_every))
+        await stub.Score(request, timeout=120)  # all workers up
+        ok, start = 0, time.perf_counter()
+
+        async def caller() -> None:
+            nonlocal ok
+            while time.perf_counter() - start < seconds:
+                reply = await stub.Score(request, timeout=120)
+                ok += sum(r.status == common_pb2.REWARD_STATUS_OK for r in reply.results)
+
+        await asyncio.gather(*(caller() for _ in range(callers)))
+        return ok / (time.perf_counter() - start)
+
+
+async def run(args: argparse.Namespace) -> dict[str, Any]:
+    by_workers = {w: await service_rate(w, args.seconds, args.callers, 0, 5.0) for w in args.workers}
+    hostile = await service_rate(max(args.workers), max(args.seconds, 4 * args.hang_timeout_s), args.callers,
+                                 10, args.hang_timeout_s)
+    return {
+        "items_per_s": round(by_workers[max(args.workers)], 1),
+        "inprocess_items_per_s": round(inprocess_rate(args.seconds), 1),
+        "hostile_mix_items_per_s": round(hostile, 1),
+        "items_per_s_by_workers": {str(w): round(r, 1) for w, r in by_workers.items()},
+        "batch": BATCH, "callers": args.callers, "hang_timeout_s": args.hang_timeout_s,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--json", action="store_true", help="print only the JSON object")
+    parser.add_argument("--seconds", type=float, default=3.0, help="measuring time per figure")
+    parser.add_argument("--workers", type=int, nargs="+", default=[1, 2, 4], help="worker counts to try")
+    parser.add_argument("--callers", type=int, default=4, help="concurrent Score callers")
+    parser.add_argument("--hang-timeout-s", type=float, default=0.5, help="timeout of the hanging items")
+    args = parser.parse_args()
+    result = asyncio.run(run(args))
+    print(json.dumps(result) if args.json else json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()
