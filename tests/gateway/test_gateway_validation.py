@@ -22,7 +22,8 @@ from services.proto.fleetrl.v1 import gateway_pb2
 from tests.gateway.conftest import TOKENS, Infra, Proc
 
 PROMPTS = b'{"prompt": "1 + 1?", "answer": "2"}\n'
-VALID: dict[str, Any] = {"name": "ok", "model": "tiny-test", "prompts": "p.jsonl", "reward": {"builtin": "numeric_match"}}
+VALID: dict[str, Any] = {"name": "ok", "model": "tiny-test", "prompts": "p.jsonl",
+                         "reward": {"builtin": "numeric_match"}}
 
 # Dotted path -> values that are wrong for it (type, range, choice, pattern).
 BAD_VALUES: dict[str, list[Any]] = {
