@@ -3,7 +3,8 @@
 `python -m bench.weights --json [--payload-mb 270]` starts its own embedded nats-server in a temp
 dir, publishes one payload of random bytes (the size of SmolLM2-135M in bf16 by default) through
 WeightStore, pulls it back, reads the same object with stock `ObjectStore.get`, copies the same
-bytes over a 127.0.0.1 socket, and prints one JSON object with the timings and ratios.
+bytes over a 127.0.0.1 socket, and prints one JSON object with the timings and ratios. For
+context it also times stock put + get (128 KiB chunks) of the first STOCK_LAYOUT_MB MB.
 """
 
 from __future__ import annotations
@@ -19,11 +20,14 @@ import time
 from pathlib import Path
 from typing import Any
 
+from nats.js.object_store import ObjectStore
+
 from services.common import bus
 from services.common.embedded import EmbeddedNats
-from services.common.weights import WeightStore
+from services.common.weights import CHUNK_BYTES, WeightStore
 
 JOB = "bench"
+STOCK_LAYOUT_MB = 50
 
 
 def loopback_s(payload: bytes) -> float:
@@ -56,7 +60,7 @@ async def timed(coro: Any) -> tuple[Any, float]:
     return result, time.perf_counter() - started
 
 
-async def measure(url: str, payload: bytes, stock_mb: int, repeats: int) -> dict[str, Any]:
+async def measure(url: str, payload: bytes, stock_mb: int | None, repeats: int) -> dict[str, Any]:
     nc = await bus.connect(url, "bench-weights")
     js = bus.jetstream(nc)
     store = WeightStore(nc, js)
@@ -66,26 +70,41 @@ async def measure(url: str, payload: bytes, stock_mb: int, repeats: int) -> dict
         pulled, seconds = await timed(store.pull(JOB, pointer))
         assert pulled == payload
         pulls.append(seconds)
-    stock_payload = payload if stock_mb >= len(payload) / 1e6 else payload[: stock_mb * 10**6]
-    if stock_payload is not payload:
+    stock_payload = payload if stock_mb is None else payload[: stock_mb * 10**6]
+    if len(stock_payload) != len(payload):
         pointer = await store.publish(JOB, 2, stock_payload, "bfloat16")
     objects = await js.object_store(bus.weights_bucket(JOB))
     result, stock_s = await timed(objects.get(pointer.object))
     assert result.data == stock_payload
-    await nc.drain()
-    mb = len(payload) / 1e6
-    return {
-        "payload_mb": mb, "publish_s": publish_s, "pull_s": min(pulls), "pull_s_all": pulls,
-        "pull_mb_s": mb / min(pulls), "nats_py_get_payload_mb": len(stock_payload) / 1e6,
+    figures = {
+        "payload_mb": len(payload) / 1e6, "chunk_bytes": min(CHUNK_BYTES, nc.max_payload - 4096),
+        "publish_s": publish_s, "pull_s": min(pulls), "pull_s_all": pulls,
+        "pull_mb_s": len(payload) / 1e6 / min(pulls), "nats_py_get_payload_mb": len(stock_payload) / 1e6,
         "nats_py_get_s": stock_s, "nats_py_get_mb_s": len(stock_payload) / 1e6 / stock_s,
     }
+    figures.update(await stock_layout(objects, payload[:STOCK_LAYOUT_MB * 10**6]))
+    await nc.drain()
+    return figures
+
+
+async def stock_layout(objects: ObjectStore, payload: bytes) -> dict[str, float]:
+    """Stock put (128 KiB chunks) then stock get: the path fleetrl replaces, on a smaller payload
+    because get's `bytes +=` is quadratic in the chunk count."""
+    _, put_s = await timed(objects.put("stock", payload))
+    result, get_s = await timed(objects.get("stock"))
+    assert result.data == payload
+    mb = len(payload) / 1e6
+    return {"stock_layout_payload_mb": mb, "stock_layout_put_mb_s": mb / put_s, "stock_layout_get_mb_s": mb / get_s}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", action="store_true", help="print one JSON object (the only output format)")
     parser.add_argument("--payload-mb", type=int, default=270, help="payload size in MB (10**6 bytes)")
-    parser.add_argument("--stock-mb", type=int, default=20, help="largest payload stock ObjectStore.get reads")
+    parser.add_argument(
+        "--stock-mb", type=int, default=None,
+        help="read a separate object of this many MB with stock ObjectStore.get (default: the same object)",
+    )
     parser.add_argument("--repeats", type=int, default=3, help="pulls; pull_s is the fastest")
     args = parser.parse_args()
     payload = os.urandom(args.payload_mb * 10**6)
@@ -95,6 +114,7 @@ def main() -> None:
     figures["loopback_mb_s"] = len(payload) / 1e6 / loopback
     figures["ratio_vs_stock"] = figures["pull_mb_s"] / figures["nats_py_get_mb_s"]
     figures["ratio_vs_loopback"] = figures["pull_mb_s"] / figures["loopback_mb_s"]
+    figures["cpus"], figures["load_avg_1m"] = os.cpu_count(), os.getloadavg()[0]
     print(json.dumps(figures))
 
 
