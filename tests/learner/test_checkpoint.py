@@ -1,0 +1,74 @@
+"""Checkpoints: bit-identical round trip, partial ones ignored, pruning; the lease book's rules."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+from learner_fleet import make_group, spec_for
+
+from services.learner import checkpoint as ckpt
+from services.learner.leases import LeaseBook, LeaseRecord
+from services.learner.policy import Policy
+
+
+def trained_policy() -> Policy:
+    policy = Policy(spec_for(max_steps=4))
+    policy.step([make_group("j", f"0/{i}", 0, 3) for i in range(2)])
+    return policy
+
+
+def test_round_trip_is_bit_identical(tmp_path: Path) -> None:
+    policy = trained_policy()
+    torch.manual_seed(123)
+    saved = policy.state(1, {"cursor": {"epoch": 0}, "leases": {"pending": [["l1", ["0/1"]]], "skip": []}})
+    ckpt.save(tmp_path, saved)
+    expected_draw = torch.rand(3)
+    fresh = Policy(spec_for(max_steps=4))
+    loaded = ckpt.load_latest(tmp_path)
+    assert loaded is not None and loaded.step == 1 and loaded.state["cursor"] == {"epoch": 0}
+    fresh.restore(loaded)
+    for name, tensor in policy.model.state_dict().items():
+        assert torch.equal(tensor, fresh.model.state_dict()[name]), name
+    for a, b in zip(policy.optimizer.state.values(), fresh.optimizer.state.values(), strict=True):
+        assert all(torch.equal(a[k], b[k]) for k in ("exp_avg", "exp_avg_sq", "step"))
+    assert fresh.scheduler.state_dict() == policy.scheduler.state_dict()
+    assert torch.equal(torch.rand(3), expected_draw)  # RNG restored to the saved point
+    group = [make_group("j", f"0/{i}", 0, 3) for i in range(2, 4)]
+    assert policy.step(group)["loss"] == fresh.step(group)["loss"]  # the next step is the same step
+
+
+def test_partial_checkpoints_are_ignored_and_pruned(tmp_path: Path) -> None:
+    policy = trained_policy()
+    for step in (1, 2, 3):
+        ckpt.save(tmp_path, policy.state(step, {}))
+    (tmp_path / "step-00000004.tmp").mkdir()  # killed while writing
+    renamed = tmp_path / "step-00000005"  # killed between the rename and the marker
+    renamed.mkdir()
+    (renamed / "model.safetensors").write_bytes(b"partial")
+    assert ckpt.complete_steps(tmp_path) == [1, 2, 3]
+    loaded = ckpt.load_latest(tmp_path)
+    assert loaded is not None and loaded.step == 3
+    ckpt.prune(tmp_path, keep=2)
+    assert sorted(os.listdir(tmp_path)) == ["step-00000002", "step-00000003", "step-00000004.tmp",
+                                            "step-00000005"]
+    ckpt.save(tmp_path, policy.state(5, {}))  # a resumed learner rewrites step 5 from scratch
+    ckpt.prune(tmp_path, keep=2)
+    assert sorted(os.listdir(tmp_path)) == ["step-00000003", "step-00000005"]
+
+
+def test_lease_book_skips_copies_of_trained_groups() -> None:
+    book = LeaseBook()
+    groups = [make_group("j", t, 0, 2) for t in ("0/1", "0/2")]
+    assert book.split(groups) == (groups, 0)
+    book.add([LeaseRecord("a", ("0/1", "0/2"))])
+    fresh, copies = book.split([groups[0], make_group("j", "0/3", 0, 2)])  # lease "a" expired early
+    assert [g.task_id for g in fresh] == ["0/3"] and copies == 1
+    state = book.to_state()
+    restored = LeaseBook.from_state(state)
+    pending = restored.take_pending()
+    restored.lost(pending[0])  # its commit said NOT_FOUND: the groups came back
+    assert restored.split(groups) == ([], 2)
+    assert restored.skip == set()  # the new lease holds them now
+    assert LeaseBook(filter_copies=False).split(groups) == (groups, 0)
