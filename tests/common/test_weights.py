@@ -6,6 +6,7 @@ import asyncio
 import hashlib
 import os
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 import pytest
 import torch
@@ -49,6 +50,17 @@ async def test_round_trip_verifies_digest_and_stock_get_reads_it(store: WeightSt
     assert await store.latest(JOB) == pointer
     assert await store.pull(JOB, pointer) == payload
     assert (await (await object_store(nc)).get("v0")).data == payload  # same layout as nats-py's put
+
+
+async def test_chunks_fit_a_default_1_mib_max_payload(tmp_path: Path) -> None:
+    with EmbeddedNats(data_dir=tmp_path / "small", max_payload_mb=1) as server:
+        client = await bus.connect(server.url, "test-weights-small")
+        try:
+            store = WeightStore(client, bus.jetstream(client))
+            payload = os.urandom(3 * 1024 * 1024)
+            assert await store.pull(JOB, await store.publish(JOB, 0, payload, "bfloat16")) == payload
+        finally:
+            await client.close()
 
 
 async def test_safetensors_through_the_store(store: WeightStore) -> None:
