@@ -1,0 +1,213 @@
+"""AdamW, the warmup-then-decay schedule, and `train_step`: one optimizer step on a list of groups.
+
+`train_step` is the only place the learning update is written. The distributed trainer and the
+single-process reference loop both call it, which is what makes their losses equal.
+
+Schedule of one step (documented choice): the batch is built once; `epochs_per_step` passes go
+over it, each pass accumulating gradients over micro-batches of `micro_batch_samples` sequences
+and ending in ONE grad-norm clip and ONE optimizer.step(); the scheduler steps once per call.
+`old_logprobs` are the learner's log-probs from the first pass (taken before any update of this
+step), so the first pass is exactly on the learner's policy and later passes are clipped against
+it. Losses are normalised by the whole batch's token/sequence counts, so the accumulated gradient
+of a pass equals the gradient of the full batch in one piece.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+from torch.optim.lr_scheduler import LambdaLR
+
+from services.common.config import JobSpec, OptimConfig
+from services.learner.batch import (
+    TrainBatch,
+    build_batch,
+    completion_logprobs,
+    group_advantages,
+    group_rewards,
+    has_signal,
+    micro_batches,
+)
+from services.learner.losses import LossConfig, LossInputs, policy_loss
+from services.proto.fleetrl.v1 import common_pb2
+
+PAD_ID = 0
+"""Id written into padding positions; attention_mask hides them, so any valid id works."""
+
+
+def build_optimizer(model: torch.nn.Module, optim_cfg: OptimConfig) -> torch.optim.AdamW:
+    """AdamW over the model's trainable parameters."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    return torch.optim.AdamW(
+        params, lr=optim_cfg.learning_rate, betas=optim_cfg.betas, weight_decay=optim_cfg.weight_decay
+    )
+
+
+def lr_factor(step: int, optim_cfg: OptimConfig, max_steps: int) -> float:
+    """Multiplier of the peak learning rate for the optimizer step with 0-based index `step`.
+
+    Warmup: (step + 1) / warmup_steps for the first warmup_steps steps (so step 0 already moves).
+    Then the peak at step == warmup_steps, decaying (linear or cosine) to min_lr_ratio at the last
+    step, max_steps - 1; `constant` stays at the peak.
+    """
+    warmup = optim_cfg.warmup_steps
+    if step < warmup:
+        return (step + 1) / warmup
+    if optim_cfg.lr_schedule == "constant":
+        return 1.0
+    progress = min(1.0, (step - warmup) / max(1, max_steps - 1 - warmup))
+    floor = optim_cfg.min_lr_ratio
+    shape = 1.0 - progress if optim_cfg.lr_schedule == "linear" else 0.5 * (1.0 + math.cos(math.pi * progress))
+    return floor + (1.0 - floor) * shape
+
+
+def build_scheduler(optimizer: torch.optim.Optimizer, optim_cfg: OptimConfig, max_steps: int) -> LambdaLR:
+    """LambdaLR following lr_factor; call scheduler.step() once per train_step."""
+    return LambdaLR(optimizer, lambda step: lr_factor(step, optim_cfg, max_steps))
+
+
+@dataclass
+class _Cached:
+    """What the first pass computes per micro-batch and later passes reuse."""
+
+    old_logprobs: list[Tensor] = field(default_factory=list)
+    ref_logprobs: list[Tensor | None] = field(default_factory=list)
+
+
+@dataclass
+class _Totals:
+    """Token-weighted sums of micro-batch metrics over the first pass."""
+
+    sums: dict[str, float] = field(default_factory=dict)
+    loss: float = 0.0
+
+    def add(self, metrics: dict[str, float], loss: float) -> None:
+        self.loss += loss
+        for key, value in metrics.items():
+            if key not in ("tokens", "loss", "pg_loss"):
+                self.sums[key] = self.sums.get(key, 0.0) + value * metrics["tokens"]
+
+    def means(self, tokens: float) -> dict[str, float]:
+        return {key: value / max(tokens, 1.0) for key, value in self.sums.items()}
+
+
+def _ref_logprobs(
+    ref_model: torch.nn.Module | None, micro: TrainBatch, cfg: LossConfig, temperature: float
+) -> Tensor | None:
+    if ref_model is None or cfg.kl_coef == 0:
+        return None
+    with torch.no_grad():
+        return completion_logprobs(ref_model, micro, temperature)[0]
+
+
+def _sync_context(model: torch.nn.Module, last: bool) -> contextlib.AbstractContextManager[object]:
+    """DDP's no_sync() for every micro-batch but the last of a pass; nothing for a plain module."""
+    no_sync: Callable[[], contextlib.AbstractContextManager[object]] | None = getattr(model, "no_sync", None)
+    return contextlib.nullcontext() if last or no_sync is None else no_sync()
+
+
+def _one_pass(
+    model: torch.nn.Module,
+    micros: list[TrainBatch],
+    cached: _Cached,
+    cfg: LossConfig,
+    counts: tuple[float, float],
+    temperature: float,
+    ref_model: torch.nn.Module | None,
+    loss_scale: float,
+) -> _Totals:
+    """Forward/backward over every micro-batch, accumulating gradients; the first pass fills `cached`."""
+    first = not cached.old_logprobs
+    totals = _Totals()
+    for index, micro in enumerate(micros):
+        with _sync_context(model, last=index == len(micros) - 1):
+            logprobs, entropy = completion_logprobs(model, micro, temperature)
+            if first:
+                cached.old_logprobs.append(logprobs.detach())
+                cached.ref_logprobs.append(_ref_logprobs(ref_model, micro, cfg, temperature))
+            inputs = LossInputs(
+                logprobs=logprobs,
+                old_logprobs=cached.old_logprobs[index],
+                behaviour_logprobs=micro.behaviour_logprobs,
+                advantages=micro.advantages,
+                mask=micro.completion_mask,
+                ref_logprobs=cached.ref_logprobs[index],
+                entropy=entropy if cfg.entropy_coef > 0 else entropy.detach(),
+                num_tokens=counts[0],
+                num_sequences=counts[1],
+            )
+            out = policy_loss(inputs, cfg)
+            (out.loss * loss_scale).backward()
+        totals.add(out.metrics, out.metrics["loss"])
+    return totals
+
+
+def train_step(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scheduler: LambdaLR,
+    groups: list[common_pb2.Group],
+    cfg: LossConfig,
+    spec: JobSpec,
+    ref_model: torch.nn.Module | None = None,
+    *,
+    global_counts: tuple[float, float] | None = None,
+    loss_scale: float = 1.0,
+) -> dict[str, float]:
+    """One optimizer step on `groups` (see the module docstring for the pass/micro-batch schedule).
+
+    Data-parallel callers pass `global_counts` = (real tokens, sequences) summed over every rank's
+    share of the step, and `loss_scale` = world size, because DDP averages gradients over ranks
+    while the loss wants their sum. Returns the step's metrics; `loss` and the token metrics are
+    those of the first pass (the policy the samples were scored against).
+    """
+    rewards = torch.cat([group_rewards(group) for group in groups])
+    kept = [group for group in groups if has_signal(group)] if cfg.skip_zero_variance_groups else list(groups)
+    lr = float(optimizer.param_groups[0]["lr"])
+    metrics = {"reward_mean": float(rewards.mean()), "reward_std": float(rewards.std(correction=0)),
+               "groups": float(len(groups)), "groups_skipped": float(len(groups) - len(kept)), "lr": lr}
+    if kept:
+        metrics.update(_update(model, optimizer, kept, cfg, spec, ref_model, global_counts, loss_scale))
+    scheduler.step()
+    return metrics
+
+
+def _update(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    groups: list[common_pb2.Group],
+    cfg: LossConfig,
+    spec: JobSpec,
+    ref_model: torch.nn.Module | None,
+    global_counts: tuple[float, float] | None,
+    loss_scale: float,
+) -> dict[str, float]:
+    """The epochs_per_step passes of a step; each ends with a clipped optimizer step."""
+    batch = build_batch(groups, group_advantages(groups, cfg), PAD_ID)
+    counts = global_counts or (float(batch.num_tokens), float(batch.num_sequences))
+    micros = micro_batches(batch, spec.train.micro_batch_samples)
+    cached = _Cached()
+    model.train()
+    first: _Totals | None = None
+    grad_norm = torch.tensor(0.0)
+    for _ in range(spec.train.epochs_per_step):
+        optimizer.zero_grad(set_to_none=True)
+        totals = _one_pass(model, micros, cached, cfg, counts, spec.rollout.temperature, ref_model, loss_scale)
+        first = first or totals
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), spec.optim.max_grad_norm)
+        optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    assert first is not None  # epochs_per_step >= 1
+    return {
+        **first.means(float(batch.num_tokens)),
+        "loss": first.loss,
+        "grad_norm": float(grad_norm),
+        "tokens": float(batch.num_tokens),
+        "sequences": float(batch.num_sequences),
+        "completion_len_mean": float(batch.completion_lens.float().mean()),
+    }
