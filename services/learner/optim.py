@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -173,7 +174,11 @@ def train_step(
                "groups": float(len(groups)), "groups_skipped": float(len(groups) - len(kept)), "lr": lr}
     if kept:
         metrics.update(_update(model, optimizer, kept, cfg, spec, ref_model, global_counts, loss_scale))
-    scheduler.step()
+        scheduler.step()
+    else:  # no update this step, but the schedule still advances so it stays aligned with max_steps
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="Detected call of")
+            scheduler.step()
     return metrics
 
 

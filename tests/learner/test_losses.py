@@ -1,0 +1,309 @@
+"""Loss, advantage, KL, aggregation and schedule values worked out by hand; gradient identities on a tiny model."""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from services.common.config import JobSpec, OptimConfig
+from services.learner.batch import build_batch, completion_logprobs, group_advantages, has_signal, micro_batches
+from services.learner.losses import (
+    LossConfig,
+    LossInputs,
+    compute_group_advantages,
+    kl_penalty,
+    loss_config_for,
+    policy_loss,
+)
+from services.learner.optim import build_scheduler, lr_factor, train_step
+from services.proto.fleetrl.v1 import common_pb2
+
+
+def config(**overrides: object) -> LossConfig:
+    base: dict[str, object] = dict(
+        clip_eps=0.2, clip_eps_high=0.2, loss_agg="token_mean", kl_coef=0.0, kl_estimator="k3",
+        entropy_coef=0.0, tis_cap=2.0, max_new_tokens=4, advantage="grpo", skip_zero_variance_groups=False,
+    )
+    base.update(overrides)
+    return LossConfig(**base)  # type: ignore[arg-type]
+
+
+def on_policy(
+    logprobs: list[list[float]], advantages: list[float], mask: list[list[float]], **kw: object
+) -> LossInputs:
+    """Inputs whose ratio and TIS weight are exactly 1, so each token's loss is -A (+ KL/entropy terms)."""
+    lp = torch.tensor(logprobs, requires_grad=True)
+    return LossInputs(lp, lp.detach().clone(), lp.detach().clone(), torch.tensor(advantages), torch.tensor(mask),
+                      **kw)  # type: ignore[arg-type]
+
+
+# --------------------------------------------------------------------------- advantages
+
+
+def test_advantage_kinds_by_hand() -> None:
+    rewards = torch.tensor([1.0, 2.0, 3.0, 6.0])  # mean 3, centred [-2, -1, 0, 3], unbiased var 14/3
+    std = math.sqrt(14 / 3)  # 2.1602469
+    expected = {
+        "grpo": [-2 / std, -1 / std, 0.0, 3 / std],  # [-0.92582, -0.46291, 0, 1.38873]
+        "dr_grpo": [-2.0, -1.0, 0.0, 3.0],
+        "rloo": [1 - 11 / 3, 2 - 10 / 3, 3 - 3.0, 6 - 2.0],  # r_i - mean of the other three
+    }
+    for kind, values in expected.items():
+        torch.testing.assert_close(compute_group_advantages(rewards, kind), torch.tensor(values), atol=1e-5, rtol=0)
+    assert compute_group_advantages(torch.tensor([0.5, 0.5, 0.5]), "grpo").abs().max() == 0
+    for kind in expected:
+        assert compute_group_advantages(torch.tensor([1.0]), kind).tolist() == [0.0]
+
+
+def test_presets_fill_only_unset_fields() -> None:
+    def spec(**algorithm: object) -> JobSpec:
+        return JobSpec(prompts="p.jsonl", reward={"builtin": "numeric_match"}, algorithm=algorithm)
+
+    dapo = loss_config_for(spec(name="dapo"))
+    assert (dapo.clip_eps_high, dapo.loss_agg, dapo.advantage, dapo.skip_zero_variance_groups) == (
+        0.28, "token_mean", "grpo", True)
+    grpo = loss_config_for(spec(name="grpo", clip_eps=0.1))
+    assert (grpo.clip_eps_high, grpo.loss_agg, grpo.advantage) == (0.1, "seq_mean_token_mean", "grpo")
+    dr = loss_config_for(spec(name="dr_grpo"))
+    assert (dr.loss_agg, dr.advantage, dr.max_new_tokens) == ("seq_mean_token_sum_norm", "dr_grpo", 128)
+    ppo = loss_config_for(spec(name="ppo", loss_agg="seq_mean_token_mean", clip_eps_high=0.5))
+    assert (ppo.advantage, ppo.loss_agg, ppo.clip_eps_high) == ("rloo", "seq_mean_token_mean", 0.5)
+
+
+# --------------------------------------------------------------------------- aggregations
+
+
+AGG_2x3 = dict(logprobs=[[-1.0, -1.0, -1.0], [-1.0, -1.0, -1.0]], advantages=[1.0, 2.0],
+               mask=[[1.0, 1.0, 0.0], [1.0, 0.0, 0.0]])
+# token losses -A on real tokens: row 0 [-1, -1, .], row 1 [-2, ., .]
+
+
+@pytest.mark.parametrize(
+    ("loss_agg", "counts", "loss", "grad"),
+    [
+        # sum -4 over 3 tokens; d/dlogprob = -A / 3
+        ("token_mean", {}, -4 / 3, [[-1 / 3, -1 / 3, 0], [-2 / 3, 0, 0]]),
+        # whole step batch has 6 tokens: sum -4 / 6
+        ("token_mean", {"num_tokens": 6.0}, -4 / 6, [[-1 / 6, -1 / 6, 0], [-2 / 6, 0, 0]]),
+        # row means -1 and -2, mean over 2 rows; row 0's tokens weigh 1/2 each
+        ("seq_mean_token_mean", {}, -1.5, [[-1 / 4, -1 / 4, 0], [-1.0, 0, 0]]),
+        ("seq_mean_token_mean", {"num_sequences": 4.0}, -0.75, [[-1 / 8, -1 / 8, 0], [-0.5, 0, 0]]),
+        # row sums -2 and -2 over max_new_tokens 4, mean over 2 rows
+        ("seq_mean_token_sum_norm", {}, -0.5, [[-1 / 8, -1 / 8, 0], [-2 / 8, 0, 0]]),
+    ],
+)
+def test_aggregations_by_hand(loss_agg: str, counts: dict[str, float], loss: float, grad: list[list[float]]) -> None:
+    inputs = on_policy(**AGG_2x3, **counts)  # type: ignore[arg-type]
+    out = policy_loss(inputs, config(loss_agg=loss_agg))
+    out.loss.backward()
+    assert out.loss.item() == pytest.approx(loss, abs=1e-6)
+    torch.testing.assert_close(inputs.logprobs.grad, torch.tensor(grad), atol=1e-6, rtol=0)
+
+
+def test_per_token_advantages() -> None:
+    inputs = on_policy([[0.0, 0.0]], [0.0], [[1.0, 1.0]])
+    inputs.advantages = torch.tensor([[1.0, 3.0]])
+    assert policy_loss(inputs, config()).loss.item() == pytest.approx(-2.0)
+
+
+# --------------------------------------------------------------------------- clipping, TIS, KL, entropy
+
+
+def clip_inputs(advantage: float) -> LossInputs:
+    ratios = torch.tensor([[0.5, 0.9, 1.1, 1.5]])
+    old = torch.full((1, 4), -1.0)
+    lp = (old + ratios.log()).requires_grad_(True)
+    return LossInputs(lp, old, old.clone(), torch.tensor([advantage]), torch.ones(1, 4))
+
+
+def test_clip_high_with_positive_advantage() -> None:
+    inputs = clip_inputs(1.0)
+    out = policy_loss(inputs, config(clip_eps=0.2, clip_eps_high=0.28))
+    out.loss.backward()
+    # -min(r, clip(r, 0.8, 1.28)) = -[0.5, 0.9, 1.1, 1.28]; mean -0.945; the clipped token has no gradient
+    assert out.loss.item() == pytest.approx(-3.78 / 4, abs=1e-6)
+    torch.testing.assert_close(inputs.logprobs.grad, torch.tensor([[-0.125, -0.225, -0.275, 0.0]]), atol=1e-6, rtol=0)
+    assert (out.metrics["clip_high_frac"], out.metrics["clip_low_frac"], out.metrics["clip_frac"]) == (0.25, 0.0, 0.25)
+
+
+def test_clip_low_with_negative_advantage() -> None:
+    inputs = clip_inputs(-1.0)
+    out = policy_loss(inputs, config(clip_eps=0.2, clip_eps_high=0.28))
+    out.loss.backward()
+    # -min(-r, -clip(r)) = max(r, clip(r)) = [0.8, 0.9, 1.1, 1.5]; mean 1.075; ratio 0.5 is clipped
+    assert out.loss.item() == pytest.approx(4.3 / 4, abs=1e-6)
+    torch.testing.assert_close(inputs.logprobs.grad, torch.tensor([[0.0, 0.225, 0.275, 0.375]]), atol=1e-6, rtol=0)
+    assert (out.metrics["clip_low_frac"], out.metrics["clip_high_frac"]) == (0.25, 0.0)
+    assert out.metrics["ratio_mean"] == pytest.approx(1.0)
+
+
+def test_truncated_importance_weight() -> None:
+    old = torch.tensor([[-1.0, -1.0, -1.0]])
+    behaviour = old - torch.tensor([[0.5, 1.0, 3.0]]).log()  # old/behaviour ratios 0.5, 1, 3 -> capped 0.5, 1, 2
+    lp = old.clone().requires_grad_(True)
+    inputs = LossInputs(lp, old, behaviour, torch.tensor([1.0]), torch.ones(1, 3))
+    out = policy_loss(inputs, config(tis_cap=2.0))
+    out.loss.backward()
+    assert out.loss.item() == pytest.approx(-3.5 / 3, abs=1e-6)  # -(0.5 + 1 + 2) / 3
+    torch.testing.assert_close(lp.grad, torch.tensor([[-0.5 / 3, -1 / 3, -2 / 3]]), atol=1e-6, rtol=0)
+    assert out.metrics["tis_frac"] == pytest.approx(1 / 3)
+    assert out.metrics["tis_weight_mean"] == pytest.approx(3.5 / 3)
+
+
+@pytest.mark.parametrize(
+    ("estimator", "per_token"),
+    [
+        ("k1", [0.5, -1.0]),  # -log r, log r = ref - logprobs = [-0.5, 1.0]
+        ("k2", [0.125, 0.5]),  # (log r)^2 / 2
+        ("k3", [math.exp(-0.5) - 0.5, math.e - 2.0]),  # r - 1 - log r = [0.1065307, 0.7182818]
+    ],
+)
+def test_kl_estimators(estimator: str, per_token: list[float]) -> None:
+    logprobs, ref = torch.tensor([[-1.0, -2.0]]), torch.tensor([[-1.5, -1.0]])
+    torch.testing.assert_close(kl_penalty(logprobs, ref, estimator), torch.tensor([per_token]), atol=1e-6, rtol=0)
+    inputs = on_policy([[-1.0, -2.0]], [0.0], [[1.0, 1.0]], ref_logprobs=ref)
+    out = policy_loss(inputs, config(kl_coef=0.5, kl_estimator=estimator))
+    assert out.loss.item() == pytest.approx(0.5 * sum(per_token) / 2, abs=1e-6)
+    assert out.metrics["kl"] == pytest.approx(sum(per_token) / 2, abs=1e-6)
+
+
+def test_entropy_bonus() -> None:
+    entropy = torch.tensor([[1.0, 2.0, 3.0]])
+    inputs = on_policy([[-1.0, -1.0, -1.0]], [0.0], [[1.0, 1.0, 0.0]], entropy=entropy)
+    out = policy_loss(inputs, config(entropy_coef=0.1))
+    assert out.loss.item() == pytest.approx(-0.1 * 1.5, abs=1e-7)  # mean entropy over the 2 real tokens
+    assert out.metrics["entropy"] == pytest.approx(1.5)
+    assert policy_loss(inputs, config(entropy_coef=0.0)).loss.item() == 0.0
+
+
+# --------------------------------------------------------------------------- tiny model identities
+
+
+def tiny_model() -> LlamaForCausalLM:
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=16, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    return LlamaForCausalLM(cfg)
+
+
+def random_groups(seed: int, behaviour_noise: float = 0.0) -> list[common_pb2.Group]:
+    """3 groups of 3 samples, prompts of 2-4 tokens, completions of 1-5 tokens, rewards in {0, 1}."""
+    gen = torch.Generator().manual_seed(seed)
+    groups = []
+    for g in range(3):
+        prompt = torch.randint(2, 16, (2 + g,), generator=gen).tolist()
+        group = common_pb2.Group(task_id=f"0/{g}")
+        for _ in range(3):
+            length = int(torch.randint(1, 6, (1,), generator=gen))
+            group.samples.append(common_pb2.Sample(
+                prompt_token_ids=prompt, completion_token_ids=torch.randint(0, 16, (length,), generator=gen).tolist(),
+                behaviour_logprobs=(-2.0 + behaviour_noise * torch.randn(length, generator=gen)).tolist(),
+                reward=float(torch.randint(0, 2, (1,), generator=gen))))
+        groups.append(group)
+    return groups
+
+
+def grads(model: torch.nn.Module) -> torch.Tensor:
+    return torch.cat([p.grad.reshape(-1) for p in model.parameters() if p.grad is not None])
+
+
+def test_on_policy_grpo_gradient_is_reinforce_with_baseline() -> None:
+    model, groups, cfg = tiny_model(), random_groups(1), config(loss_agg="seq_mean_token_mean")
+    batch = build_batch(groups, group_advantages(groups, cfg), pad_id=0)
+    with torch.no_grad():
+        behaviour = completion_logprobs(model, batch)[0] * batch.completion_mask  # the actor = this policy
+    logprobs, _ = completion_logprobs(model, batch)
+    inputs = LossInputs(logprobs, logprobs.detach(), behaviour, batch.advantages, batch.completion_mask)
+    policy_loss(inputs, cfg).loss.backward()
+    ours = grads(model)
+    model.zero_grad()
+    logprobs, _ = completion_logprobs(model, batch)
+    mask = batch.completion_mask
+    reinforce = -(batch.advantages * (logprobs * mask).sum(-1) / mask.sum(-1)).mean()
+    reinforce.backward()
+    assert ours.abs().max() > 1e-4
+    torch.testing.assert_close(ours, grads(model), atol=1e-7, rtol=1e-5)
+
+
+@pytest.mark.parametrize("loss_agg", ["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"])
+def test_micro_batch_accumulation_equals_full_batch(loss_agg: str) -> None:
+    model, groups, cfg = tiny_model(), random_groups(2, behaviour_noise=0.3), config(loss_agg=loss_agg)
+    batch = build_batch(groups, group_advantages(groups, cfg), pad_id=0)
+    per_micro = []
+    for micro_size in (batch.num_sequences, 2):
+        model.zero_grad()
+        for micro in micro_batches(batch, micro_size):
+            logprobs, _ = completion_logprobs(model, micro)
+            old = (logprobs.detach() + 0.1).clamp(max=0.0)  # a ratio away from 1, so clipping acts
+            inputs = LossInputs(logprobs, old, micro.behaviour_logprobs, micro.advantages, micro.completion_mask,
+                                num_tokens=float(batch.num_tokens), num_sequences=float(batch.num_sequences))
+            policy_loss(inputs, cfg).loss.backward()
+        per_micro.append(grads(model).clone())
+    assert len(micro_batches(batch, 2)) == 5
+    torch.testing.assert_close(per_micro[1], per_micro[0], atol=1e-7, rtol=1e-5)
+
+
+def test_train_step_same_update_for_any_micro_batch_size() -> None:
+    groups = random_groups(3, behaviour_noise=0.3)
+    spec_data = dict(prompts="p.jsonl", reward={"builtin": "numeric_match"}, algorithm={"name": "dapo"},
+                     rollout={"max_new_tokens": 5})
+    params, metrics = [], []
+    for micro_size in (9, 2):
+        spec = JobSpec(**spec_data, train={"epochs_per_step": 2, "micro_batch_samples": micro_size})  # type: ignore[arg-type]
+        model = tiny_model()
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.5)  # SGD: no Adam sign amplification of fp noise
+        scheduler = build_scheduler(optimizer, OptimConfig(learning_rate=0.5), 10)
+        metrics.append(train_step(model, optimizer, scheduler, groups, loss_config_for(spec), spec))
+        params.append(torch.cat([p.detach().reshape(-1) for p in model.parameters()]))
+    torch.testing.assert_close(params[1], params[0], atol=1e-6, rtol=1e-5)
+    assert metrics[0]["loss"] == pytest.approx(metrics[1]["loss"], abs=1e-6)
+    kept = [g for g in groups if has_signal(g)]  # dapo skips constant-reward groups
+    assert 0 < len(kept) < len(groups) and metrics[0]["groups_skipped"] == len(groups) - len(kept)
+    tokens = sum(len(s.completion_token_ids) for g in kept for s in g.samples)
+    assert metrics[0]["tokens"] == metrics[1]["tokens"] == tokens
+    assert params[0].sub(torch.cat([p.detach().reshape(-1) for p in tiny_model().parameters()])).abs().max() > 1e-4
+
+
+def test_zero_variance_groups_are_skipped() -> None:
+    groups = random_groups(4)
+    for sample in groups[0].samples:
+        sample.reward = 1.0
+    spec = JobSpec(prompts="p.jsonl", reward={"builtin": "numeric_match"}, algorithm={"name": "dapo"})
+    model = tiny_model()
+    before = copy.deepcopy(model.state_dict())
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    scheduler = build_scheduler(optimizer, spec.optim, 10)
+    out = train_step(model, optimizer, scheduler, groups[:1], loss_config_for(spec), spec)
+    assert out["groups_skipped"] == 1.0 and "loss" not in out
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    out = train_step(model, optimizer, scheduler, groups, loss_config_for(spec), spec)
+    assert out["groups_skipped"] == 1.0 and out["sequences"] == 6.0
+
+
+# --------------------------------------------------------------------------- schedule
+
+
+@pytest.mark.parametrize(
+    ("schedule", "warmup", "expected"),
+    [
+        ("linear", 2, [0.5, 1.0, 1.0, 0.7, 0.4, 0.1]),  # decay over steps 2..5: 1 - 0.9 * k/3
+        ("cosine", 2, [0.5, 1.0, 1.0, 0.775, 0.325, 0.1]),  # 0.1 + 0.9 * (1 + cos(pi k/3)) / 2
+        ("constant", 4, [0.25, 0.5, 0.75, 1.0, 1.0, 1.0]),
+    ],
+)
+def test_scheduler_warmup_and_decay(schedule: str, warmup: int, expected: list[float]) -> None:
+    optim_cfg = OptimConfig(learning_rate=0.5, warmup_steps=warmup, lr_schedule=schedule, min_lr_ratio=0.1)  # type: ignore[arg-type]
+    parameter = torch.nn.Parameter(torch.zeros(1))
+    optimizer = torch.optim.SGD([parameter], lr=0.5)
+    scheduler = build_scheduler(optimizer, optim_cfg, max_steps=6)
+    seen = []
+    for _ in range(6):
+        seen.append(optimizer.param_groups[0]["lr"])
+        optimizer.step()
+        scheduler.step()
+    assert seen == pytest.approx([0.5 * f for f in expected])
+    assert lr_factor(100, optim_cfg, 6) == pytest.approx(expected[-1])
