@@ -117,7 +117,7 @@ def sample_group(
         done |= torch.isin(token[:, 0], torch.tensor(sorted(eos_ids)))
         if bool(done.all()):
             break
-        out = model(input_ids=token, past_key_values=out.past_key_values, use_cache=True)
+        out = model(input_ids=token, cache=out.cache, use_cache=True)
     return [_cut(torch.stack(tokens_T)[:, g].tolist(), torch.stack(logprobs_T)[:, g].tolist(), eos_ids)
             for g in range(size)]
 
