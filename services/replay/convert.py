@@ -1,18 +1,24 @@
 """Conversions between ReplayService messages and the domain core, with request validation.
 
-A Group is serialised once here and stored as those bytes; Sample hands the
-stored bytes back into the response without decoding them into Python objects
-field by field. Validation collects every bad field as a FieldViolation.
+Insert and Sample work on raw wire bytes (see `wire`): a group is stored as the
+exact bytes the actor sent and handed to the learner as those bytes, parsed once
+here only to validate it and read its metadata. Validation collects every bad
+field as a FieldViolation.
 """
 
 from __future__ import annotations
 
+from google.protobuf.message import DecodeError
+
 from services.common.errors import FieldViolation, InvalidArgument, ResourceExhausted
 from services.proto.fleetrl.v1 import common_pb2, replay_pb2
+from services.replay import wire
 from services.replay.table import SAMPLERS, GroupRecord, LineageRow, SampleResult, TableConfig, TableStats
 
 DEFAULT_LEASE_TIMEOUT_S = 300.0
 DEFAULT_QUERY_LIMIT = 100
+INSERT_GROUPS_FIELD = replay_pb2.InsertRequest.DESCRIPTOR.fields_by_name["groups"].number
+SAMPLE_GROUPS_FIELD = replay_pb2.SampleResponse.DESCRIPTOR.fields_by_name["groups"].number
 PRIORITY_EPS = 1e-3
 """Added to mean |advantage| so a zero-variance group keeps a small chance of being sampled."""
 
@@ -91,22 +97,29 @@ def to_record(group: common_pb2.Group, payload: bytes) -> GroupRecord:
                        priority_of(group), payload, lineage)
 
 
-def to_records(req: replay_pb2.InsertRequest, max_request_bytes: int) -> list[GroupRecord]:
-    """Validate and serialise every group; all-or-nothing on a bad request."""
-    if not req.groups:
+def to_records(request: bytes, max_request_bytes: int) -> list[GroupRecord]:
+    """Validate the groups of a raw InsertRequest; each keeps its exact bytes. All-or-nothing."""
+    if len(request) > max_request_bytes:
+        raise ResourceExhausted(f"Insert request of {len(request)} bytes is over the limit of "
+                                f"{max_request_bytes}; send fewer groups per request")
+    payloads = wire.split_field(request, INSERT_GROUPS_FIELD)
+    if not payloads:
         raise InvalidArgument("Insert needs at least one group", [FieldViolation("groups", "empty")])
-    bad = [v for i, g in enumerate(req.groups) for v in group_violations(i, g)]
-    for i, g in enumerate(req.groups):
-        if g.job_id and not bad:
-            require_job(g.job_id, f"groups[{i}].job_id")
+    groups = [_parse_group(i, p) for i, p in enumerate(payloads)]
+    bad = [v for i, g in enumerate(groups) for v in group_violations(i, g)]
     if bad:
         raise InvalidArgument(f"invalid Insert request: {bad[0].field}: {bad[0].description}", bad)
-    payloads = [g.SerializeToString() for g in req.groups]
-    size = sum(len(p) for p in payloads)
-    if size > max_request_bytes:
-        raise ResourceExhausted(f"Insert request holds {size} bytes of groups, over the limit of "
-                                f"{max_request_bytes}; send fewer groups per request")
-    return [to_record(g, p) for g, p in zip(req.groups, payloads, strict=True)]
+    for i, g in enumerate(groups):
+        require_job(g.job_id, f"groups[{i}].job_id")
+    return [to_record(g, p) for g, p in zip(groups, payloads, strict=True)]
+
+
+def _parse_group(i: int, payload: bytes) -> common_pb2.Group:
+    try:
+        return common_pb2.Group.FromString(payload)
+    except DecodeError as error:
+        raise InvalidArgument(f"groups[{i}] does not parse: {error}",
+                              [FieldViolation(f"groups[{i}]", "not a Group message")]) from None
 
 
 def insert_response(outcomes: list[bool], evicted: int) -> replay_pb2.InsertResponse:
@@ -114,12 +127,11 @@ def insert_response(outcomes: list[bool], evicted: int) -> replay_pb2.InsertResp
     return replay_pb2.InsertResponse(outcomes=codes, evicted_groups=evicted)
 
 
-def sample_response(result: SampleResult) -> replay_pb2.SampleResponse:
-    resp = replay_pb2.SampleResponse(lease_id=result.lease_id, stale_dropped=result.stale_dropped,
-                                     lease_expires_unix_ms=result.expires_unix_ms)
-    for payload in result.payloads:
-        resp.groups.add().MergeFromString(payload)
-    return resp
+def sample_response(result: SampleResult) -> bytes:
+    """A serialised SampleResponse whose groups are the stored bytes, not re-encoded."""
+    header = replay_pb2.SampleResponse(lease_id=result.lease_id, stale_dropped=result.stale_dropped,
+                                       lease_expires_unix_ms=result.expires_unix_ms).SerializeToString()
+    return wire.append_field(header, SAMPLE_GROUPS_FIELD, result.payloads)
 
 
 def stats_to_proto(stats: TableStats) -> replay_pb2.TableStats:

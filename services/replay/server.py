@@ -73,8 +73,7 @@ class ReplayServicer(replay_pb2_grpc.ReplayServiceServicer):
         return convert.table_info(request.job_id, cfg, size)
 
     @map_errors
-    async def Insert(self, request: replay_pb2.InsertRequest,
-                     context: grpc.aio.ServicerContext) -> replay_pb2.InsertResponse:
+    async def Insert(self, request: bytes, context: grpc.aio.ServicerContext) -> replay_pb2.InsertResponse:
         records = convert.to_records(request, self.settings.max_request_bytes)
         outcomes, evicted = await self.tables.insert(records)
         for record, ok in zip(records, outcomes, strict=True):
@@ -85,7 +84,7 @@ class ReplayServicer(replay_pb2_grpc.ReplayServiceServicer):
 
     @map_errors
     async def Sample(self, request: replay_pb2.SampleRequest,
-                     context: grpc.aio.ServicerContext) -> replay_pb2.SampleResponse:
+                     context: grpc.aio.ServicerContext) -> bytes:
         job = convert.require_job(request.job_id)
         max_groups = min(request.max_groups or 1, self.settings.max_groups_per_sample)
         wait_s = max(0.0, min(request.wait_s, self.settings.max_wait_s))
@@ -119,6 +118,31 @@ class ReplayServicer(replay_pb2_grpc.ReplayServiceServicer):
                     context: grpc.aio.ServicerContext) -> replay_pb2.QueryResponse:
         rows = await self.tables.query(request.job_id, *convert.query_args(request))
         return convert.query_response(rows)
+
+
+RAW_REQUESTS = frozenset({"Insert"})
+RAW_RESPONSES = frozenset({"Sample"})
+
+
+def _identity(data: bytes) -> bytes:
+    return data
+
+
+def add_to_server(servicer: ReplayServicer, server: grpc.aio.Server) -> str:
+    """Register the servicer like the generated code does, but with raw bytes for Insert's request
+    and Sample's response (see `wire`). Returns the full service name."""
+    service = replay_pb2.DESCRIPTOR.services_by_name["ReplayService"]
+    handlers = {}
+    for method in service.methods:
+        request_cls = getattr(replay_pb2, method.input_type.name)
+        response_cls = getattr(replay_pb2, method.output_type.name)
+        handlers[method.name] = grpc.unary_unary_rpc_method_handler(
+            getattr(servicer, method.name),
+            request_deserializer=_identity if method.name in RAW_REQUESTS else request_cls.FromString,
+            response_serializer=_identity if method.name in RAW_RESPONSES else response_cls.SerializeToString)
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service.full_name, handlers),))
+    server.add_registered_method_handlers(service.full_name, handlers)
+    return str(service.full_name)
 
 
 @dataclass
@@ -156,11 +180,7 @@ async def running(settings: ReplaySettings) -> AsyncIterator[Running]:
             start_http_server(settings.metrics_port, registry=metrics.registry)
         servicer = ReplayServicer(tables, settings, metrics)
 
-        def register(server: grpc.aio.Server) -> str:
-            replay_pb2_grpc.add_ReplayServiceServicer_to_server(servicer, server)
-            return str(replay_pb2.DESCRIPTOR.services_by_name["ReplayService"].full_name)
-
-        server, port, health = await start_server(settings.listen, [register])
+        server, port, health = await start_server(settings.listen, [lambda s: add_to_server(servicer, s)])
         stack.push_async_callback(stop_server, server, health, settings.grace_s)
         reclaim = asyncio.create_task(reclaim_loop(tables, metrics, settings.reclaim_interval_s))
         stack.callback(reclaim.cancel)
