@@ -1,0 +1,162 @@
+"""Replay service throughput against raw redis-py pipelines on the same Valkey, same payloads.
+
+`python -m bench.replay --json [--groups 4000 --batch 32 --concurrency 4]` starts an embedded
+Valkey (AOF everysec, noeviction) in a temp dir and the replay service as a subprocess (its own
+process, as deployed). It inserts `groups` groups of 8 samples x 256 completion tokens through
+the service (`batch` groups per Insert, `concurrency` clients), then samples and commits them all
+(fifo, `batch` per Sample). The raw baseline writes the same serialised payloads into a Valkey hash
+with redis-py pipelines of `batch` HSETs and reads them back with pipelines of `batch` HGETs.
+`ratio` = service (insert + sample) groups/s over raw (write + read) ops/s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import redis
+
+from services.common.config import ReplayConfig
+from services.common.embedded import EmbeddedValkey, free_port, wait_for_port
+from services.proto.fleetrl.v1 import common_pb2
+from services.replay.client import ReplayClient
+
+JOB = "bench"
+SAMPLES_PER_GROUP = 8
+COMPLETION_TOKENS = 256
+PROMPT_TOKENS = 64
+
+
+def make_groups(n: int, seed: int = 0) -> list[common_pb2.Group]:
+    rng = random.Random(seed)
+    tokens = [rng.randrange(50_000) for _ in range(COMPLETION_TOKENS)]
+    logprobs = [-rng.random() * 3 for _ in range(COMPLETION_TOKENS)]
+    prompt = [rng.randrange(50_000) for _ in range(PROMPT_TOKENS)]
+    samples = [common_pb2.Sample(prompt_token_ids=prompt, completion_token_ids=tokens, behaviour_logprobs=logprobs,
+                                 reward=float(i % 2), completion_text="x" * 200, finish_reason="length")
+               for i in range(SAMPLES_PER_GROUP)]
+    lineage = common_pb2.Lineage(actor_id="bench-actor", delivery_attempt=1, trace_id="ab" * 16)
+    return [common_pb2.Group(job_id=JOB, task_id=f"0/{i}", policy_version=1, samples=samples, lineage=lineage)
+            for i in range(n)]
+
+
+def chunks(items: list[Any], size: int) -> list[list[Any]]:
+    return [items[i:i + size] for i in range(0, len(items), size)]
+
+
+async def service_rates(addr: str, groups: list[common_pb2.Group], batch: int, concurrency: int) -> dict[str, float]:
+    clients = [ReplayClient(addr, timeout_s=60) for _ in range(concurrency)]
+    cfg = ReplayConfig(capacity_groups=len(groups) + 1, sampler="fifo", lease_timeout_s=600)
+    await clients[0].configure(JOB, cfg)
+    queue = chunks(groups, batch)
+
+    async def insert_worker(client: ReplayClient) -> None:
+        while queue:
+            await client.insert(queue.pop())
+
+    start = time.perf_counter()
+    await asyncio.gather(*(insert_worker(c) for c in clients))
+    insert_s = time.perf_counter() - start
+    sampled = 0
+
+    async def sample_worker(client: ReplayClient) -> None:
+        nonlocal sampled
+        while sampled < len(groups):
+            lease, got, _ = await client.sample(JOB, batch)
+            if not got:
+                return
+            sampled += len(got)
+            await client.commit(JOB, lease)
+
+    start = time.perf_counter()
+    await asyncio.gather(*(sample_worker(c) for c in clients))
+    sample_s = time.perf_counter() - start
+    stats = await clients[0].stats(JOB)
+    for c in clients:
+        await c.close()
+    if stats.committed != len(groups) or stats.inserted != len(groups):
+        raise RuntimeError(f"bench lost groups: {stats}")
+    return {"insert_s": insert_s, "sample_s": sample_s, "sampled": sampled}
+
+
+def raw_rates(url: str, payloads: list[bytes], batch: int) -> dict[str, float]:
+    client = redis.Redis.from_url(url)
+    start = time.perf_counter()
+    for part in chunks(list(enumerate(payloads)), batch):
+        pipe = client.pipeline(transaction=False)
+        for i, payload in part:
+            pipe.hset("raw:data", f"0/{i}", payload)
+        pipe.execute()
+    write_s = time.perf_counter() - start
+    start = time.perf_counter()
+    read = 0
+    for part in chunks(list(range(len(payloads))), batch):
+        pipe = client.pipeline(transaction=False)
+        for i in part:
+            pipe.hget("raw:data", f"0/{i}")
+        read += sum(len(v) for v in pipe.execute())
+    read_s = time.perf_counter() - start
+    if read != sum(len(p) for p in payloads):
+        raise RuntimeError("raw read-back size mismatch")
+    client.delete("raw:data")
+    return {"write_s": write_s, "read_s": read_s}
+
+
+def start_service(port: int, redis_url: str) -> subprocess.Popen[bytes]:
+    cmd = [sys.executable, "-m", "services.replay", "--listen", f"127.0.0.1:{port}", "--redis-url", redis_url,
+           "--set", "log_level=WARNING"]
+    proc = subprocess.Popen(cmd, cwd=Path(__file__).resolve().parents[1])
+    wait_for_port("127.0.0.1", port, 30, proc)
+    return proc
+
+
+def run(n_groups: int, batch: int, concurrency: int) -> dict[str, Any]:
+    groups = make_groups(n_groups)
+    payloads = [g.SerializeToString() for g in groups]
+    with tempfile.TemporaryDirectory() as tmp, EmbeddedValkey(data_dir=Path(tmp) / "valkey") as valkey:
+        raw = raw_rates(valkey.url, payloads, batch)
+        port = free_port()
+        proc = start_service(port, valkey.url)
+        try:
+            svc = asyncio.run(service_rates(f"127.0.0.1:{port}", groups, batch, concurrency))
+        finally:
+            proc.terminate()
+            proc.wait(15)
+    service_rate = 2 * n_groups / (svc["insert_s"] + svc["sample_s"])
+    raw_rate = 2 * n_groups / (raw["write_s"] + raw["read_s"])
+    return {
+        "insert_groups_per_s": round(n_groups / svc["insert_s"], 1),
+        "sample_groups_per_s": round(svc["sampled"] / svc["sample_s"], 1),
+        "service_groups_per_s": round(service_rate, 1),
+        "raw_redis_ops_per_s": round(raw_rate, 1),
+        "raw_write_ops_per_s": round(n_groups / raw["write_s"], 1),
+        "raw_read_ops_per_s": round(n_groups / raw["read_s"], 1),
+        "ratio": round(service_rate / raw_rate, 3),
+        "groups": n_groups, "batch_groups": batch, "concurrency": concurrency,
+        "samples_per_group": SAMPLES_PER_GROUP, "completion_tokens": COMPLETION_TOKENS,
+        "group_bytes": len(payloads[0]),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--groups", type=int, default=4000, help="groups to insert and sample")
+    parser.add_argument("--batch", type=int, default=32, help="groups per Insert/Sample and per raw pipeline")
+    parser.add_argument("--concurrency", type=int, default=4, help="concurrent service clients")
+    parser.add_argument("--json", action="store_true", help="print one JSON object (the default output)")
+    args = parser.parse_args(argv)
+    result = run(args.groups, args.batch, args.concurrency)
+    print(json.dumps(result) if args.json else json.dumps(result, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
