@@ -64,9 +64,9 @@ def main(argv: list[str] | None = None) -> int:
 
         torch.set_num_threads(settings.torch_threads)
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        from services.learner import ddp
+        from services.learner.ddp import main as ddp_main
 
-        return ddp.main(settings, args.once, run)
+        return ddp_main(settings, args.once, run)
     try:
         asyncio.run(run(settings, args.once))
     except FleetError as error:

@@ -4,10 +4,15 @@
 Data parallelism (torch.distributed, gloo on CPU, NCCL on GPU): every rank holds a DDP-wrapped
 replica; `step` gives each rank a whole-group share of the batch (`shard`) and passes the whole
 batch's token and sequence counts, so the summed gradient equals the one-rank gradient and the
-all-reduced loss equals the one-rank loss.
+all-reduced loss equals the one-rank loss. Under torchrun only rank 0 runs the service; it drives
+the other ranks through `Followers` (one `broadcast_object_list` per command: the job's spec,
+the checkpoint to restore, each step's serialised groups), and `follow()` is their whole loop.
 """
 
 from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -21,6 +26,9 @@ from services.learner.batch import has_signal
 from services.learner.losses import LossConfig, loss_config_for
 from services.learner.optim import build_optimizer, build_scheduler, train_step
 from services.proto.fleetrl.v1 import common_pb2
+
+SUMMED_METRICS = ("loss", "tokens", "sequences")
+"""Step metrics summed over ranks; the other metrics (means) are rank 0's share of the batch."""
 
 
 def resolve_device(device: str) -> str:
@@ -41,6 +49,23 @@ def global_counts(groups: list[common_pb2.Group], cfg: LossConfig) -> tuple[floa
     return float(tokens), float(sum(len(g.samples) for g in kept))
 
 
+class Followers:
+    """Rank 0's side of the command channel to the other ranks."""
+
+    @staticmethod
+    def if_distributed() -> Followers | None:
+        return Followers() if dist.is_initialized() and dist.get_world_size() > 1 else None
+
+    def send(self, *command: Any) -> None:
+        dist.broadcast_object_list([command], src=0)
+
+
+def receive() -> tuple[Any, ...]:
+    box: list[Any] = [None]
+    dist.broadcast_object_list(box, src=0)
+    return tuple(box[0])
+
+
 class Policy:
     """Model + optimizer + scheduler (+ frozen reference) of a job, on one rank."""
 
@@ -55,9 +80,13 @@ class Policy:
     loss_cfg: LossConfig
     rank: int
     world: int
+    followers: Followers | None
 
-    def __init__(self, spec: JobSpec, device: str = "cpu") -> None:
+    def __init__(self, spec: JobSpec, device: str = "cpu", followers: Followers | None = None) -> None:
         self.spec = spec
+        self.followers = followers
+        if followers is not None:
+            followers.send("job", spec.model_dump_json(), device)
         self.model, self.tokenizer = models.load(spec.model, device=device)
         self.ref_model = None
         if spec.algorithm.kl_coef > 0:
@@ -73,6 +102,8 @@ class Policy:
 
     def step(self, groups: list[common_pb2.Group]) -> dict[str, float]:
         """One optimizer step on the whole step's groups (each rank is given all of them)."""
+        if self.followers is not None:
+            self.followers.send("step", [g.SerializeToString() for g in groups])
         if self.world == 1:
             return train_step(self.module, self.optimizer, self.scheduler, groups, self.loss_cfg, self.spec,
                               self.ref_model)
@@ -80,9 +111,9 @@ class Policy:
             self.module, self.optimizer, self.scheduler, shard(groups, self.rank, self.world), self.loss_cfg,
             self.spec, self.ref_model, global_counts=global_counts(groups, self.loss_cfg), loss_scale=self.world,
         )
-        loss = torch.tensor([metrics.get("loss", 0.0)], dtype=torch.float64)
-        dist.all_reduce(loss)  # each rank's loss is its share of the whole-batch normalised sum
-        metrics["loss"] = float(loss)
+        sums = torch.tensor([metrics.get(k, 0.0) for k in SUMMED_METRICS], dtype=torch.float64)
+        dist.all_reduce(sums)  # each rank's loss is its share of the whole-batch normalised sum
+        metrics.update(zip(SUMMED_METRICS, sums.tolist(), strict=True))
         return metrics
 
     def state(self, step: int, extra: dict[str, object]) -> ckpt.Checkpoint:
@@ -92,8 +123,26 @@ class Policy:
             state=dict(extra),
         )
 
-    def restore(self, saved: ckpt.Checkpoint, root: object = None) -> None:
+    def restore(self, saved: ckpt.Checkpoint, root: Path | None = None) -> None:
+        """Load a checkpoint (followers load the same one from `root`, a shared filesystem)."""
+        if self.followers is not None:
+            self.followers.send("restore", str(root), saved.step)
         models.load_state_dict_inplace(self.model, saved.model)
         self.optimizer.load_state_dict(saved.optimizer)
         self.scheduler.load_state_dict(saved.scheduler)
         ckpt.set_rng_state(saved.rng)
+
+
+def follow() -> None:
+    """The loop of a rank other than 0: do what rank 0's Policy does, until it says exit."""
+    policy: Policy | None = None
+    while True:
+        command = receive()
+        if command[0] == "exit":
+            return
+        if command[0] == "job":
+            policy = Policy(JobSpec.model_validate_json(command[1]), command[2])
+        elif command[0] == "restore" and policy is not None:
+            policy.restore(ckpt.load(Path(command[1]), int(command[2])))
+        elif command[0] == "step" and policy is not None:
+            policy.step([common_pb2.Group.FromString(raw) for raw in command[1]])

@@ -33,7 +33,7 @@ from services.learner.config import LearnerSettings
 from services.learner.export import MetricsLog, export_model, job_dir
 from services.learner.feeder import Feeder, FeederCursor, parse_prompts, sample_min_version
 from services.learner.leases import LeaseBook, LeaseRecord
-from services.learner.policy import Policy, resolve_device
+from services.learner.policy import Followers, Policy, resolve_device
 from services.learner.publish import WeightPublisher
 from services.learner.status import StatusBoard, StepRecord
 from services.proto.fleetrl.v1 import common_pb2
@@ -132,7 +132,8 @@ class JobRun:
         prompts_bytes, _ = await self.deps.jobs.files(self.job_id)
         prompts = parse_prompts(prompts_bytes)
         device = resolve_device(self.deps.settings.device)
-        self.policy = self._policy or await asyncio.to_thread(Policy, self.spec, device)
+        self.policy = self._policy if self._policy is not None else await asyncio.to_thread(
+            Policy, self.spec, device, Followers.if_distributed())
         await self.deps.replay.configure(self.job_id, self.spec.replay)
         await bus.ensure_streams(self.deps.js)
         await bus.ensure_job_consumer(self.deps.js, self.job_id, self.spec)

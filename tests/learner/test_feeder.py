@@ -45,8 +45,8 @@ def test_sampled_groups_respect_the_bound(version: int, max_staleness: int, pps:
 def test_simulated_pipeline_never_trains_stale(max_staleness: int, pps: int, steps: int) -> None:
     """Simulate the loop: tasks tagged at publish, generated at the newest weights >= tag, trained
     fifo at sample_min_version; staleness of every trained group stays within max_staleness."""
-    cursor, queue, version = FeederCursor(), [], 0  # queue: generation versions of groups in replay
-    for _ in range(steps):
+    cursor, queue = FeederCursor(), []  # queue: generation versions of the groups in replay
+    for version in range(steps):
         for _ in range(tasks_to_publish(cursor, pps, max_staleness)):
             queue.append(task_min_version(version))  # worst case: generated at exactly the tag
             cursor.published += 1
@@ -59,7 +59,6 @@ def test_simulated_pipeline_never_trains_stale(max_staleness: int, pps: int, ste
                 assert version - g <= max_staleness
                 trained += 1
         assert trained == pps  # with prompt generation keeping up, nothing is ever dropped
-        version += 1
 
 
 def test_strictly_on_policy_tags_current_version() -> None:

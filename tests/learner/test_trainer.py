@@ -77,7 +77,7 @@ async def test_get_status(redis_url: str, tmp_path: Path) -> None:
     from services.learner.status import StatusBoard
 
     board = StatusBoard("L9")
-    srv, port, health = await server.start(board, "127.0.0.1:0")
+    srv, port, _health = await server.start(board, "127.0.0.1:0")
     async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
         stub = learner_pb2_grpc.LearnerServiceStub(channel)
         try:

@@ -1,0 +1,52 @@
+"""Data parallelism under torchrun: rank 0 runs the learner service, the other ranks follow.
+
+`torchrun --nproc_per_node N -m services.learner ...` starts N processes; each joins the
+default process group (gloo on CPU, NCCL on GPU). Rank 0 alone talks to NATS, Redis and
+replay, runs the feeder, publishes, checkpoints and exports; through `policy.Followers` it sends
+the other ranks each job, checkpoint restore and step, and every rank trains its share of the
+step's groups in a DDP replica (`policy.Policy.step`). Checkpoints are read by every rank from
+the run directory, which must be shared. The process-group timeout is a day, since followers
+wait in a collective while rank 0 waits for data or for a job.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime
+import logging
+from collections.abc import Callable, Coroutine
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from services.learner.config import LearnerSettings
+from services.learner.policy import Followers, follow, resolve_device
+
+log = logging.getLogger(__name__)
+
+
+def backend_for(settings: LearnerSettings) -> str:
+    return "nccl" if resolve_device(settings.device) == "cuda" else "gloo"
+
+
+def main(settings: LearnerSettings, once: bool,
+         run: Callable[[LearnerSettings, bool], Coroutine[Any, Any, None]]) -> int:
+    """Join the process group; rank 0 serves (then tells the followers to exit), others follow."""
+    dist.init_process_group(backend_for(settings), timeout=datetime.timedelta(days=1))
+    rank = dist.get_rank()
+    log.info("rank %d of %d (%s): %s", rank, dist.get_world_size(), dist.get_backend(),
+             "serving" if rank == 0 else "following rank 0")
+    if backend_for(settings) == "nccl":
+        torch.cuda.set_device(rank % torch.cuda.device_count())
+    try:
+        if rank == 0:
+            try:
+                asyncio.run(run(settings, once))
+            finally:
+                Followers().send("exit")
+        else:
+            follow()
+    finally:
+        dist.destroy_process_group()
+    return 0

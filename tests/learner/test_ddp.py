@@ -1,0 +1,95 @@
+"""Data parallelism: 2 gloo ranks on CPU give the same first-step loss and update as 1 rank.
+
+Each rank is a real process (torch.multiprocessing spawn) with a DDP replica; both are given the
+whole batch and train their whole-group share of it, exactly as the learner's ranks do.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from learner_fleet import REPO, create_job, insert_groups, learner_process, make_group, replay_service, spec_for
+
+from services.common.embedded import free_port
+from services.common.jobs import JobState, JobStore
+from services.learner.policy import Policy
+from services.proto.fleetrl.v1 import common_pb2
+from services.replay.client import ReplayClient
+
+SPEC = dict(max_steps=2, micro_batch_samples=2, epochs_per_step=2)
+
+
+def batch() -> list[common_pb2.Group]:
+    return [make_group("j", f"0/{i}", 0, 3, seed=5) for i in range(5)]  # 5 groups: uneven shares
+
+
+def rank_main(rank: int, world: int, port: int, out: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    policy = Policy(spec_for(**SPEC))
+    metrics = policy.step(batch())
+    if rank == 0:
+        torch.save({"loss": metrics["loss"], "params": {k: v.clone() for k, v in policy.model.state_dict().items()}},
+                   out)
+    dist.destroy_process_group()
+
+
+def test_two_ranks_match_one(tmp_path: Path) -> None:
+    torch.set_num_threads(1)
+    single = Policy(spec_for(**SPEC))
+    expected = single.step(batch())
+    out = tmp_path / "rank0.pt"
+    mp.spawn(rank_main, args=(2, free_port(), str(out)), nprocs=2, join=True)
+    got = torch.load(out)
+    assert abs(got["loss"] - expected["loss"]) <= 1e-6 * max(1.0, abs(expected["loss"]))
+    assert got["loss"] != 0.0
+    for name, tensor in single.model.state_dict().items():
+        torch.testing.assert_close(got["params"][name], tensor, rtol=1e-4, atol=2e-5)  # Adam amplifies ulp sums
+
+
+async def test_torchrun_service_matches_one_rank(nats_url: str, redis_url: str, tmp_path: Path) -> None:
+    """The whole service under `torchrun --nproc_per_node 2`: same groups and losses as 1 rank."""
+    jobs = JobStore.from_url(redis_url)
+    spec = spec_for(max_steps=3, checkpoint_interval=2)
+    run_dir, log = tmp_path / "run", tmp_path / "learner.log"
+    async with replay_service(redis_url) as addr, ReplayClient(addr) as replay:
+        one = await create_job(jobs, spec)
+        await insert_groups(replay, one, 6)
+        proc = learner_process(nats_url, redis_url, addr, run_dir, log)
+        while proc.poll() is None:
+            await asyncio.sleep(0.1)
+        two = await create_job(jobs, spec)
+        await insert_groups(replay, two, 6)
+        env = {**os.environ, "FLEETRL_LEARNER_LEASE_S": "3", "FLEETRL_LEARNER_LISTEN": "127.0.0.1:0",
+               "FLEETRL_LEARNER_SAMPLE_WAIT_S": "0.5", "FLEETRL_LEARNER_TORCH_THREADS": "1"}
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+               str(free_port()), "-m", "services.learner", "--once", "--nats-url", nats_url, "--redis-url",
+               redis_url, "--replay-addr", addr, "--run-dir", str(run_dir)]
+        ddp = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log.open("ab"), stderr=subprocess.STDOUT)
+        deadline = asyncio.get_running_loop().time() + 120
+        while ddp.poll() is None:
+            assert asyncio.get_running_loop().time() < deadline, "torchrun learner did not finish"
+            await asyncio.sleep(0.1)
+    states = [(await jobs.get(j.job_id)).state for j in (one, two)]
+    await jobs.close()
+    assert ddp.returncode == 0, log.read_text()[-3000:]
+    assert states == [JobState.SUCCEEDED, JobState.SUCCEEDED]
+    assert "rank 1 of 2 (gloo): following rank 0" in log.read_text()
+
+    def lines(job_id: str) -> list[dict[str, float]]:
+        return [json.loads(x) for x in (run_dir / "jobs" / job_id / "metrics.jsonl").read_text().splitlines()]
+
+    a, b = lines(one.job_id), lines(two.job_id)
+    assert [m["task_ids"] for m in a] == [m["task_ids"] for m in b]
+    for ma, mb in zip(a, b, strict=True):
+        assert abs(ma["loss"] - mb["loss"]) <= 1e-4 * max(1.0, abs(ma["loss"])), (ma["loss"], mb["loss"])
+        assert (ma["tokens"], ma["sequences"]) == (mb["tokens"], mb["sequences"])
