@@ -1,6 +1,6 @@
 """Data parallelism: 2 gloo ranks on CPU give the same first-step loss and update as 1 rank.
 
-Each rank is a real process (torch.multiprocessing spawn) with a DDP replica; both are given the
+Each rank is a real process (torchrun, tests/learner/ddp_rank.py) with a DDP replica; both are given the
 whole batch and train their whole-group share of it, exactly as the learner's ranks do.
 """
 
@@ -14,33 +14,13 @@ import sys
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
-from learner_fleet import REPO, create_job, insert_groups, learner_process, make_group, replay_service, spec_for
+from ddp_rank import SPEC, batch
+from learner_fleet import REPO, create_job, insert_groups, learner_process, replay_service, spec_for
 
 from services.common.embedded import free_port
 from services.common.jobs import JobState, JobStore
 from services.learner.policy import Policy
-from services.proto.fleetrl.v1 import common_pb2
 from services.replay.client import ReplayClient
-
-SPEC = dict(max_steps=2, micro_batch_samples=2, epochs_per_step=2)
-
-
-def batch() -> list[common_pb2.Group]:
-    return [make_group("j", f"0/{i}", 0, 3, seed=5) for i in range(5)]  # 5 groups: uneven shares
-
-
-def rank_main(rank: int, world: int, port: int, out: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    policy = Policy(spec_for(**SPEC))
-    metrics = policy.step(batch())
-    if rank == 0:
-        torch.save({"loss": metrics["loss"], "params": {k: v.clone() for k, v in policy.model.state_dict().items()}},
-                   out)
-    dist.destroy_process_group()
 
 
 def test_two_ranks_match_one(tmp_path: Path) -> None:
@@ -48,7 +28,10 @@ def test_two_ranks_match_one(tmp_path: Path) -> None:
     single = Policy(spec_for(**SPEC))
     expected = single.step(batch())
     out = tmp_path / "rank0.pt"
-    mp.spawn(rank_main, args=(2, free_port(), str(out)), nprocs=2, join=True)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+           str(free_port()), str(Path(__file__).with_name("ddp_rank.py")), str(out)]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), str(Path(__file__).parent)])}
+    subprocess.run(cmd, cwd=REPO, env=env, check=True, timeout=120)
     got = torch.load(out)
     assert abs(got["loss"] - expected["loss"]) <= 1e-6 * max(1.0, abs(expected["loss"]))
     assert got["loss"] != 0.0
