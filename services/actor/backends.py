@@ -1,0 +1,177 @@
+"""Inference backends: one small Protocol, the transformers/torch sampler, and the factory.
+
+`Backend.generate(prompt_token_ids, n, ...)` returns `n` completions of one prompt, each with the
+behaviour log-prob of every sampled token; `Backend.load_weights(tensors)` swaps the policy's weights
+in place. `make_backend("hf" | "vllm", ...)` picks one by config; vLLM is imported only when asked for.
+
+`HFBackend` is a plain KV-cache sampling loop (not `model.generate`), because the actor needs three
+things `generate` does not give cheaply or reproducibly:
+
+- Seeded draws: the whole group's tokens come from one `torch.Generator` seeded with
+  `seeding.task_seed(job_seed, task_id)`, one `torch.multinomial` draw of shape (n, 1) per position.
+  The same task under the same weights therefore yields the same completions on any actor, on a
+  redelivery, and in the learner's single-process reference loop (services/learner/reference.py
+  follows the same rule step for step; tests/actor/test_backend.py checks they agree token for token).
+- Behaviour log-probs of the sampled distribution: `log_softmax(logits.float() / temperature)` at the
+  sampled token, taken before the nucleus filter, the distribution the learner's
+  `completion_logprobs` scores too (so on-policy importance ratios are 1 up to float error).
+- The n samples of a prompt in one batch: the prompt is expanded n times and prefilled once.
+
+Tolerance between actor and learner log-probs (max |actor - full forward| over every sampled token,
+measured by tests/actor/test_backend.py on `tiny-llama`, 8 samples x 24 tokens, temperature 0.7):
+about 1e-6 in float32 and a few 1e-2 in bfloat16 (the KV-cache decode and the full-sequence forward
+round their bf16 matmuls differently). The test bounds them at `LOGPROB_TOL` below.
+Completions end at the first eos id (the tokenizer's and the generation config's), included, with
+finish_reason "eos", or after max_new_tokens with "length".
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+from torch import Tensor
+
+from services.common.config import RolloutConfig
+
+LOGPROB_TOL = {torch.float32: 1e-4, torch.bfloat16: 0.15}
+"""Documented bound on max |actor behaviour log-prob - full-forward log-prob| per compute dtype."""
+
+
+@dataclass(frozen=True)
+class Completion:
+    """One sampled completion: tokens (with a final eos if one was sampled) and their log-probs."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    text: str
+    finish_reason: str
+
+
+class Backend(Protocol):
+    """What the actor needs of an inference engine."""
+
+    tokenizer: Any
+    """The model's tokenizer (chat template, eos, decoding)."""
+
+    def generate(
+        self, prompt_token_ids: list[int], n: int, *, max_new_tokens: int, temperature: float, top_p: float,
+        seed: int, ignore_eos: bool = False,
+    ) -> list[Completion]:
+        """n completions of one prompt, sampled reproducibly from `seed`."""
+        ...
+
+    def load_weights(self, tensors: Mapping[str, Tensor]) -> None:
+        """Replace the policy's weights in place (names as `models.state_dict_for_publish` writes them)."""
+        ...
+
+
+def prompt_tokens(tokenizer: Any, prompt: str, rollout: RolloutConfig) -> list[int]:
+    """Prompt tokens as the model sees them: chat template (+ system prompt) when configured and
+    available, then truncated from the left to max_prompt_tokens."""
+    if rollout.chat_template and getattr(tokenizer, "chat_template", None):
+        messages = [{"role": "system", "content": rollout.system_prompt}] if rollout.system_prompt else []
+        messages.append({"role": "user", "content": prompt})
+        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+    else:
+        ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+    return [int(i) for i in ids][-rollout.max_prompt_tokens :]
+
+
+def eos_ids_of(model: Any, tokenizer: Any) -> set[int]:
+    """Every id that ends a completion: the tokenizer's eos and the generation config's."""
+    configured = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    listed = configured if isinstance(configured, list) else [configured]
+    return {int(i) for i in [tokenizer.eos_token_id, *listed] if i is not None}
+
+
+def nucleus(probs: Tensor, top_p: float) -> Tensor:
+    """probs (G, V) with everything outside the top_p mass zeroed (the top token always kept)."""
+    if top_p >= 1.0:
+        return probs
+    sorted_probs, order = probs.sort(dim=-1, descending=True)
+    outside = sorted_probs.cumsum(-1) - sorted_probs > top_p
+    return probs.scatter(-1, order, sorted_probs.masked_fill(outside, 0.0))
+
+
+class HFBackend:
+    """Batched sampling with a KV cache on a transformers causal LM (CPU or GPU)."""
+
+    model: Any
+    tokenizer: Any
+    eos_ids: set[int]
+
+    def __init__(self, model: Any, tokenizer: Any) -> None:
+        self.model = model.eval()
+        self.tokenizer = tokenizer
+        self.eos_ids = eos_ids_of(model, tokenizer)
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device  # type: ignore[no-any-return]
+
+    @torch.no_grad()
+    def generate(
+        self, prompt_token_ids: list[int], n: int, *, max_new_tokens: int, temperature: float, top_p: float,
+        seed: int, ignore_eos: bool = False,
+    ) -> list[Completion]:
+        """n completions of one prompt; every draw comes from a generator seeded with `seed`."""
+        generator = torch.Generator(device=self.device).manual_seed(seed)
+        tokens_T, logprobs_T = self._sample(prompt_token_ids, n, max_new_tokens, temperature, top_p,
+                                            generator, ignore_eos)
+        tokens_G_T = torch.stack(tokens_T, dim=1).tolist()  # (G, T)
+        logprobs_G_T = torch.stack(logprobs_T, dim=1).tolist()
+        stop = set() if ignore_eos else self.eos_ids
+        return [self._cut(tokens_G_T[g], logprobs_G_T[g], stop) for g in range(n)]
+
+    def _sample(
+        self, prompt: list[int], n: int, max_new_tokens: int, temperature: float, top_p: float,
+        generator: torch.Generator, ignore_eos: bool,
+    ) -> tuple[list[Tensor], list[Tensor]]:
+        """Per position: sampled tokens (G,) and their log-probs (G,), until all rows hit eos."""
+        device = self.device
+        eos = torch.tensor(sorted(self.eos_ids), device=device)
+        out = self.model(input_ids=torch.tensor([prompt] * n, device=device), use_cache=True)
+        done = torch.zeros(n, dtype=torch.bool, device=device)  # (G,)
+        tokens_T: list[Tensor] = []
+        logprobs_T: list[Tensor] = []
+        for _ in range(max_new_tokens):
+            logp = torch.log_softmax(out.logits[:, -1].float() / temperature, dim=-1)  # (G, V)
+            token = torch.multinomial(nucleus(logp.exp(), top_p), 1, generator=generator)  # (G, 1)
+            tokens_T.append(token[:, 0])
+            logprobs_T.append(logp.gather(-1, token)[:, 0])
+            if not ignore_eos:
+                done |= torch.isin(token[:, 0], eos)
+                if bool(done.all()):
+                    break
+            out = self.model(input_ids=token, cache=out.cache, use_cache=True)
+        return tokens_T, logprobs_T
+
+    def _cut(self, tokens: list[int], logprobs: list[float], eos_ids: set[int]) -> Completion:
+        """A row up to and including its first eos."""
+        end, reason = len(tokens), "length"
+        for position, token in enumerate(tokens):
+            if token in eos_ids:
+                end, reason = position + 1, "eos"
+                break
+        text = self.tokenizer.decode(tokens[:end], skip_special_tokens=True)
+        return Completion(tokens[:end], logprobs[:end], text, reason)
+
+    def load_weights(self, tensors: Mapping[str, Tensor]) -> None:
+        from services.common.models import load_state_dict_inplace
+
+        load_state_dict_inplace(self.model, tensors)
+
+
+def make_backend(kind: str, model_name: str, *, dtype: str, device: str) -> Backend:
+    """The configured backend for a job's base model (`models.load` names, directories, hub ids)."""
+    if kind == "vllm":
+        from services.actor.vllm_backend import VLLMBackend
+
+        return VLLMBackend(model_name, dtype=dtype, device=device)
+    from services.common.models import load
+
+    model, tokenizer = load(model_name, dtype=dtype, device=device)
+    return HFBackend(model, tokenizer)

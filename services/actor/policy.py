@@ -1,0 +1,129 @@
+"""One job's policy on this actor: the backend and the weight version it holds, moved only forward.
+
+A background watch of the job's weight pointer records the newest announced version; the task loop
+applies it between tasks (`refresh`), never while a generation runs, so a generation always sees one
+version, the one recorded in its group. Pulls use the weight store's fast chunk reader and its sha256
+check; a corrupt or vanished object is rejected, counted, and the pointer re-read and pulled again,
+a bounded number of times. The held version never decreases.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator
+from typing import Protocol
+
+from services.actor import metrics
+from services.actor.backends import Backend
+from services.common.errors import DeadlineExceeded, NotFound
+from services.common.weights import WeightPointer, WeightsCorrupt, decode_safetensors
+
+log = logging.getLogger(__name__)
+RETRY_DELAY_S = 0.5
+WATCH_RESTART_S = 1.0
+
+
+class WeightSource(Protocol):
+    """The weight store's reading side (services.common.weights.WeightStore)."""
+
+    async def latest(self, job_id: str) -> WeightPointer | None: ...
+
+    async def pull(self, job_id: str, pointer: WeightPointer) -> bytes: ...
+
+    def watch(self, job_id: str) -> AsyncIterator[WeightPointer]: ...
+
+
+class JobPolicy:
+    """The backend of one job plus the version loaded into it (-1: none yet)."""
+
+    job_id: str
+    backend: Backend
+    version: int
+    announced: int
+    pull_attempts: int
+
+    def __init__(self, job_id: str, backend: Backend, source: WeightSource, *, pull_attempts: int = 5) -> None:
+        self.job_id = job_id
+        self.backend = backend
+        self.version = -1
+        self.announced = -1
+        self.pull_attempts = pull_attempts
+        self._source = source
+        self._changed = asyncio.Event()
+        self._watch: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        """Begin watching the pointer in the background."""
+        self._watch = asyncio.create_task(self._watch_pointer(), name=f"weights-watch-{self.job_id}")
+
+    async def close(self) -> None:
+        if self._watch is not None:
+            self._watch.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._watch
+
+    async def refresh(self) -> bool:
+        """Load the newest published weights if they are newer than ours; whether a version is held."""
+        if self.announced > self.version or self.version < 0:
+            await self._load_latest()
+        return self.version >= 0
+
+    async def ensure(self, min_version: int, wait_s: float) -> bool:
+        """Hold weights of at least min_version, waiting up to wait_s for them to be published."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            await self.refresh()
+            if self.version >= min_version:
+                return True
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            self._changed.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._changed.wait(), min(left, 1.0))
+
+    async def _load_latest(self) -> None:
+        """Pull and load the pointer's object; re-read the pointer after a corrupt or missing object."""
+        for attempt in range(1, self.pull_attempts + 1):
+            pointer = await self._source.latest(self.job_id)
+            if pointer is None or pointer.version <= self.version:
+                return
+            try:
+                await self._apply(pointer)
+                return
+            except WeightsCorrupt as error:
+                metrics.WEIGHTS_CORRUPT.labels(self.job_id).inc()
+                log.warning("job %s: rejected weights v%d (attempt %d): %s", self.job_id, pointer.version,
+                            attempt, error)
+            except (NotFound, DeadlineExceeded) as error:
+                log.warning("job %s: pull of v%d failed (attempt %d): %s", self.job_id, pointer.version,
+                            attempt, error)
+            await asyncio.sleep(RETRY_DELAY_S * attempt)
+
+    async def _apply(self, pointer: WeightPointer) -> None:
+        payload = await self._source.pull(self.job_id, pointer)
+        tensors = await asyncio.to_thread(decode_safetensors, payload)
+        await asyncio.to_thread(self.backend.load_weights, tensors)
+        self.version = pointer.version
+        self.announced = max(self.announced, pointer.version)
+        metrics.WEIGHT_LOADS.labels(self.job_id).inc()
+        metrics.POLICY_VERSION.labels(self.job_id).set(pointer.version)
+        log.info("job %s: loaded weights v%d (%d bytes, %s)", self.job_id, pointer.version, pointer.bytes,
+                 pointer.dtype)
+
+    async def _watch_pointer(self) -> None:
+        """Record announced versions; a broken watch (NATS reconnect) is restarted."""
+        while True:
+            try:
+                async for pointer in self._source.watch(self.job_id):
+                    if pointer.version > self.announced:
+                        self.announced = pointer.version
+                        self._changed.set()
+            except asyncio.CancelledError:
+                raise
+            except Exception as error:  # the watch is an accelerator; ensure() also polls latest()
+                log.warning("job %s: weights watch failed, restarting: %s", self.job_id, error)
+            await asyncio.sleep(WATCH_RESTART_S)

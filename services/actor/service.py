@@ -1,0 +1,145 @@
+"""The actor process: which jobs to serve, their models and consumers, and the lifecycle.
+
+`Actor.run(stop)` owns NATS, the job store and the two gRPC clients in one AsyncExitStack. Every
+poll_interval_s it re-reads the running jobs (oldest first); for a job it has not seen it loads the
+base model (`backends.make_backend`), starts the weight watch, and binds the job's shared durable
+pull consumer (created with `bus.ensure_job_consumer`, the same settings the learner uses, so
+max_ack_pending bounds how many tasks all actors together hold). It then takes one task per job in
+turn (round-robin), so several jobs share an actor fairly. A job that stops running is dropped.
+On stop (SIGTERM) the current task is finished (or released after grace_s), then the subscriptions
+are closed and the connection drained.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Iterable
+from contextlib import AsyncExitStack
+
+from nats.aio.client import Client as NATS
+from nats.js import JetStreamContext
+from prometheus_client import start_http_server
+
+from services.actor.backends import make_backend
+from services.actor.clients import RewardClient
+from services.actor.config import ActorSettings
+from services.actor.policy import JobPolicy
+from services.actor.worker import JobContext, TaskLoop
+from services.common import bus, telemetry
+from services.common.jobs import JobRecord, JobState, JobStore
+from services.common.weights import WeightStore
+from services.replay.client import ReplayClient
+
+log = logging.getLogger(__name__)
+
+
+class Actor:
+    """One actor replica."""
+
+    settings: ActorSettings
+    jobs: dict[str, JobContext]
+
+    def __init__(self, settings: ActorSettings) -> None:
+        self.settings = settings
+        self.jobs = {}
+        self._next_refresh = 0.0
+        self._turn = 0
+
+    async def run(self, stop: asyncio.Event) -> None:
+        """Serve until stop is set."""
+        s = self.settings
+        telemetry.setup_tracing("actor", s.run_dir)
+        if s.metrics_port:
+            start_http_server(s.metrics_port)
+        async with AsyncExitStack() as stack:
+            nc = await bus.connect(s.nats_url, f"actor-{s.actor_id}")
+            stack.push_async_callback(self._drain, nc)
+            js = bus.jetstream(nc)
+            await bus.ensure_streams(js)
+            store = JobStore.from_url(s.redis_url)
+            stack.push_async_callback(store.close)
+            replay = ReplayClient(s.replay_addr, timeout_s=s.replay_timeout_s, attempts=1)
+            stack.push_async_callback(replay.close)
+            reward = RewardClient(s.reward_addr, timeout_s=s.reward_timeout_s)
+            stack.push_async_callback(reward.close)
+            stack.push_async_callback(self._close_jobs)
+            loop = TaskLoop(s, js, replay, reward)
+            weights = WeightStore(nc, js)
+            log.info("actor %s serving (backend %s on %s)", s.actor_id, s.backend, s.device)
+            while not stop.is_set():
+                try:
+                    await self._refresh_jobs(store, js, weights)
+                except Exception as error:  # Redis or a job's model unavailable now: retry next poll
+                    log.warning("refreshing the served jobs failed: %s", error)
+                if not await self._serve_round(loop, stop):
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(stop.wait(), s.poll_interval_s if not self.jobs else 0.05)
+        log.info("actor %s stopped", s.actor_id)
+
+    async def _serve_round(self, loop: TaskLoop, stop: asyncio.Event) -> bool:
+        """One task per served job, starting one job later each round; whether any task was taken."""
+        contexts = list(self.jobs.values())
+        self._turn += 1
+        taken = False
+        for index in range(len(contexts)):
+            if stop.is_set():
+                break
+            job = contexts[(self._turn + index) % len(contexts)]
+            step = asyncio.create_task(loop.step(job))
+            waiter = asyncio.create_task(stop.wait())
+            done, _ = await asyncio.wait({step, waiter}, return_when=asyncio.FIRST_COMPLETED)
+            waiter.cancel()
+            if step not in done:  # stopping: let the current task finish for grace_s, then release it
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(asyncio.shield(step), self.settings.grace_s)
+                step.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await step
+                break
+            taken |= step.result()
+        return taken
+
+    async def _refresh_jobs(self, store: JobStore, js: JetStreamContext, weights: WeightStore) -> None:
+        """Every poll_interval_s: start serving new running jobs, drop those that stopped."""
+        if time.monotonic() < self._next_refresh:
+            return
+        self._next_refresh = time.monotonic() + self.settings.poll_interval_s
+        active: Iterable[JobRecord] = await store.active_jobs()
+        running = [r for r in active if r.state == JobState.RUNNING]
+        for job_id in set(self.jobs) - {r.job_id for r in running}:
+            log.info("job %s no longer running; dropping it", job_id)
+            await self._close_job(self.jobs.pop(job_id))
+        for record in running:
+            if record.job_id not in self.jobs:
+                self.jobs[record.job_id] = await self._open_job(record, store, js, weights)
+
+    async def _open_job(self, record: JobRecord, store: JobStore, js: JetStreamContext,
+                        weights: WeightStore) -> JobContext:
+        s, spec = self.settings, record.spec
+        _, reward_file = await store.files(record.job_id)
+        backend = await asyncio.to_thread(make_backend, s.backend, spec.model, dtype=s.dtype, device=s.device)
+        policy = JobPolicy(record.job_id, backend, weights, pull_attempts=s.weights_pull_attempts)
+        policy.start()
+        await bus.ensure_job_consumer(js, record.job_id, spec)
+        sub = await js.pull_subscribe_bind(durable=bus.task_consumer(record.job_id), stream=bus.TASKS_STREAM)
+        log.info("serving job %s (model %s)", record.job_id, spec.model)
+        return JobContext(record.job_id, spec, reward_file or b"", policy, sub)
+
+    @staticmethod
+    async def _close_job(job: JobContext) -> None:
+        await job.policy.close()
+        with contextlib.suppress(Exception):
+            await job.sub.unsubscribe()
+
+    async def _close_jobs(self) -> None:
+        for job in self.jobs.values():
+            await self._close_job(job)
+        self.jobs.clear()
+
+    @staticmethod
+    async def _drain(nc: NATS) -> None:
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(nc.drain(), bus.REQUEST_TIMEOUT_S)

@@ -1,0 +1,60 @@
+"""A real fleet minus the learner, shared by the actor tests of one module.
+
+NATS, Valkey, the replay service and the reward service are real processes started once per
+module (each test uses its own job id); `Fleet` (actor_fleet.py) plays the learner's part.
+Actors are `python -m services.actor` subprocesses that tests SIGKILL, SIGSTOP and restart.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Iterator
+
+import pytest
+import pytest_asyncio
+from actor_fleet import Fleet, Services, start_service
+
+from services.common import bus
+from services.common.embedded import EmbeddedNats, EmbeddedValkey, free_port
+from services.common.jobs import JobState, JobStore
+from services.common.weights import WeightStore
+from services.replay.client import ReplayClient
+
+
+@pytest.fixture(scope="module")
+def services(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Services]:
+    root = tmp_path_factory.mktemp("fleet")
+    with EmbeddedNats(data_dir=root / "nats") as nats_server, EmbeddedValkey(data_dir=root / "valkey") as valkey:
+        replay_port, reward_port = free_port(), free_port()
+        procs = [
+            start_service(["services.replay", "--listen", f"127.0.0.1:{replay_port}", "--redis-url", valkey.url],
+                     root / "replay.log", replay_port),
+            start_service(["services.reward", "--listen", f"127.0.0.1:{reward_port}", "--workers", "1"],
+                     root / "reward.log", reward_port),
+        ]
+        try:
+            yield Services(nats_server.url, valkey.url, f"127.0.0.1:{replay_port}", f"127.0.0.1:{reward_port}", root)
+        finally:
+            for proc in procs:
+                proc.terminate()
+                proc.wait(10)
+
+
+@pytest_asyncio.fixture
+async def fleet(services: Services) -> AsyncIterator[Fleet]:
+    nc = await bus.connect(services.nats_url, "actor-tests")
+    js = bus.jetstream(nc)
+    await bus.ensure_streams(js)
+    jobs = JobStore.from_url(services.redis_url)
+    replay = ReplayClient(services.replay_addr)
+    fleet = Fleet(services, nc, js, jobs, replay, WeightStore(nc, js))
+    try:
+        yield fleet
+    finally:
+        fleet.stop_all()
+        for job_id in fleet.job_ids:  # later tests' actors must not serve this job
+            await jobs.set_state(job_id, JobState.SUCCEEDED)
+        for name in fleet.actors:
+            print(f"----- {name}\n{fleet.log_text(name)[-3000:]}")
+        await replay.close()
+        await jobs.close()
+        await nc.close()

@@ -1,0 +1,173 @@
+"""Actors under faults, with real NATS, Valkey, replay and reward services and a tiny model.
+
+- SIGKILL one of 3 actors every few seconds: every task ends as exactly one group, and every
+  redelivery arrives within ack_wait + a few seconds of a kill.
+- SIGSTOP the actor holding a task past ack_wait: another actor stores the group; after SIGCONT the
+  late copy is reported DUPLICATE; one copy remains.
+- A task that always crashes the backend is dead-lettered after exactly max_retries deliveries.
+- Weights published mid-run are used by later tasks; a corrupt object is rejected and re-pulled.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import time
+
+import nats.errors
+from actor_fleet import Fleet, job_spec, perturbed_weights, wait_until
+
+from services.common import bus
+from services.common.weights import WeightPointer
+
+ACK_WAIT_S = 3.0
+
+
+def _prompt(i: int) -> tuple[str, str]:
+    a, b = 10 + i % 37, 20 + (i * 7) % 41
+    return f"What is {a} + {b}? Answer with just the number.", str(a + b)
+
+
+async def _ready(fleet: Fleet, name: str, version: int = 0) -> None:
+    await wait_until(lambda: f"loaded weights v{version}" in fleet.log_text(name), 60, f"{name} to hold v{version}")
+
+
+async def test_sigkill_every_few_seconds_loses_and_duplicates_nothing(fleet: Fleet) -> None:
+    spec = job_spec(rollout={"samples_per_prompt": 8, "max_new_tokens": 48})
+    job = await fleet.create_job(spec, [])
+    await fleet.publish_weights(job, 0)
+    names = ["k0", "k1", "k2"]
+    for name in names:
+        fleet.start_actor(name)
+    for name in names:
+        await _ready(fleet, name)
+    for i in range(60):
+        await fleet.publish_task(job, i, *_prompt(i))
+    kills: list[float] = []
+    victim = 0
+    while (await fleet.replay.stats(job)).inserted < 60:
+        assert len(kills) < 40, "60 tasks did not finish"
+        await asyncio.sleep(2.5)
+        name = names[victim % 3]
+        victim += 1
+        kills.append(time.time())
+        fleet.kill(name)
+        fleet.start_actor(name)
+    await asyncio.sleep(ACK_WAIT_S + 2)  # a late redelivery would show up as a duplicate insert
+    stats = await fleet.replay.stats(job)
+    records = await fleet.replay.query(job, limit=1000)
+    task_ids = [r.task_id for r in records]
+    assert stats.inserted == 60 and stats.size_groups == 60
+    assert sorted(task_ids) == sorted(f"0/{i}" for i in range(60))
+    assert len(kills) >= 3
+    redelivered = [r.lineage for r in records if r.lineage.delivery_attempt > 1]
+    for lineage in redelivered:  # each redelivery follows some kill by at most ack_wait + a few seconds
+        received = lineage.received_unix_ms / 1000
+        assert any(k <= received <= k + ACK_WAIT_S + 5 for k in kills), lineage
+    assert {r.lineage.actor_id for r in records} <= set(names)
+    info = await fleet.js.consumer_info(bus.TASKS_STREAM, bus.task_consumer(job))
+    assert info.num_pending == 0 and info.num_ack_pending == 0
+    print(f"kills={len(kills)} redelivered={len(redelivered)} duplicates={stats.duplicates}")
+
+
+async def test_sigstopped_actor_late_result_is_a_duplicate(fleet: Fleet) -> None:
+    spec = job_spec(rollout={"samples_per_prompt": 8, "max_new_tokens": 400})
+    job = await fleet.create_job(spec, [])
+    await fleet.publish_weights(job, 0)
+    for name in ("s0", "s1"):
+        fleet.start_actor(name)
+    for name in ("s0", "s1"):
+        await _ready(fleet, name)
+    await fleet.publish_task(job, 0, *_prompt(0))
+    holder = await wait_until(
+        lambda: next((n for n in ("s0", "s1") if "task 0/0 delivery 1 received" in fleet.log_text(n)), None),
+        30, "a delivery of the task", interval_s=0.05)
+    fleet.kill(holder, signal.SIGSTOP)
+    other = "s1" if holder == "s0" else "s0"
+    await wait_until(lambda: "task 0/0 delivery 2 received" in fleet.log_text(other), ACK_WAIT_S + 10,
+                     "the redelivery to the other actor")
+    await wait_until(lambda: _inserted(fleet, job, 1), 60, "the other actor's group")
+    fleet.kill(holder, signal.SIGCONT)
+    stats = await wait_until(lambda: _duplicates(fleet, job, 1), 60, "the late copy to be dropped")
+    assert stats.inserted == 1 and stats.size_groups == 1
+    (record,) = await fleet.replay.query(job)
+    assert record.lineage.actor_id == other and record.lineage.delivery_attempt == 2
+
+
+async def _inserted(fleet: Fleet, job: str, n: int) -> bool:
+    return (await fleet.replay.stats(job)).inserted >= n
+
+
+async def _duplicates(fleet: Fleet, job: str, n: int) -> object:
+    stats = await fleet.replay.stats(job)
+    return stats if stats.duplicates >= n else None
+
+
+async def _dead_letters(fleet: Fleet, job: str) -> list[nats.aio.msg.Msg]:
+    sub = await fleet.js.subscribe(bus.dlq_subject(job), stream=bus.DLQ_STREAM, ordered_consumer=True)
+    out = []
+    try:
+        while True:
+            out.append(await sub.next_msg(timeout=1.0))
+    except nats.errors.TimeoutError:
+        return out
+    finally:
+        await sub.unsubscribe()
+
+
+async def test_task_that_always_crashes_is_dead_lettered_after_max_retries(fleet: Fleet) -> None:
+    spec = job_spec(train={"max_retries_per_episode": 3})
+    job = await fleet.create_job(spec, [])
+    await fleet.publish_weights(job, 0)
+    for name in ("d0", "d1"):
+        fleet.start_actor(name, "fault_crash_marker=CRASH-ME")
+    for name in ("d0", "d1"):
+        await _ready(fleet, name)
+    for i in range(8):
+        prompt, answer = _prompt(i)
+        await fleet.publish_task(job, i, prompt + (" CRASH-ME" if i == 3 else ""), answer)
+    await wait_until(lambda: _inserted(fleet, job, 7), 60, "the 7 healthy tasks")
+    dead = await wait_until(lambda: _dead_letters(fleet, job), 30, "the dead letter")
+    await asyncio.sleep(2)
+    dead = await _dead_letters(fleet, job)
+    assert len(dead) == 1
+    headers = dead[0].headers or {}
+    assert headers["Fleet-Deliveries"] == "3" and headers["Fleet-Original-Msg-Id"] == bus.task_msg_id(job, 0, 3)
+    assert "fault injection" in headers["Fleet-Reason"]
+    deliveries = sum(fleet.log_text(n).count("task 0/3 delivery") for n in ("d0", "d1"))
+    assert deliveries == 3
+    stats = await fleet.replay.stats(job)
+    assert stats.inserted == 7 and "0/3" not in {r.task_id for r in await fleet.replay.query(job)}
+    info = await fleet.js.consumer_info(bus.TASKS_STREAM, bus.task_consumer(job))
+    assert info.num_pending == 0 and info.num_ack_pending == 0
+
+
+async def test_weight_update_mid_run_and_corrupt_object(fleet: Fleet) -> None:
+    spec = job_spec()
+    job = await fleet.create_job(spec, [])
+    await fleet.publish_weights(job, 0)
+    fleet.start_actor("w0")
+    await _ready(fleet, "w0")
+    for i in range(4):
+        await fleet.publish_task(job, i, *_prompt(i))
+    await wait_until(lambda: _inserted(fleet, job, 4), 60, "tasks under v0")
+    await fleet.publish_weights(job, 1, perturbed_weights(0.01))
+    for i in range(4, 8):
+        await fleet.publish_task(job, i, *_prompt(i), min_version=1)
+    await wait_until(lambda: _inserted(fleet, job, 8), 60, "tasks under v1")
+    # A pointer whose object does not match its digest: rejected, re-pulled, never loaded.
+    good = await fleet.weights.latest(job)
+    assert good is not None
+    bad = WeightPointer(version=2, object=good.object, sha256="0" * 64, bytes=good.bytes, dtype=good.dtype)
+    kv = await fleet.js.key_value(bus.WEIGHTS_KV)
+    await kv.put(job, bad.to_json())
+    await wait_until(lambda: fleet.log_text("w0").count("rejected weights v2") >= 2, 30, "the corrupt pull rejections")
+    await fleet.publish_weights(job, 3, perturbed_weights(0.02))
+    for i in range(8, 12):
+        await fleet.publish_task(job, i, *_prompt(i), min_version=3)
+    await wait_until(lambda: _inserted(fleet, job, 12), 60, "tasks under v3")
+    versions = {r.task_id: r.policy_version for r in await fleet.replay.query(job, limit=100)}
+    assert {versions[f"0/{i}"] for i in range(4)} == {0}
+    assert {versions[f"0/{i}"] for i in range(4, 8)} == {1}
+    assert {versions[f"0/{i}"] for i in range(8, 12)} == {3}
+    assert "loaded weights v2" not in fleet.log_text("w0")
