@@ -17,10 +17,13 @@ things `generate` does not give cheaply or reproducibly:
   `completion_logprobs` scores too (so on-policy importance ratios are 1 up to float error).
 - The n samples of a prompt in one batch: the prompt is expanded n times and prefilled once.
 
-Tolerance between actor and learner log-probs (max |actor - full forward| over every sampled token,
-measured by tests/actor/test_backend.py on `tiny-llama`, 8 samples x 24 tokens, temperature 0.7):
-about 1e-6 in float32 and a few 1e-2 in bfloat16 (the KV-cache decode and the full-sequence forward
-round their bf16 matmuls differently). The test bounds them at `LOGPROB_TOL` below.
+Tolerance between actor and learner log-probs, max |actor - full forward| over every sampled token
+(temperature 0.7, measured on this machine's CPU): float32 about 1e-6 on `tiny-llama` (8 x 24 tokens)
+and 1.6e-5 on SmolLM2-135M (4 x 24); bfloat16 2.8e-3 on `tiny-llama` and 0.21 on SmolLM2-135M (the
+KV-cache decode and the full-sequence forward round their bf16 matmuls differently, and the error
+grows with depth). That is why actors generate in float32 by default (`ActorSettings.dtype`): the
+learner's bf16 weights are upcast on load, and with a float32 learner forward the on-policy
+importance ratio is 1 within 1e-4. `LOGPROB_TOL` holds the bounds tests/actor/test_backend.py checks.
 Completions end at the first eos id (the tokenizer's and the generation config's), included, with
 finish_reason "eos", or after max_new_tokens with "length".
 """
@@ -36,7 +39,7 @@ from torch import Tensor
 
 from services.common.config import RolloutConfig
 
-LOGPROB_TOL = {torch.float32: 1e-4, torch.bfloat16: 0.15}
+LOGPROB_TOL = {torch.float32: 1e-4, torch.bfloat16: 0.3}
 """Documented bound on max |actor behaviour log-prob - full-forward log-prob| per compute dtype."""
 
 

@@ -1,0 +1,85 @@
+"""The HF backend: behaviour log-probs match a full forward pass, draws follow the task seed rule.
+
+The tolerance measured here is the one documented in services/actor/backends.py (LOGPROB_TOL).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from services.actor.backends import LOGPROB_TOL, HFBackend, prompt_tokens
+from services.common import models
+from services.common.config import RolloutConfig
+from services.learner import reference
+
+ROLLOUT = RolloutConfig(samples_per_prompt=8, max_new_tokens=24, temperature=0.7, top_p=0.9)
+
+
+def _full_forward_logprobs(model: torch.nn.Module, prompt: list[int], tokens: list[int],
+                           temperature: float) -> torch.Tensor:
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1 : -1].float()
+    logp = torch.log_softmax(logits / temperature, dim=-1)
+    return logp.gather(-1, torch.tensor(tokens)[:, None])[:, 0]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_behaviour_logprobs_match_full_forward(dtype: torch.dtype) -> None:
+    model, tokenizer = models.load("tiny-llama", dtype=dtype)
+    backend = HFBackend(model, tokenizer)
+    prompt = prompt_tokens(tokenizer, "What is 12 + 30?", ROLLOUT)
+    completions = backend.generate(prompt, 8, max_new_tokens=24, temperature=0.7, top_p=0.9, seed=123)
+    assert len(completions) == 8
+    worst = 0.0
+    for c in completions:
+        assert len(c.token_ids) == len(c.logprobs) >= 1
+        full = _full_forward_logprobs(model, prompt, c.token_ids, 0.7)
+        worst = max(worst, float((full - torch.tensor(c.logprobs)).abs().max()))
+    print(f"{dtype}: max |actor - full forward| = {worst:.2e}")
+    assert worst <= LOGPROB_TOL[dtype]
+
+
+def test_same_seed_same_group_and_reference_loop_agrees() -> None:
+    model, tokenizer = models.load("tiny-llama")
+    backend = HFBackend(model, tokenizer)
+    prompt = prompt_tokens(tokenizer, "What is 1 + 2?", ROLLOUT)
+    kwargs = {"max_new_tokens": 24, "temperature": 0.7, "top_p": 0.9}
+    first = backend.generate(prompt, 8, seed=5, **kwargs)
+    assert first == backend.generate(prompt, 8, seed=5, **kwargs)
+    assert [c.token_ids for c in first] != [c.token_ids for c in backend.generate(prompt, 8, seed=6, **kwargs)]
+    spec = reference.JobSpec.model_validate({"prompts": "p.jsonl", "reward": {"builtin": "numeric_match"},
+                                              "model": "tiny-llama", "rollout": ROLLOUT.model_dump()})
+    ref = reference.sample_group(model, prompt, spec, backend.eos_ids, torch.Generator().manual_seed(5))
+    assert [(c.token_ids, c.logprobs, c.finish_reason) for c in first] == \
+        [(r.token_ids, r.logprobs, r.finish_reason) for r in ref]
+
+
+def test_completions_stop_at_eos_or_length() -> None:
+    model, tokenizer = models.load("tiny-llama")
+    backend = HFBackend(model, tokenizer)
+    prompt = prompt_tokens(tokenizer, "hi", ROLLOUT)
+    long = backend.generate(prompt, 4, max_new_tokens=6, temperature=1.0, top_p=1.0, seed=1, ignore_eos=True)
+    assert all(len(c.token_ids) == 6 and c.finish_reason == "length" for c in long)
+    backend.eos_ids = {long[0].token_ids[2]}  # same seed, same draws: row 0 now ends at its third token
+    for c, free in zip(backend.generate(prompt, 4, max_new_tokens=6, temperature=1.0, top_p=1.0, seed=1), long,
+                       strict=True):
+        if c.finish_reason == "eos":
+            assert c.token_ids[-1] in backend.eos_ids and backend.eos_ids.isdisjoint(c.token_ids[:-1])
+            assert c.token_ids == free.token_ids[: len(c.token_ids)]
+        else:
+            assert c.token_ids == free.token_ids and len(c.token_ids) == 6
+        assert c.text == tokenizer.decode(c.token_ids, skip_special_tokens=True)
+    assert backend.generate(prompt, 4, max_new_tokens=6, temperature=1.0, top_p=1.0, seed=1)[0].token_ids == \
+        long[0].token_ids[: long[0].token_ids.index(long[0].token_ids[2]) + 1]
+
+
+def test_prompt_tokens_chat_template_system_prompt_and_left_truncation() -> None:
+    tokenizer = models.smollm2_tokenizer()
+    plain = prompt_tokens(tokenizer, "Hello there", RolloutConfig(chat_template=False))
+    assert plain == tokenizer("Hello there", add_special_tokens=False)["input_ids"]
+    chat = prompt_tokens(tokenizer, "Hello there", RolloutConfig(system_prompt="Be brief."))
+    text = tokenizer.decode(chat)
+    assert "Be brief." in text and "Hello there" in text and text.rstrip().endswith("assistant")
+    short = prompt_tokens(tokenizer, "Hello there", RolloutConfig(system_prompt="Be brief.", max_prompt_tokens=5))
+    assert short == chat[-5:]
