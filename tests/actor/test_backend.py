@@ -51,8 +51,11 @@ def test_same_seed_same_group_and_reference_loop_agrees() -> None:
     spec = reference.JobSpec.model_validate({"prompts": "p.jsonl", "reward": {"builtin": "numeric_match"},
                                               "model": "tiny-llama", "rollout": ROLLOUT.model_dump()})
     ref = reference.sample_group(model, prompt, spec, backend.eos_ids, torch.Generator().manual_seed(5))
-    assert [(c.token_ids, c.logprobs, c.finish_reason) for c in first] == \
-        [(r.token_ids, r.logprobs, r.finish_reason) for r in ref]
+    # Same seed rule, same draws: identical tokens. The backend prefills once and shares the KV cache
+    # (the reference prefills n copies), so log-probs agree to float rounding, not bit for bit.
+    assert [(c.token_ids, c.finish_reason) for c in first] == [(r.token_ids, r.finish_reason) for r in ref]
+    for c, r in zip(first, ref, strict=True):
+        assert torch.allclose(torch.tensor(c.logprobs), torch.tensor(r.logprobs), atol=1e-5, rtol=0)
 
 
 def test_completions_stop_at_eos_or_length() -> None:

@@ -1,0 +1,90 @@
+"""Actor generation throughput: the actor's HF backend vs plain `model.generate`, same run.
+
+`python -m bench.generate --json [--model smollm2-135m --batch 8 --new-tokens 64 --repeats 3]`
+prints one JSON object:
+- tok_s: new tokens per second of `services.actor.backends.HFBackend.generate` (n samples of one
+  prompt in one batch, KV cache, temperature + top-p, behaviour log-probs of every token);
+- hf_generate_tok_s: `model.generate(do_sample=True)` on the same model, prompt, batch size,
+  sampling settings and number of new tokens (eos ignored on both sides, so lengths are equal);
+- ratio: tok_s / hf_generate_tok_s (goal >= 1.0).
+Each side is warmed up once, then timed `repeats` times, alternating; the best time counts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from services.actor.backends import HFBackend, prompt_tokens
+from services.common import models
+from services.common.config import RolloutConfig
+
+PROMPT = "What is 37 + 45? Answer with just the number."
+
+
+def best_time(fn: Callable[[], object], repeats: int) -> float:
+    fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return min(times)
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    model, tokenizer = models.load(args.model, dtype=args.dtype)
+    backend = HFBackend(model, tokenizer)
+    prompt = prompt_tokens(tokenizer, PROMPT, RolloutConfig())
+    sampling = {"temperature": args.temperature, "top_p": args.top_p}
+
+    def ours() -> None:
+        out = backend.generate(prompt, args.batch, max_new_tokens=args.new_tokens, seed=0, ignore_eos=True,
+                               **sampling)
+        assert all(len(c.token_ids) == args.new_tokens for c in out)
+
+    input_ids = torch.tensor([prompt] * args.batch)
+
+    def reference() -> None:
+        with torch.no_grad():
+            out = model.generate(input_ids=input_ids, attention_mask=torch.ones_like(input_ids), do_sample=True,
+                                 max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens, top_k=0,
+                                 pad_token_id=tokenizer.pad_token_id, **sampling)
+        assert out.shape[1] == len(prompt) + args.new_tokens
+
+    tokens = args.batch * args.new_tokens
+    ours_s, hf_s = best_time(ours, args.repeats), best_time(reference, args.repeats)
+    return {
+        "model": args.model, "dtype": args.dtype, "batch": args.batch, "new_tokens": args.new_tokens,
+        "prompt_tokens": len(prompt), "threads": torch.get_num_threads(),
+        "tok_s": round(tokens / ours_s, 2), "hf_generate_tok_s": round(tokens / hf_s, 2),
+        "ratio": round(hf_s / ours_s, 3),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default=models.SMOLLM2, help="model name (default smollm2-135m)")
+    parser.add_argument("--dtype", default="float32", help="compute dtype (default float32, the actor's)")
+    parser.add_argument("--batch", type=int, default=8, help="samples per prompt (default 8)")
+    parser.add_argument("--new-tokens", type=int, default=64, help="new tokens per sample (default 64)")
+    parser.add_argument("--temperature", type=float, default=1.0)
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--repeats", type=int, default=3, help="timed runs per side (best counts)")
+    parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    parser.add_argument("--json", action="store_true", help="print one JSON object (the default output)")
+    args = parser.parse_args(argv)
+    result = run(args)
+    print(json.dumps(result) if args.json else json.dumps(result, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
