@@ -173,3 +173,21 @@ async def test_weight_update_mid_run_and_corrupt_object(fleet: Fleet) -> None:
     assert {versions[f"0/{i}"] for i in range(4, 8)} == {1}
     assert {versions[f"0/{i}"] for i in range(8, 12)} == {3}
     assert "loaded weights v2" not in fleet.log_text("w0")
+
+
+async def test_sigterm_finishes_the_current_task_then_exits(fleet: Fleet) -> None:
+    spec = job_spec(rollout={"samples_per_prompt": 8, "max_new_tokens": 200})
+    job = await fleet.create_job(spec, [])
+    await fleet.publish_weights(job, 0)
+    proc = fleet.start_actor("t0")
+    await _ready(fleet, "t0")
+    await fleet.publish_task(job, 0, *_prompt(0))
+    await wait_until(lambda: "task 0/0 delivery 1 received" in fleet.log_text("t0"), 30, "the delivery",
+                     interval_s=0.05)
+    fleet.kill("t0", signal.SIGTERM)
+    await wait_until(lambda: proc.poll() is not None, 30, "the actor to exit")
+    assert proc.returncode == 0
+    stats = await fleet.replay.stats(job)
+    assert stats.inserted == 1
+    info = await fleet.js.consumer_info(bus.TASKS_STREAM, bus.task_consumer(job))
+    assert info.num_pending == 0 and info.num_ack_pending == 0
