@@ -13,12 +13,14 @@ out of a terminal state. Keys (all under `fleetrl:`):
 
 from __future__ import annotations
 
+import builtins
 import enum
 import json
 import secrets
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import redis.asyncio as aioredis
 
@@ -59,14 +61,19 @@ class JobRecord:
     last_step: dict[str, Any] | None
 
     @classmethod
-    def from_hash(cls, fields: dict[bytes, bytes]) -> JobRecord:
-        f = {k.decode(): v.decode() for k, v in fields.items()}
+    def from_hash(cls, fields: Mapping[bytes | str, bytes | str]) -> JobRecord:
+        f = {_text(k): _text(v) for k, v in fields.items()}
         return cls(
             job_id=f["job_id"], tenant=f["tenant"], name=f["name"], state=JobState(f["state"]),
             reason=f.get("reason", ""), spec=JobSpec.model_validate_json(f["spec_json"]),
             created_ms=int(f["created_ms"]), updated_ms=int(f["updated_ms"]),
             model_uri=f.get("model_uri", ""), last_step=json.loads(f["last_step"]) if f.get("last_step") else None,
         )
+
+
+def _text(value: object) -> str:
+    """A Redis reply as text (the client returns bytes; its type stubs allow any reply shape)."""
+    return value.decode() if isinstance(value, bytes) else str(value)
 
 
 def now_ms() -> int:
@@ -147,10 +154,10 @@ class JobStore:
         if idempotency_key:
             existing = await self.redis.hget(f"{PREFIX}jobs:idem", f"{tenant}/{idempotency_key}")
             if existing:
-                return await self.get(existing.decode())
+                return await self.get(_text(existing))
         job_id = "j-" + secrets.token_hex(6)
         ms = now_ms()
-        record = {
+        record: dict[Any, Any] = {
             "job_id": job_id, "tenant": tenant, "name": spec.name, "state": JobState.QUEUED.value, "reason": "",
             "spec_json": spec.model_dump_json(), "created_ms": ms, "updated_ms": ms, "model_uri": "",
         }
@@ -171,12 +178,12 @@ class JobStore:
             raise NotFound(f"job {job_id!r} does not exist")
         return JobRecord.from_hash(fields)
 
-    async def list(self, tenant: str | None = None, limit: int = 50) -> list[JobRecord]:
+    async def list(self, tenant: str | None = None, limit: int = 50) -> builtins.list[JobRecord]:
         """Newest first; tenant None lists every tenant's jobs."""
         ids = await self.redis.zrevrange(f"{PREFIX}jobs:index", 0, -1)
-        out: list[JobRecord] = []
+        out: builtins.list[JobRecord] = []
         for raw in ids:
-            record = await self.get(raw.decode())
+            record = await self.get(_text(raw))
             if tenant is None or record.tenant == tenant:
                 out.append(record)
                 if len(out) >= limit:
@@ -188,7 +195,7 @@ class JobStore:
         prompts, reward_file = await self.redis.mget(_key(job_id, ":prompts"), _key(job_id, ":reward_file"))
         if prompts is None:
             raise NotFound(f"job {job_id!r} has no prompts stored")
-        return prompts, reward_file
+        return cast(bytes, prompts), cast(bytes | None, reward_file)
 
     async def set_state(
         self, job_id: str, state: JobState, reason: str = "", *, allowed_from: tuple[JobState, ...] = ACTIVE
@@ -200,7 +207,7 @@ class JobStore:
         if changed == -1:
             raise NotFound(f"job {job_id!r} does not exist")
         if changed == 0:
-            raise FailedPrecondition(f"job {job_id} is {previous.decode()}, cannot become {state.value}")
+            raise FailedPrecondition(f"job {job_id} is {_text(previous)}, cannot become {state.value}")
         await self.redis.publish(f"{PREFIX}job-events", job_id)
         return await self.get(job_id)
 
@@ -209,7 +216,7 @@ class JobStore:
         job_id = await self._claim(
             keys=[f"{PREFIX}jobs:index"], args=[learner_id, int(lease_s * 1000), now_ms(), PREFIX]
         )
-        return await self.get(job_id.decode()) if job_id else None
+        return await self.get(_text(job_id)) if job_id else None
 
     async def renew(self, job_id: str, learner_id: str, lease_s: float) -> bool:
         """Extend our lease; False means we lost the job (another learner may own it now)."""
@@ -220,7 +227,7 @@ class JobStore:
 
     async def lease_holder(self, job_id: str) -> str | None:
         holder = await self.redis.get(_key(job_id, ":lease"))
-        return holder.decode() if holder else None
+        return _text(holder) if holder else None
 
     async def append_step(self, job_id: str, metrics: dict[str, Any]) -> None:
         """Record one step's metrics (must contain "step"); idempotent per step number."""
@@ -234,7 +241,7 @@ class JobStore:
             pipe.hset(_key(job_id), mapping={"last_step": payload, "updated_ms": now_ms()})
             await pipe.execute()
 
-    async def steps(self, job_id: str, from_step: int = 0) -> list[dict[str, Any]]:
+    async def steps(self, job_id: str, from_step: int = 0) -> builtins.list[dict[str, Any]]:
         """Step metrics from from_step on (steps are 1-based)."""
         raw = await self.redis.lrange(_key(job_id, ":steps"), max(0, from_step - 1), -1)
         return [json.loads(item) for item in raw]
@@ -242,10 +249,10 @@ class JobStore:
     async def set_model_uri(self, job_id: str, uri: str) -> None:
         await self.redis.hset(_key(job_id), mapping={"model_uri": uri, "updated_ms": now_ms()})
 
-    async def active_jobs(self) -> list[JobRecord]:
+    async def active_jobs(self) -> builtins.list[JobRecord]:
         """Jobs queued or running, oldest first (what actors serve)."""
         ids = await self.redis.zrange(f"{PREFIX}jobs:index", 0, -1)
-        records = [await self.get(raw.decode()) for raw in ids]
+        records = [await self.get(_text(raw)) for raw in ids]
         return [r for r in records if r.state in ACTIVE]
 
 

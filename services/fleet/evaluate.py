@@ -12,9 +12,10 @@ import json
 import re
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import cast
 
 import torch
-from transformers import PreTrainedModel, PreTrainedTokenizerBase
+from transformers import GenerationMixin, PreTrainedModel, PreTrainedTokenizerBase
 
 _LAST_INT = re.compile(r"-?\d+")
 _ONLY_INT = re.compile(r"^\s*-?\d+\s*$")
@@ -53,7 +54,7 @@ def greedy_completions(
         width = max(len(p) for p in chunk)
         ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in chunk])
         mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in chunk])
-        generated = model.generate(
+        generated = cast(GenerationMixin, model).generate(  # causal LMs mix generation in
             input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=max_new_tokens, pad_token_id=pad_id,
         )
         out.extend(tokenizer.batch_decode(generated[:, width:], skip_special_tokens=True))
