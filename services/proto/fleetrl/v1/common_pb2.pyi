@@ -41,20 +41,22 @@ class Task(_message.Message):
     def __init__(self, job_id: _Optional[str] = ..., task_id: _Optional[str] = ..., epoch: _Optional[int] = ..., prompt_index: _Optional[int] = ..., prompt: _Optional[str] = ..., metadata_json: _Optional[str] = ..., min_policy_version: _Optional[int] = ..., published_unix_ms: _Optional[int] = ...) -> None: ...
 
 class Lineage(_message.Message):
-    __slots__ = ("actor_id", "delivery_attempt", "trace_id", "received_unix_ms", "generated_unix_ms", "scored_unix_ms")
+    __slots__ = ("actor_id", "delivery_attempt", "trace_id", "received_unix_ms", "generated_unix_ms", "scored_unix_ms", "span_id")
     ACTOR_ID_FIELD_NUMBER: _ClassVar[int]
     DELIVERY_ATTEMPT_FIELD_NUMBER: _ClassVar[int]
     TRACE_ID_FIELD_NUMBER: _ClassVar[int]
     RECEIVED_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
     GENERATED_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
     SCORED_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
+    SPAN_ID_FIELD_NUMBER: _ClassVar[int]
     actor_id: str
     delivery_attempt: int
     trace_id: str
     received_unix_ms: int
     generated_unix_ms: int
     scored_unix_ms: int
-    def __init__(self, actor_id: _Optional[str] = ..., delivery_attempt: _Optional[int] = ..., trace_id: _Optional[str] = ..., received_unix_ms: _Optional[int] = ..., generated_unix_ms: _Optional[int] = ..., scored_unix_ms: _Optional[int] = ...) -> None: ...
+    span_id: str
+    def __init__(self, actor_id: _Optional[str] = ..., delivery_attempt: _Optional[int] = ..., trace_id: _Optional[str] = ..., received_unix_ms: _Optional[int] = ..., generated_unix_ms: _Optional[int] = ..., scored_unix_ms: _Optional[int] = ..., span_id: _Optional[str] = ...) -> None: ...
 
 class Sample(_message.Message):
     __slots__ = ("prompt_token_ids", "completion_token_ids", "behaviour_logprobs", "completion_text", "reward", "reward_components", "reward_status", "reward_reason", "finish_reason")

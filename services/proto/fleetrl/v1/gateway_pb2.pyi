@@ -122,3 +122,51 @@ class FileChunk(_message.Message):
     data: bytes
     last: bool
     def __init__(self, path: _Optional[str] = ..., offset: _Optional[int] = ..., data: _Optional[bytes] = ..., last: _Optional[bool] = ...) -> None: ...
+
+class GetFleetRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class FleetMember(_message.Message):
+    __slots__ = ("kind", "member_id", "state", "job_id", "policy_version", "tokens_per_s", "busy_fraction", "seen_unix_ms")
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    MEMBER_ID_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_PER_S_FIELD_NUMBER: _ClassVar[int]
+    BUSY_FRACTION_FIELD_NUMBER: _ClassVar[int]
+    SEEN_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
+    kind: str
+    member_id: str
+    state: str
+    job_id: str
+    policy_version: int
+    tokens_per_s: float
+    busy_fraction: float
+    seen_unix_ms: int
+    def __init__(self, kind: _Optional[str] = ..., member_id: _Optional[str] = ..., state: _Optional[str] = ..., job_id: _Optional[str] = ..., policy_version: _Optional[int] = ..., tokens_per_s: _Optional[float] = ..., busy_fraction: _Optional[float] = ..., seen_unix_ms: _Optional[int] = ...) -> None: ...
+
+class TaskQueue(_message.Message):
+    __slots__ = ("job_id", "pending", "in_flight", "redelivered", "dead_lettered")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    PENDING_FIELD_NUMBER: _ClassVar[int]
+    IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
+    REDELIVERED_FIELD_NUMBER: _ClassVar[int]
+    DEAD_LETTERED_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    pending: int
+    in_flight: int
+    redelivered: int
+    dead_lettered: int
+    def __init__(self, job_id: _Optional[str] = ..., pending: _Optional[int] = ..., in_flight: _Optional[int] = ..., redelivered: _Optional[int] = ..., dead_lettered: _Optional[int] = ...) -> None: ...
+
+class FleetStatus(_message.Message):
+    __slots__ = ("members", "queues", "unix_ms")
+    MEMBERS_FIELD_NUMBER: _ClassVar[int]
+    QUEUES_FIELD_NUMBER: _ClassVar[int]
+    UNIX_MS_FIELD_NUMBER: _ClassVar[int]
+    members: _containers.RepeatedCompositeFieldContainer[FleetMember]
+    queues: _containers.RepeatedCompositeFieldContainer[TaskQueue]
+    unix_ms: int
+    def __init__(self, members: _Optional[_Iterable[_Union[FleetMember, _Mapping]]] = ..., queues: _Optional[_Iterable[_Union[TaskQueue, _Mapping]]] = ..., unix_ms: _Optional[int] = ...) -> None: ...

@@ -64,6 +64,11 @@ class JobServiceStub:
                 request_serializer=fleetrl_dot_v1_dot_gateway__pb2.DownloadModelRequest.SerializeToString,
                 response_deserializer=fleetrl_dot_v1_dot_gateway__pb2.FileChunk.FromString,
                 _registered_method=True)
+        self.GetFleet = channel.unary_unary(
+                '/fleetrl.v1.JobService/GetFleet',
+                request_serializer=fleetrl_dot_v1_dot_gateway__pb2.GetFleetRequest.SerializeToString,
+                response_deserializer=fleetrl_dot_v1_dot_gateway__pb2.FleetStatus.FromString,
+                _registered_method=True)
 
 
 class JobServiceServicer:
@@ -116,6 +121,16 @@ class JobServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetFleet(self, request, context):
+        """The fleet now, for `fleetrl top`: every live actor and learner (from the
+        heartbeats they write every second; a member silent for a few seconds is
+        gone) and the task queue of each of the caller's queued or running jobs.
+        A member working on another tenant's job is listed without that job.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_JobServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -148,6 +163,11 @@ def add_JobServiceServicer_to_server(servicer, server):
                     servicer.DownloadModel,
                     request_deserializer=fleetrl_dot_v1_dot_gateway__pb2.DownloadModelRequest.FromString,
                     response_serializer=fleetrl_dot_v1_dot_gateway__pb2.FileChunk.SerializeToString,
+            ),
+            'GetFleet': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetFleet,
+                    request_deserializer=fleetrl_dot_v1_dot_gateway__pb2.GetFleetRequest.FromString,
+                    response_serializer=fleetrl_dot_v1_dot_gateway__pb2.FleetStatus.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -312,6 +332,33 @@ class JobService:
             '/fleetrl.v1.JobService/DownloadModel',
             fleetrl_dot_v1_dot_gateway__pb2.DownloadModelRequest.SerializeToString,
             fleetrl_dot_v1_dot_gateway__pb2.FileChunk.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetFleet(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/fleetrl.v1.JobService/GetFleet',
+            fleetrl_dot_v1_dot_gateway__pb2.GetFleetRequest.SerializeToString,
+            fleetrl_dot_v1_dot_gateway__pb2.FleetStatus.FromString,
             options,
             channel_credentials,
             insecure,
