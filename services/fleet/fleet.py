@@ -143,8 +143,13 @@ class Fleet:
         self._rescale.set()
 
     def serve(self, stop: threading.Event) -> None:
-        """Supervise until stop is set: restart crashed children, apply `fleetrl scale` requests."""
-        signal.signal(signal.SIGHUP, self.request_rescale)
+        """Supervise until stop is set: restart crashed children, apply `fleetrl scale` requests.
+
+        On the main thread this installs the SIGHUP handler `fleetrl scale` signals; a caller that
+        serves from another thread installs `request_rescale` itself (only the main thread may).
+        """
+        if threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGHUP, self.request_rescale)
         while not stop.wait(0.25):
             for name in self.supervisor.poll():
                 log.warning("restarted %s", name)
