@@ -2,7 +2,9 @@
 
 `Backend.generate(prompt_token_ids, n, ...)` returns `n` completions of one prompt, each with the
 behaviour log-prob of every sampled token; `Backend.load_weights(tensors)` swaps the policy's weights
-in place. `make_backend("hf" | "vllm", ...)` picks one by config; vLLM is imported only when asked for.
+in place. `make_backend("hf" | "vllm" | "fixed", ...)` picks one by config; vLLM is imported only when
+asked for. `FixedBackend` is a benchmark instrument (bench.pipeline): it sleeps a fixed time per group
+and returns deterministic tokens, so what remains of a task's cost is the fleet's orchestration.
 
 `HFBackend` is a plain KV-cache sampling loop (not `model.generate`), because the actor needs three
 things `generate` does not give cheaply or reproducibly:
@@ -34,6 +36,9 @@ finish_reason "eos", or after max_new_tokens with "length".
 
 from __future__ import annotations
 
+import math
+import random
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -174,7 +179,45 @@ class HFBackend:
         load_state_dict_inplace(self.model, tensors)
 
 
-def make_backend(kind: str, model_name: str, *, dtype: str, device: str) -> Backend:
+class FixedBackend:
+    """Generation that costs a fixed wall time and no compute: a benchmark instrument.
+
+    Each `generate` call sleeps `latency_s` (in the worker thread, as a real generation would block it)
+    and returns n completions of exactly max_new_tokens tokens drawn uniformly from the vocabulary by
+    `random.Random(seed)`, so a redelivered task yields the same group. The behaviour policy is that
+    uniform distribution, so every log-prob is -log(vocabulary size). Weights are accepted and counted,
+    not used.
+    """
+
+    tokenizer: Any
+    latency_s: float
+    weight_loads: int
+
+    def __init__(self, tokenizer: Any, latency_s: float) -> None:
+        self.tokenizer = tokenizer
+        self.latency_s = latency_s
+        self.weight_loads = 0
+
+    def generate(
+        self, prompt_token_ids: list[int], n: int, *, max_new_tokens: int, temperature: float, top_p: float,
+        seed: int, ignore_eos: bool = False,
+    ) -> list[Completion]:
+        time.sleep(self.latency_s)
+        vocab = len(self.tokenizer)
+        rng = random.Random(seed)
+        logprob = -math.log(vocab)
+        out = []
+        for _ in range(n):
+            tokens = [rng.randrange(vocab) for _ in range(max_new_tokens)]
+            text = self.tokenizer.decode(tokens, skip_special_tokens=True)
+            out.append(Completion(tokens, [logprob] * max_new_tokens, text, "length"))
+        return out
+
+    def load_weights(self, tensors: Mapping[str, Tensor]) -> None:
+        self.weight_loads += 1
+
+
+def make_backend(kind: str, model_name: str, *, dtype: str, device: str, fixed_latency_s: float = 0.0) -> Backend:
     """The configured backend for a job's base model (`models.load` names, directories, hub ids)."""
     if kind == "vllm":
         from services.actor.vllm_backend import VLLMBackend
@@ -183,4 +226,6 @@ def make_backend(kind: str, model_name: str, *, dtype: str, device: str) -> Back
     from services.common.models import load
 
     model, tokenizer = load(model_name, dtype=dtype, device=device)
+    if kind == "fixed":  # the model is loaded only for its tokenizer (the one the hf backend would use)
+        return FixedBackend(tokenizer, fixed_latency_s)
     return HFBackend(model, tokenizer)

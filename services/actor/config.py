@@ -32,8 +32,11 @@ class ActorSettings(InfraSettings):
     """RewardService address host:port."""
     actor_id: str = Field(default_factory=default_actor_id, min_length=1, max_length=200)
     """Id of this replica in every trajectory's lineage (default host-pid-random)."""
-    backend: Literal["hf", "vllm"] = "hf"
-    """Inference backend: hf (transformers/torch, CPU or GPU) or vllm (GPU, optional extra)."""
+    backend: Literal["hf", "vllm", "fixed"] = "hf"
+    """Inference backend: hf (transformers/torch, CPU or GPU), vllm (GPU, optional extra), or fixed
+    (a benchmark instrument: sleeps fixed_latency_s per group and returns deterministic tokens)."""
+    fixed_latency_s: float = Field(0.5, ge=0, le=3600)
+    """Seconds one group's generation takes on the fixed backend (other backends ignore it)."""
     device: str = "cpu"
     """Device the backend generates on (cpu, cuda, cuda:1, ...)."""
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"

@@ -1,14 +1,18 @@
 """The HF backend: behaviour log-probs match a full forward pass, draws follow the task seed rule.
+The fixed backend (a benchmark instrument): fixed latency, deterministic tokens.
 
 The tolerance measured here is the one documented in services/actor/backends.py (LOGPROB_TOL).
 """
 
 from __future__ import annotations
 
+import math
+import time
+
 import pytest
 import torch
 
-from services.actor.backends import LOGPROB_TOL, HFBackend, prompt_tokens
+from services.actor.backends import LOGPROB_TOL, FixedBackend, HFBackend, make_backend, prompt_tokens
 from services.common import models
 from services.common.config import RolloutConfig
 from services.learner import reference
@@ -86,3 +90,21 @@ def test_prompt_tokens_chat_template_system_prompt_and_left_truncation() -> None
     assert "Be brief." in text and "Hello there" in text and text.rstrip().endswith("assistant")
     short = prompt_tokens(tokenizer, "Hello there", RolloutConfig(system_prompt="Be brief.", max_prompt_tokens=5))
     assert short == chat[-5:]
+
+
+def test_fixed_backend_takes_its_latency_and_repeats_under_a_seed() -> None:
+    backend = make_backend("fixed", "tiny-llama", dtype="float32", device="cpu", fixed_latency_s=0.2)
+    assert isinstance(backend, FixedBackend)
+    prompt = prompt_tokens(backend.tokenizer, "What is 1 + 2?", ROLLOUT)
+    started = time.perf_counter()
+    first = backend.generate(prompt, 4, max_new_tokens=6, temperature=1.0, top_p=1.0, seed=9)
+    assert time.perf_counter() - started >= 0.2
+    again = backend.generate(prompt, 4, max_new_tokens=6, temperature=1.0, top_p=1.0, seed=9)
+    other = backend.generate(prompt, 4, max_new_tokens=6, temperature=1.0, top_p=1.0, seed=10)
+    assert first == again and first != other
+    vocab = len(backend.tokenizer)
+    for c in first:
+        assert len(c.token_ids) == 6 and all(0 <= t < vocab for t in c.token_ids)
+        assert c.logprobs == pytest.approx([-math.log(vocab)] * 6) and c.finish_reason == "length"
+    backend.load_weights({})
+    assert backend.weight_loads == 1
