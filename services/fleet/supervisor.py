@@ -23,6 +23,7 @@ log = logging.getLogger(__name__)
 BACKOFF_START_S = 0.5
 BACKOFF_MAX_S = 30.0
 HEALTHY_AFTER_S = 30.0  # a child that lived this long resets its backoff
+GROUP_GONE_S = 5.0  # SIGKILL is asynchronous: how long stop waits for a group's last members to die
 
 
 @dataclass
@@ -86,7 +87,8 @@ class Supervisor:
         for child in self.children.values():
             if child.alive() or child.stopping or not child.spec.restart:
                 continue
-            if child.proc is not None:  # it just died: schedule the restart
+            if child.proc is not None:  # it just died: reap what it spawned, schedule the restart
+                _signal_group(child, signal.SIGKILL)
                 code = child.proc.returncode
                 lived = now - child.started_at
                 healthy = lived > HEALTHY_AFTER_S
@@ -116,6 +118,7 @@ class Supervisor:
             _signal_group(child, signal.SIGKILL)  # also reaps grandchildren left in the group
             if child.proc is not None:
                 child.proc.wait()
+                _wait_group_gone(child.proc.pid, GROUP_GONE_S)
 
     def _start(self, child: Child) -> None:
         env = {**self.base_env, **child.spec.env}
@@ -143,3 +146,29 @@ def _terminate(child: Child, grace_s: float) -> None:
             child.proc.wait(grace_s)
         _signal_group(child, signal.SIGKILL)
         child.proc.wait()
+        _wait_group_gone(child.proc.pid, GROUP_GONE_S)
+
+
+def _wait_group_gone(pgid: int, timeout_s: float) -> bool:
+    """Wait until no live (non-zombie) process is left in process group pgid; False on timeout."""
+    deadline = time.monotonic() + timeout_s
+    while _live_group_members(pgid):
+        if time.monotonic() >= deadline:
+            log.warning("process group %d still has members after SIGKILL", pgid)
+            return False
+        time.sleep(0.02)
+    return True
+
+
+def _live_group_members(pgid: int) -> list[int]:
+    members = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            state, _ppid, group = (entry / "stat").read_text().rsplit(")", 1)[1].split()[:3]
+        except OSError:  # the process exited while we looked
+            continue
+        if int(group) == pgid and state != "Z":
+            members.append(int(entry.name))
+    return members
