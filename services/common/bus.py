@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import re
+from dataclasses import dataclass
 
 import nats
 from nats.aio.client import Client as NATS
@@ -167,6 +168,28 @@ def task_consumer_limits(spec: JobSpec) -> dict[str, float | int]:
         "max_deliver": spec.train.max_retries_per_episode + 1,
         "max_ack_pending": max(4, 2 * in_flight),
     }
+
+
+@dataclass(frozen=True)
+class TaskQueue:
+    """A job's task queue now (see TaskQueue in gateway.proto)."""
+
+    job_id: str
+    pending: int = 0
+    in_flight: int = 0
+    redelivered: int = 0
+    dead_lettered: int = 0
+
+
+async def task_queue(js: JetStreamContext, job_id: str) -> TaskQueue:
+    """Depth of the job's task consumer and size of its dead-letter subject (zeros if none exist yet)."""
+    try:
+        info = await js.consumer_info(TASKS_STREAM, task_consumer(job_id), timeout=REQUEST_TIMEOUT_S)
+        dlq = await js.stream_info(DLQ_STREAM, subjects_filter=dlq_subject(job_id))
+    except NotFoundError:
+        return TaskQueue(job_id)
+    return TaskQueue(job_id, int(info.num_pending or 0), int(info.num_ack_pending or 0),
+                     int(info.num_redelivered or 0), int((dlq.state.subjects or {}).get(dlq_subject(job_id), 0)))
 
 
 async def ensure_job_consumer(js: JetStreamContext, job_id: str, spec: JobSpec) -> api.ConsumerInfo:

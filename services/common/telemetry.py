@@ -54,6 +54,7 @@ def span_record(span: ReadableSpan) -> dict[str, object]:
         "span_id": format(ctx.span_id, "016x"),
         "parent_id": format(span.parent.span_id, "016x") if span.parent else None,
         "service": span.resource.attributes.get("service.name"),
+        "scope": span.instrumentation_scope.name if span.instrumentation_scope else None,
         "start_ns": span.start_time,
         "end_ns": span.end_time,
         "attributes": dict(span.attributes or {}),
@@ -122,3 +123,19 @@ def current_trace_id() -> str:
     """Hex trace id of the active span, or "" when tracing is off."""
     ctx = trace.get_current_span().get_span_context()
     return format(ctx.trace_id, "032x") if ctx.is_valid else ""
+
+
+def current_span_id() -> str:
+    """Hex span id of the active span, or "" when tracing is off."""
+    ctx = trace.get_current_span().get_span_context()
+    return format(ctx.span_id, "016x") if ctx.is_valid else ""
+
+
+def remote_parent(trace_id: str, span_id: str) -> otel_context.Context:
+    """A context whose parent is the span (trace_id, span_id) of another process, as stored in a
+    group's lineage; the empty context when either id is missing (tracing was off there)."""
+    if not trace_id or not span_id:
+        return otel_context.Context()
+    parent = trace.SpanContext(int(trace_id, 16), int(span_id, 16), is_remote=True,
+                               trace_flags=trace.TraceFlags(trace.TraceFlags.SAMPLED))
+    return trace.set_span_in_context(trace.NonRecordingSpan(parent), otel_context.Context())
