@@ -1,15 +1,88 @@
-"""Prometheus metrics of an actor process (served on `metrics_port` when it is set)."""
+"""Prometheus metrics of an actor process (served on `metrics_port` when it is set), and `Activity`.
+
+Counters are the source of truth (`rate()` them in Prometheus); `Activity` also keeps what the
+actor is doing now and its busy fraction and token rate over the last WINDOW_S, for the gauges
+below and for the heartbeat `fleetrl top` reads.
+"""
 
 from __future__ import annotations
 
-from prometheus_client import Counter, Gauge, Histogram
+import time
+from collections import deque
+from collections.abc import Callable
 
+from prometheus_client import Counter, Enum, Gauge, Histogram, Info
+
+STATES = ("idle", "waiting_for_weights", "generating", "scoring", "inserting")
+WINDOW_S = 30.0
+PULL_BUCKETS_S = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+
+ACTOR = Info("fleetrl_actor", "Identity of this actor process")
 TASKS = Counter("fleetrl_actor_tasks_total", "Tasks finished, by outcome (inserted, duplicate)", ["job", "outcome"])
+REDELIVERIES = Counter("fleetrl_actor_task_redeliveries_total",
+                       "Task deliveries received after the first (the task came back)", ["job"])
 NAKS = Counter("fleetrl_actor_task_naks_total", "Deliveries released for redelivery after a failure", ["job"])
 DEAD_LETTERED = Counter("fleetrl_actor_dead_lettered_total", "Tasks moved to the dead-letter subject", ["job"])
 WEIGHT_LOADS = Counter("fleetrl_actor_weight_loads_total", "Weight versions pulled and loaded", ["job"])
 WEIGHTS_CORRUPT = Counter("fleetrl_actor_weights_corrupt_total", "Pulled weight objects rejected (sha256/size)",
                           ["job"])
+WEIGHT_PULL_SECONDS = Histogram("fleetrl_actor_weight_pull_seconds", "Seconds to pull and verify one weight version",
+                                ["job"], buckets=PULL_BUCKETS_S)
+WEIGHT_PULL_BYTES = Counter("fleetrl_actor_weight_pull_bytes_total", "Bytes of weights pulled", ["job"])
 POLICY_VERSION = Gauge("fleetrl_actor_policy_version", "Policy version held", ["job"])
 GENERATED_TOKENS = Counter("fleetrl_actor_generated_tokens_total", "Completion tokens generated", ["job"])
 STEP_SECONDS = Histogram("fleetrl_actor_step_seconds", "Seconds per task-loop step", ["step"])
+STATE = Enum("fleetrl_actor_state", "What the actor is doing", states=list(STATES))
+BUSY_SECONDS = Counter("fleetrl_actor_busy_seconds_total", "Seconds spent holding a task")
+BUSY_RATIO = Gauge("fleetrl_actor_busy_ratio", f"Fraction of the last {WINDOW_S:.0f} s spent holding a task")
+TOKENS_PER_SECOND = Gauge("fleetrl_actor_tokens_per_second",
+                          f"Completion tokens generated per second over the last {WINDOW_S:.0f} s")
+
+
+class Activity:
+    """The actor's current state and job, and its busy time and tokens, windowed."""
+
+    state: str
+    job_id: str
+    window_s: float
+
+    def __init__(self, window_s: float = WINDOW_S, clock: Callable[[], float] = time.monotonic) -> None:
+        self.state, self.job_id, self.window_s = "idle", "", window_s
+        self._clock = clock
+        self._busy_s, self._tokens = 0.0, 0
+        self._busy_since: float | None = None
+        self._marks: deque[tuple[float, float, int]] = deque([(clock(), 0.0, 0)])
+
+    def begin(self, job_id: str) -> None:
+        """A task of job_id was taken."""
+        self.job_id, self._busy_since = job_id, self._clock()
+
+    def end(self) -> None:
+        """The task was acked, released or dead-lettered."""
+        if self._busy_since is not None:
+            held = self._clock() - self._busy_since
+            self._busy_s += held
+            BUSY_SECONDS.inc(held)
+        self._busy_since = None
+        self.set_state("idle")
+
+    def set_state(self, state: str) -> None:
+        self.state = state
+        STATE.state(state)
+
+    def add_tokens(self, count: int) -> None:
+        self._tokens += count
+
+    def rates(self) -> tuple[float, float]:
+        """(busy fraction, tokens per second) since the oldest mark inside the window; sets the gauges."""
+        now = self._clock()
+        busy = self._busy_s + (now - self._busy_since if self._busy_since is not None else 0.0)
+        self._marks.append((now, busy, self._tokens))
+        while len(self._marks) > 2 and self._marks[1][0] <= now - self.window_s:
+            self._marks.popleft()
+        start, busy0, tokens0 = self._marks[0]
+        elapsed = max(now - start, 1e-9)
+        fraction, rate = min(1.0, (busy - busy0) / elapsed), (self._tokens - tokens0) / elapsed
+        BUSY_RATIO.set(fraction)
+        TOKENS_PER_SECOND.set(rate)
+        return fraction, rate

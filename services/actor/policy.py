@@ -18,12 +18,14 @@ from typing import Protocol
 
 from services.actor import metrics
 from services.actor.backends import Backend
+from services.common import telemetry
 from services.common.errors import DeadlineExceeded, NotFound
 from services.common.weights import WeightPointer, WeightsCorrupt, decode_safetensors
 
 log = logging.getLogger(__name__)
 RETRY_DELAY_S = 0.5
 WATCH_RESTART_S = 1.0
+_TRACER = telemetry.tracer("fleetrl.actor")
 
 
 class WeightSource(Protocol):
@@ -104,7 +106,15 @@ class JobPolicy:
             await asyncio.sleep(RETRY_DELAY_S * attempt)
 
     async def _apply(self, pointer: WeightPointer) -> None:
-        payload = await self._source.pull(self.job_id, pointer)
+        with _TRACER.start_as_current_span("actor.weights_pull", attributes={
+                "fleetrl.job_id": self.job_id, "fleetrl.policy_version": pointer.version}):
+            started = time.monotonic()
+            payload = await self._source.pull(self.job_id, pointer)
+            metrics.WEIGHT_PULL_SECONDS.labels(self.job_id).observe(time.monotonic() - started)
+            metrics.WEIGHT_PULL_BYTES.labels(self.job_id).inc(len(payload))
+            await self._load(pointer, payload)
+
+    async def _load(self, pointer: WeightPointer, payload: bytes) -> None:
         tensors = await asyncio.to_thread(decode_safetensors, payload)
         await asyncio.to_thread(self.backend.load_weights, tensors)
         self.version = pointer.version

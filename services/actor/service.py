@@ -7,7 +7,8 @@ pull consumer (created with `bus.ensure_job_consumer`, the same settings the lea
 max_ack_pending bounds how many tasks all actors together hold). It then takes one task per job in
 turn (round-robin), so several jobs share an actor fairly. A job that stops running is dropped.
 On stop (SIGTERM) the current task is finished (or released after grace_s), then the subscriptions
-are closed and the connection drained.
+are closed and the connection drained. Every heartbeat.INTERVAL_S a background task writes the
+actor's heartbeat (state, job, policy version, tokens/s, busy fraction) to Redis for `fleetrl top`.
 """
 
 from __future__ import annotations
@@ -23,12 +24,13 @@ from nats.aio.client import Client as NATS
 from nats.js import JetStreamContext
 from prometheus_client import start_http_server
 
+from services.actor import metrics
 from services.actor.backends import make_backend
 from services.actor.clients import RewardClient
 from services.actor.config import ActorSettings
 from services.actor.policy import JobPolicy
 from services.actor.worker import JobContext, TaskLoop
-from services.common import bus, telemetry
+from services.common import bus, heartbeat, telemetry
 from services.common.jobs import JobRecord, JobState, JobStore
 from services.common.weights import WeightStore
 from services.replay.client import ReplayClient
@@ -52,6 +54,7 @@ class Actor:
         """Serve until stop is set."""
         s = self.settings
         telemetry.setup_tracing("actor", s.run_dir)
+        metrics.ACTOR.info({"actor_id": s.actor_id})
         if s.metrics_port:
             start_http_server(s.metrics_port)
         async with AsyncExitStack() as stack:
@@ -68,6 +71,9 @@ class Actor:
             stack.push_async_callback(self._close_jobs)
             loop = TaskLoop(s, js, replay, reward)
             weights = WeightStore(nc, js)
+            stack.push_async_callback(self._clear_beat, store)
+            beats = asyncio.create_task(self._beat_loop(store, loop.activity))
+            stack.callback(beats.cancel)
             log.info("actor %s serving (backend %s on %s)", s.actor_id, s.backend, s.device)
             while not stop.is_set():
                 try:
@@ -127,6 +133,25 @@ class Actor:
         sub = await js.pull_subscribe_bind(durable=bus.task_consumer(record.job_id), stream=bus.TASKS_STREAM)
         log.info("serving job %s (model %s)", record.job_id, spec.model)
         return JobContext(record.job_id, spec, reward_file or b"", policy, sub)
+
+    async def _beat_loop(self, store: JobStore, activity: metrics.Activity) -> None:
+        """Write this actor's heartbeat every heartbeat.INTERVAL_S; a failed write is retried next time."""
+        while True:
+            try:
+                await heartbeat.write(store.redis, self._beat(activity))
+            except Exception as error:  # Redis restarting: the beat lapses, top shows the actor gone
+                log.warning("heartbeat failed: %s", error)
+            await asyncio.sleep(heartbeat.INTERVAL_S)
+
+    def _beat(self, activity: metrics.Activity) -> heartbeat.Beat:
+        busy, tokens_per_s = activity.rates()
+        job = self.jobs.get(activity.job_id)
+        return heartbeat.Beat("actor", self.settings.actor_id, activity.state, activity.job_id if job else "",
+                              max(0, job.policy.version) if job else 0, tokens_per_s, busy, int(time.time() * 1000))
+
+    async def _clear_beat(self, store: JobStore) -> None:
+        with contextlib.suppress(Exception):  # best effort: the beat expires anyway
+            await heartbeat.clear(store.redis, "actor", self.settings.actor_id)
 
     @staticmethod
     async def _close_job(job: JobContext) -> None:

@@ -14,6 +14,10 @@ Design choices (DESIGN.md, data flow step 4):
   to the job's dead-letter subject, counted, and acks it there.
 - Sampling is seeded by `seeding.task_seed(spec.seed, task_id)`, so a redelivered task gives the
   same group under the same weights.
+- Each delivery is a span `actor.task` in the trajectory's trace (parent: the feeder's span, from the
+  message's `traceparent` header) with one child per step (`actor.fetch`, `actor.ensure_weights`,
+  `actor.generate`, `actor.score`, `actor.insert`); the reward and replay calls carry the context
+  as gRPC metadata, and the group's lineage records the insert span, the parent of the learner's.
 This module imports no grpc: replay and reward are reached through the two small Protocols below.
 """
 
@@ -24,7 +28,7 @@ import contextlib
 import logging
 import random
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Protocol, TypeVar
 
@@ -87,9 +91,11 @@ class TaskLoop:
     """Runs tasks of the jobs it is given, one at a time."""
 
     settings: ActorSettings
+    activity: metrics.Activity
 
     def __init__(self, settings: ActorSettings, js: JetStreamContext, replay: GroupSink, reward: Rewarder) -> None:
         self.settings = settings
+        self.activity = metrics.Activity()
         self._js = js
         self._replay = replay
         self._reward = reward
@@ -99,12 +105,29 @@ class TaskLoop:
         """Take and finish at most one task of job; whether one was taken."""
         if not await job.policy.refresh():
             return False  # an actor with no weights takes no task
+        fetch_ns = time.time_ns()
         msg = await self.fetch(job)
         if msg is None:
             return False
-        with self._tracer.start_as_current_span("actor.task", context=telemetry.extract(msg.headers)):
-            await self.handle(job, msg)
+        self.activity.begin(job.job_id)
+        try:
+            with self._tracer.start_as_current_span("actor.task", context=telemetry.extract(msg.headers),
+                                                    start_time=fetch_ns, attributes=self._attributes(job)):
+                self._tracer.start_span("actor.fetch", start_time=fetch_ns).end()
+                await self.handle(job, msg)
+        finally:
+            self.activity.end()
         return True
+
+    def _attributes(self, job: JobContext) -> dict[str, str]:
+        return {"fleetrl.job_id": job.job_id, "fleetrl.actor_id": self.settings.actor_id}
+
+    @contextlib.contextmanager
+    def _stage(self, name: str, state: str) -> Iterator[None]:
+        """One named step of a task: a child span, a step_seconds sample and the actor's state."""
+        self.activity.set_state(state)
+        with self._tracer.start_as_current_span(f"actor.{name}"), metrics.STEP_SECONDS.labels(name).time():
+            yield
 
     async def fetch(self, job: JobContext) -> Msg | None:
         try:
@@ -123,6 +146,8 @@ class TaskLoop:
             await self.dead_letter(job, msg, attempt, f"task does not parse: {error}")
             return
         log.info("job %s task %s delivery %d received", job.job_id, task.task_id, attempt)
+        if attempt > 1:
+            metrics.REDELIVERIES.labels(job.job_id).inc()
         if attempt > max_retries:
             await self.dead_letter(job, msg, attempt, "earlier deliveries ended without a result")
             return
@@ -153,7 +178,7 @@ class TaskLoop:
         return await self.insert(group)
 
     async def ensure_weights(self, job: JobContext, task: common_pb2.Task) -> None:
-        with metrics.STEP_SECONDS.labels("ensure_weights").time():
+        with self._stage("ensure_weights", "waiting_for_weights"):
             if not await job.policy.ensure(int(task.min_policy_version), self.settings.weights_wait_s):
                 raise TaskFailed(f"weights v>={task.min_policy_version} not available "
                                  f"(holding v{job.policy.version})")
@@ -165,11 +190,13 @@ class TaskLoop:
         marker = self.settings.fault_crash_marker
         if marker and marker in task.prompt:
             raise TaskFailed(f"fault injection: prompt contains {marker!r}")
-        with metrics.STEP_SECONDS.labels("generate").time():
+        with self._stage("generate", "generating"):
             completions = await asyncio.to_thread(
                 backend.generate, prompt_ids, rollout.samples_per_prompt, max_new_tokens=rollout.max_new_tokens,
                 temperature=rollout.temperature, top_p=rollout.top_p, seed=task_seed(job.spec.seed, task.task_id))
-        metrics.GENERATED_TOKENS.labels(job.job_id).inc(sum(len(c.token_ids) for c in completions))
+        tokens = sum(len(c.token_ids) for c in completions)
+        metrics.GENERATED_TOKENS.labels(job.job_id).inc(tokens)
+        self.activity.add_tokens(tokens)
         return prompt_ids, completions
 
     async def score(self, job: JobContext, task: common_pb2.Task,
@@ -177,7 +204,7 @@ class TaskLoop:
         items = [reward_pb2.ScoreItem(completion=c.text, prompt=task.prompt, metadata_json=task.metadata_json or "{}")
                  for c in completions]
         spec_json = job.spec.reward.model_dump_json()
-        with metrics.STEP_SECONDS.labels("score").time():
+        with self._stage("score", "scoring"):
             results = await self._retrying(lambda: self._reward.score(job.job_id, spec_json, job.reward_file, items),
                                            "reward Score")
         if len(results) != len(items):
@@ -185,7 +212,8 @@ class TaskLoop:
         return results
 
     async def insert(self, group: common_pb2.Group) -> int:
-        with metrics.STEP_SECONDS.labels("insert").time():
+        with self._stage("insert", "inserting"):
+            group.lineage.span_id = telemetry.current_span_id()
             outcomes = await self._retrying(lambda: self._replay.insert([group]), "replay Insert")
         return int(outcomes[0])
 
