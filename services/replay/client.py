@@ -4,6 +4,7 @@ Every call has a deadline and is retried with bounded backoff on UNAVAILABLE,
 RESOURCE_EXHAUSTED and DEADLINE_EXCEEDED (`grpcutil.retry`); other failures raise
 their domain error (NotFound, InvalidArgument, ...). Retrying is safe: Insert is
 idempotent (a retried group reports DUPLICATE) and a second Commit is a no-op.
+Each call carries the caller's trace context as gRPC metadata (W3C traceparent).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from typing import Any
 
 import grpc
 
+from services.common import telemetry
 from services.common.config import ReplayConfig
 from services.common.grpcutil import channel, retry
 from services.proto.fleetrl.v1 import common_pb2, replay_pb2, replay_pb2_grpc
@@ -92,5 +94,6 @@ class ReplayClient:
 
     async def _call(self, method: str, request: Any, extra_s: float = 0.0) -> Any:
         rpc = getattr(self._stub, method)
-        return await retry(lambda: rpc(request, timeout=self.timeout_s + extra_s),
+        metadata = telemetry.grpc_metadata()
+        return await retry(lambda: rpc(request, timeout=self.timeout_s + extra_s, metadata=metadata),
                            what=f"replay {method}", attempts=self.attempts)

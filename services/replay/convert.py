@@ -92,7 +92,7 @@ def to_record(group: common_pb2.Group, payload: bytes) -> GroupRecord:
     rewards = [s.reward for s in group.samples]
     lineage = {"actor_id": lin.actor_id, "trace_id": lin.trace_id, "delivery_attempt": lin.delivery_attempt,
                "received_unix_ms": lin.received_unix_ms, "generated_unix_ms": lin.generated_unix_ms,
-               "scored_unix_ms": lin.scored_unix_ms}
+               "scored_unix_ms": lin.scored_unix_ms, "span_id": lin.span_id}
     return GroupRecord(group.job_id, group.task_id, group.policy_version, sum(rewards) / len(rewards),
                        priority_of(group), payload, lineage)
 

@@ -4,7 +4,8 @@ Each RPC converts its request (`convert`), calls the domain core and converts th
 result; `map_errors` maps domain errors to status codes in one place. `serve`
 owns Redis, the gRPC server, the lease-reclaim task and the metrics endpoint in
 one AsyncExitStack; a failure of the background task stops the server instead
-of dying silently.
+of dying silently. Spans and per-RPC metrics come from `observe.ObservingInterceptor`; the
+background task also refreshes the table-size gauges every reclaim_interval_s.
 """
 
 from __future__ import annotations
@@ -17,9 +18,11 @@ from dataclasses import dataclass
 
 import grpc
 import redis.asyncio as aioredis
-from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Gauge
 
+from services.common import telemetry
 from services.common.grpcutil import map_errors, start_server, stop_server
+from services.common.observe import ObservingInterceptor, serve_metrics
 from services.proto.fleetrl.v1 import replay_pb2, replay_pb2_grpc
 from services.replay import convert
 from services.replay.config import ReplaySettings
@@ -33,6 +36,7 @@ class Metrics:
 
     registry: CollectorRegistry
     groups: Gauge
+    leased: Gauge
     inserted: Counter
     duplicates: Counter
     evicted: Counter
@@ -44,6 +48,8 @@ class Metrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
         self.groups = Gauge("fleetrl_replay_groups", "Groups stored per job", ["job"], registry=self.registry)
+        self.leased = Gauge("fleetrl_replay_leased_groups", "Stored groups under a lease per job", ["job"],
+                            registry=self.registry)
         for name, doc in [("inserted", "Groups inserted"), ("duplicates", "Inserts dropped as duplicates"),
                           ("evicted", "Groups evicted for capacity"), ("sampled", "Groups leased by Sample"),
                           ("committed", "Groups committed"), ("stale_dropped", "Groups dropped as stale")]:
@@ -160,8 +166,17 @@ async def reclaim_loop(tables: ReplayTables, metrics: Metrics, interval_s: float
         await asyncio.sleep(interval_s)
         try:
             metrics.expired_leases.inc(await tables.reclaim_all())
+            await refresh_sizes(tables, metrics)
         except ConnectionError as error:  # Redis restarting: try again next period
             log.warning("lease reclaim skipped: %s", error)
+
+
+async def refresh_sizes(tables: ReplayTables, metrics: Metrics) -> None:
+    """Set the stored and leased gauges of every job's table."""
+    for job in await tables.jobs():
+        stats = await tables.stats(job)
+        metrics.groups.labels(job).set(stats.size_groups)
+        metrics.leased.labels(job).set(stats.leased_groups)
 
 
 @contextlib.asynccontextmanager
@@ -175,12 +190,13 @@ async def running(settings: ReplaySettings) -> AsyncIterator[Running]:
                               poll_interval_s=settings.poll_interval_s)
         if settings.check_maxmemory_policy:
             await tables.check_redis()
+        telemetry.setup_tracing("replay", settings.run_dir)
         metrics = Metrics()
-        if settings.metrics_port:
-            start_http_server(settings.metrics_port, registry=metrics.registry)
+        serve_metrics(settings.metrics_port, metrics.registry)
         servicer = ReplayServicer(tables, settings, metrics)
 
-        server, port, health = await start_server(settings.listen, [lambda s: add_to_server(servicer, s)])
+        server, port, health = await start_server(settings.listen, [lambda s: add_to_server(servicer, s)],
+                                                  interceptors=[ObservingInterceptor(metrics.registry)])
         stack.push_async_callback(stop_server, server, health, settings.grace_s)
         reclaim = asyncio.create_task(reclaim_loop(tables, metrics, settings.reclaim_interval_s))
         stack.callback(reclaim.cancel)

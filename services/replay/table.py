@@ -277,11 +277,15 @@ class ReplayTables:
             rows.extend(await self._rows(p, ids, reward_range))
         return rows[:limit]
 
+    async def jobs(self) -> list[str]:
+        """Every job that has a table."""
+        return sorted(job.decode() for job in await _run(self.redis.smembers(JOBS_KEY)))
+
     async def reclaim_all(self) -> int:
         """Return the groups of every job's expired leases; the number of leases reclaimed."""
         total = 0
-        for job in await _run(self.redis.smembers(JOBS_KEY)):
-            total += (await self._state(job.decode(), 0))[3]
+        for job in await self.jobs():
+            total += (await self._state(job, 0))[3]
         return total
 
     async def _rows(self, p: str, ids: list[bytes], reward_range: tuple[float, float] | None) -> list[LineageRow]:

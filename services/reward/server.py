@@ -3,7 +3,7 @@
 Score and Validate convert the request (`convert`), call the scorer and convert back; `map_errors`
 maps domain errors to status codes. `running` owns the scorer (all worker processes), the gRPC
 server, the idle-pool reaper and the metrics endpoint; a failure of the reaper stops the service
-instead of dying silently.
+instead of dying silently. Spans and per-RPC metrics come from `observe.ObservingInterceptor`.
 """
 
 from __future__ import annotations
@@ -15,10 +15,11 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 import grpc
-from prometheus_client import start_http_server
 
+from services.common import telemetry
 from services.common.errors import ConfigError
 from services.common.grpcutil import map_errors, start_server, stop_server
+from services.common.observe import ObservingInterceptor, serve_metrics
 from services.proto.fleetrl.v1 import reward_pb2, reward_pb2_grpc
 from services.reward import convert
 from services.reward.config import RewardSettings
@@ -74,14 +75,15 @@ async def reap_loop(scorer: Scorer, interval_s: float) -> None:
 async def running(settings: RewardSettings) -> AsyncIterator[Running]:
     """Run the service until the context exits, then stop gracefully and kill every worker."""
     async with contextlib.AsyncExitStack() as stack:
+        telemetry.setup_tracing("reward", settings.run_dir)
         scorer = Scorer(settings)
         stack.push_async_callback(scorer.close)
         servicer = RewardServicer(scorer)
         server, port, health = await start_server(
-            settings.listen, [lambda s: _register(servicer, s)])
+            settings.listen, [lambda s: _register(servicer, s)],
+            interceptors=[ObservingInterceptor(scorer.metrics.registry)])
         stack.push_async_callback(stop_server, server, health, settings.grace_s)
-        if settings.metrics_port:
-            start_http_server(settings.metrics_port, registry=scorer.metrics.registry)
+        serve_metrics(settings.metrics_port, scorer.metrics.registry)
         background = asyncio.get_running_loop().create_task(
             reap_loop(scorer, min(60.0, settings.pool_idle_s / 2)))
         stack.callback(background.cancel)
