@@ -10,6 +10,8 @@ Design choice: the staleness bound is enforced twice, by pure functions of count
 Prompts are shuffled per epoch with `seeding.prompt_order(n, seed, epoch)`; each task carries
 `Nats-Msg-Id = bus.task_msg_id(job, epoch, index)`, so re-publishing after a resume is a no-op.
 The cursor (epoch, position, counters) is saved in every checkpoint.
+Each task starts its trajectory's trace: a root span `feeder.publish` whose W3C context rides in
+the message headers (`traceparent`) to the actor that takes it.
 """
 
 from __future__ import annotations
@@ -20,11 +22,14 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from nats.js import JetStreamContext
+from opentelemetry import context as otel_context
 
-from services.common import bus, seeding
+from services.common import bus, seeding, telemetry
 from services.common.config import JobSpec
 from services.common.errors import InvalidArgument
 from services.proto.fleetrl.v1 import common_pb2
+
+_TRACER = telemetry.tracer("fleetrl.feeder")
 
 
 @dataclass
@@ -145,8 +150,10 @@ class Feeder:
             prompt=prompt.text, metadata_json=prompt.metadata_json, min_policy_version=min_version,
             published_unix_ms=int(time.time() * 1000),
         )
-        headers = {"Nats-Msg-Id": bus.task_msg_id(self.job_id, epoch, index)}
-        await self._js.publish(bus.task_subject(self.job_id), task.SerializeToString(), headers=headers)
+        with _TRACER.start_as_current_span("feeder.publish", context=otel_context.Context(), attributes={
+                "fleetrl.job_id": self.job_id, "fleetrl.task_id": task.task_id}):
+            headers = telemetry.inject_headers({"Nats-Msg-Id": bus.task_msg_id(self.job_id, epoch, index)})
+            await self._js.publish(bus.task_subject(self.job_id), task.SerializeToString(), headers=headers)
         self.cursor.published += 1
         self.cursor.position += 1
         if self.cursor.position == len(self.prompts):

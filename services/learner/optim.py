@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import time
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -200,12 +201,17 @@ def _update(
     model.train()
     first: _Totals | None = None
     grad_norm = torch.tensor(0.0)
+    seconds = {"forward_backward_s": 0.0, "optimizer_s": 0.0}  # wall clock; on GPU, up to the next sync
     for _ in range(spec.train.epochs_per_step):
         optimizer.zero_grad(set_to_none=True)
+        started = time.perf_counter()
         totals = _one_pass(model, micros, cached, cfg, counts, spec.rollout.temperature, ref_model, loss_scale)
         first = first or totals
+        between = time.perf_counter()
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), spec.optim.max_grad_norm)
         optimizer.step()
+        seconds["forward_backward_s"] += between - started
+        seconds["optimizer_s"] += time.perf_counter() - between
     optimizer.zero_grad(set_to_none=True)
     assert first is not None  # epochs_per_step >= 1
     return {
@@ -215,4 +221,5 @@ def _update(
         "tokens": float(batch.num_tokens),
         "sequences": float(batch.num_sequences),
         "completion_len_mean": float(batch.completion_lens.float().mean()),
+        **seconds,
     }

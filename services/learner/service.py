@@ -6,7 +6,8 @@ Redis (`JobStore.claim`), renewed every lease_s / 3 by a background task; a leas
 renewed sets `lease_lost` and the run stops at once without committing anything. A job that
 raises is marked FAILED with the reason and the learner goes on to the next one. SIGTERM lets
 the current step finish, checkpoints, hands the job back (lease released, state RUNNING, so any
-learner resumes it) and exits.
+learner resumes it) and exits. Tracing, the /metrics endpoint and the heartbeat/queue-gauge task
+(`observe`) start with the process.
 """
 
 from __future__ import annotations
@@ -16,13 +17,15 @@ import contextlib
 import logging
 import time
 
-from services.common import bus
+from services.common import bus, telemetry
 from services.common.errors import Cancelled, FailedPrecondition
 from services.common.grpcutil import stop_server
 from services.common.jobs import JobRecord, JobState, JobStore
+from services.common.observe import serve_metrics
 from services.common.weights import WeightStore
 from services.learner import server
 from services.learner.config import LearnerSettings
+from services.learner.observe import clear_beat, observe_loop
 from services.learner.status import StatusBoard
 from services.learner.trainer import Deps, JobRun, LeaseLost
 from services.replay.client import ReplayClient
@@ -76,6 +79,8 @@ async def wait_or_stop(stop: asyncio.Event, timeout_s: float) -> None:
 
 async def serve(settings: LearnerSettings, stop: asyncio.Event, *, once: bool = False) -> None:
     """Claim and run jobs until stop is set (once: after the first job ends)."""
+    telemetry.setup_tracing("learner", settings.run_dir)
+    serve_metrics(settings.metrics_port)
     async with contextlib.AsyncExitStack() as stack:
         nc = await bus.connect(settings.nats_url, f"learner {settings.learner_id}")
         stack.push_async_callback(nc.drain)
@@ -86,6 +91,9 @@ async def serve(settings: LearnerSettings, stop: asyncio.Event, *, once: bool = 
         replay = ReplayClient(settings.replay_addr, timeout_s=settings.rpc_timeout_s)
         stack.push_async_callback(replay.close)
         board = StatusBoard(settings.learner_id)
+        stack.push_async_callback(clear_beat, jobs.redis, settings.learner_id)
+        observer = asyncio.create_task(observe_loop(board, jobs.redis, js))
+        stack.callback(observer.cancel)
         grpc_server, port, health = await server.start(board, settings.listen)
         stack.push_async_callback(stop_server, grpc_server, health, settings.grace_s)
         log.info("learner %s: status on port %d", settings.learner_id, port)
