@@ -152,6 +152,14 @@ class TrainConfig(Strict):
     task_ack_wait_s: float = Field(30.0, ge=1, le=3600)
     """Seconds an actor may hold a task without progress before it is redelivered."""
 
+    @model_validator(mode="after")
+    def _fresh_groups_possible(self) -> TrainConfig:
+        if self.max_staleness < self.publish_interval - 1:
+            raise ValueError(
+                f"max_staleness ({self.max_staleness}) must be >= publish_interval - 1 ({self.publish_interval - 1}), "
+                "or no group generated with published weights could ever be fresh enough")
+        return self
+
 
 class ReplayConfig(Strict):
     """The job's replay table."""

@@ -203,14 +203,18 @@ class Infra:
 STATE_FILE = "infra.env"
 
 
+# Services whose settings have nats_url / redis_url (a variable a service does not declare is ignored).
+SERVICES_USING_INFRA = ("GATEWAY", "REPLAY", "REWARD", "ACTOR", "LEARNER")
+
+
 def write_state(run_dir: Path, infra: Infra) -> Path:
-    """Record the running servers' URLs and pids so `infra down` (and other commands) find them."""
+    """Record the servers' pids (for `infra down`) and their URLs as every service's settings variables
+    (`FLEETRL_<SERVICE>_NATS_URL` / `_REDIS_URL`), so sourcing the file points any service at them."""
     path = run_dir / STATE_FILE
     assert infra.nats.proc and infra.valkey.proc
-    path.write_text(
-        f"FLEETRL_NATS_URL={infra.nats.url}\nFLEETRL_REDIS_URL={infra.valkey.url}\n"
-        f"NATS_PID={infra.nats.proc.pid}\nVALKEY_PID={infra.valkey.proc.pid}\n"
-    )
+    urls = [f"FLEETRL_{service}_{name}={url}" for service in SERVICES_USING_INFRA
+            for name, url in (("NATS_URL", infra.nats.url), ("REDIS_URL", infra.valkey.url))]
+    path.write_text("\n".join([*urls, f"NATS_PID={infra.nats.proc.pid}", f"VALKEY_PID={infra.valkey.proc.pid}"]) + "\n")
     return path
 
 
