@@ -126,7 +126,8 @@ class Actor:
                         weights: WeightStore) -> JobContext:
         s, spec = self.settings, record.spec
         _, reward_file = await store.files(record.job_id)
-        backend = await asyncio.to_thread(make_backend, s.backend, spec.model, dtype=s.dtype, device=s.device)
+        backend = await asyncio.to_thread(make_backend, s.backend, spec.model, dtype=s.dtype, device=s.device,
+                                          fixed_latency_s=s.fixed_latency_s)
         policy = JobPolicy(record.job_id, backend, weights, pull_attempts=s.weights_pull_attempts)
         policy.start()
         await bus.ensure_job_consumer(js, record.job_id, spec)
