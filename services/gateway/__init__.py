@@ -6,8 +6,8 @@ Components (none references another's internals; `server.serve` wires them):
   tenant on each call; health and reflection are exempt.
 - `service`: the domain core (no grpc): submission checks, tenant scoping, the job state machine
   through `services.common.jobs.JobStore`, watch streams and model downloads.
-- `adapters`: what the core calls outside Redis: the reward service's Validate, the JetStream task
-  purge and the job event subject.
+- `adapters`: what the core calls outside the job store: the reward service's Validate, the JetStream
+  task purge, the job event subject, and the fleet view (heartbeats in Redis, queue depths).
 - `convert` + `server`: the thin gRPC adapter and the process lifecycle; `__main__`:
   `python -m services.gateway` / `fleetrl gateway`.
 - `client`: the synchronous Python client (`Client.create_run(...) -> Run`); `cli`: `fleetrl submit|

@@ -1,4 +1,5 @@
-"""What the gateway core calls outside Redis: the reward service, the task stream, the event subject.
+"""What the gateway core calls outside the job store: the reward service, the task stream, the event
+subject, and the fleet's heartbeats and queues.
 
 Each class implements one Protocol of `service` and is the only place its transport appears.
 """
@@ -10,10 +11,11 @@ import logging
 from typing import Any
 
 import grpc
+import redis.asyncio as aioredis
 from nats.js import JetStreamContext
 from nats.js.errors import NotFoundError
 
-from services.common import bus
+from services.common import bus, heartbeat
 from services.common.config import RewardSpec
 from services.common.errors import Unavailable
 from services.gateway.service import event_payload
@@ -82,3 +84,22 @@ class JetStreamEvents:
                                   timeout=2.0)
         except Exception as error:  # best effort: the job store is the source of truth
             log.warning("job %s: event %s not published: %r", job_id, event.get("type"), error)
+
+
+class FleetProbe:
+    """Members from their heartbeats in Redis, queues from JetStream consumer and stream info."""
+
+    redis: aioredis.Redis
+    js: JetStreamContext
+
+    def __init__(self, client: aioredis.Redis, js: JetStreamContext) -> None:
+        self.redis, self.js = client, js
+
+    async def members(self) -> list[heartbeat.Beat]:
+        return await heartbeat.read_all(self.redis)
+
+    async def queue(self, job_id: str) -> bus.TaskQueue:
+        try:
+            return await bus.task_queue(self.js, job_id)
+        except Exception as error:  # nats-py raises timeouts and connection errors of several kinds
+            raise Unavailable(f"cannot read the task queue of job {job_id}: {error!r}") from error

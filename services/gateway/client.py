@@ -30,7 +30,7 @@ from services.common.config import apply_overrides, set_dotted
 from services.common.errors import ConfigError, FieldViolation, FleetError, from_grpc
 from services.common.grpcutil import field_violations
 from services.gateway import convert
-from services.gateway.models import JobEventInfo, JobInfo, StepInfo
+from services.gateway.models import FleetInfo, JobEventInfo, JobInfo, StepInfo
 from services.proto.fleetrl.v1 import gateway_pb2, gateway_pb2_grpc
 
 DEFAULT_ADDRESS = "127.0.0.1:50051"
@@ -176,6 +176,10 @@ class Client:
         spec, prompts, reward = job_payload(data, Path(spec_file).parent if spec_file else Path.cwd())
         job = self.submit(spec, prompts, reward, spec_format="json", idempotency_key=idempotency_key)
         return Run(self, job.job_id)
+
+    def fleet(self, timeout_s: float | None = None) -> FleetInfo:
+        """Live actors and learners and the task queues of your active jobs (what `fleetrl top` shows)."""
+        return convert.fleet_info(self._call(self._stub.GetFleet, gateway_pb2.GetFleetRequest(), timeout_s))
 
     def get_job(self, job_id: str) -> JobInfo:
         return convert.job_info(self._call(self._stub.GetJob, gateway_pb2.GetJobRequest(job_id=job_id)))

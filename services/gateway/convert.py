@@ -13,8 +13,8 @@ from typing import Any
 
 from services.common.jobs import JobRecord, JobState
 from services.gateway.checks import Submission
-from services.gateway.models import JobEventInfo, JobInfo, StepInfo
-from services.gateway.service import ModelChunk, WatchEvent
+from services.gateway.models import FleetInfo, JobEventInfo, JobInfo, MemberInfo, QueueInfo, StepInfo
+from services.gateway.service import FleetView, ModelChunk, WatchEvent
 from services.proto.fleetrl.v1 import gateway_pb2, learner_pb2
 
 _STATES = {state: getattr(gateway_pb2, f"JOB_STATE_{state.name}") for state in JobState}
@@ -61,6 +61,15 @@ def chunk_to_proto(chunk: ModelChunk) -> gateway_pb2.FileChunk:
     return gateway_pb2.FileChunk(path=chunk.path, offset=chunk.offset, data=chunk.data, last=chunk.last)
 
 
+def fleet_to_proto(view: FleetView) -> gateway_pb2.FleetStatus:
+    members = [gateway_pb2.FleetMember(
+        kind=m.kind, member_id=m.member_id, state=m.state, job_id=m.job_id, policy_version=m.policy_version,
+        tokens_per_s=m.tokens_per_s, busy_fraction=m.busy_fraction, seen_unix_ms=m.unix_ms) for m in view.members]
+    queues = [gateway_pb2.TaskQueue(job_id=q.job_id, pending=q.pending, in_flight=q.in_flight,
+                                    redelivered=q.redelivered, dead_lettered=q.dead_lettered) for q in view.queues]
+    return gateway_pb2.FleetStatus(members=members, queues=queues, unix_ms=view.unix_ms)
+
+
 # ----------------------------------------------------------------------------- client side
 
 def step_info(step: learner_pb2.StepMetrics) -> StepInfo:
@@ -84,3 +93,10 @@ def event_info(event: gateway_pb2.JobEvent) -> JobEventInfo:
         state=_NAMES.get(event.state, "unspecified") if kind == "state" else None,
         step=step_info(event.step) if kind == "step" else None,
     )
+
+
+def fleet_info(status: gateway_pb2.FleetStatus) -> FleetInfo:
+    members = [MemberInfo(m.kind, m.member_id, m.state, m.job_id, m.policy_version, m.tokens_per_s,
+                          m.busy_fraction, m.seen_unix_ms) for m in status.members]
+    queues = [QueueInfo(q.job_id, q.pending, q.in_flight, q.redelivered, q.dead_lettered) for q in status.queues]
+    return FleetInfo(members, queues, status.unix_ms)

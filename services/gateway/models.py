@@ -56,3 +56,40 @@ class JobEventInfo:
     job: JobInfo
     state: str | None = None
     step: StepInfo | None = None
+
+
+@dataclass(frozen=True)
+class MemberInfo:
+    """A live actor or learner (see FleetMember in gateway.proto)."""
+
+    kind: str
+    member_id: str
+    state: str
+    job_id: str
+    policy_version: int
+    tokens_per_s: float
+    busy_fraction: float
+    seen_unix_ms: int
+
+
+@dataclass(frozen=True)
+class QueueInfo:
+    """A job's task queue (see TaskQueue in gateway.proto)."""
+
+    job_id: str
+    pending: int
+    in_flight: int
+    redelivered: int
+    dead_lettered: int
+
+
+@dataclass(frozen=True)
+class FleetInfo:
+    """GetFleet's answer: live members and the caller's task queues."""
+
+    members: list[MemberInfo]
+    queues: list[QueueInfo]
+    unix_ms: int
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)

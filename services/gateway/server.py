@@ -4,6 +4,8 @@ Each RPC converts its request, calls the core as the caller's tenant (`auth.curr
 converts the result; `map_errors` maps domain errors to status codes in one place. Requests are
 deserialised by a wrapper that turns undecodable bytes into INVALID_ARGUMENT instead of gRPC's
 INTERNAL. `serve` owns Redis, NATS, the reward channel and the gRPC server in one AsyncExitStack.
+Every call is traced and counted by `observe.ObservingInterceptor` (outside the auth interceptor, so
+refused calls count too); /metrics is served on metrics_port.
 """
 
 from __future__ import annotations
@@ -18,12 +20,13 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from services.common import bus, grpcutil
+from services.common import bus, grpcutil, telemetry
 from services.common.errors import ConfigError, FieldViolation, InvalidArgument
 from services.common.grpcutil import map_errors, map_stream_errors
 from services.common.jobs import JobStore
+from services.common.observe import ObservingInterceptor, serve_metrics
 from services.gateway import convert
-from services.gateway.adapters import JetStreamEvents, JetStreamPurger, RewardValidator
+from services.gateway.adapters import FleetProbe, JetStreamEvents, JetStreamPurger, RewardValidator
 from services.gateway.auth import AuthInterceptor, TokenTable, current_tenant
 from services.gateway.checks import Limits
 from services.gateway.config import GatewaySettings
@@ -85,6 +88,11 @@ class JobServicer(gateway_pb2_grpc.JobServiceServicer):
         async for event in self.gateway.watch(current_tenant(), request.job_id, request.from_step):
             yield convert.event_to_proto(event)
 
+    @map_errors
+    async def GetFleet(self, request: gateway_pb2.GetFleetRequest, context: Any) -> gateway_pb2.FleetStatus:
+        _require(request)
+        return convert.fleet_to_proto(await self.gateway.fleet(current_tenant()))
+
     @map_stream_errors
     async def DownloadModel(self, request: gateway_pb2.DownloadModelRequest,
                             context: Any) -> AsyncIterator[gateway_pb2.FileChunk]:
@@ -130,7 +138,7 @@ async def start_grpc(settings: GatewaySettings, register: list[Callable[[grpc.ai
     keep = [(k, v) for k, v in grpcutil.CHANNEL_OPTIONS if not k.startswith("grpc.max_")]
     options = [*keep, ("grpc.max_receive_message_length", limit),
                ("grpc.max_send_message_length", grpcutil.MAX_MESSAGE_BYTES)]
-    server = grpc.aio.server(options=options, interceptors=[AuthInterceptor(table)])
+    server = grpc.aio.server(options=options, interceptors=[ObservingInterceptor(), AuthInterceptor(table)])
     names = [add(server) for add in register]
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -170,6 +178,8 @@ async def serve(settings: GatewaySettings, stop: asyncio.Event,
                 on_start: Callable[[int], None] | None = None) -> None:
     """Run the gateway until stop is set."""
     table = token_table(settings)
+    telemetry.setup_tracing("gateway", settings.run_dir)
+    serve_metrics(settings.metrics_port)
     async with contextlib.AsyncExitStack() as stack:
         store = JobStore.from_url(settings.redis_url)
         stack.push_async_callback(store.close)
@@ -181,7 +191,7 @@ async def serve(settings: GatewaySettings, stop: asyncio.Event,
         stack.push_async_callback(reward_channel.close)
         gateway = Gateway(
             store, RewardValidator(reward_channel, settings.reward_addr, settings.reward_validate_timeout_s),
-            JetStreamPurger(js), JetStreamEvents(js),
+            JetStreamPurger(js), JetStreamEvents(js), FleetProbe(store.redis, js),
             Limits(int(settings.max_prompts_mb * 1024 * 1024), int(settings.max_reward_file_kb * 1024)),
             poll_s=settings.watch_poll_s, chunk_bytes=settings.download_chunk_kb * 1024,
         )

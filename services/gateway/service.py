@@ -10,20 +10,24 @@ Design choices:
   source of truth, so a stream resumed after a gateway restart (with from_step) misses nothing.
 - Cancel is idempotent: cancelling a cancelled job purges its queued tasks again (a retry after a
   failed purge completes it); cancelling a succeeded or failed job is a no-op.
+- The fleet view lists every live member (capacity is shared), but a member working on another
+  tenant's job is shown without that job, and only the caller's own queues are listed.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol, cast
 
-from services.common.bus import check_job_id
+from services.common.bus import TaskQueue, check_job_id
 from services.common.config import RewardSpec
 from services.common.errors import ConfigError, FailedPrecondition, FieldViolation, NotFound
+from services.common.heartbeat import Beat
 from services.common.jobs import ACTIVE, JobRecord, JobState, JobStore, now_ms
 from services.gateway.checks import Limits, Submission, check_sizes, check_submission
 
@@ -43,6 +47,23 @@ class TaskPurger(Protocol):
 class EventSink(Protocol):
     async def publish(self, job_id: str, event: dict[str, Any]) -> None:
         """Announce a job event (best effort: the job store stays the source of truth)."""
+
+
+class FleetSource(Protocol):
+    async def members(self) -> list[Beat]:
+        """The last heartbeat of every live actor and learner."""
+
+    async def queue(self, job_id: str) -> TaskQueue:
+        """The job's task queue now."""
+
+
+@dataclass(frozen=True)
+class FleetView:
+    """What GetFleet answers: live members and the caller's task queues, as of unix_ms."""
+
+    members: list[Beat]
+    queues: list[TaskQueue]
+    unix_ms: int
 
 
 @dataclass(frozen=True)
@@ -71,13 +92,16 @@ class Gateway:
     reward: RewardChecker
     purger: TaskPurger
     events: EventSink
+    fleet_source: FleetSource
     limits: Limits
     poll_s: float
     chunk_bytes: int
 
     def __init__(self, store: JobStore, reward: RewardChecker, purger: TaskPurger, events: EventSink,
-                 limits: Limits, *, poll_s: float = 0.25, chunk_bytes: int = 1 << 20) -> None:
+                 fleet_source: FleetSource, limits: Limits, *, poll_s: float = 0.25,
+                 chunk_bytes: int = 1 << 20) -> None:
         self.store, self.reward, self.purger, self.events = store, reward, purger, events
+        self.fleet_source = fleet_source
         self.limits, self.poll_s, self.chunk_bytes = limits, poll_s, chunk_bytes
 
     async def submit(self, tenant: str, sub: Submission) -> JobRecord:
@@ -150,6 +174,22 @@ class Gateway:
             if state.terminal:
                 return
             await asyncio.sleep(self.poll_s)
+
+    async def fleet(self, tenant: str) -> FleetView:
+        """Every live member (another tenant's job hidden) and the queue of each of the tenant's active jobs."""
+        members = await self.fleet_source.members()
+        owners = {job: await self._owner(job) for job in {m.job_id for m in members if m.job_id}}
+        visible = [m if owners.get(m.job_id) == tenant else dataclasses.replace(m, job_id="", policy_version=0)
+                   for m in members]
+        active = sorted((r for r in await self.store.active_jobs() if r.tenant == tenant), key=lambda r: r.job_id)
+        queues = [await self.fleet_source.queue(record.job_id) for record in active]
+        return FleetView(visible, queues, now_ms())
+
+    async def _owner(self, job_id: str) -> str | None:
+        try:
+            return (await self.store.get(job_id)).tenant
+        except NotFound:
+            return None
 
     async def model_chunks(self, tenant: str, job_id: str) -> AsyncIterator[ModelChunk]:
         """Every file of the succeeded job's exported model, in chunk_bytes pieces, sorted by path."""
