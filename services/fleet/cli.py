@@ -35,6 +35,9 @@ def print_layout(layout: FleetLayout, actors: int) -> None:
     for name, address in layout.addresses.items():
         metrics = layout.metrics_ports.get(name)
         print(f"{name:<8} {address}" + (f"   metrics http://127.0.0.1:{metrics}/metrics" if metrics else ""))
+    for name, port in layout.metrics_ports.items():
+        if name.startswith("actor-") and port:
+            print(f"{name:<8} metrics http://127.0.0.1:{port}/metrics")
     print(f"actors   {actors}   logs in {layout.log_dir}")
 
 

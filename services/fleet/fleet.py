@@ -1,7 +1,7 @@
 """Start, scale and stop a whole fleet on one machine.
 
-The fleet's layout goes to `<run_dir>/fleet.json` (addresses, pids, log
-directory); `fleetrl scale` writes the wanted actor count to
+The fleet's layout goes to `<run_dir>/fleet.json` (addresses, metrics ports, one per
+service and per actor, log directory); `fleetrl scale` writes the wanted actor count to
 `<run_dir>/fleet.scale` and sends SIGHUP to the supervising process, which
 adds actors or stops the newest ones with SIGTERM (they finish or release
 their task first).
@@ -83,7 +83,7 @@ class Fleet:
         nats_url, redis_url = self._start_infra()
         host = self.options.host
         addresses = {name: f"{host}:{embedded.free_port(host)}" for name in SERVICES}
-        metrics = {name: embedded.free_port(host) if self.options.metrics else 0 for name in (*SERVICES, "actor")}
+        metrics = {name: embedded.free_port(host) if self.options.metrics else 0 for name in SERVICES}
         self.layout = FleetLayout(nats_url, redis_url, addresses, metrics, self.supervisor.log_dir, os.getpid())
         for name in SERVICES:
             self.supervisor.add(ChildSpec(name, _module_argv(name), self._env(name)))
@@ -113,8 +113,8 @@ class Fleet:
         }
         if service in addresses:
             env["LISTEN"] = addresses[service]
-        port = self.layout.metrics_ports.get(service, 0)
-        if port and service != "actor":
+        port = self.layout.metrics_ports.get(f"actor-{actor_index}" if service == "actor" else service, 0)
+        if port:
             env["METRICS_PORT"] = str(port)
         if service == "actor":
             env["ACTOR_ID"] = f"actor-{actor_index}"
@@ -130,13 +130,18 @@ class Fleet:
 
     def set_actors(self, count: int) -> None:
         """Add actors, or stop the newest ones (SIGTERM: they finish or release their task)."""
+        assert self.layout is not None
         names = self.actor_names()
         for name in names[count:][::-1]:
             self.supervisor.remove(name)
+            self.layout.metrics_ports.pop(name, None)
         for _ in range(count - len(names)):
             self._actor_ids += 1
             name = f"actor-{self._actor_ids}"
+            if self.options.metrics:
+                self.layout.metrics_ports[name] = embedded.free_port(self.options.host)
             self.supervisor.add(ChildSpec(name, _module_argv("actor"), self._env("actor", self._actor_ids)))
+        (self.run_dir / STATE_FILE).write_text(self.layout.to_json())
         log.info("actors: %s", ", ".join(self.actor_names()) or "none")
 
     def request_rescale(self, *_: object) -> None:

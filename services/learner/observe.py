@@ -5,8 +5,9 @@
   `learner.checkpoint`), each timed into `fleetrl_learner_phase_seconds` (train split into
   forward_backward and optimizer by `optim.train_step`'s own timings). Every trained group also gets
   two spans in its trajectory's trace: `learner.sample`, the Sample call that leased it (parent: the
-  actor's insert span, from the group's lineage), and `learner.train`, the step that consumed it
-  (linked to the step's span). So one trace runs from the feeder's publish to the step.
+  actor's insert span, from the group's lineage), and `learner.consume`, the training of the step
+  that consumed it (attribute fleetrl.step, linked to the step's span). So one trace runs from the
+  feeder's publish to the step.
 - `observe_loop`: every heartbeat.INTERVAL_S, the learner's heartbeat (for `fleetrl top`) and the
   task-queue gauges of the job it runs.
 """
@@ -105,14 +106,14 @@ class StepObserver:
             self._samples[group.task_id] = span
 
     def consumed(self, groups: list[common_pb2.Group], step: int, values: dict[str, float]) -> None:
-        """Step `step` trained groups: their `learner.train` spans, and the step's metrics."""
+        """Step `step` trained groups: their `learner.consume` spans, and the step's metrics."""
         started_ns, ended_ns = self._stage_ns.get("train", (time.time_ns(), time.time_ns()))
         links = [trace.Link(self._step_span.get_span_context())] if self._step_span.is_recording() else []
         for group in groups:
             STALENESS.observe(step - 1 - group.policy_version)
             sample = self._samples.get(group.task_id)
             if sample is not None:
-                _TRACER.start_span("learner.train", context=trace.set_span_in_context(sample), links=links,
+                _TRACER.start_span("learner.consume", context=trace.set_span_in_context(sample), links=links,
                                    start_time=started_ns, attributes={"fleetrl.step": step}).end(end_time=ended_ns)
         self._samples.clear()
         for key, phase in SPLIT.items():
