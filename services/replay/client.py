@@ -70,6 +70,11 @@ class ReplayClient:
         resp = await self._call("Release", replay_pb2.ReleaseRequest(job_id=job_id, lease_id=lease_id))
         return int(resp.released_groups)
 
+    async def renew(self, job_id: str, lease_ids: Sequence[str]) -> list[str]:
+        """Extend open leases to the table's lease timeout from now; returns the ids not open any more."""
+        resp = await self._call("Renew", replay_pb2.RenewRequest(job_id=job_id, lease_ids=lease_ids))
+        return list(resp.missing_lease_ids)
+
     async def stats(self, job_id: str) -> replay_pb2.TableStats:
         return await self._call("Stats", replay_pb2.StatsRequest(job_id=job_id))
 

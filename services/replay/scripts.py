@@ -18,10 +18,11 @@ Keys of a job (prefix P = `fleetrl:replay:<job>:`):
   P..lease:<id> set  task ids of one open lease
   P..done     zset   lease id -> commit time of committed leases (commit twice is a no-op)
 
-Leased groups leave `avail`/`pv` and come back on release or expiry. Insert carries
-no `allow-oom` flag, so Redis refuses it whole when out of memory (backpressure);
-Sample/Commit/Release may run out of memory because they free it. The scripts build
-key names from the prefix, so the table of a job must live on one Redis node.
+Leased groups leave `avail`/`pv` and come back on release or expiry (Renew pushes a lease's
+expiry back while its holder lives). Insert carries no `allow-oom` flag, so Redis refuses it
+whole when out of memory (backpressure); Sample/Commit/Release/Renew may run out of memory
+because they free it or change nothing in size. The scripts build key names from the prefix,
+so the table of a job must live on one Redis node.
 """
 
 from __future__ import annotations
@@ -198,6 +199,23 @@ if redis.call('ZSCORE', P..'done', id) then return -3 end
 reclaim(tonumber(ARGV[2]))
 if not redis.call('ZSCORE', P..'leases', id) then return -1 end
 return return_lease(id)
+"""
+
+# ARGV: prefix, now_ms, lease_id...; returns {-1} no table, or {expires_ms, lease id not open...}
+RENEW = "#!lua flags=allow-oom\n" + _COMMON + r"""
+local timeout = redis.call('HGET', P..'cfg', 'lease_timeout_ms')
+if not timeout then return {-1} end
+local now = tonumber(ARGV[2])
+reclaim(now)
+local out = {now + tonumber(timeout)}
+for i = 3, #ARGV do
+  if redis.call('ZSCORE', P..'leases', ARGV[i]) then
+    redis.call('ZADD', P..'leases', out[1], ARGV[i])
+  else
+    out[#out + 1] = ARGV[i]
+  end
+end
+return out
 """
 
 # ARGV: prefix, now_ms, min_policy_version; returns {stored, sampleable, eligible, expired now} or {-1}

@@ -113,6 +113,12 @@ class ReplayServicer(replay_pb2_grpc.ReplayServiceServicer):
         return replay_pb2.ReleaseResponse(released_groups=n)
 
     @map_errors
+    async def Renew(self, request: replay_pb2.RenewRequest,
+                    context: grpc.aio.ServicerContext) -> replay_pb2.RenewResponse:
+        missing, expires = await self.tables.renew(convert.require_job(request.job_id), list(request.lease_ids))
+        return replay_pb2.RenewResponse(missing_lease_ids=missing, lease_expires_unix_ms=expires)
+
+    @map_errors
     async def Stats(self, request: replay_pb2.StatsRequest,
                     context: grpc.aio.ServicerContext) -> replay_pb2.TableStats:
         stats = await self.tables.stats(convert.require_job(request.job_id))

@@ -163,6 +163,7 @@ class ReplayTables:
         self._sample = client.register_script(scripts.SAMPLE)
         self._commit = client.register_script(scripts.COMMIT)
         self._release = client.register_script(scripts.RELEASE)
+        self._renew = client.register_script(scripts.RENEW)
         self._status = client.register_script(scripts.STATUS)
 
     async def check_redis(self) -> None:
@@ -253,6 +254,13 @@ class ReplayTables:
         if n == -1:
             raise NotFound(f"lease {lease_id!r} of job {job_id!r} is unknown or expired")
         return max(n, 0)
+
+    async def renew(self, job_id: str, lease_ids: list[str]) -> tuple[list[str], int]:
+        """Extend open leases to lease_timeout_s from now: (ids not open any more, new expiry unix ms)."""
+        out = await _run(self._renew(args=[prefix(job_id), now_ms(), *lease_ids]))
+        if out[0] == -1:
+            raise _no_table(job_id)
+        return [lease.decode() for lease in out[1:]], int(out[0])
 
     async def stats(self, job_id: str) -> TableStats:
         """Counters of a job's table (expired leases are reclaimed first)."""

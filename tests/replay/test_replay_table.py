@@ -70,6 +70,23 @@ async def test_lease_expiry_after_learner_crash_returns_groups(replay: ReplayCli
     assert (stats.size_groups, stats.committed, stats.expired_leases) == (0, 4, 1)
 
 
+async def test_renewed_lease_outlives_its_timeout_and_expired_ones_stay_expired(replay: ReplayClient) -> None:
+    await configure(replay, "j", capacity_groups=100, lease_timeout_s=0.6)
+    await replay.insert([make_group("j", f"0/{i}") for i in range(4)])
+    held, _, _ = await replay.sample("j", 2)
+    dropped, _, _ = await replay.sample("j", 2)
+    for _ in range(4):  # 1.2 s, twice the timeout: only the renewed lease survives
+        await asyncio.sleep(0.3)
+        assert await replay.renew("j", [held]) == []
+    assert await replay.renew("j", [held, dropped, "unknown"]) == [dropped, "unknown"]
+    assert await replay.commit("j", held) == 2
+    assert await replay.renew("j", [held]) == [held]  # committed: not open any more
+    stats = await replay.stats("j")
+    assert (stats.size_groups, stats.leased_groups, stats.committed, stats.expired_leases) == (2, 0, 2, 1)
+    with pytest.raises(NotFound):
+        await replay.renew("no-such-job", [held])
+
+
 async def test_fifo_staleness_filter_drops_and_counts(replay: ReplayClient) -> None:
     await configure(replay, "j", capacity_groups=100)
     await replay.insert([make_group("j", f"0/{i}", policy_version=i % 3) for i in range(9)])

@@ -25,17 +25,17 @@ _sym_db = _symbol_database.Default()
 from services.proto.fleetrl.v1 import common_pb2 as fleetrl_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17\x66leetrl/v1/replay.proto\x12\nfleetrl.v1\x1a\x17\x66leetrl/v1/common.proto\"\x96\x01\n\x15\x43onfigureTableRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x17\n\x0f\x63\x61pacity_groups\x18\x02 \x01(\r\x12(\n\x07sampler\x18\x03 \x01(\x0e\x32\x17.fleetrl.v1.SamplerKind\x12\x11\n\tmax_reuse\x18\x04 \x01(\r\x12\x17\n\x0flease_timeout_s\x18\x05 \x01(\x01\"c\n\tTableInfo\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x31\n\x06\x63onfig\x18\x02 \x01(\x0b\x32!.fleetrl.v1.ConfigureTableRequest\x12\x13\n\x0bsize_groups\x18\x03 \x01(\x04\"2\n\rInsertRequest\x12!\n\x06groups\x18\x01 \x03(\x0b\x32\x11.fleetrl.v1.Group\"U\n\x0eInsertResponse\x12+\n\x08outcomes\x18\x01 \x03(\x0e\x32\x19.fleetrl.v1.InsertOutcome\x12\x16\n\x0e\x65victed_groups\x18\x02 \x01(\r\"m\n\rSampleRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x12\n\nmax_groups\x18\x02 \x01(\r\x12\x1a\n\x12min_policy_version\x18\x03 \x01(\x04\x12\x0e\n\x06wait_s\x18\x04 \x01(\x01\x12\x0c\n\x04seed\x18\x05 \x01(\x04\"{\n\x0eSampleResponse\x12\x10\n\x08lease_id\x18\x01 \x01(\t\x12!\n\x06groups\x18\x02 \x03(\x0b\x32\x11.fleetrl.v1.Group\x12\x15\n\rstale_dropped\x18\x03 \x01(\r\x12\x1d\n\x15lease_expires_unix_ms\x18\x04 \x01(\x03\"1\n\rCommitRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x10\n\x08lease_id\x18\x02 \x01(\t\"*\n\x0e\x43ommitResponse\x12\x18\n\x10\x63ommitted_groups\x18\x01 \x01(\r\"2\n\x0eReleaseRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x10\n\x08lease_id\x18\x02 \x01(\t\"*\n\x0fReleaseResponse\x12\x17\n\x0freleased_groups\x18\x01 \x01(\r\"\x1e\n\x0cStatsRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\"\xd2\x01\n\nTableStats\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x13\n\x0bsize_groups\x18\x02 \x01(\x04\x12\x15\n\rleased_groups\x18\x03 \x01(\x04\x12\x10\n\x08inserted\x18\x04 \x01(\x04\x12\x12\n\nduplicates\x18\x05 \x01(\x04\x12\x0f\n\x07sampled\x18\x06 \x01(\x04\x12\x11\n\tcommitted\x18\x07 \x01(\x04\x12\x16\n\x0e\x65xpired_leases\x18\x08 \x01(\x04\x12\x0f\n\x07\x65victed\x18\t \x01(\x04\x12\x15\n\rstale_dropped\x18\n \x01(\x04\"\x8d\x01\n\x0cQueryRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x1a\n\x12min_policy_version\x18\x02 \x01(\x04\x12\x1a\n\x12max_policy_version\x18\x03 \x01(\x04\x12\x12\n\nmin_reward\x18\x04 \x01(\x01\x12\x12\n\nmax_reward\x18\x05 \x01(\x01\x12\r\n\x05limit\x18\x06 \x01(\r\"\x8c\x01\n\rLineageRecord\x12\x0f\n\x07task_id\x18\x01 \x01(\t\x12\x16\n\x0epolicy_version\x18\x02 \x01(\x04\x12\x13\n\x0bmean_reward\x18\x03 \x01(\x01\x12$\n\x07lineage\x18\x04 \x01(\x0b\x32\x13.fleetrl.v1.Lineage\x12\x17\n\x0ftimes_committed\x18\x05 \x01(\r\";\n\rQueryResponse\x12*\n\x07records\x18\x01 \x03(\x0b\x32\x19.fleetrl.v1.LineageRecord*z\n\x0bSamplerKind\x12\x1c\n\x18SAMPLER_KIND_UNSPECIFIED\x10\x00\x12\x15\n\x11SAMPLER_KIND_FIFO\x10\x01\x12\x18\n\x14SAMPLER_KIND_UNIFORM\x10\x02\x12\x1c\n\x18SAMPLER_KIND_PRIORITIZED\x10\x03*j\n\rInsertOutcome\x12\x1e\n\x1aINSERT_OUTCOME_UNSPECIFIED\x10\x00\x12\x1b\n\x17INSERT_OUTCOME_INSERTED\x10\x01\x12\x1c\n\x18INSERT_OUTCOME_DUPLICATE\x10\x02\x32\xdb\x03\n\rReplayService\x12J\n\x0e\x43onfigureTable\x12!.fleetrl.v1.ConfigureTableRequest\x1a\x15.fleetrl.v1.TableInfo\x12?\n\x06Insert\x12\x19.fleetrl.v1.InsertRequest\x1a\x1a.fleetrl.v1.InsertResponse\x12?\n\x06Sample\x12\x19.fleetrl.v1.SampleRequest\x1a\x1a.fleetrl.v1.SampleResponse\x12?\n\x06\x43ommit\x12\x19.fleetrl.v1.CommitRequest\x1a\x1a.fleetrl.v1.CommitResponse\x12\x42\n\x07Release\x12\x1a.fleetrl.v1.ReleaseRequest\x1a\x1b.fleetrl.v1.ReleaseResponse\x12\x39\n\x05Stats\x12\x18.fleetrl.v1.StatsRequest\x1a\x16.fleetrl.v1.TableStats\x12<\n\x05Query\x12\x18.fleetrl.v1.QueryRequest\x1a\x19.fleetrl.v1.QueryResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17\x66leetrl/v1/replay.proto\x12\nfleetrl.v1\x1a\x17\x66leetrl/v1/common.proto\"\x96\x01\n\x15\x43onfigureTableRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x17\n\x0f\x63\x61pacity_groups\x18\x02 \x01(\r\x12(\n\x07sampler\x18\x03 \x01(\x0e\x32\x17.fleetrl.v1.SamplerKind\x12\x11\n\tmax_reuse\x18\x04 \x01(\r\x12\x17\n\x0flease_timeout_s\x18\x05 \x01(\x01\"c\n\tTableInfo\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x31\n\x06\x63onfig\x18\x02 \x01(\x0b\x32!.fleetrl.v1.ConfigureTableRequest\x12\x13\n\x0bsize_groups\x18\x03 \x01(\x04\"2\n\rInsertRequest\x12!\n\x06groups\x18\x01 \x03(\x0b\x32\x11.fleetrl.v1.Group\"U\n\x0eInsertResponse\x12+\n\x08outcomes\x18\x01 \x03(\x0e\x32\x19.fleetrl.v1.InsertOutcome\x12\x16\n\x0e\x65victed_groups\x18\x02 \x01(\r\"m\n\rSampleRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x12\n\nmax_groups\x18\x02 \x01(\r\x12\x1a\n\x12min_policy_version\x18\x03 \x01(\x04\x12\x0e\n\x06wait_s\x18\x04 \x01(\x01\x12\x0c\n\x04seed\x18\x05 \x01(\x04\"{\n\x0eSampleResponse\x12\x10\n\x08lease_id\x18\x01 \x01(\t\x12!\n\x06groups\x18\x02 \x03(\x0b\x32\x11.fleetrl.v1.Group\x12\x15\n\rstale_dropped\x18\x03 \x01(\r\x12\x1d\n\x15lease_expires_unix_ms\x18\x04 \x01(\x03\"1\n\rCommitRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x10\n\x08lease_id\x18\x02 \x01(\t\"*\n\x0e\x43ommitResponse\x12\x18\n\x10\x63ommitted_groups\x18\x01 \x01(\r\"2\n\x0eReleaseRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x10\n\x08lease_id\x18\x02 \x01(\t\"*\n\x0fReleaseResponse\x12\x17\n\x0freleased_groups\x18\x01 \x01(\r\"1\n\x0cRenewRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x11\n\tlease_ids\x18\x02 \x03(\t\"I\n\rRenewResponse\x12\x19\n\x11missing_lease_ids\x18\x01 \x03(\t\x12\x1d\n\x15lease_expires_unix_ms\x18\x02 \x01(\x03\"\x1e\n\x0cStatsRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\"\xd2\x01\n\nTableStats\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x13\n\x0bsize_groups\x18\x02 \x01(\x04\x12\x15\n\rleased_groups\x18\x03 \x01(\x04\x12\x10\n\x08inserted\x18\x04 \x01(\x04\x12\x12\n\nduplicates\x18\x05 \x01(\x04\x12\x0f\n\x07sampled\x18\x06 \x01(\x04\x12\x11\n\tcommitted\x18\x07 \x01(\x04\x12\x16\n\x0e\x65xpired_leases\x18\x08 \x01(\x04\x12\x0f\n\x07\x65victed\x18\t \x01(\x04\x12\x15\n\rstale_dropped\x18\n \x01(\x04\"\x8d\x01\n\x0cQueryRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x1a\n\x12min_policy_version\x18\x02 \x01(\x04\x12\x1a\n\x12max_policy_version\x18\x03 \x01(\x04\x12\x12\n\nmin_reward\x18\x04 \x01(\x01\x12\x12\n\nmax_reward\x18\x05 \x01(\x01\x12\r\n\x05limit\x18\x06 \x01(\r\"\x8c\x01\n\rLineageRecord\x12\x0f\n\x07task_id\x18\x01 \x01(\t\x12\x16\n\x0epolicy_version\x18\x02 \x01(\x04\x12\x13\n\x0bmean_reward\x18\x03 \x01(\x01\x12$\n\x07lineage\x18\x04 \x01(\x0b\x32\x13.fleetrl.v1.Lineage\x12\x17\n\x0ftimes_committed\x18\x05 \x01(\r\";\n\rQueryResponse\x12*\n\x07records\x18\x01 \x03(\x0b\x32\x19.fleetrl.v1.LineageRecord*z\n\x0bSamplerKind\x12\x1c\n\x18SAMPLER_KIND_UNSPECIFIED\x10\x00\x12\x15\n\x11SAMPLER_KIND_FIFO\x10\x01\x12\x18\n\x14SAMPLER_KIND_UNIFORM\x10\x02\x12\x1c\n\x18SAMPLER_KIND_PRIORITIZED\x10\x03*j\n\rInsertOutcome\x12\x1e\n\x1aINSERT_OUTCOME_UNSPECIFIED\x10\x00\x12\x1b\n\x17INSERT_OUTCOME_INSERTED\x10\x01\x12\x1c\n\x18INSERT_OUTCOME_DUPLICATE\x10\x02\x32\x99\x04\n\rReplayService\x12J\n\x0e\x43onfigureTable\x12!.fleetrl.v1.ConfigureTableRequest\x1a\x15.fleetrl.v1.TableInfo\x12?\n\x06Insert\x12\x19.fleetrl.v1.InsertRequest\x1a\x1a.fleetrl.v1.InsertResponse\x12?\n\x06Sample\x12\x19.fleetrl.v1.SampleRequest\x1a\x1a.fleetrl.v1.SampleResponse\x12?\n\x06\x43ommit\x12\x19.fleetrl.v1.CommitRequest\x1a\x1a.fleetrl.v1.CommitResponse\x12\x42\n\x07Release\x12\x1a.fleetrl.v1.ReleaseRequest\x1a\x1b.fleetrl.v1.ReleaseResponse\x12<\n\x05Renew\x12\x18.fleetrl.v1.RenewRequest\x1a\x19.fleetrl.v1.RenewResponse\x12\x39\n\x05Stats\x12\x18.fleetrl.v1.StatsRequest\x1a\x16.fleetrl.v1.TableStats\x12<\n\x05Query\x12\x18.fleetrl.v1.QueryRequest\x1a\x19.fleetrl.v1.QueryResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'fleetrl.v1.replay_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_SAMPLERKIND']._serialized_start=1477
-  _globals['_SAMPLERKIND']._serialized_end=1599
-  _globals['_INSERTOUTCOME']._serialized_start=1601
-  _globals['_INSERTOUTCOME']._serialized_end=1707
+  _globals['_SAMPLERKIND']._serialized_start=1603
+  _globals['_SAMPLERKIND']._serialized_end=1725
+  _globals['_INSERTOUTCOME']._serialized_start=1727
+  _globals['_INSERTOUTCOME']._serialized_end=1833
   _globals['_CONFIGURETABLEREQUEST']._serialized_start=65
   _globals['_CONFIGURETABLEREQUEST']._serialized_end=215
   _globals['_TABLEINFO']._serialized_start=217
@@ -56,16 +56,20 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_RELEASEREQUEST']._serialized_end=838
   _globals['_RELEASERESPONSE']._serialized_start=840
   _globals['_RELEASERESPONSE']._serialized_end=882
-  _globals['_STATSREQUEST']._serialized_start=884
-  _globals['_STATSREQUEST']._serialized_end=914
-  _globals['_TABLESTATS']._serialized_start=917
-  _globals['_TABLESTATS']._serialized_end=1127
-  _globals['_QUERYREQUEST']._serialized_start=1130
-  _globals['_QUERYREQUEST']._serialized_end=1271
-  _globals['_LINEAGERECORD']._serialized_start=1274
-  _globals['_LINEAGERECORD']._serialized_end=1414
-  _globals['_QUERYRESPONSE']._serialized_start=1416
-  _globals['_QUERYRESPONSE']._serialized_end=1475
-  _globals['_REPLAYSERVICE']._serialized_start=1710
-  _globals['_REPLAYSERVICE']._serialized_end=2185
+  _globals['_RENEWREQUEST']._serialized_start=884
+  _globals['_RENEWREQUEST']._serialized_end=933
+  _globals['_RENEWRESPONSE']._serialized_start=935
+  _globals['_RENEWRESPONSE']._serialized_end=1008
+  _globals['_STATSREQUEST']._serialized_start=1010
+  _globals['_STATSREQUEST']._serialized_end=1040
+  _globals['_TABLESTATS']._serialized_start=1043
+  _globals['_TABLESTATS']._serialized_end=1253
+  _globals['_QUERYREQUEST']._serialized_start=1256
+  _globals['_QUERYREQUEST']._serialized_end=1397
+  _globals['_LINEAGERECORD']._serialized_start=1400
+  _globals['_LINEAGERECORD']._serialized_end=1540
+  _globals['_QUERYRESPONSE']._serialized_start=1542
+  _globals['_QUERYRESPONSE']._serialized_end=1601
+  _globals['_REPLAYSERVICE']._serialized_start=1836
+  _globals['_REPLAYSERVICE']._serialized_end=2373
 # @@protoc_insertion_point(module_scope)

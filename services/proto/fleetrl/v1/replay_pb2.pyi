@@ -120,6 +120,22 @@ class ReleaseResponse(_message.Message):
     released_groups: int
     def __init__(self, released_groups: _Optional[int] = ...) -> None: ...
 
+class RenewRequest(_message.Message):
+    __slots__ = ("job_id", "lease_ids")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    LEASE_IDS_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    lease_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, job_id: _Optional[str] = ..., lease_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class RenewResponse(_message.Message):
+    __slots__ = ("missing_lease_ids", "lease_expires_unix_ms")
+    MISSING_LEASE_IDS_FIELD_NUMBER: _ClassVar[int]
+    LEASE_EXPIRES_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
+    missing_lease_ids: _containers.RepeatedScalarFieldContainer[str]
+    lease_expires_unix_ms: int
+    def __init__(self, missing_lease_ids: _Optional[_Iterable[str]] = ..., lease_expires_unix_ms: _Optional[int] = ...) -> None: ...
+
 class StatsRequest(_message.Message):
     __slots__ = ("job_id",)
     JOB_ID_FIELD_NUMBER: _ClassVar[int]

@@ -59,6 +59,11 @@ class ReplayServiceStub:
                 request_serializer=fleetrl_dot_v1_dot_replay__pb2.ReleaseRequest.SerializeToString,
                 response_deserializer=fleetrl_dot_v1_dot_replay__pb2.ReleaseResponse.FromString,
                 _registered_method=True)
+        self.Renew = channel.unary_unary(
+                '/fleetrl.v1.ReplayService/Renew',
+                request_serializer=fleetrl_dot_v1_dot_replay__pb2.RenewRequest.SerializeToString,
+                response_deserializer=fleetrl_dot_v1_dot_replay__pb2.RenewResponse.FromString,
+                _registered_method=True)
         self.Stats = channel.unary_unary(
                 '/fleetrl.v1.ReplayService/Stats',
                 request_serializer=fleetrl_dot_v1_dot_replay__pb2.StatsRequest.SerializeToString,
@@ -117,6 +122,16 @@ class ReplayServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Renew(self, request, context):
+        """Extend open leases to lease_timeout_s from now. The learner renews the
+        leases it holds until the checkpoint that commits them, so a lease expires
+        only when its holder is gone. Expired, unknown or committed leases are not
+        revived: they are reported in missing_lease_ids.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Stats(self, request, context):
         """Counters of a job's table.
         """
@@ -158,6 +173,11 @@ def add_ReplayServiceServicer_to_server(servicer, server):
                     servicer.Release,
                     request_deserializer=fleetrl_dot_v1_dot_replay__pb2.ReleaseRequest.FromString,
                     response_serializer=fleetrl_dot_v1_dot_replay__pb2.ReleaseResponse.SerializeToString,
+            ),
+            'Renew': grpc.unary_unary_rpc_method_handler(
+                    servicer.Renew,
+                    request_deserializer=fleetrl_dot_v1_dot_replay__pb2.RenewRequest.FromString,
+                    response_serializer=fleetrl_dot_v1_dot_replay__pb2.RenewResponse.SerializeToString,
             ),
             'Stats': grpc.unary_unary_rpc_method_handler(
                     servicer.Stats,
@@ -305,6 +325,33 @@ class ReplayService:
             '/fleetrl.v1.ReplayService/Release',
             fleetrl_dot_v1_dot_replay__pb2.ReleaseRequest.SerializeToString,
             fleetrl_dot_v1_dot_replay__pb2.ReleaseResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Renew(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/fleetrl.v1.ReplayService/Renew',
+            fleetrl_dot_v1_dot_replay__pb2.RenewRequest.SerializeToString,
+            fleetrl_dot_v1_dot_replay__pb2.RenewResponse.FromString,
             options,
             channel_credentials,
             insecure,
