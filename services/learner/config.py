@@ -45,6 +45,9 @@ class LearnerSettings(InfraSettings):
     train.timeout_per_step_s)."""
     rpc_timeout_s: float = Field(30.0, gt=0, le=600)
     """Deadline of each replay call beyond its own wait."""
+    replay_attempts: int = Field(30, ge=1, le=1000)
+    """Tries of a replay call that fails UNAVAILABLE, RESOURCE_EXHAUSTED or DEADLINE_EXCEEDED, with
+    jittered backoff capped at 5 s (30: about two minutes), so a replay restart does not fail the job."""
     grace_s: float = Field(5.0, ge=0, le=600)
     """Seconds in-flight status calls may finish at shutdown."""
     checkpoint_delay_s: float = Field(0.0, ge=0, le=600)

@@ -88,7 +88,7 @@ async def serve(settings: LearnerSettings, stop: asyncio.Event, *, once: bool = 
         await bus.ensure_streams(js)
         jobs = JobStore.from_url(settings.redis_url)
         stack.push_async_callback(jobs.close)
-        replay = ReplayClient(settings.replay_addr, timeout_s=settings.rpc_timeout_s)
+        replay = ReplayClient(settings.replay_addr, timeout_s=settings.rpc_timeout_s, attempts=settings.replay_attempts)
         stack.push_async_callback(replay.close)
         board = StatusBoard(settings.learner_id)
         stack.push_async_callback(clear_beat, jobs.redis, settings.learner_id)
