@@ -3,7 +3,8 @@
 Lifecycle (nats.py's graceful-shutdown pattern): an AsyncExitStack owns the NATS connection,
 the job store, the replay client and the status gRPC server. A job is claimed with a lease in
 Redis (`JobStore.claim`), renewed every lease_s / 3 by a background task; a lease that cannot be
-renewed sets `lease_lost` and the run stops at once without committing anything. A job that
+renewed sets `lease_lost` and the run stops at once without committing anything. A second
+background task keeps the run's replay leases open (`leases.keep_alive`) until that moment. A job that
 raises is marked FAILED with the reason and the learner goes on to the next one. SIGTERM lets
 the current step finish, checkpoints, hands the job back (lease released, state RUNNING, so any
 learner resumes it) and exits. Tracing, the /metrics endpoint and the heartbeat/queue-gauge task
@@ -25,6 +26,7 @@ from services.common.observe import serve_metrics
 from services.common.weights import WeightStore
 from services.learner import server
 from services.learner.config import LearnerSettings
+from services.learner.leases import keep_alive
 from services.learner.observe import clear_beat, observe_loop
 from services.learner.status import StatusBoard
 from services.learner.trainer import Deps, JobRun, LeaseLost
@@ -55,9 +57,12 @@ async def run_claimed(deps: Deps, record: JobRecord) -> None:
     """Run one claimed job to its end; failures become FAILED, the lease is always released."""
     deps.lease_lost = asyncio.Event()
     deps.board.start_job(record.job_id)
+    run = JobRun(deps, record)
     renewer = asyncio.create_task(renew_loop(deps, record.job_id))
+    keeper = asyncio.create_task(keep_alive(run.book, deps.replay, record.job_id,
+                                            record.spec.replay.lease_timeout_s / 3, deps.lease_lost))
     try:
-        await JobRun(deps, record).run()
+        await run.run()
     except (LeaseLost, Cancelled) as error:
         log.warning("job %s stopped: %s", record.job_id, error)
     except Exception as error:  # deliberate: a failing job must not take the learner down
@@ -67,6 +72,7 @@ async def run_claimed(deps: Deps, record: JobRecord) -> None:
                 await deps.jobs.set_state(record.job_id, JobState.FAILED, f"{type(error).__name__}: {error}")
     finally:
         renewer.cancel()
+        keeper.cancel()
         if not deps.lease_lost.is_set():
             await deps.jobs.release(record.job_id, deps.settings.learner_id)
         deps.board.phase = "done" if deps.board.phase != "done" else deps.board.phase

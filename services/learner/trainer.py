@@ -100,6 +100,7 @@ class JobRun:
         self.root = ckpt.checkpoint_root(deps.settings.run_dir, record.job_id)
         self.metrics = MetricsLog(job_dir(deps.settings.run_dir, record.job_id) / "metrics.jsonl")
         self.step = self.checkpoint_step = 0
+        self.book = LeaseBook(self.spec.replay.sampler == "fifo")
         self._policy = policy
 
     @property
@@ -137,7 +138,7 @@ class JobRun:
         await self.deps.replay.configure(self.job_id, self.spec.replay)
         await bus.ensure_streams(self.deps.js)
         await bus.ensure_job_consumer(self.deps.js, self.job_id, self.spec)
-        cursor, self.book = await self.resume()
+        cursor = await self.resume()
         self.feeder = Feeder(self.deps.js, self.job_id, self.spec, prompts, cursor)
         self.publisher = WeightPublisher(self.deps.weights, self.job_id, self.spec.train.weights_dtype,
                                          self.spec.train.publish_interval, self.spec.train.keep_weight_versions)
@@ -145,21 +146,20 @@ class JobRun:
         await self.publisher.publish(self.policy.model, self.step)
         await self.feeder.top_up(self.publisher.published_version)
 
-    async def resume(self) -> tuple[FeederCursor, LeaseBook]:
+    async def resume(self) -> FeederCursor:
         """Restore the newest complete checkpoint (if any) and commit the leases it recorded."""
-        fifo = self.spec.replay.sampler == "fifo"
         saved = await asyncio.to_thread(ckpt.load_latest, self.root)
         if saved is None:
             self.metrics.truncate_after(0)
-            return FeederCursor(), LeaseBook(fifo)
+            return FeederCursor()
         self.policy.restore(saved, self.root)
         self.step = self.checkpoint_step = saved.step
         self.deps.board.checkpoint_step = saved.step
         self.metrics.truncate_after(saved.step)
-        book = LeaseBook.from_state(saved.state["leases"], fifo)
-        await self.commit(book)
+        self.book.restore(saved.state["leases"])
+        await self.commit(self.book)
         log.info("job %s resumed from step %d", self.job_id, saved.step)
-        return FeederCursor.from_dict(saved.state["cursor"]), book
+        return FeederCursor.from_dict(saved.state["cursor"])
 
     # ------------------------------------------------------------------ per step
 
@@ -212,6 +212,7 @@ class JobRun:
             await self.feeder.top_up(self.publisher.published_version)
         if not lease_id:
             return
+        self.book.hold(lease_id)
         also = {t for r in data.leases for t in r.task_ids}
         fresh, copies = self.book.split(groups, also)
         data.leases.append(LeaseRecord(lease_id, tuple(g.task_id for g in groups)))
@@ -221,6 +222,7 @@ class JobRun:
     async def release(self, data: StepData) -> None:
         """Give back the leases of a step that will not be trained."""
         for record in data.leases:
+            self.book.drop(record.lease_id)
             with contextlib.suppress(NotFound):  # expired already: its groups are back anyway
                 await self.deps.replay.release(self.job_id, record.lease_id)
 

@@ -72,6 +72,26 @@ async def test_staleness_drops_old_groups(nats_url: str, redis_url: str, tmp_pat
     assert stats.committed == 2 and stats.stale_dropped == 2  # step 1 trained 2, step 2 dropped the rest
 
 
+async def test_leases_outlive_their_timeout_until_the_checkpoint_commits_them(
+        nats_url: str, redis_url: str, tmp_path: Path) -> None:
+    """lease_timeout_s 1 s, and a checkpoint that takes 2 s before it commits: the learner renews its
+    leases, so none expires and every group is committed by the step that trained it."""
+    jobs = JobStore.from_url(redis_url)
+    record = await create_job(jobs, spec_for(max_steps=4, checkpoint_interval=2, replay={"lease_timeout_s": 1.0}))
+    slow = settings(nats_url, redis_url, "", tmp_path).model_copy(update={"checkpoint_delay_s": 2.0})
+    async with replay_service(redis_url) as addr, ReplayClient(addr) as replay:
+        ids = await insert_groups(replay, record, 8)
+        slow.replay_addr = addr
+        await asyncio.wait_for(serve(slow, asyncio.Event(), once=True), 120)
+        stats = await replay.stats(record.job_id)
+    done = await jobs.get(record.job_id)
+    await jobs.close()
+    assert done.state == JobState.SUCCEEDED, done.reason
+    lines = [json.loads(x) for x in (tmp_path / "jobs" / record.job_id / "metrics.jsonl").read_text().splitlines()]
+    assert [t for x in lines for t in x["task_ids"]] == ids
+    assert (stats.committed, stats.expired_leases, stats.size_groups, stats.leased_groups) == (8, 0, 0, 0)
+
+
 async def test_get_status(redis_url: str, tmp_path: Path) -> None:
     from services.learner import server
     from services.learner.status import StatusBoard
