@@ -4,7 +4,7 @@ Reads top to bottom like torchtitan's `Trainer.train`: `setup` (model, replay ta
 consumer, resume, publish the current weights, start the feeder), then per step
 `wait_for_data -> train -> publish -> feed -> checkpoint -> report`, then `finish` (final
 checkpoint, export, SUCCEEDED). Components (Feeder, Policy, WeightPublisher, LeaseBook,
-MetricsLog) do not know each other; JobRun wires them. Replay leases are committed only after
+MetricsLog, StepObserver) do not know each other; JobRun wires them. Replay leases are committed only after
 the checkpoint that includes their steps is complete (see `leases` for the exactly-once
 argument). Policy version == optimizer steps applied: step s trains at version s - 1 on groups
 of version >= s - 1 - max_staleness and produces version s.
@@ -33,6 +33,7 @@ from services.learner.config import LearnerSettings
 from services.learner.export import MetricsLog, export_model, job_dir
 from services.learner.feeder import Feeder, FeederCursor, parse_prompts, sample_min_version
 from services.learner.leases import LeaseBook, LeaseRecord
+from services.learner.observe import StepObserver
 from services.learner.policy import Followers, Policy, resolve_device
 from services.learner.publish import WeightPublisher
 from services.learner.status import StatusBoard, StepRecord
@@ -91,6 +92,7 @@ class JobRun:
     publisher: WeightPublisher
     book: LeaseBook
     metrics: MetricsLog
+    obs: StepObserver
     checkpoint_step: int
 
     def __init__(self, deps: Deps, record: JobRecord, policy: Policy | None = None) -> None:
@@ -99,6 +101,7 @@ class JobRun:
         self.spec = record.spec
         self.root = ckpt.checkpoint_root(deps.settings.run_dir, record.job_id)
         self.metrics = MetricsLog(job_dir(deps.settings.run_dir, record.job_id) / "metrics.jsonl")
+        self.obs = StepObserver(record.job_id)
         self.step = self.checkpoint_step = 0
         self.book = LeaseBook(self.spec.replay.sampler == "fifo")
         self._policy = policy
@@ -114,16 +117,25 @@ class JobRun:
         while self.step < self.spec.train.max_steps:
             if await self.should_stop():
                 return
-            data = await self.wait_for_data()
-            if data is None:
+            with self.obs.step(self.step + 1):
+                stepped = await self.run_step()
+            if not stepped:
                 await self.hand_back()
                 return
-            values = await self.train(data)
-            await self.publish()
-            await self.feed()
-            await self.checkpoint_if_due()
-            await self.report(values, data)
         await self.finish()
+
+    async def run_step(self) -> bool:
+        """One step's stages, each timed and traced; False when SIGTERM came before its data."""
+        data = await self.obs.timed("wait_for_data", self.wait_for_data())
+        if data is None:
+            return False
+        values = await self.obs.timed("train", self.train(data))
+        self.obs.consumed(data.groups, self.step, values)
+        await self.obs.timed("publish", self.publish())
+        await self.feed()
+        await self.obs.timed("checkpoint", self.checkpoint_if_due())
+        await self.report(values, data)
+        return True
 
     # ------------------------------------------------------------------ setup
 
@@ -205,7 +217,9 @@ class JobRun:
         return data
 
     async def sample_once(self, data: StepData, want: int, min_version: int, wait_s: float) -> None:
+        started_ns = time.time_ns()
         lease_id, groups, stale = await self.deps.replay.sample(self.job_id, want, min_version, wait_s)
+        self.obs.sampled(groups, started_ns)
         if stale:
             data.stale_dropped += stale
             self.feeder.settle(stale)
