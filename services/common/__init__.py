@@ -8,7 +8,9 @@
 - `models`: loading policies and tokenizers; export as an HF directory.
 - `embedded`: embedded nats-server and Valkey processes for local runs and tests.
 - `grpcutil`: server start-up (health, reflection, error mapping) and channels.
-- `telemetry`: OpenTelemetry set-up.
+- `telemetry`: OpenTelemetry set-up, W3C context over NATS headers and gRPC metadata.
+- `observe`: the gRPC server interceptor that traces and counts every call; /metrics serving.
+- `heartbeat`: members' heartbeats in Redis (what `fleetrl top` lists).
 
 Nothing here imports a service package; services import from here.
 """

@@ -159,11 +159,12 @@ def add_to_server(servicer: ReplayServicer, server: grpc.aio.Server) -> str:
 
 @dataclass
 class Running:
-    """A started replay service: its bound port, its core and its background task."""
+    """A started replay service: its bound port, its core, its background task and its metrics."""
 
     port: int
     tables: ReplayTables
     background: asyncio.Task[None]
+    metrics: Metrics
 
 
 async def reclaim_loop(tables: ReplayTables, metrics: Metrics, interval_s: float) -> None:
@@ -207,7 +208,7 @@ async def running(settings: ReplaySettings) -> AsyncIterator[Running]:
         reclaim = asyncio.create_task(reclaim_loop(tables, metrics, settings.reclaim_interval_s))
         stack.callback(reclaim.cancel)
         log.info("replay service on port %d, redis %s", port, settings.redis_url)
-        yield Running(port, tables, reclaim)
+        yield Running(port, tables, reclaim, metrics)
 
 
 async def serve(settings: ReplaySettings, stop: asyncio.Event) -> None:
