@@ -1,0 +1,125 @@
+"""Observability of a whole traced fleet running a tiny job: one trace per trajectory, /metrics that
+move, and `fleetrl top --once` over the real gateway. One fleet for the module (conftest.py)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections import defaultdict
+from typing import Any
+
+import pytest
+from obs_fleet import MAX_STEPS, TracedFleet, total, wait_for
+
+from services import cli
+from services.replay.client import ReplayClient
+
+pytestmark = pytest.mark.slow
+CHAIN_SERVICES = {"learner", "actor", "reward", "replay"}
+
+
+def _trajectory(spans: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The spans of the first trajectory the learner trained on, by name, once its trace is complete."""
+    by_trace: dict[str, list[dict[str, Any]]] = defaultdict(list)
+    for span in spans:
+        by_trace[span["trace_id"]].append(span)
+    for span in spans:
+        if span["name"] == "learner.consume":
+            named = {s["name"]: s for s in by_trace[span["trace_id"]]}
+            if {"fleetrl.v1.RewardService/Score", "fleetrl.v1.ReplayService/Insert"} <= set(named):
+                return named
+    return None
+
+
+def test_top_once_over_the_gateway(fleet: TracedFleet, capsys: pytest.CaptureFixture[str]) -> None:
+    """While the job runs (its first step is done): the actor, the learner, the job and its queue."""
+    job_id = fleet.run.job_id
+    wait_for(lambda: any(m.kind == "learner" and m.policy_version >= 1 for m in fleet.client.fleet().members), 10,
+             "the learner's heartbeat after its first step")
+    assert cli.main(["top", "--dir", str(fleet.run_dir), "--once", "--json"]) == 0
+    frame = json.loads(capsys.readouterr().out)
+    members = {m["member_id"]: m for m in frame["members"]}
+    actor = members["actor-1"]
+    assert actor["kind"] == "actor" and actor["job_id"] == job_id and actor["seen_unix_ms"] > 0
+    assert actor["state"] in ("idle", "waiting_for_weights", "generating", "scoring", "inserting")
+    [learner] = [m for m in frame["members"] if m["kind"] == "learner"]
+    assert learner["job_id"] == job_id and learner["policy_version"] >= 1
+    [job] = [j for j in frame["jobs"] if j["job_id"] == job_id]
+    assert job["last"]["step"] >= 1 and "reward_mean" in job["last"]["values"]
+    assert "staleness_mean" in job["last"]["values"]
+    if job["state"] == "running":
+        assert [q["job_id"] for q in frame["queues"]] == [job_id]
+
+    assert cli.main(["top", "--gateway", fleet.layout.addresses["gateway"], "--once"]) == 0
+    text = capsys.readouterr().out
+    for expected in ("actors", "learners", "jobs", "actor-1", job_id, f"/{MAX_STEPS}"):
+        assert expected in text, expected
+
+
+
+
+def test_one_trace_runs_from_feeder_to_the_step_that_trained_it(finished: TracedFleet) -> None:
+    trace = wait_for(lambda: _trajectory(finished.spans()), 20, "a complete trajectory trace")
+
+    def parent(child: str, of: str) -> None:
+        assert trace[child]["parent_id"] == trace[of]["span_id"], f"{child} is not a child of {of}"
+
+    assert trace["feeder.publish"]["parent_id"] is None and trace["feeder.publish"]["scope"] == "fleetrl.feeder"
+    parent("actor.task", "feeder.publish")
+    for step in ("actor.fetch", "actor.ensure_weights", "actor.generate", "actor.score", "actor.insert"):
+        parent(step, "actor.task")
+    parent("fleetrl.v1.RewardService/Score", "actor.score")
+    parent("fleetrl.v1.ReplayService/Insert", "actor.insert")
+    parent("learner.sample", "actor.insert")
+    parent("learner.consume", "learner.sample")
+    assert {s["service"] for s in trace.values()} == CHAIN_SERVICES | {"learner"}
+    assert {trace[n]["service"] for n in ("fleetrl.v1.RewardService/Score", "fleetrl.v1.ReplayService/Insert",
+                                          "actor.task", "feeder.publish")} == {"reward", "replay", "actor", "learner"}
+    step = trace["learner.consume"]["attributes"]["fleetrl.step"]
+    assert 1 <= step <= MAX_STEPS
+    steps = [s for s in finished.spans() if s["name"] == "learner.step" and s["attributes"]["fleetrl.step"] == step]
+    assert len(steps) == 1 and steps[0]["parent_id"] is None  # the step itself is a trace of its own
+
+    task_id = trace["feeder.publish"]["attributes"]["fleetrl.task_id"]
+    records = asyncio.run(_lineage(finished.layout.addresses["replay"], finished.run.job_id))
+    lineage = {r.task_id: r.lineage for r in records}[task_id]
+    assert lineage.trace_id == trace["actor.task"]["trace_id"]
+    assert lineage.span_id == trace["actor.insert"]["span_id"]
+
+
+async def _lineage(addr: str, job_id: str) -> list[Any]:
+    async with ReplayClient(addr) as replay:
+        return await replay.query(job_id, limit=1000)
+
+
+def test_every_service_serves_metrics_that_move(finished: TracedFleet) -> None:
+    early, late = finished.early, finished.scrape_all()
+    assert set(early) == {"gateway", "replay", "reward", "learner", "actor-1"}
+    job = finished.run.job_id
+    moved = {
+        "actor-1": ("fleetrl_actor_tasks_total", {"job": job}),
+        "replay": ("fleetrl_replay_inserted_total", {"job": job}),
+        "reward": ("fleetrl_reward_items_total", {"job": job}),
+        "learner": ("fleetrl_learner_steps_total", {"job": job}),
+        "gateway": ("grpc_server_handled_total", {"grpc_code": "OK"}),
+    }
+    for target, (name, labels) in moved.items():
+        before, after = total(early[target], name, **labels), total(late[target], name, **labels)
+        assert 0 < before < after, f"{target} {name}: {before} -> {after}"
+    learner, actor = late["learner"], late["actor-1"]
+    assert total(learner, "fleetrl_learner_staleness_versions_count") == MAX_STEPS * 2  # 2 groups per step
+    for phase in ("wait_for_data", "forward_backward", "optimizer", "publish", "checkpoint"):
+        assert total(learner, "fleetrl_learner_phase_seconds_count", phase=phase) == MAX_STEPS, phase
+    assert total(learner, "fleetrl_learner_policy_version", job=job) == MAX_STEPS
+    assert ("fleetrl_task_queue_pending", (("job", job),)) in learner
+    assert total(actor, "fleetrl_actor_generated_tokens_total", job=job) > 0
+    assert total(actor, "fleetrl_actor_weight_pull_bytes_total", job=job) > 0
+    assert total(actor, "fleetrl_actor_policy_version", job=job) >= MAX_STEPS - 2  # step 4 trains v>=2 groups
+    assert total(actor, "fleetrl_actor_info", actor_id="actor-1") == 1
+    assert total(late["replay"], "grpc_server_handled_total", grpc_method="Insert", grpc_code="OK") > 0
+    assert total(late["reward"], "fleetrl_reward_latency_seconds_count") > 0
+
+
+def test_top_fails_cleanly_without_a_fleet(tmp_path: Any, capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["top", "--dir", str(tmp_path), "--once"]) == 1
+    assert "no running fleet" in capsys.readouterr().out
