@@ -68,6 +68,12 @@ class ObservingInterceptor(grpc.aio.ServerInterceptor):
 class _Call:
     """One method's wrapper: opens the span, times the call, records its final code."""
 
+    metrics: RpcMetrics
+    name: str
+    service: str
+    method: str
+    metadata: Any
+
     def __init__(self, metrics: RpcMetrics, method: str, metadata: Any) -> None:
         self.metrics, self.name, self.metadata = metrics, method.lstrip("/"), metadata
         self.service, _, self.method = self.name.partition("/")
