@@ -53,6 +53,16 @@ def group_advantages(groups: list[common_pb2.Group], cfg: LossConfig) -> list[Te
     return [compute_group_advantages(group_rewards(group), cfg.advantage) for group in groups]
 
 
+def component_means(groups: list[common_pb2.Group]) -> dict[str, float]:
+    """`reward/<name>`: the mean of each named reward component (e.g. correct, format) over the
+    samples that report it, so a step's metrics show what the scalar reward is made of."""
+    values: dict[str, list[float]] = {}
+    for sample in (s for group in groups for s in group.samples):
+        for name, value in sample.reward_components.items():
+            values.setdefault(name, []).append(value)
+    return {f"reward/{name}": sum(v) / len(v) for name, v in sorted(values.items())}
+
+
 def has_signal(group: common_pb2.Group) -> bool:
     """False when every sample of the group has the same reward (no GRPO signal)."""
     rewards = group_rewards(group)
