@@ -1,0 +1,230 @@
+"""`fleetrl demo`: train SmolLM2-135M on two-digit addition end to end, then write a report.
+
+One command on a fresh machine: start a local fleet (or use the one recorded in the run
+directory, or `--gateway`), submit `examples/addition/job.toml` through the Python client,
+show each step live, wait for the job, download the trained model, stop the fleet it started,
+and write the report of `services.fleet.report` into the run directory.
+
+Design choice: the demo is a client of the fleet like any user script. It submits the job
+TOML through the gateway, reads metrics only from `WatchJob` and gets the model only through
+`DownloadModel`, so it works the same against a remote gateway. The evaluation runs here after
+the fleet has stopped, on the whole machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from services.common.config import parse_job_spec
+from services.common.errors import ConfigError, FieldViolation, FleetError, InvalidArgument, NotFound
+from services.fleet.fleet import Fleet, FleetLayout, FleetOptions
+from services.gateway.client import Client, Run, load_job_file
+from services.gateway.models import JobInfo, StepInfo
+
+EXIT_OK, EXIT_FAILURE, EXIT_BAD_INPUT = 0, 1, 2
+BAD_INPUT = (ConfigError, InvalidArgument, NotFound)
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+DEFAULT_JOB = EXAMPLES / "addition" / "job.toml"
+DEFAULT_EVAL = EXAMPLES / "addition" / "eval.jsonl"
+SUPERVISE_S = 0.25
+
+
+@dataclass(frozen=True)
+class Trained:
+    """What training left for the report: the job, its steps, the model and the wall time."""
+
+    job: JobInfo
+    steps: list[StepInfo]
+    model_dir: Path | None
+    train_wall_s: float
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="fleetrl demo", description=__doc__.splitlines()[0] if __doc__ else None)
+    p.add_argument("--dir", type=Path, default=Path("runs/demo"), help="run directory (default runs/demo)")
+    p.add_argument("--actors", type=int, default=1, help="actors of a fleet the demo starts (default 1)")
+    p.add_argument("--model", help="model to train (default: the job's, smollm2-135m); tiny-* for a quick check")
+    p.add_argument("--max-steps", type=int, help="optimizer steps (default: the job's)")
+    p.add_argument("--eval-problems", type=int, default=100, help="held-out problems evaluated (default 100)")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a job spec field")
+    p.add_argument("--job", type=Path, default=DEFAULT_JOB, help="job TOML (default examples/addition/job.toml)")
+    p.add_argument("--eval-file", type=Path, default=DEFAULT_EVAL, help="held-out prompts JSONL with answers")
+    p.add_argument("--gateway", help="use the fleet behind this gateway address instead of a local one")
+    p.add_argument("--token", help="bearer token for --gateway (env FLEETRL_TOKEN)")
+    return p
+
+
+def main(argv: list[str]) -> int:
+    try:
+        args = parser().parse_args(argv)
+    except SystemExit as exit_:
+        return int(exit_.code or 0)
+    out = Console(soft_wrap=True, highlight=False)
+    try:
+        return run(args, out)
+    except BAD_INPUT as error:
+        _report_error(error, out)
+        return EXIT_BAD_INPUT
+    except FleetError as error:
+        _report_error(error, out)
+        return EXIT_FAILURE
+    except KeyboardInterrupt:
+        out.print("interrupted")
+        return EXIT_FAILURE
+
+
+def _report_error(error: FleetError, out: Console) -> None:
+    out.print(f"[bold red]error:[/] {type(error).__name__}: {error}")
+    for violation in getattr(error, "violations", []):
+        out.print(f"  {violation.field}: {violation.description}", markup=False)
+
+
+def run(args: argparse.Namespace, out: Console) -> int:
+    """Check the inputs, train, report; exit 0 only when the job succeeded and the report is written."""
+    overrides = job_overrides(args)
+    spec = parse_job_spec(load_job_file(args.job, overrides)[0], "json")  # fail before starting anything
+    problems = eval_problems(args.eval_file, args.eval_problems)
+    run_dir = args.dir.resolve()
+    run_dir.mkdir(parents=True, exist_ok=True)
+    started = time.monotonic()
+    with fleet_address(args, run_dir, out) as address, Client(address, token=args.token) as client:
+        trained = train(client, args.job, overrides, run_dir, out)
+    from services.fleet import report  # torch and matplotlib only once there is something to report
+
+    summary = report.write(run_dir, spec, trained.job, trained.steps, trained.model_dir, problems,
+                           train_wall_s=trained.train_wall_s, out=out)
+    summary["wall_s"] = time.monotonic() - started
+    (run_dir / report.REPORT_JSON).write_text(json.dumps(summary, indent=2) + "\n")
+    report.print_summary(summary, out)
+    return EXIT_OK if trained.job.state == "succeeded" else EXIT_FAILURE
+
+
+def job_overrides(args: argparse.Namespace) -> list[str]:
+    """`--set` overrides, with --model and --max-steps folded in."""
+    if args.max_steps is not None and args.max_steps < 1:
+        raise ConfigError("bad option", [FieldViolation("--max-steps", "must be >= 1")])
+    overrides = list(args.set)
+    if args.model:
+        overrides.append(f"model={json.dumps(args.model)}")
+    if args.max_steps is not None:
+        overrides.append(f"train.max_steps={args.max_steps}")
+    return overrides
+
+
+def eval_problems(path: Path, count: int) -> list[dict[str, str]]:
+    """The first `count` held-out problems (each with "prompt" and "answer")."""
+    if count < 1:
+        raise ConfigError("bad option", [FieldViolation("--eval-problems", "must be >= 1")])
+    try:
+        rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    except (OSError, json.JSONDecodeError) as error:
+        raise ConfigError("cannot read the eval file", [FieldViolation("--eval-file", f"{path}: {error}")]) from None
+    if len(rows) < count or not all("prompt" in r and "answer" in r for r in rows[:count]):
+        raise ConfigError("bad eval file", [FieldViolation(
+            "--eval-file", f"{path}: needs {count} lines with prompt and answer (has {len(rows)} lines)")])
+    return [{"prompt": str(r["prompt"]), "answer": str(r["answer"])} for r in rows[:count]]
+
+
+# ----------------------------------------------------------------------------- the fleet
+
+
+@contextlib.contextmanager
+def fleet_address(args: argparse.Namespace, run_dir: Path, out: Console) -> Iterator[str]:
+    """The gateway to use: --gateway, a fleet already running in run_dir, or a new one (stopped after)."""
+    if args.gateway:
+        yield args.gateway
+        return
+    layout = FleetLayout.read(run_dir)
+    if layout is not None:
+        out.print(f"using the fleet running in {run_dir} (gateway {layout.addresses['gateway']})")
+        yield layout.addresses["gateway"]
+        return
+    if args.actors < 1:
+        raise ConfigError("bad option", [FieldViolation("--actors", "must be >= 1")])
+    with started_fleet(FleetOptions(run_dir=run_dir, actors=args.actors), out) as layout:
+        yield layout.addresses["gateway"]
+
+
+@contextlib.contextmanager
+def started_fleet(options: FleetOptions, out: Console) -> Iterator[FleetLayout]:
+    """A fleet supervised from a background thread (crashed children restart) until the block ends."""
+    fleet = Fleet(options)
+    stop = threading.Event()
+    supervising = threading.Thread(target=_supervise, args=(fleet, stop), name="fleet-supervisor", daemon=True)
+    try:
+        out.print(f"starting a fleet with {options.actors} actor(s) in {options.run_dir} ...")
+        layout = fleet.start()
+        supervising.start()
+        out.print(f"fleet up: gateway {layout.addresses['gateway']}, logs in {layout.log_dir}")
+        yield layout
+    finally:
+        stop.set()
+        if supervising.is_alive():
+            supervising.join()
+        fleet.stop()
+        out.print("fleet stopped")
+
+
+def _supervise(fleet: Fleet, stop: threading.Event) -> None:
+    while not stop.wait(SUPERVISE_S):
+        for name in fleet.supervisor.poll():
+            print(f"fleet: restarted {name}", flush=True)
+
+
+# ----------------------------------------------------------------------------- training
+
+
+def train(client: Client, job_file: Path, overrides: list[str], run_dir: Path, out: Console) -> Trained:
+    """Submit the job, follow it to its end, and download its model if it succeeded."""
+    job = client.submit_file(job_file, overrides)
+    out.print(f"submitted [bold]{job.job_id}[/] ({job.name}): {job.spec.get('model')}, {job.max_steps} steps")
+    handle = Run(client, job.job_id)
+    started = time.monotonic()
+    try:
+        final, steps = follow(handle, out)
+    except KeyboardInterrupt:
+        handle.cancel("demo interrupted")
+        raise
+    wall_s = time.monotonic() - started
+    if final.state != "succeeded":
+        out.print(f"[bold red]job {final.job_id} ended {final.state}[/]: {final.reason}")
+        return Trained(final, steps, None, wall_s)
+    out.print(f"job {final.job_id} succeeded in {wall_s:.0f}s; downloading the model ...")
+    return Trained(final, steps, handle.download_model(run_dir / "model"), wall_s)
+
+
+def follow(handle: Run, out: Console) -> tuple[JobInfo, list[StepInfo]]:
+    """Print each step (and a live bar on a terminal) until the job ends; its final state and steps."""
+    steps: dict[int, StepInfo] = {}
+    final = handle.status()
+    columns = (TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+    with Progress(*columns, console=out, disable=not out.is_terminal) as bar:
+        task = bar.add_task(handle.job_id, total=final.max_steps)
+        for event in handle.events():
+            final = event.job
+            if event.state is not None:
+                out.print(f"job {handle.job_id}: {event.state}")
+            if event.step is not None and event.step.step not in steps:
+                steps[event.step.step] = event.step
+                out.print(step_line(event.step, final.max_steps))
+                bar.update(task, completed=event.step.step)
+    return final, [steps[k] for k in sorted(steps)]
+
+
+def step_line(step: StepInfo, max_steps: int) -> str:
+    """`step 3/40  reward 0.41  acc 0.22  number-only 0.38  KL 0.002  310 tok/s  24.1 s/step`."""
+    labels = (("reward_mean", "reward", "{:.3f}"), ("reward/correct", "acc", "{:.2f}"),
+              ("reward/format", "number-only", "{:.2f}"), ("kl", "KL", "{:.4f}"),
+              ("tokens_per_s", "tok/s", "{:.0f}"), ("step_time_s", "s/step", "{:.1f}"))
+    parts = [f"{label} {fmt.format(step.values[key])}" for key, label, fmt in labels if key in step.values]
+    return f"step {step.step}/{max_steps}  " + "  ".join(parts)

@@ -1,0 +1,155 @@
+"""The demo's report: metrics JSONL, a plot, and base-vs-trained held-out evaluation.
+
+Files written into the run directory:
+
+- `metrics.jsonl`: one JSON object per optimizer step, as `WatchJob` streamed it.
+- `training.png`: reward (and its components), accuracy and KL against steps.
+- `eval.json`: greedy accuracy and number-only rate of the base and the trained model on the
+  same held-out problems, with a few example completions each.
+- `report.json` and `report.md`: the job, the figures above, wall times and file names.
+
+Design choice: both models are evaluated here, the same way (greedy, the job's prompt encoding,
+`EVAL_NEW_TOKENS` new tokens, which is more than training's budget so the base model's
+"a + b = c" answers are not cut short and count as correct when they are).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+from services.common.config import JobSpec
+from services.gateway.models import JobInfo, StepInfo
+
+METRICS_JSONL, PLOT_PNG, EVAL_JSON = "metrics.jsonl", "training.png", "eval.json"
+REPORT_JSON, REPORT_MD = "report.json", "report.md"
+EVAL_NEW_TOKENS = 16
+PLOTTED = (("mean reward of the training samples", ("reward_mean",)),
+           ("accuracy and number-only rate of the training samples", ("reward/correct", "reward/format")),
+           ("KL(policy || base model)", ("kl",)))
+LABELS = {"reward_mean": "reward", "reward/correct": "correct", "reward/format": "number-only", "kl": "KL"}
+
+
+def write(run_dir: Path, spec: JobSpec, job: JobInfo, steps: list[StepInfo], model_dir: Path | None,
+          problems: list[dict[str, str]], *, train_wall_s: float, out: Console) -> dict[str, Any]:
+    """Write every report file (the evaluation only when there is a trained model); the summary."""
+    write_metrics(run_dir / METRICS_JSONL, steps)
+    plot(run_dir / PLOT_PNG, steps)
+    evaluation = None
+    if model_dir is not None:
+        out.print(f"evaluating the base and the trained model on {len(problems)} held-out problems ...")
+        evaluation = evaluate_both(spec, model_dir, problems)
+        (run_dir / EVAL_JSON).write_text(json.dumps(evaluation, indent=2) + "\n")
+    summary = summarise(job, steps, model_dir, evaluation, train_wall_s)
+    (run_dir / REPORT_MD).write_text(markdown(summary))
+    return summary
+
+
+def write_metrics(path: Path, steps: list[StepInfo]) -> None:
+    lines = [json.dumps({"step": s.step, "policy_version": s.policy_version, "unix_ms": s.unix_ms, **s.values},
+                        sort_keys=True) for s in steps]
+    path.write_text("".join(line + "\n" for line in lines))
+
+
+def plot(path: Path, steps: list[StepInfo]) -> None:
+    """One panel per entry of PLOTTED, a line per metric the steps carry."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(len(PLOTTED), 1, figsize=(7, 8), sharex=True)
+    for ax, (title, keys) in zip(axes, PLOTTED, strict=True):
+        for key in keys:
+            points = [(s.step, s.values[key]) for s in steps if key in s.values]
+            if points:
+                ax.plot(*zip(*points, strict=True), marker=".", label=LABELS.get(key, key))
+        ax.set_title(title)
+        ax.grid(alpha=0.3)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(loc="best", fontsize="small")
+    axes[-1].set_xlabel("step")
+    axes[-1].xaxis.get_major_locator().set_params(integer=True)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+# ----------------------------------------------------------------------------- evaluation
+
+
+def evaluate_both(spec: JobSpec, model_dir: Path, problems: list[dict[str, str]]) -> dict[str, Any]:
+    """{"problems", "max_new_tokens", "base": EvalResult dict, "trained": EvalResult dict}."""
+    return {"problems": len(problems), "max_new_tokens": EVAL_NEW_TOKENS,
+            "base": evaluate_model(spec.model, spec, problems),
+            "trained": evaluate_model(str(model_dir), spec, problems)}
+
+
+def evaluate_model(model_name: str, spec: JobSpec, problems: list[dict[str, str]]) -> dict[str, Any]:
+    from services.actor.backends import prompt_tokens
+    from services.common import models
+    from services.fleet import evaluate
+
+    started = time.monotonic()
+    model, tokenizer = models.load(model_name)
+    prompt_ids = [prompt_tokens(tokenizer, p["prompt"], spec.rollout) for p in problems]
+    result = evaluate.as_dict(evaluate.evaluate(model, tokenizer, problems, prompt_ids, EVAL_NEW_TOKENS))
+    return {"model": model_name, **result, "wall_s": round(time.monotonic() - started, 1)}
+
+
+# ----------------------------------------------------------------------------- summary
+
+
+def summarise(job: JobInfo, steps: list[StepInfo], model_dir: Path | None, evaluation: dict[str, Any] | None,
+              train_wall_s: float) -> dict[str, Any]:
+    """What report.json holds."""
+    files = [METRICS_JSONL, PLOT_PNG] + ([EVAL_JSON] if evaluation else []) + [REPORT_JSON, REPORT_MD]
+    return {
+        "job_id": job.job_id, "state": job.state, "reason": job.reason, "model": job.spec.get("model"),
+        "steps": len(steps), "max_steps": job.max_steps, "train_wall_s": round(train_wall_s, 1),
+        "first_step": steps[0].values if steps else {}, "last_step": steps[-1].values if steps else {},
+        "model_dir": str(model_dir) if model_dir else None, "eval": _figures(evaluation), "files": files,
+        "spec": job.spec,
+    }
+
+
+def _figures(evaluation: dict[str, Any] | None) -> dict[str, Any] | None:
+    if evaluation is None:
+        return None
+    keys = ("accuracy", "number_only_rate")
+    return {"problems": evaluation["problems"],
+            **{which: {k: evaluation[which][k] for k in keys} for which in ("base", "trained")}}
+
+
+def markdown(summary: dict[str, Any]) -> str:
+    lines = [f"# fleetrl demo: job {summary['job_id']} ({summary['state']})", "",
+             f"Model `{summary['model']}`, {summary['steps']}/{summary['max_steps']} steps, "
+             f"training wall time {summary['train_wall_s']:.0f} s.", ""]
+    figures = summary["eval"]
+    if figures:
+        lines += [f"Held-out evaluation, {figures['problems']} problems, greedy:", "",
+                  "| model | accuracy | number-only |", "|---|---|---|"]
+        lines += [f"| {which} | {figures[which]['accuracy']:.1%} | {figures[which]['number_only_rate']:.1%} |"
+                  for which in ("base", "trained")]
+    else:
+        lines.append(f"No evaluation: the job ended {summary['state']} {summary['reason']}".rstrip())
+    lines += ["", f"![training curves]({PLOT_PNG})", "", "Per-step metrics: `metrics.jsonl`; details: `eval.json`."]
+    return "\n".join(lines) + "\n"
+
+
+def print_summary(summary: dict[str, Any], out: Console) -> None:
+    figures = summary["eval"]
+    if figures:
+        table = Table(title=f"held-out accuracy, {figures['problems']} problems (greedy)")
+        for column in ("model", "accuracy", "number-only"):
+            table.add_column(column)
+        for which in ("base", "trained"):
+            table.add_row(which, f"{figures[which]['accuracy']:.1%}", f"{figures[which]['number_only_rate']:.1%}")
+        out.print(table)
+    out.print(f"job {summary['job_id']} {summary['state']}: {summary['steps']} steps, "
+              f"training {summary['train_wall_s']:.0f} s, total {summary.get('wall_s', 0):.0f} s")
