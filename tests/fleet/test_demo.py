@@ -1,0 +1,85 @@
+"""`fleetrl demo` end to end on a tiny model: a real fleet, a real job, a well-formed report.
+
+The demo runs as a user would run it (`python -m services.cli demo ...` in a child process): it
+starts embedded NATS + Valkey and every service, trains a few steps, downloads the model, stops
+the fleet and writes its report. Bad options fail with exit code 2 before anything starts.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from PIL import Image
+
+from services.fleet import demo
+from services.fleet.fleet import STATE_FILE
+
+ROOT = Path(__file__).resolve().parents[2]
+STEPS = 3
+EVAL_PROBLEMS = 100
+QUICK = ["--model", "tiny-llama", "--max-steps", str(STEPS), "--eval-problems", str(EVAL_PROBLEMS),
+         "--set", "rollout.prompts_per_step=2", "--set", "rollout.samples_per_prompt=4",
+         "--set", "rollout.max_new_tokens=4", "--set", "train.checkpoint_interval=100"]
+
+
+@pytest.fixture(scope="module")
+def demo_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[subprocess.CompletedProcess[str], Path]:
+    run_dir = tmp_path_factory.mktemp("demo") / "run"
+    done = subprocess.run([sys.executable, "-m", "services.cli", "demo", "--dir", str(run_dir), *QUICK],
+                          cwd=ROOT, capture_output=True, text=True, timeout=840)
+    return done, run_dir
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_demo_trains_and_writes_a_well_formed_report(
+    demo_run: tuple[subprocess.CompletedProcess[str], Path],
+) -> None:
+    done, run_dir = demo_run
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert f"step {STEPS}/{STEPS}" in done.stdout and "held-out accuracy" in done.stdout
+    metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in metrics] == list(range(1, STEPS + 1))
+    assert all({"reward_mean", "kl", "reward/correct", "reward/format", "tokens_per_s"} <= m.keys() for m in metrics)
+    with Image.open(run_dir / "training.png") as image:
+        assert image.format == "PNG" and image.width > 100 and image.height > 100
+        image.verify()
+    evaluation = json.loads((run_dir / "eval.json").read_text())
+    for which in ("base", "trained"):
+        figures = evaluation[which]
+        assert figures["problems"] == EVAL_PROBLEMS
+        assert 0 <= figures["accuracy"] <= 1 and 0 <= figures["number_only_rate"] <= figures["accuracy"]
+    assert evaluation["trained"]["model"] == str(run_dir / "model")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_demo_report_summarises_the_job_and_the_fleet_is_gone(
+    demo_run: tuple[subprocess.CompletedProcess[str], Path],
+) -> None:
+    done, run_dir = demo_run
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads((run_dir / "report.json").read_text())
+    assert report["state"] == "succeeded" and report["steps"] == STEPS and report["model"] == "tiny-llama"
+    assert set(report["eval"]) == {"problems", "base", "trained"} and report["wall_s"] > report["train_wall_s"] > 0
+    assert all((run_dir / name).is_file() for name in report["files"])
+    markdown = (run_dir / "report.md").read_text()
+    assert "| base |" in markdown and "| trained |" in markdown and "training.png" in markdown
+    assert (run_dir / "model" / "config.json").is_file() and list((run_dir / "model").glob("*.safetensors"))
+    assert not (run_dir / STATE_FILE).exists()  # the fleet the demo started is stopped
+
+
+@pytest.mark.parametrize("argv", [
+    ["--set", "rollout.max_new_tokens=0"],
+    ["--set", "no_such_field=1"],
+    ["--max-steps", "0"],
+    ["--eval-problems", "100000"],
+    ["--job", "does/not/exist.toml"],
+])
+def test_bad_input_exits_2_before_starting_anything(argv: list[str], tmp_path: Path) -> None:
+    assert demo.main(["--dir", str(tmp_path / "run"), *argv]) == 2
+    assert not (tmp_path / "run").exists()
