@@ -25,7 +25,7 @@ from nats.js import JetStreamContext
 
 from services.common import bus
 from services.common.config import JobSpec
-from services.common.errors import Cancelled, ConfigError, DeadlineExceeded, FieldViolation, FleetError, NotFound
+from services.common.errors import Cancelled, DeadlineExceeded, FleetError, NotFound
 from services.common.jobs import JobRecord, JobState, JobStore
 from services.common.weights import WeightStore
 from services.learner import checkpoint as ckpt
@@ -70,14 +70,6 @@ class StepData:
     leases: list[LeaseRecord] = field(default_factory=list)
     stale_dropped: int = 0
     copies_skipped: int = 0
-
-
-def validate_spec(spec: JobSpec) -> None:
-    """Cross-field rules the learner needs beyond JobSpec's own bounds."""
-    if spec.train.max_staleness < spec.train.publish_interval - 1:
-        raise ConfigError("invalid job spec", [FieldViolation(
-            "train.max_staleness", f"must be >= train.publish_interval - 1 = {spec.train.publish_interval - 1}, "
-            "or no group generated with published weights could ever be fresh enough")])
 
 
 class JobRun:
@@ -141,7 +133,6 @@ class JobRun:
     # ------------------------------------------------------------------ setup
 
     async def setup(self) -> None:
-        validate_spec(self.spec)
         self.phase("starting")
         prompts_bytes, _ = await self.deps.jobs.files(self.job_id)
         prompts = parse_prompts(prompts_bytes)
