@@ -1,0 +1,14 @@
+"""Fixture of the end-to-end tests: one whole fleet per module (see e2e_fleet.py)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+from e2e_fleet import FleetUnderTest, running_fleet
+
+
+@pytest.fixture(scope="module")
+def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FleetUnderTest]:
+    with running_fleet(tmp_path_factory.mktemp("fleet")) as running:
+        yield running
