@@ -7,6 +7,9 @@ Design choice: the staleness bound is enforced twice, by pure functions of count
   max_staleness 0 that is strictly on-policy: step s's prompts go out after weights v=s.
 - At sample time the learner at version v asks replay for groups of version >= v - max_staleness;
   replay drops older ones (counted stale), and the feeder publishes more prompts to fill the step.
+A task that actors dead-letter never produces a group: the learner reads the job's dead-letter
+count while it waits for data and settles the new ones (`settle_dead_lettered`), so they stop
+holding places in the bound (with max_staleness 0, one such task would stall every later step).
 Prompts are shuffled per epoch with `seeding.prompt_order(n, seed, epoch)`; each task carries
 `Nats-Msg-Id = bus.task_msg_id(job, epoch, index)`, so re-publishing after a resume is a no-op.
 The cursor (epoch, position, counters) is saved in every checkpoint.
@@ -42,7 +45,9 @@ class FeederCursor:
     published: int = 0
     """Tasks published since the job started."""
     settled: int = 0
-    """Published tasks whose groups were trained in a step or dropped as stale."""
+    """Published tasks whose groups were trained in a step or dropped as stale, or that were dead-lettered."""
+    dead_lettered: int = 0
+    """Tasks seen in the job's dead-letter subject (counted in settled)."""
 
     def to_dict(self) -> dict[str, int]:
         return asdict(self)
@@ -128,6 +133,13 @@ class Feeder:
     def settle(self, groups: int) -> None:
         """Count groups that left the pipeline (trained in a step, or dropped as stale)."""
         self.cursor.settled += groups
+
+    def settle_dead_lettered(self, total: int) -> int:
+        """Settle the tasks dead-lettered since the last call (`total`: the job's dead-letter count)."""
+        new = max(0, total - self.cursor.dead_lettered)
+        self.cursor.dead_lettered += new
+        self.settle(new)
+        return new
 
     async def top_up(self, current_version: int) -> int:
         """Publish as many tasks as the bound allows, tagged for current_version; returns the count."""

@@ -206,6 +206,8 @@ class JobRun:
                                        f"after train.timeout_per_step_s={self.spec.train.timeout_per_step_s}s")
             wait_s = min(left, self.deps.settings.sample_wait_s)
             await self.sample_once(data, need - len(data.groups), min_version, wait_s)
+            if len(data.groups) < need:
+                await self.replace_dead_lettered()
         return data
 
     async def sample_once(self, data: StepData, want: int, min_version: int, wait_s: float) -> None:
@@ -224,6 +226,14 @@ class JobRun:
         data.leases.append(LeaseRecord(lease_id, tuple(g.task_id for g in groups)))
         data.groups.extend(fresh)
         data.copies_skipped += copies
+
+    async def replace_dead_lettered(self) -> None:
+        """Tasks dead-lettered by actors will never bring a group: settle them and publish others."""
+        queue = await bus.task_queue(self.deps.js, self.job_id)
+        if self.feeder.settle_dead_lettered(queue.dead_lettered):
+            log.warning("job %s: %d tasks dead-lettered so far; publishing replacements", self.job_id,
+                        queue.dead_lettered)
+            await self.feeder.top_up(self.publisher.published_version)
 
     async def release(self, data: StepData) -> None:
         """Give back the leases of a step that will not be trained."""

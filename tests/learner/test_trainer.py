@@ -7,16 +7,18 @@ import json
 from pathlib import Path
 
 import grpc
-from learner_fleet import create_job, insert_groups, replay_service, spec_for
+import nats.errors
+from learner_fleet import create_job, insert_groups, make_group, replay_service, spec_for
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from services.common import bus
-from services.common.jobs import JobState, JobStore
+from services.common.jobs import JobRecord, JobState, JobStore
 from services.common.weights import WeightStore
 from services.learner import checkpoint as ckpt
 from services.learner.config import LearnerSettings
+from services.learner.feeder import task_ids_in_order
 from services.learner.service import serve
-from services.proto.fleetrl.v1 import learner_pb2, learner_pb2_grpc
+from services.proto.fleetrl.v1 import common_pb2, learner_pb2, learner_pb2_grpc
 from services.replay.client import ReplayClient
 
 
@@ -90,6 +92,54 @@ async def test_leases_outlive_their_timeout_until_the_checkpoint_commits_them(
     lines = [json.loads(x) for x in (tmp_path / "jobs" / record.job_id / "metrics.jsonl").read_text().splitlines()]
     assert [t for x in lines for t in x["task_ids"]] == ids
     assert (stats.committed, stats.expired_leases, stats.size_groups, stats.leased_groups) == (8, 0, 0, 0)
+
+
+async def take_tasks(nats_url: str, replay_addr: str, record: JobRecord, poison: str, stop: asyncio.Event) -> None:
+    """An actor stand-in: a synthetic group for each task, except `poison`, which goes to the dead-letter
+    subject (as an actor does after max_retries_per_episode failed deliveries)."""
+    nc = await bus.connect(nats_url, "fake-actor")
+    js = bus.jetstream(nc)
+    await bus.ensure_streams(js)
+    await bus.ensure_job_consumer(js, record.job_id, record.spec)
+    sub = await js.pull_subscribe_bind(durable=bus.task_consumer(record.job_id), stream=bus.TASKS_STREAM)
+    async with ReplayClient(replay_addr) as replay:
+        while not stop.is_set():
+            try:
+                msgs = await sub.fetch(1, timeout=0.3)
+            except nats.errors.TimeoutError:
+                continue
+            task = common_pb2.Task.FromString(msgs[0].data)
+            if task.task_id == poison:
+                await js.publish(bus.dlq_subject(record.job_id), msgs[0].data,
+                                 headers={"Nats-Msg-Id": f"dlq/{record.job_id}/{poison}"})
+            else:
+                group = make_group(record.job_id, task.task_id, int(task.min_policy_version),
+                                   record.spec.rollout.samples_per_prompt)
+                await replay.insert([group])
+            await msgs[0].ack()
+    await nc.close()
+
+
+async def test_a_dead_lettered_task_is_replaced(nats_url: str, redis_url: str, tmp_path: Path) -> None:
+    """max_staleness 0: two tasks in flight for a step of two groups. One is dead-lettered; the feeder must
+    count it settled and publish a replacement, or the step waits for a group that never comes."""
+    jobs = JobStore.from_url(redis_url)
+    record = await create_job(jobs, spec_for(max_steps=2, max_staleness=0, timeout_per_step_s=20))
+    poison = task_ids_in_order(16, record.spec.seed, 1)[0]
+    stop = asyncio.Event()
+    async with replay_service(redis_url) as addr, ReplayClient(addr) as replay:
+        actor = asyncio.create_task(take_tasks(nats_url, addr, record, poison, stop))
+        await asyncio.wait_for(serve(settings(nats_url, redis_url, addr, tmp_path), asyncio.Event(), once=True), 120)
+        stop.set()
+        await actor
+        stats = await replay.stats(record.job_id)
+    done = await jobs.get(record.job_id)
+    await jobs.close()
+    assert done.state == JobState.SUCCEEDED, done.reason
+    lines = [json.loads(x) for x in (tmp_path / "jobs" / record.job_id / "metrics.jsonl").read_text().splitlines()]
+    trained = [t for x in lines for t in x["task_ids"]]
+    assert len(trained) == len(set(trained)) == 4 and poison not in trained
+    assert stats.committed == 4
 
 
 async def test_get_status(redis_url: str, tmp_path: Path) -> None:
