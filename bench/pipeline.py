@@ -1,0 +1,286 @@
+"""Pipeline throughput: the whole fleet against the single-process reference loop, and actor scaling.
+
+`python -m bench.pipeline --json [--steps 8 --actors 2 --scale 1,2,4,8 --latency-s 0.5 --tasks-per-actor 12]`
+prints one JSON object with two parts, measured in the same run.
+
+Fleet vs reference (tiny-llama, the same job: spec, seed, prompts, steps):
+- fleet_groups_per_s: groups the learner trains per second when the whole fleet runs the job
+  (`services.fleet.fleet.Fleet` as `fleetrl up` starts it: embedded NATS + Valkey, gateway, replay,
+  reward, learner and `--actors` HF actors, one torch thread each; the job submitted through the
+  gateway), steady state: steps 2..S from the learner's metrics timestamps;
+- reference_groups_per_s: `services.learner.reference.run` on the same job in this process (generate
+  the step's groups, then train; one torch thread by default, like each fleet process: on 2 shared
+  cores a second thread mostly spins), steady state likewise;
+- ratio: fleet / reference.
+
+Orchestration scaling, with the fixed backend (`FLEETRL_ACTOR_BACKEND=fixed`: every group's
+generation sleeps `--latency-s` and costs no CPU, so what is left is the fleet's own cost: fetch,
+weights check, reward call, replay insert, ack). Real NATS, Valkey, replay and reward processes and
+k real actor processes; this process plays the learner (job record, replay table, consumer, weights
+v0) and publishes k x `--tasks-per-actor` tasks at once, after all k actors hold the job's weights:
+- trajectories_per_s: {k: groups stored per second}, from the first task received to the last group
+  scored (replay lineage timestamps);
+- scaling_efficiency_8: rate(8) / (8 x rate(1)) (goal >= 0.8);
+- overhead_ms_per_group: 1000 x (1 / rate(1) - latency_s), what one group costs beyond generation
+  (and per k: 1000 x (k / rate(k) - latency_s)).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from services.common import bus, models
+from services.common.config import JobSpec
+from services.common.embedded import EmbeddedNats, EmbeddedValkey, free_port, wait_for_port
+from services.common.jobs import JobState, JobStore
+from services.common.weights import WeightStore, encode_safetensors
+from services.fleet.fleet import Fleet, FleetOptions
+from services.fleet.supervisor import ChildSpec, Supervisor
+from services.gateway.client import Client
+from services.learner import reference
+from services.proto.fleetrl.v1 import common_pb2, replay_pb2
+from services.replay.client import ReplayClient
+
+ROOT = Path(__file__).resolve().parents[1]
+PROMPTS = ROOT / "examples" / "addition" / "train.jsonl"
+MODEL = "tiny-llama"
+QUIET = {"TOKENIZERS_PARALLELISM": "false", "FLEETRL_TRACING": "0"}
+
+
+def job_spec(steps: int, prompts: Path) -> JobSpec:
+    """The fleet-vs-reference job: 8 groups of 8 samples per step, 24 new tokens, one checkpoint."""
+    return JobSpec.model_validate({
+        "name": "bench", "model": MODEL, "prompts": str(prompts), "seed": 11, "reward": {"builtin": "numeric_match"},
+        "optim": {"learning_rate": 1e-4},
+        "rollout": {"prompts_per_step": 8, "samples_per_prompt": 8, "max_new_tokens": 24},
+        "train": {"max_steps": steps, "max_staleness": 1, "checkpoint_interval": steps, "micro_batch_samples": 32,
+                  "timeout_per_step_s": 300},
+    })
+
+
+def steady_rate(step_ends_s: list[float], groups_per_step: int) -> float:
+    """Groups per second over steps 2..S, given each step's end time."""
+    return (len(step_ends_s) - 1) * groups_per_step / (step_ends_s[-1] - step_ends_s[0])
+
+
+# --------------------------------------------------------------------------- fleet vs reference
+
+
+def reference_rate(spec: JobSpec, threads: int) -> float:
+    if threads:
+        torch.set_num_threads(threads)
+    torch.manual_seed(spec.seed)
+    model, tokenizer = models.load(spec.model)
+    history = reference.run(spec, model, tokenizer, reference.numeric_match, spec.train.max_steps)
+    ends, total = [], 0.0
+    for metrics in history:
+        total += metrics["step_s"]
+        ends.append(total)
+    return steady_rate(ends, spec.rollout.prompts_per_step)
+
+
+def fleet_rate(spec: JobSpec, run_dir: Path, actors: int) -> tuple[float, float]:
+    """(steady groups/s, wall seconds from submission to success) of the job on a whole local fleet."""
+    env = {**QUIET, "FLEETRL_ACTOR_TORCH_THREADS": "1", "FLEETRL_LEARNER_TORCH_THREADS": "1",
+           "FLEETRL_ACTOR_POLL_INTERVAL_S": "0.3", "FLEETRL_LEARNER_CLAIM_POLL_S": "0.3",
+           "FLEETRL_LEARNER_SAMPLE_WAIT_S": "0.5", "FLEETRL_ACTOR_GRACE_S": "5"}
+    fleet = Fleet(FleetOptions(run_dir=run_dir, actors=actors, metrics=False, extra_env=env))
+    try:
+        layout = fleet.start()
+        with Client(layout.addresses["gateway"]) as client:
+            started = time.monotonic()
+            job = client.submit(spec.model_dump_json(), Path(spec.prompts).read_bytes(), spec_format="json")
+            info = client.run(job.job_id).wait(timeout_s=1800)
+            wall_s = time.monotonic() - started
+        if info.state != "succeeded":
+            raise RuntimeError(f"bench job {info.job_id} ended {info.state}: {info.reason}")
+        lines = (run_dir / "jobs" / job.job_id / "metrics.jsonl").read_text().splitlines()
+        ends = [json.loads(line)["unix_ms"] / 1000 for line in lines]
+    finally:
+        fleet.stop()
+    return steady_rate(ends, spec.rollout.prompts_per_step), wall_s
+
+
+# --------------------------------------------------------------------------- orchestration scaling
+
+
+class ScalingRig:
+    """Replay, reward and k fixed-backend actors as supervised processes; this process is the learner."""
+
+    def __init__(self, tmp: Path, nats_url: str, redis_url: str, latency_s: float) -> None:
+        self.nats_url, self.redis_url, self.latency_s = nats_url, redis_url, latency_s
+        self.supervisor = Supervisor(tmp / "logs")
+        self.replay_addr = self._service("replay", {"REDIS_URL": redis_url})
+        self.reward_addr = self._service("reward", {})
+        self.actors: list[str] = []
+
+    def _service(self, name: str, env: dict[str, str]) -> str:
+        port = free_port()
+        settings = {"LISTEN": f"127.0.0.1:{port}", "NATS_URL": self.nats_url, "LOG_LEVEL": "WARNING", **env}
+        child = self.supervisor.add(self._child(name, name, settings))
+        wait_for_port("127.0.0.1", port, 60, child.proc)
+        return f"127.0.0.1:{port}"
+
+    @staticmethod
+    def _child(name: str, service: str, settings: dict[str, str]) -> ChildSpec:
+        """A service process configured only through its FLEETRL_<SERVICE>_<FIELD> variables."""
+        env = {f"FLEETRL_{service.upper()}_{key}": value for key, value in settings.items()}
+        return ChildSpec(name, [sys.executable, "-m", f"services.{service}"], {**QUIET, **env})
+
+    def grow(self, count: int) -> None:
+        while len(self.actors) < count:
+            name = f"actor-{len(self.actors) + 1}"
+            settings = {"ACTOR_ID": name, "NATS_URL": self.nats_url, "REDIS_URL": self.redis_url,
+                        "REPLAY_ADDR": self.replay_addr, "REWARD_ADDR": self.reward_addr, "BACKEND": "fixed",
+                        "FIXED_LATENCY_S": str(self.latency_s), "TORCH_THREADS": "1", "POLL_INTERVAL_S": "0.2",
+                        "FETCH_TIMEOUT_S": "0.5"}
+            self.supervisor.add(self._child(name, "actor", settings))
+            self.actors.append(name)
+
+    def all_hold_weights(self, job_id: str) -> bool:
+        marker = f"job {job_id}: loaded weights v0"
+        return all(marker in (self.supervisor.log_dir / f"{name}.log").read_text(errors="replace")
+                   for name in self.actors)
+
+    def stop(self) -> None:
+        self.supervisor.stop_all()
+
+
+async def wait_until(predicate: Any, timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not await predicate():
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"bench: timed out waiting for {what}")
+        await asyncio.sleep(0.1)
+
+
+async def measure(rig: ScalingRig, k: int, tasks: int, weights: bytes) -> float:
+    """Groups per second of k actors on a fresh job of `tasks` tasks."""
+    spec = JobSpec.model_validate({
+        "name": f"scale-{k}", "model": MODEL, "prompts": "bench", "reward": {"builtin": "numeric_match"},
+        "rollout": {"prompts_per_step": tasks, "samples_per_prompt": 4, "max_new_tokens": 16},
+        "train": {"max_staleness": 0, "task_ack_wait_s": 60},
+    })
+    jobs = JobStore.from_url(rig.redis_url)
+    nc = await bus.connect(rig.nats_url, "bench-pipeline")
+    js = bus.jetstream(nc)
+    try:
+        async with ReplayClient(rig.replay_addr, timeout_s=30) as replay:
+            job_id = await open_job(jobs, js, replay, spec)
+            await WeightStore(nc, js).publish(job_id, 0, weights, "bfloat16")
+            rig.grow(k)
+
+            async def ready() -> bool:
+                return rig.all_hold_weights(job_id)
+
+            await wait_until(ready, 300, f"{k} actors holding weights")
+            for index in range(tasks):
+                await publish_task(js, job_id, index)
+
+            async def stored() -> bool:
+                return (await replay.stats(job_id)).inserted >= tasks
+
+            await wait_until(stored, 600, f"{tasks} groups from {k} actors")
+            stats, lineage = await replay.stats(job_id), await replay.query(job_id, limit=tasks + 1)
+            await jobs.set_state(job_id, JobState.SUCCEEDED)
+    finally:
+        await nc.close()
+        await jobs.close()
+    return rate_of(stats, lineage, tasks)
+
+
+async def open_job(jobs: JobStore, js: Any, replay: ReplayClient, spec: JobSpec) -> str:
+    record = await jobs.create("bench", spec, b'{"prompt": "unused"}\n', None)
+    await jobs.set_state(record.job_id, JobState.RUNNING)
+    await replay.configure(record.job_id, spec.replay)
+    await bus.ensure_streams(js)
+    await bus.ensure_job_consumer(js, record.job_id, spec)
+    return record.job_id
+
+
+async def publish_task(js: Any, job_id: str, index: int) -> None:
+    a, b = divmod(index, 100)
+    task = common_pb2.Task(job_id=job_id, task_id=f"0/{index}", epoch=0, prompt_index=index,
+                           prompt=f"What is {a} + {b}?", metadata_json=json.dumps({"answer": str(a + b)}),
+                           min_policy_version=0, published_unix_ms=int(time.time() * 1000))
+    await js.publish(bus.task_subject(job_id), task.SerializeToString(),
+                     headers={"Nats-Msg-Id": bus.task_msg_id(job_id, 0, index)})
+
+
+def rate_of(stats: replay_pb2.TableStats, lineage: list[replay_pb2.LineageRecord], tasks: int) -> float:
+    if stats.inserted != tasks or stats.duplicates or len(lineage) != tasks:
+        raise RuntimeError(f"bench: expected {tasks} groups once each, replay reports {stats}")
+    first = min(r.lineage.received_unix_ms for r in lineage)
+    last = max(r.lineage.scored_unix_ms for r in lineage)
+    return tasks / ((last - first) / 1000)
+
+
+async def scaling(tmp: Path, counts: list[int], latency_s: float, tasks_per_actor: int) -> dict[int, float]:
+    tensors = models.state_dict_for_publish(models.load(MODEL)[0], "bfloat16")
+    weights = encode_safetensors(tensors)
+    with EmbeddedNats(data_dir=tmp / "nats") as nats, EmbeddedValkey(data_dir=tmp / "valkey") as valkey:
+        rig = ScalingRig(tmp, nats.url, valkey.url, latency_s)
+        try:
+            await measure(rig, 1, 2, weights)  # warm-up: the reward service starts the spec's workers once
+            return {k: await measure(rig, k, k * tasks_per_actor, weights) for k in sorted(counts)}
+        finally:
+            rig.stop()
+
+
+# --------------------------------------------------------------------------- report
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    counts = [int(k) for k in args.scale.split(",")]
+    with tempfile.TemporaryDirectory(prefix="bench-pipeline-") as tmp_dir:
+        tmp = Path(tmp_dir)
+        spec = job_spec(args.steps, Path(args.prompts).resolve())
+        reference_gps = reference_rate(spec, args.threads)
+        fleet_gps, fleet_wall_s = fleet_rate(spec, tmp / "fleet", args.actors)
+        rates = asyncio.run(scaling(tmp / "scaling", counts, args.latency_s, args.tasks_per_actor))
+    overhead = {k: round(1000 * (k / rate - args.latency_s), 1) for k, rate in rates.items()}
+    result: dict[str, Any] = {
+        "model": MODEL, "steps": args.steps, "groups_per_step": spec.rollout.prompts_per_step,
+        "samples_per_group": spec.rollout.samples_per_prompt, "max_new_tokens": spec.rollout.max_new_tokens,
+        "fleet_actors": args.actors, "fleet_groups_per_s": round(fleet_gps, 3),
+        "fleet_wall_s": round(fleet_wall_s, 1), "reference_groups_per_s": round(reference_gps, 3),
+        "reference_threads": torch.get_num_threads(), "ratio": round(fleet_gps / reference_gps, 3),
+        "fixed_latency_s": args.latency_s, "tasks_per_actor": args.tasks_per_actor,
+        "trajectories_per_s": {str(k): round(rate, 3) for k, rate in rates.items()},
+        "overhead_ms_per_group_by_actors": {str(k): v for k, v in overhead.items()},
+    }
+    if 1 in rates:
+        result["overhead_ms_per_group"] = overhead[1]
+        if 8 in rates:
+            result["scaling_efficiency_8"] = round(rates[8] / (8 * rates[1]), 3)
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=6, help="steps of the fleet-vs-reference job (default 6)")
+    parser.add_argument("--actors", type=int, default=2, help="HF actors of the fleet run (default 2)")
+    parser.add_argument("--prompts", default=str(PROMPTS), help="prompt JSONL (default the addition examples)")
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch threads of the reference loop (default 1, as each fleet process; 0: torch's)")
+    parser.add_argument("--scale", default="1,2,4,8", help="actor counts of the fixed-backend runs")
+    parser.add_argument("--latency-s", type=float, default=0.5, help="fixed backend seconds per group")
+    parser.add_argument("--tasks-per-actor", type=int, default=10, help="tasks per actor in each scaling run")
+    parser.add_argument("--json", action="store_true", help="print one JSON object (the default output)")
+    args = parser.parse_args(argv)
+    result = run(args)
+    print(json.dumps(result) if args.json else json.dumps(result, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
