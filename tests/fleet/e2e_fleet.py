@@ -44,11 +44,15 @@ def addition_prompts(n: int) -> str:
 
 
 def job_params(**overrides: Any) -> dict[str, Any]:
-    """A tiny job: 4 groups of 4 samples per step, 8 new tokens, short ack wait and lease timeout."""
+    """A tiny job: 4 groups of 4 samples per step, 8 new tokens, a short ack wait.
+
+    The lease timeout outlasts a replay restart on a loaded 2-core machine (the learner cannot renew
+    while replay is down, and an expired lease's groups go back to the table uncommitted).
+    """
     params: dict[str, Any] = {
         "seed": 5, "learning_rate": 1e-3, "prompts_per_step": 4, "samples_per_prompt": 4, "max_new_tokens": 8,
         "max_steps": 10, "max_staleness": 1, "checkpoint_interval": 3, "timeout_per_step_s": 120,
-        "train.task_ack_wait_s": 3, "train.micro_batch_samples": 16, "replay.lease_timeout_s": 10,
+        "train.task_ack_wait_s": 3, "train.micro_batch_samples": 16, "replay.lease_timeout_s": 30,
     }
     return {**params, **overrides}
 

@@ -25,7 +25,7 @@ from services.reward.scorer import Item, Scorer, Status, parse_spec
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 JOB_FILES = sorted(EXAMPLES.rglob("*.toml"))
 GENERATORS = [p for p in sorted(EXAMPLES.rglob("make_prompts.py")) if p.parent.name != "addition"]
-UID_BASE = 250_000  # sandbox uids of this module, apart from the reward tests' range
+UID_BASE = 400_000  # sandbox uids of this module, apart from the reward tests' and the default range
 GOLD_FIELD = {"addition": "answer", "gsm8k": "solution", "custom_reward": "answer"}
 BEST_REWARD = {"addition": 1.5, "gsm8k": 1.1, "custom_reward": 1.5}
 

@@ -17,7 +17,7 @@ from services.reward.config import RewardSettings
 from services.reward.convert import spec_to_proto
 from services.reward.server import running
 
-UID_BASE = 230_000
+UID_BASE = 300_000  # clear of the default range [200_000, 260_000) that other tests' reward services use
 
 
 def descendants(root: int | None = None) -> list[int]:
