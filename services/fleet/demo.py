@@ -37,6 +37,7 @@ EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 DEFAULT_JOB = EXAMPLES / "addition" / "job.toml"
 DEFAULT_EVAL = EXAMPLES / "addition" / "eval.jsonl"
 SUPERVISE_S = 0.25
+COMPONENT_LABELS = {"reward/correct": "acc"}
 
 
 @dataclass(frozen=True)
@@ -222,9 +223,13 @@ def follow(handle: Run, out: Console) -> tuple[JobInfo, list[StepInfo]]:
 
 
 def step_line(step: StepInfo, max_steps: int) -> str:
-    """`step 3/40  reward 0.41  acc 0.22  number-only 0.38  KL 0.002  310 tok/s  24.1 s/step`."""
-    labels = (("reward_mean", "reward", "{:.3f}"), ("reward/correct", "acc", "{:.2f}"),
-              ("reward/format", "number-only", "{:.2f}"), ("kl", "KL", "{:.4f}"),
-              ("tokens_per_s", "tok/s", "{:.0f}"), ("step_time_s", "s/step", "{:.1f}"))
-    parts = [f"{label} {fmt.format(step.values[key])}" for key, label, fmt in labels if key in step.values]
+    """`step 3/40  reward 0.41  acc 0.22  format 0.38  exact 0.09  KL 0.002  tok/s 9  s/step 24.1`:
+    the mean reward, each reward component (`correct` shown as acc), KL and throughput."""
+    values = step.values
+    parts = [f"reward {values['reward_mean']:.3f}"] if "reward_mean" in values else []
+    parts += [f"{COMPONENT_LABELS.get(key, key[7:])} {values[key]:.2f}" for key in sorted(values)
+              if key.startswith("reward/")]
+    parts += [f"{label} {fmt.format(values[key])}" for key, label, fmt in
+              (("kl", "KL", "{:.4f}"), ("tokens_per_s", "tok/s", "{:.0f}"), ("step_time_s", "s/step", "{:.1f}"))
+              if key in values]
     return f"step {step.step}/{max_steps}  " + "  ".join(parts)

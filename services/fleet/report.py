@@ -29,10 +29,12 @@ from services.gateway.models import JobInfo, StepInfo
 METRICS_JSONL, PLOT_PNG, EVAL_JSON = "metrics.jsonl", "training.png", "eval.json"
 REPORT_JSON, REPORT_MD = "report.json", "report.md"
 EVAL_NEW_TOKENS = 16
+COMPONENTS = "reward/"
 PLOTTED = (("mean reward of the training samples", ("reward_mean",)),
-           ("accuracy and number-only rate of the training samples", ("reward/correct", "reward/format")),
+           ("reward components of the training samples (correct = accuracy)", (COMPONENTS,)),
            ("KL(policy || base model)", ("kl",)))
-LABELS = {"reward_mean": "reward", "reward/correct": "correct", "reward/format": "number-only", "kl": "KL"}
+"""Panels: title and metric keys; COMPONENTS stands for every `reward/<name>` key."""
+LABELS = {"reward_mean": "reward", "kl": "KL"}
 
 
 def write(run_dir: Path, spec: JobSpec, job: JobInfo, steps: list[StepInfo], model_dir: Path | None,
@@ -65,10 +67,10 @@ def plot(path: Path, steps: list[StepInfo]) -> None:
 
     fig, axes = plt.subplots(len(PLOTTED), 1, figsize=(7, 8), sharex=True)
     for ax, (title, keys) in zip(axes, PLOTTED, strict=True):
-        for key in keys:
+        for key in _expand(keys, steps):
             points = [(s.step, s.values[key]) for s in steps if key in s.values]
             if points:
-                ax.plot(*zip(*points, strict=True), marker=".", label=LABELS.get(key, key))
+                ax.plot(*zip(*points, strict=True), marker=".", label=LABELS.get(key, key.removeprefix(COMPONENTS)))
         ax.set_title(title)
         ax.grid(alpha=0.3)
         if ax.get_legend_handles_labels()[0]:
@@ -78,6 +80,11 @@ def plot(path: Path, steps: list[StepInfo]) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
+
+
+def _expand(keys: tuple[str, ...], steps: list[StepInfo]) -> list[str]:
+    components = sorted({k for s in steps for k in s.values if k.startswith(COMPONENTS)})
+    return [k for key in keys for k in (components if key == COMPONENTS else [key])]
 
 
 # ----------------------------------------------------------------------------- evaluation
