@@ -44,15 +44,16 @@ def addition_prompts(n: int) -> str:
 
 
 def job_params(**overrides: Any) -> dict[str, Any]:
-    """A tiny job: 4 groups of 4 samples per step, 8 new tokens, a short ack wait.
+    """A tiny job: 4 groups of 4 samples per step, 8 new tokens, short ack wait and lease timeout.
 
-    The lease timeout outlasts a replay restart on a loaded 2-core machine (the learner cannot renew
-    while replay is down, and an expired lease's groups go back to the table uncommitted).
+    The lease timeout must outlast a replay restart (the learner cannot renew while replay is down) and
+    be short enough that a killed learner's leases expire before the job ends (the chaos accounting
+    asserts no lease is left open).
     """
     params: dict[str, Any] = {
         "seed": 5, "learning_rate": 1e-3, "prompts_per_step": 4, "samples_per_prompt": 4, "max_new_tokens": 8,
         "max_steps": 10, "max_staleness": 1, "checkpoint_interval": 3, "timeout_per_step_s": 120,
-        "train.task_ack_wait_s": 3, "train.micro_batch_samples": 16, "replay.lease_timeout_s": 30,
+        "train.task_ack_wait_s": 3, "train.micro_batch_samples": 16, "replay.lease_timeout_s": 10,
     }
     return {**params, **overrides}
 
@@ -113,6 +114,12 @@ class FleetUnderTest:
         wait_for(lambda: len(names := self.actors()) == count and all(map(self.alive, names)), 30, f"{count} actors")
         return self.actors()
 
+    def stop_actors(self) -> None:
+        """Scale to 0 and wait until every actor process is gone, so no insert races an accounting read."""
+        pids = [self.pid(name) for name in self.actors() if self.alive(name)]
+        request_scale(self.run_dir, 0)
+        wait_for(lambda: not any(_pid_exists(pid) for pid in pids), 60, "actors to stop")
+
     def metrics(self, job_id: str) -> list[dict[str, Any]]:
         """The learner's metrics JSONL of a job (one object per surviving step)."""
         path = self.run_dir / "jobs" / job_id / "metrics.jsonl"
@@ -164,3 +171,11 @@ def running_fleet(run_dir: Path, actors: int = 2) -> Iterator[FleetUnderTest]:
             serving.join(10)
         fleet.stop()
         signal.signal(signal.SIGHUP, previous)
+
+
+def _pid_exists(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True

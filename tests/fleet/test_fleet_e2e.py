@@ -112,6 +112,7 @@ def test_chaos_kills_lose_and_duplicate_nothing(fleet: FleetUnderTest) -> None:
     assert all(fleet.restarts(service) >= 1 for service in killed)
     assert f"job {run.job_id} resumed from step" in fleet.log("learner")
     assert [m["step"] for m in fleet.metrics(run.job_id)] == list(range(1, CHAOS_STEPS + 1))
+    fleet.stop_actors()
     counts = account(fleet, run.job_id)
     print(f"chaos: {CHAOS_STEPS} steps in {elapsed:.1f}s, {actor_kills} actor kills, killed once: {sorted(killed)}")
     print("chaos accounting:", json.dumps(counts))
@@ -142,6 +143,7 @@ def test_live_scale_add_and_remove_an_actor(fleet: FleetUnderTest) -> None:
     elapsed = time.monotonic() - started
     assert info.state == "succeeded", (info.reason, fleet.log("learner")[-3000:])
     assert fleet.actors() == [first] and not fleet.alive(added)
+    fleet.stop_actors()
     counts = account(fleet, job)
     lineage = fleet.lineage(job)
     by_actor = {name: sorted(r.lineage.scored_unix_ms for r in lineage if r.lineage.actor_id == name)
