@@ -25,7 +25,6 @@ from pathlib import Path
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from services.common import embedded
 from services.common.config import parse_job_spec
 from services.common.errors import ConfigError, FieldViolation, FleetError, InvalidArgument, NotFound
 from services.fleet.fleet import Fleet, FleetLayout, FleetOptions
@@ -38,7 +37,6 @@ EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 DEFAULT_JOB = EXAMPLES / "addition" / "job.toml"
 DEFAULT_EVAL = EXAMPLES / "addition" / "eval.jsonl"
 SUPERVISE_S = 0.25
-SERVICE_START_S = 120.0
 COMPONENT_LABELS = {"reward/correct": "acc"}
 
 
@@ -168,7 +166,6 @@ def started_fleet(options: FleetOptions, out: Console) -> Iterator[FleetLayout]:
         out.print(f"starting a fleet with {options.actors} actor(s) in {options.run_dir} ...")
         layout = fleet.start()
         supervising.start()
-        wait_until_listening(layout)
         out.print(f"fleet up: gateway {layout.addresses['gateway']}, logs in {layout.log_dir}")
         yield layout
     finally:
@@ -177,13 +174,6 @@ def started_fleet(options: FleetOptions, out: Console) -> Iterator[FleetLayout]:
             supervising.join()
         fleet.stop()
         out.print("fleet stopped")
-
-
-def wait_until_listening(layout: FleetLayout) -> None:
-    """Every service accepts connections (the gateway checks a submission with the reward service)."""
-    for address in layout.addresses.values():
-        host, port = address.rsplit(":", 1)
-        embedded.wait_for_port(host, int(port), SERVICE_START_S)
 
 
 def _supervise(fleet: Fleet, stop: threading.Event) -> None:

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from services.common import embedded
+from services.common.errors import Unavailable
 from services.fleet.supervisor import ChildSpec, Supervisor
 
 log = logging.getLogger(__name__)
@@ -26,6 +27,8 @@ log = logging.getLogger(__name__)
 STATE_FILE = "fleet.json"
 SCALE_FILE = "fleet.scale"
 SERVICES = ("replay", "reward", "gateway", "learner")
+# Seconds a service may take to listen: imports of torch/transformers take tens of seconds on a busy 2-core box.
+SERVICE_START_S = 120.0
 
 
 @dataclass
@@ -87,10 +90,21 @@ class Fleet:
         self.layout = FleetLayout(nats_url, redis_url, addresses, metrics, self.supervisor.log_dir, os.getpid())
         for name in SERVICES:
             self.supervisor.add(ChildSpec(name, _module_argv(name), self._env(name)))
-        embedded.wait_for_port(host, int(addresses["gateway"].rsplit(":", 1)[1]), 60.0)
+        self._wait_listening()
         self.set_actors(self.options.actors)
         (self.run_dir / STATE_FILE).write_text(self.layout.to_json())
         return self.layout
+
+    def _wait_listening(self) -> None:
+        """Every service accepts connections; the gateway checks each submission with the reward service."""
+        assert self.layout is not None
+        for name, address in self.layout.addresses.items():
+            host, port = address.rsplit(":", 1)
+            child = self.supervisor.children[name]
+            try:
+                embedded.wait_for_port(host, int(port), SERVICE_START_S, child.proc)
+            except Unavailable as e:
+                raise Unavailable(f"{name} did not start ({e}); see {child.log_path}") from e
 
     def _start_infra(self) -> tuple[str, str]:
         if self.options.nats_url and self.options.redis_url:

@@ -19,9 +19,12 @@ from services.common import telemetry
 from services.common.config import ReplayConfig
 from services.common.grpcutil import channel, retry
 from services.proto.fleetrl.v1 import common_pb2, replay_pb2, replay_pb2_grpc
+from services.replay import wire
 
 SAMPLERS = {"fifo": replay_pb2.SAMPLER_KIND_FIFO, "uniform": replay_pb2.SAMPLER_KIND_UNIFORM,
             "prioritized": replay_pb2.SAMPLER_KIND_PRIORITIZED}
+INSERT_METHOD = "/fleetrl.v1.ReplayService/Insert"
+INSERT_GROUPS_FIELD = replay_pb2.InsertRequest.DESCRIPTOR.fields_by_name["groups"].number
 INSERTED = replay_pb2.INSERT_OUTCOME_INSERTED
 DUPLICATE = replay_pb2.INSERT_OUTCOME_DUPLICATE
 
@@ -39,6 +42,8 @@ class ReplayClient:
         self.attempts = attempts
         self._channel: grpc.aio.Channel = channel(addr)
         self._stub = replay_pb2_grpc.ReplayServiceStub(self._channel)
+        self._insert_raw = self._channel.unary_unary(
+            INSERT_METHOD, request_serializer=None, response_deserializer=replay_pb2.InsertResponse.FromString)
 
     async def configure(self, job_id: str, cfg: ReplayConfig) -> replay_pb2.TableInfo:
         """Create or update the job's table from the JobSpec's replay section."""
@@ -48,8 +53,12 @@ class ReplayClient:
         return await self._call("ConfigureTable", req)
 
     async def insert(self, groups: Sequence[common_pb2.Group]) -> list[int]:
-        """Insert groups; one InsertOutcome (INSERTED or DUPLICATE) per group, in order."""
-        resp = await self._call("Insert", replay_pb2.InsertRequest(groups=groups))
+        """Insert groups; one InsertOutcome (INSERTED or DUPLICATE) per group, in order.
+
+        The request is built from each group's bytes (`wire`): `InsertRequest(groups=...)` would
+        first deep-copy every group, which costs more than serialising it."""
+        request = wire.append_field(b"", INSERT_GROUPS_FIELD, [g.SerializeToString() for g in groups])
+        resp = await self._call("Insert", request, rpc=self._insert_raw)
         return list(resp.outcomes)
 
     async def sample(self, job_id: str, max_groups: int, min_policy_version: int = 0, wait_s: float = 0.0,
@@ -97,8 +106,8 @@ class ReplayClient:
                         tb: TracebackType | None) -> None:
         await self.close()
 
-    async def _call(self, method: str, request: Any, extra_s: float = 0.0) -> Any:
-        rpc = getattr(self._stub, method)
+    async def _call(self, method: str, request: Any, extra_s: float = 0.0, rpc: Any = None) -> Any:
+        rpc = rpc or getattr(self._stub, method)
         metadata = telemetry.grpc_metadata()
         return await retry(lambda: rpc(request, timeout=self.timeout_s + extra_s, metadata=metadata),
                            what=f"replay {method}", attempts=self.attempts)

@@ -70,46 +70,55 @@ local function reclaim(now)
 end
 """
 
-# ARGV: prefix, task, payload, policy_version, priority, lineage_json, max_lineage
-# returns {1 inserted | 0 duplicate | -1 no table, evicted}
+# ARGV: prefix, max_lineage, then per group: task, payload, policy_version, priority, lineage_json
+# returns {-1} no table, or {outcome per group (1 inserted | 0 duplicate)..., evicted}
 INSERT = "#!lua\n" + _COMMON + r"""
-if redis.call('EXISTS', P..'cfg') == 0 then return {-1, 0} end
-local t = ARGV[2]
-if redis.call('SADD', P..'seen', t) == 0 then
-  redis.call('HINCRBY', P..'ctr', 'duplicates', 1)
-  return {0, 0}
-end
-local seq = redis.call('HINCRBY', P..'ctr', 'seq', 1)
-redis.call('HSET', P..'data', t, ARGV[3])
-redis.call('ZADD', P..'stored', seq, t)
-redis.call('ZADD', P..'avail', seq, t)
-redis.call('ZADD', P..'pv', ARGV[4], t)
-redis.call('HSET', P..'gpv', t, ARGV[4])
-redis.call('HSET', P..'prio', t, ARGV[5])
-redis.call('HSET', P..'lin', t, ARGV[6])
-redis.call('ZADD', P..'linpv', ARGV[4], t)
-local extra = redis.call('ZCARD', P..'linpv') - tonumber(ARGV[7])
-if extra > 0 then
-  for _, old in ipairs(redis.call('ZPOPMIN', P..'linpv', extra)) do
-    redis.call('HDEL', P..'lin', old)
-    redis.call('HDEL', P..'reuse', old)
-  end
-end
-redis.call('HINCRBY', P..'ctr', 'inserted', 1)
+if redis.call('EXISTS', P..'cfg') == 0 then return {-1} end
+local max_lineage = tonumber(ARGV[2])
 local capacity = tonumber(redis.call('HGET', P..'cfg', 'capacity'))
-local evicted = 0
-while redis.call('ZCARD', P..'stored') > capacity do
-  -- oldest sampleable group other than the new one; leased groups are never evicted
-  local victim = nil
-  for _, v in ipairs(redis.call('ZRANGE', P..'avail', 0, 1)) do
-    if v ~= t and victim == nil then victim = v end
+local out = {}
+local inserted, duplicates, evicted = 0, 0, 0
+for i = 3, #ARGV, 5 do
+  local t, pv = ARGV[i], ARGV[i + 2]
+  if redis.call('SADD', P..'seen', t) == 0 then
+    duplicates = duplicates + 1
+    out[#out + 1] = 0
+  else
+    local seq = redis.call('HINCRBY', P..'ctr', 'seq', 1)
+    redis.call('HSET', P..'data', t, ARGV[i + 1])
+    redis.call('ZADD', P..'stored', seq, t)
+    redis.call('ZADD', P..'avail', seq, t)
+    redis.call('ZADD', P..'pv', pv, t)
+    redis.call('HSET', P..'gpv', t, pv)
+    redis.call('HSET', P..'prio', t, ARGV[i + 3])
+    redis.call('HSET', P..'lin', t, ARGV[i + 4])
+    redis.call('ZADD', P..'linpv', pv, t)
+    local extra = redis.call('ZCARD', P..'linpv') - max_lineage
+    if extra > 0 then
+      for _, old in ipairs(redis.call('ZPOPMIN', P..'linpv', extra)) do
+        redis.call('HDEL', P..'lin', old)
+        redis.call('HDEL', P..'reuse', old)
+      end
+    end
+    inserted = inserted + 1
+    out[#out + 1] = 1
+    while redis.call('ZCARD', P..'stored') > capacity do
+      -- oldest sampleable group other than the new one; leased groups are never evicted
+      local victim = nil
+      for _, v in ipairs(redis.call('ZRANGE', P..'avail', 0, 1)) do
+        if v ~= t and victim == nil then victim = v end
+      end
+      if victim == nil then break end
+      delete_group(victim)
+      evicted = evicted + 1
+    end
   end
-  if victim == nil then break end
-  delete_group(victim)
-  evicted = evicted + 1
 end
+if inserted > 0 then redis.call('HINCRBY', P..'ctr', 'inserted', inserted) end
+if duplicates > 0 then redis.call('HINCRBY', P..'ctr', 'duplicates', duplicates) end
 if evicted > 0 then redis.call('HINCRBY', P..'ctr', 'evicted', evicted) end
-return {1, evicted}
+out[#out + 1] = evicted
+return out
 """
 
 # ARGV: prefix, now_ms, max_groups, min_policy_version, seed, lease_id

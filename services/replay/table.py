@@ -198,23 +198,25 @@ class ReplayTables:
                            int(raw[b"max_reuse"]), int(raw[b"lease_timeout_ms"]) / 1000)
 
     async def insert(self, records: list[GroupRecord]) -> tuple[list[bool], int]:
-        """Store groups, one script each, pipelined. Returns (inserted? per group, evicted)."""
-        async with self.redis.pipeline(transaction=False) as pipe:
-            for r in records:
-                lineage = json.dumps({**r.lineage, "policy_version": r.policy_version, "mean_reward": r.mean_reward},
-                                     separators=(",", ":"))
-                args: list[str | bytes | int] = [prefix(r.job_id), r.task_id, r.payload, r.policy_version,
-                                                 repr(r.priority), lineage, self.max_lineage_records]
-                await self._insert(args=args, client=pipe)
-            results = await _run(pipe.execute(raise_on_error=False))
-        outcomes, evicted = [], 0
-        for r, result in zip(records, results, strict=True):
-            if isinstance(result, Exception):
-                raise _mapped(result)
+        """Store groups: one script call per job holding all of its groups (a request rarely mixes
+        jobs). Returns (inserted? per group, evicted)."""
+        by_job: dict[str, list[int]] = {}
+        for i, r in enumerate(records):
+            by_job.setdefault(r.job_id, []).append(i)
+        outcomes, evicted = [False] * len(records), 0
+        for job_id, indices in by_job.items():
+            args: list[str | bytes | int] = [prefix(job_id), self.max_lineage_records]
+            for i in indices:
+                r = records[i]
+                lineage = {**r.lineage, "policy_version": r.policy_version, "mean_reward": r.mean_reward}
+                args += [r.task_id, r.payload, r.policy_version, repr(r.priority),
+                         json.dumps(lineage, separators=(",", ":"))]
+            result = await _run(self._insert(args=args))
             if result[0] == -1:
-                raise _no_table(r.job_id)
-            outcomes.append(result[0] == 1)
-            evicted += int(result[1])
+                raise _no_table(job_id)
+            for i, outcome in zip(indices, result, strict=False):
+                outcomes[i] = outcome == 1
+            evicted += int(result[-1])
         return outcomes, evicted
 
     async def sample(self, job_id: str, max_groups: int, min_policy_version: int = 0,
