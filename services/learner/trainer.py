@@ -168,13 +168,9 @@ class JobRun:
     # ------------------------------------------------------------------ per step
 
     async def should_stop(self) -> bool:
-        """True when the job was cancelled (tasks purged) or SIGTERM asked to hand it back."""
+        """True when SIGTERM asked to hand the job back; Cancelled when it was cancelled."""
         self.check_lease()
-        record = await self.deps.jobs.get(self.job_id)
-        if record.state == JobState.CANCELLED:
-            await self.deps.js.purge_stream(bus.TASKS_STREAM, subject=bus.task_subject(self.job_id))
-            log.info("job %s cancelled at step %d", self.job_id, self.step)
-            raise Cancelled(f"job {self.job_id} was cancelled")
+        await self.check_cancelled()
         if self.deps.stop.is_set():
             await self.hand_back()
             return True
@@ -186,12 +182,23 @@ class JobRun:
         await self.checkpoint()
         log.info("job %s handed back at step %d", self.job_id, self.step)
 
+    async def check_cancelled(self) -> None:
+        """Raise Cancelled (after purging the job's queued tasks) when the job was cancelled."""
+        record = await self.deps.jobs.get(self.job_id)
+        if record.state == JobState.CANCELLED:
+            await self.deps.js.purge_stream(bus.TASKS_STREAM, subject=bus.task_subject(self.job_id))
+            log.info("job %s cancelled at step %d", self.job_id, self.step)
+            raise Cancelled(f"job {self.job_id} was cancelled")
+
     def check_lease(self) -> None:
         if self.deps.lease_lost.is_set():
             raise LeaseLost(f"lost the lease of job {self.job_id}")
 
     async def wait_for_data(self) -> StepData | None:
-        """prompts_per_step fresh groups under leases, or None if SIGTERM came first."""
+        """prompts_per_step fresh groups under leases, or None if SIGTERM came first.
+
+        A cancel ends the wait within one sample_wait_s (with no actors left, the wait could
+        otherwise last the whole train.timeout_per_step_s)."""
         self.phase("waiting_for_data")
         need, data = self.spec.rollout.prompts_per_step, StepData()
         min_version = sample_min_version(self.step, self.spec.train.max_staleness)
@@ -208,6 +215,11 @@ class JobRun:
             await self.sample_once(data, need - len(data.groups), min_version, wait_s)
             if len(data.groups) < need:
                 await self.replace_dead_lettered()
+                try:
+                    await self.check_cancelled()
+                except Cancelled:
+                    await self.release(data)
+                    raise
         return data
 
     async def sample_once(self, data: StepData, want: int, min_version: int, wait_s: float) -> None:

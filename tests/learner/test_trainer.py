@@ -94,6 +94,32 @@ async def test_leases_outlive_their_timeout_until_the_checkpoint_commits_them(
     assert (stats.committed, stats.expired_leases, stats.size_groups, stats.leased_groups) == (8, 0, 0, 0)
 
 
+async def test_cancel_ends_a_step_that_waits_for_data(nats_url: str, redis_url: str, tmp_path: Path) -> None:
+    """No actors: step 2 waits for groups that never come. A cancel ends the wait within a few
+    sample waits (not after timeout_per_step_s), purges the job's queued tasks, and the job stays
+    CANCELLED."""
+    jobs = JobStore.from_url(redis_url)
+    record = await create_job(jobs, spec_for(max_steps=4, timeout_per_step_s=600))
+    async with replay_service(redis_url) as addr, ReplayClient(addr) as replay:
+        await insert_groups(replay, record, 2)
+        learner = asyncio.create_task(serve(settings(nats_url, redis_url, addr, tmp_path), asyncio.Event(), once=True))
+        while not (await jobs.steps(record.job_id)):
+            assert not learner.done(), (await jobs.get(record.job_id)).reason
+            await asyncio.sleep(0.2)
+        await jobs.set_state(record.job_id, JobState.CANCELLED, "test")
+        cancelled_at = asyncio.get_running_loop().time()
+        await asyncio.wait_for(learner, 30)
+        waited = asyncio.get_running_loop().time() - cancelled_at
+    done = await jobs.get(record.job_id)
+    await jobs.close()
+    nc = await bus.connect(nats_url, "test")
+    queued = await bus.task_queue(bus.jetstream(nc), record.job_id)
+    await nc.close()
+    assert done.state == JobState.CANCELLED and done.reason == "test"
+    assert waited < 10, f"the learner took {waited:.1f}s to notice the cancel"
+    assert queued.pending == 0
+
+
 async def take_tasks(nats_url: str, replay_addr: str, record: JobRecord, poison: str, stop: asyncio.Event) -> None:
     """An actor stand-in: a synthetic group for each task, except `poison`, which goes to the dead-letter
     subject (as an actor does after max_retries_per_episode failed deliveries)."""
