@@ -18,6 +18,7 @@ import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from services.actor.config import ActorSettings
 from services.common import embedded
 from services.common.errors import Unavailable
 from services.fleet.supervisor import ChildSpec, Supervisor
@@ -29,6 +30,8 @@ SCALE_FILE = "fleet.scale"
 SERVICES = ("replay", "reward", "gateway", "learner")
 # Seconds a service may take to listen: imports of torch/transformers take tens of seconds on a busy 2-core box.
 SERVICE_START_S = 120.0
+ACTOR_STOP_MARGIN_S = 5.0
+"""Beyond an actor's grace_s, for it to release its task and drain its connections."""
 
 
 @dataclass
@@ -146,8 +149,10 @@ class Fleet:
         """Add actors, or stop the newest ones (SIGTERM: they finish or release their task)."""
         assert self.layout is not None
         names = self.actor_names()
-        for name in names[count:][::-1]:
-            self.supervisor.remove(name)
+        surplus = names[count:]
+        if surplus:
+            self.supervisor.remove(surplus, self._actor_grace_s() + ACTOR_STOP_MARGIN_S)
+        for name in surplus:
             self.layout.metrics_ports.pop(name, None)
         for _ in range(count - len(names)):
             self._actor_ids += 1
@@ -157,6 +162,11 @@ class Fleet:
             self.supervisor.add(ChildSpec(name, _module_argv("actor"), self._env("actor", self._actor_ids)))
         (self.run_dir / STATE_FILE).write_text(self.layout.to_json())
         log.info("actors: %s", ", ".join(self.actor_names()) or "none")
+
+    def _actor_grace_s(self) -> float:
+        """How long an actor may take after SIGTERM to finish its task (its grace_s setting)."""
+        configured = self.options.extra_env.get("FLEETRL_ACTOR_GRACE_S") or os.environ.get("FLEETRL_ACTOR_GRACE_S")
+        return float(configured) if configured else ActorSettings.model_fields["grace_s"].default
 
     def request_rescale(self, *_: object) -> None:
         self._rescale.set()
@@ -177,6 +187,9 @@ class Fleet:
                 self.set_actors(read_scale(self.run_dir))
 
     def stop(self) -> None:
+        """Actors first, while replay and reward still serve the task each one finishes; then the rest."""
+        if self.layout is not None:
+            self.set_actors(0)
         self.supervisor.stop_all()
         if self.infra is not None:
             self.infra.stop()

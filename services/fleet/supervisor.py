@@ -74,11 +74,9 @@ class Supervisor:
         self._start(child)
         return child
 
-    def remove(self, name: str, grace_s: float = 10.0) -> None:
-        """Stop a child for good (SIGTERM, then SIGKILL after grace_s)."""
-        child = self.children.pop(name)
-        child.stopping = True
-        _terminate(child, grace_s)
+    def remove(self, names: list[str], grace_s: float = 10.0) -> None:
+        """Stop children for good, all at once: SIGTERM, then SIGKILL what is left after grace_s."""
+        _stop([self.children.pop(name) for name in names], grace_s)
 
     def poll(self) -> list[str]:
         """Restart children that died (after their backoff); return the names (re)started now."""
@@ -105,20 +103,7 @@ class Supervisor:
 
     def stop_all(self, grace_s: float = 15.0) -> None:
         """SIGTERM every child's process group, wait up to grace_s, SIGKILL what is left."""
-        for child in self.children.values():
-            child.stopping = True
-            _signal_group(child, signal.SIGTERM)
-        deadline = time.monotonic() + grace_s
-        for child in self.children.values():
-            if child.proc is not None:
-                try:
-                    child.proc.wait(max(0.0, deadline - time.monotonic()))
-                except subprocess.TimeoutExpired:
-                    log.warning("%s did not stop in %.0fs; killing it", child.spec.name, grace_s)
-            _signal_group(child, signal.SIGKILL)  # also reaps grandchildren left in the group
-            if child.proc is not None:
-                child.proc.wait()
-                _wait_group_gone(child.proc.pid, GROUP_GONE_S)
+        _stop(list(self.children.values()), grace_s)
 
     def _start(self, child: Child) -> None:
         env = {**self.base_env, **child.spec.env}
@@ -139,14 +124,23 @@ def _signal_group(child: Child, sig: int) -> None:
         os.killpg(child.proc.pid, sig)
 
 
-def _terminate(child: Child, grace_s: float) -> None:
-    _signal_group(child, signal.SIGTERM)
-    if child.proc is not None:
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            child.proc.wait(grace_s)
+def _stop(children: list[Child], grace_s: float) -> None:
+    """SIGTERM each child's process group, wait for all of them up to grace_s together, then
+    SIGKILL the groups (which also reaps grandchildren left in them) and wait until they are gone."""
+    for child in children:
+        child.stopping = True
+        _signal_group(child, signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    for child in children:
+        if child.proc is not None:
+            try:
+                child.proc.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                log.warning("%s did not stop in %.0fs; killing it", child.spec.name, grace_s)
         _signal_group(child, signal.SIGKILL)
-        child.proc.wait()
-        _wait_group_gone(child.proc.pid, GROUP_GONE_S)
+        if child.proc is not None:
+            child.proc.wait()
+            _wait_group_gone(child.proc.pid, GROUP_GONE_S)
 
 
 def _wait_group_gone(pgid: int, timeout_s: float) -> bool:
