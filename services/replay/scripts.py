@@ -76,15 +76,21 @@ INSERT = "#!lua\n" + _COMMON + r"""
 if redis.call('EXISTS', P..'cfg') == 0 then return {-1} end
 local max_lineage = tonumber(ARGV[2])
 local capacity = tonumber(redis.call('HGET', P..'cfg', 'capacity'))
+local n = (#ARGV - 2) / 5
+-- one block of sequence numbers for the whole call (a duplicate leaves a gap), and the sizes
+-- counted here instead of asked for per group
+local seq = redis.call('HINCRBY', P..'ctr', 'seq', n) - n
+local stored = redis.call('ZCARD', P..'stored')
+local lineage = redis.call('ZCARD', P..'linpv')
 local out = {}
 local inserted, duplicates, evicted = 0, 0, 0
 for i = 3, #ARGV, 5 do
   local t, pv = ARGV[i], ARGV[i + 2]
+  seq = seq + 1
   if redis.call('SADD', P..'seen', t) == 0 then
     duplicates = duplicates + 1
     out[#out + 1] = 0
   else
-    local seq = redis.call('HINCRBY', P..'ctr', 'seq', 1)
     redis.call('HSET', P..'data', t, ARGV[i + 1])
     redis.call('ZADD', P..'stored', seq, t)
     redis.call('ZADD', P..'avail', seq, t)
@@ -92,17 +98,18 @@ for i = 3, #ARGV, 5 do
     redis.call('HSET', P..'gpv', t, pv)
     redis.call('HSET', P..'prio', t, ARGV[i + 3])
     redis.call('HSET', P..'lin', t, ARGV[i + 4])
-    redis.call('ZADD', P..'linpv', pv, t)
-    local extra = redis.call('ZCARD', P..'linpv') - max_lineage
-    if extra > 0 then
-      for _, old in ipairs(redis.call('ZPOPMIN', P..'linpv', extra)) do
+    lineage = lineage + redis.call('ZADD', P..'linpv', pv, t)
+    if lineage > max_lineage then
+      for _, old in ipairs(redis.call('ZPOPMIN', P..'linpv', lineage - max_lineage)) do
         redis.call('HDEL', P..'lin', old)
         redis.call('HDEL', P..'reuse', old)
       end
+      lineage = max_lineage
     end
     inserted = inserted + 1
+    stored = stored + 1
     out[#out + 1] = 1
-    while redis.call('ZCARD', P..'stored') > capacity do
+    while stored > capacity do
       -- oldest sampleable group other than the new one; leased groups are never evicted
       local victim = nil
       for _, v in ipairs(redis.call('ZRANGE', P..'avail', 0, 1)) do
@@ -110,6 +117,7 @@ for i = 3, #ARGV, 5 do
       end
       if victim == nil then break end
       delete_group(victim)
+      stored = stored - 1
       evicted = evicted + 1
     end
   end

@@ -7,13 +7,16 @@ import collections
 
 import grpc
 import pytest
+import redis.asyncio as aioredis
 from replay_helpers import configure, make_group
 
 from services.common.errors import InvalidArgument, NotFound
 from services.common.grpcutil import field_violations
-from services.proto.fleetrl.v1 import replay_pb2, replay_pb2_grpc
+from services.proto.fleetrl.v1 import common_pb2, replay_pb2, replay_pb2_grpc
+from services.replay import convert
 from services.replay.client import DUPLICATE, INSERTED, ReplayClient
 from services.replay.server import Running
+from services.replay.table import ReplayTables, TableConfig
 
 
 async def test_concurrent_duplicate_inserts_store_one_copy(replay_service: Running) -> None:
@@ -175,3 +178,22 @@ async def test_bad_input_gets_clear_errors_and_server_keeps_serving(
         await replay.sample("", 1)
     assert await replay.insert([make_group("j", "0/2")]) == [INSERTED]
     assert (await replay.stats("j")).inserted == 1
+
+
+async def test_one_insert_call_dedups_evicts_and_trims_lineage_per_group(redis_url: str) -> None:
+    """A batch is one script call: a duplicate inside the batch, eviction and the lineage bound
+    all apply group by group, as if the groups came one per call."""
+    client = aioredis.Redis.from_url(redis_url)
+    tables = ReplayTables(client, max_lineage_records=3)
+    await tables.configure("jb", TableConfig.queue(capacity_groups=2))
+    groups = [make_group("jb", f"0/{i}", policy_version=i) for i in range(4)] + [make_group("jb", "0/1")]
+    records = [convert.to_record(g, g.SerializeToString()) for g in groups]
+    assert await tables.insert(records) == ([True, True, True, True, False], 2)
+    assert await tables.insert(records[:1]) == ([False], 0)  # dedup outlives eviction
+    stats = await tables.stats("jb")
+    rows = await tables.query("jb", 0, None, None, 100)
+    result = await tables.sample("jb", 10)
+    await client.aclose()
+    assert (stats.size_groups, stats.inserted, stats.duplicates, stats.evicted) == (2, 4, 2, 2)
+    assert sorted(r.task_id for r in rows) == ["0/1", "0/2", "0/3"]  # the 3 newest versions
+    assert [common_pb2.Group.FromString(p).task_id for p in result.payloads] == ["0/2", "0/3"]
