@@ -33,7 +33,7 @@ class WeightSource(Protocol):
 
     async def latest(self, job_id: str) -> WeightPointer | None: ...
 
-    async def pull(self, job_id: str, pointer: WeightPointer) -> bytes: ...
+    async def pull(self, job_id: str, pointer: WeightPointer) -> memoryview: ...
 
     def watch(self, job_id: str) -> AsyncIterator[WeightPointer]: ...
 
@@ -114,7 +114,7 @@ class JobPolicy:
             metrics.WEIGHT_PULL_BYTES.labels(self.job_id).inc(len(payload))
             await self._load(pointer, payload)
 
-    async def _load(self, pointer: WeightPointer, payload: bytes) -> None:
+    async def _load(self, pointer: WeightPointer, payload: memoryview) -> None:
         tensors = await asyncio.to_thread(decode_safetensors, payload)
         await asyncio.to_thread(self.backend.load_weights, tensors)
         self.version = pointer.version

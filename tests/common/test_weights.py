@@ -14,6 +14,7 @@ from nats.aio.client import Client as NATS
 from nats.js.object_store import ObjectStore
 
 from services.common import bus, weights
+from services.common.chunk_reader import ChunkReader
 from services.common.embedded import EmbeddedNats
 from services.common.errors import DeadlineExceeded, FailedPrecondition, NotFound
 from services.common.weights import (
@@ -64,11 +65,16 @@ async def test_chunks_fit_a_default_1_mib_max_payload(tmp_path: Path) -> None:
 
 
 async def test_safetensors_through_the_store(store: WeightStore) -> None:
-    tensors = {"w": torch.randn(64, 32).to(torch.bfloat16), "b": torch.arange(7, dtype=torch.float32)}
+    tensors = {
+        "w": torch.randn(64, 32).to(torch.bfloat16), "b": torch.arange(7, dtype=torch.float32),
+        "mask": torch.tensor([True, False, True]), "steps": torch.tensor(3, dtype=torch.int64),
+        "empty": torch.zeros(0, 4, dtype=torch.float16),
+    }
     pointer = await store.publish(JOB, 1, encode_safetensors(tensors), "bfloat16")
     pulled = decode_safetensors(await store.pull(JOB, pointer))
     assert pulled.keys() == tensors.keys()
-    assert all(torch.equal(pulled[name], tensors[name]) for name in tensors)
+    for name, tensor in tensors.items():
+        assert pulled[name].dtype == tensor.dtype and torch.equal(pulled[name], tensor)
 
 
 async def test_latest_is_none_before_first_publish(store: WeightStore) -> None:
@@ -189,3 +195,73 @@ async def test_pull_after_server_sigkill_and_restart(nats_server: EmbeddedNats, 
 async def _until_connected(client: NATS) -> None:
     while not client.is_connected:
         await asyncio.sleep(0.05)
+
+
+class _Wire(asyncio.Transport):
+    """Records what a ChunkReader sends."""
+
+    sent: bytearray
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.sent = bytearray()
+
+    def write(self, data: bytes | bytearray | memoryview) -> None:
+        self.sent += data
+
+    def close(self) -> None:
+        pass
+
+
+def _chunk(data: bytes, pending: int, header: bytes = b"") -> bytes:
+    reply = f"$JS.ACK.OBJ_b.c.1.{9 - pending}.{9 - pending}.1700000000000000000.{pending}"
+    if not header:
+        return f"MSG $O.b.C.n 1 {reply} {len(data)}\r\n".encode() + data + b"\r\n"
+    return f"HMSG $O.b.C.n 1 {reply} {len(header)} {len(header) + len(data)}\r\n".encode() + header + data + b"\r\n"
+
+
+def _status(header: bytes, reply: str = "") -> bytes:
+    args = f"_INBOX.x 1 {reply}" if reply else "_INBOX.x 1"
+    return f"HMSG {args} {len(header)} {len(header)}\r\n".encode() + header + b"\r\n"
+
+
+WIRE = (
+    b'INFO {"server_id":"x","max_payload":8388608}\r\nPONG\r\n'
+    + _chunk(b"hello", pending=2)
+    + _status(b"NATS/1.0 100 Idle Heartbeat\r\n\r\n")
+    + _status(b"NATS/1.0 100 FlowControl Request\r\n\r\n", reply="$JS.FC.b.c.fc1")
+    + b"PING\r\n"
+    + _chunk(b", w", pending=1)
+    + _status(b"NATS/1.0 100 Idle Heartbeat\r\nNats-Consumer-Stalled: $JS.FC.b.c.fc2\r\n\r\n")
+    + _chunk(b"orld!", pending=0, header=b"NATS/1.0\r\n\r\n")
+)
+
+
+def _feed(reader: ChunkReader, wire: bytes, piece: int) -> None:
+    """Deliver wire as a socket would, at most `piece` bytes per read, into the reader's own buffers."""
+    at = 0
+    while at < len(wire):
+        target = reader.get_buffer(-1)
+        size = min(len(target), piece, len(wire) - at)
+        target[:size] = wire[at : at + size]
+        reader.buffer_updated(size)
+        at += size
+
+
+@pytest.mark.parametrize("piece", [1, 2, 3, 7, 64, len(WIRE)])
+def test_chunk_reader_parses_any_split_of_the_stream(piece: int) -> None:
+    buffer, wire = bytearray(13), _Wire()
+    reader = ChunkReader(memoryview(buffer))
+    reader.connection_made(wire)
+    _feed(reader, WIRE, piece)
+    assert reader.done and not reader.overrun and reader.filled == 13
+    assert buffer == b"hello, world!"
+    assert wire.sent == b"PUB $JS.FC.b.c.fc1 0\r\n\r\nPONG\r\nPUB $JS.FC.b.c.fc2 0\r\n\r\n"
+
+
+def test_chunk_reader_stops_at_a_chunk_that_does_not_fit() -> None:
+    buffer = bytearray(10)
+    reader = ChunkReader(memoryview(buffer))
+    reader.connection_made(_Wire())
+    _feed(reader, WIRE, 5)
+    assert reader.overrun and reader.filled == 8 and buffer[:8] == b"hello, w"
