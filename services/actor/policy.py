@@ -19,7 +19,7 @@ from typing import Protocol
 from services.actor import metrics
 from services.actor.backends import Backend
 from services.common import telemetry
-from services.common.errors import DeadlineExceeded, NotFound
+from services.common.errors import DeadlineExceeded, NotFound, Unavailable
 from services.common.weights import WeightPointer, WeightsCorrupt, decode_safetensors
 
 log = logging.getLogger(__name__)
@@ -88,7 +88,8 @@ class JobPolicy:
                 await asyncio.wait_for(self._changed.wait(), min(left, 1.0))
 
     async def _load_latest(self) -> None:
-        """Pull and load the pointer's object; re-read the pointer after a corrupt or missing object."""
+        """Pull and load the pointer's object; re-read the pointer after a corrupt or missing object
+        or a lost connection (the chunk reader does not reconnect: the next attempt connects anew)."""
         for attempt in range(1, self.pull_attempts + 1):
             pointer = await self._source.latest(self.job_id)
             if pointer is None or pointer.version <= self.version:
@@ -100,7 +101,7 @@ class JobPolicy:
                 metrics.WEIGHTS_CORRUPT.labels(self.job_id).inc()
                 log.warning("job %s: rejected weights v%d (attempt %d): %s", self.job_id, pointer.version,
                             attempt, error)
-            except (NotFound, DeadlineExceeded) as error:
+            except (NotFound, DeadlineExceeded, Unavailable) as error:  # Unavailable: NATS restarting
                 log.warning("job %s: pull of v%d failed (attempt %d): %s", self.job_id, pointer.version,
                             attempt, error)
             await asyncio.sleep(RETRY_DELAY_S * attempt)
