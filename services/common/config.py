@@ -144,7 +144,8 @@ class TrainConfig(Strict):
     keep_weight_versions: int = Field(3, ge=1, le=100)
     """Published weight versions kept in the object store."""
     weights_dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
-    """dtype of published weights (and of the actors' and learner's compute)."""
+    """dtype the learner publishes weights in (the learner trains in float32; each actor casts the
+    pulled weights to its own compute dtype, `ActorSettings.dtype`, float32 by default)."""
     max_retries_per_episode: int = Field(3, ge=1, le=100)
     """Deliveries of a task before it goes to the dead-letter subject."""
     timeout_per_step_s: float = Field(600.0, gt=0, le=86_400)
