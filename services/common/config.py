@@ -214,19 +214,6 @@ class InfraSettings(Strict):
     """Log level."""
 
 
-class ServiceEndpoints(Strict):
-    """gRPC addresses of the services, for the services that call them."""
-
-    gateway_addr: str = "127.0.0.1:50051"
-    """JobService."""
-    replay_addr: str = "127.0.0.1:50052"
-    """ReplayService."""
-    reward_addr: str = "127.0.0.1:50053"
-    """RewardService."""
-    learner_addr: str = "127.0.0.1:50054"
-    """LearnerService."""
-
-
 # --------------------------------------------------------------------------- loading
 
 M = TypeVar("M", bound=BaseModel)
