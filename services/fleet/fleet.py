@@ -70,7 +70,7 @@ class FleetLayout:
             return None
         data = json.loads(path.read_text())
         layout = cls(**{**data, "log_dir": Path(data["log_dir"])})
-        return layout if _pid_alive(layout.pid) else None
+        return layout if pid_alive(layout.pid) else None
 
 
 class Fleet:
@@ -200,7 +200,8 @@ def _module_argv(service: str) -> list[str]:
     return [sys.executable, "-m", f"services.{service}"]
 
 
-def _pid_alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """Whether a process with this pid exists."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:

@@ -24,7 +24,6 @@ from services.replay import wire
 SAMPLERS = {"fifo": replay_pb2.SAMPLER_KIND_FIFO, "uniform": replay_pb2.SAMPLER_KIND_UNIFORM,
             "prioritized": replay_pb2.SAMPLER_KIND_PRIORITIZED}
 INSERT_METHOD = "/fleetrl.v1.ReplayService/Insert"
-INSERT_GROUPS_FIELD = replay_pb2.InsertRequest.DESCRIPTOR.fields_by_name["groups"].number
 INSERTED = replay_pb2.INSERT_OUTCOME_INSERTED
 DUPLICATE = replay_pb2.INSERT_OUTCOME_DUPLICATE
 
@@ -57,7 +56,7 @@ class ReplayClient:
 
         The request is built from each group's bytes (`wire`): `InsertRequest(groups=...)` would
         first deep-copy every group, which costs more than serialising it."""
-        request = wire.append_field(b"", INSERT_GROUPS_FIELD, [g.SerializeToString() for g in groups])
+        request = wire.append_field(b"", wire.INSERT_GROUPS_FIELD, [g.SerializeToString() for g in groups])
         resp = await self._call("Insert", request, rpc=self._insert_raw)
         return list(resp.outcomes)
 

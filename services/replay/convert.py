@@ -17,8 +17,6 @@ from services.replay.table import SAMPLERS, GroupRecord, LineageRow, SampleResul
 
 DEFAULT_LEASE_TIMEOUT_S = 300.0
 DEFAULT_QUERY_LIMIT = 100
-INSERT_GROUPS_FIELD = replay_pb2.InsertRequest.DESCRIPTOR.fields_by_name["groups"].number
-SAMPLE_GROUPS_FIELD = replay_pb2.SampleResponse.DESCRIPTOR.fields_by_name["groups"].number
 PRIORITY_EPS = 1e-3
 """Added to mean |advantage| so a zero-variance group keeps a small chance of being sampled."""
 
@@ -102,7 +100,7 @@ def to_records(request: bytes, max_request_bytes: int) -> list[GroupRecord]:
     if len(request) > max_request_bytes:
         raise ResourceExhausted(f"Insert request of {len(request)} bytes is over the limit of "
                                 f"{max_request_bytes}; send fewer groups per request")
-    payloads = wire.split_field(request, INSERT_GROUPS_FIELD)
+    payloads = wire.split_field(request, wire.INSERT_GROUPS_FIELD)
     if not payloads:
         raise InvalidArgument("Insert needs at least one group", [FieldViolation("groups", "empty")])
     groups = [_parse_group(i, p) for i, p in enumerate(payloads)]
@@ -131,7 +129,7 @@ def sample_response(result: SampleResult) -> bytes:
     """A serialised SampleResponse whose groups are the stored bytes, not re-encoded."""
     header = replay_pb2.SampleResponse(lease_id=result.lease_id, stale_dropped=result.stale_dropped,
                                        lease_expires_unix_ms=result.expires_unix_ms).SerializeToString()
-    return wire.append_field(header, SAMPLE_GROUPS_FIELD, result.payloads)
+    return wire.append_field(header, wire.SAMPLE_GROUPS_FIELD, result.payloads)
 
 
 def stats_to_proto(stats: TableStats) -> replay_pb2.TableStats:

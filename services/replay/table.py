@@ -214,7 +214,7 @@ class ReplayTables:
             result = await _run(self._insert(args=args))
             if result[0] == -1:
                 raise _no_table(job_id)
-            for i, outcome in zip(indices, result, strict=False):
+            for i, outcome in zip(indices, result[:-1], strict=True):
                 outcomes[i] = outcome == 1
             evicted += int(result[-1])
         return outcomes, evicted

@@ -11,7 +11,10 @@ what the generated classes would accept; only the parse/re-encode copies go.
 from __future__ import annotations
 
 from services.common.errors import InvalidArgument
+from services.proto.fleetrl.v1 import replay_pb2
 
+INSERT_GROUPS_FIELD = replay_pb2.InsertRequest.DESCRIPTOR.fields_by_name["groups"].number
+SAMPLE_GROUPS_FIELD = replay_pb2.SampleResponse.DESCRIPTOR.fields_by_name["groups"].number
 _WT_VARINT, _WT_I64, _WT_LEN, _WT_I32 = 0, 1, 2, 5
 
 

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from services.fleet.fleet import Fleet, FleetLayout, FleetOptions, request_scale
+from services.fleet.fleet import Fleet, FleetLayout, FleetOptions, pid_alive, request_scale
 from services.gateway.client import Client, Run
 from services.proto.fleetrl.v1 import replay_pb2
 from services.replay.client import ReplayClient
@@ -118,7 +118,7 @@ class FleetUnderTest:
         """Scale to 0 and wait until every actor process is gone, so no insert races an accounting read."""
         pids = [self.pid(name) for name in self.actors() if self.alive(name)]
         request_scale(self.run_dir, 0)
-        wait_for(lambda: not any(_pid_exists(pid) for pid in pids), 60, "actors to stop")
+        wait_for(lambda: not any(pid_alive(pid) for pid in pids), 60, "actors to stop")
 
     def metrics(self, job_id: str) -> list[dict[str, Any]]:
         """The learner's metrics JSONL of a job (one object per surviving step)."""
@@ -171,11 +171,3 @@ def running_fleet(run_dir: Path, actors: int = 2) -> Iterator[FleetUnderTest]:
             serving.join(10)
         fleet.stop()
         signal.signal(signal.SIGHUP, previous)
-
-
-def _pid_exists(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
