@@ -26,7 +26,9 @@ if _version_not_supported:
 
 
 class JobServiceStub:
-    """Missing associated documentation comment in .proto file."""
+    """The fleet's front door. Every call runs as the tenant its bearer token
+    names (every caller is tenant "local" when the gateway runs without tokens).
+    """
 
     def __init__(self, channel):
         """Constructor.
@@ -72,7 +74,9 @@ class JobServiceStub:
 
 
 class JobServiceServicer:
-    """Missing associated documentation comment in .proto file."""
+    """The fleet's front door. Every call runs as the tenant its bearer token
+    names (every caller is tenant "local" when the gateway runs without tokens).
+    """
 
     def SubmitJob(self, request, context):
         """Validate and queue a job. The prompt file and reward file travel with it
@@ -178,7 +182,9 @@ def add_JobServiceServicer_to_server(servicer, server):
 
  # This class is part of an EXPERIMENTAL API.
 class JobService:
-    """Missing associated documentation comment in .proto file."""
+    """The fleet's front door. Every call runs as the tenant its bearer token
+    names (every caller is tenant "local" when the gateway runs without tokens).
+    """
 
     @staticmethod
     def SubmitJob(request,

@@ -26,7 +26,8 @@ if _version_not_supported:
 
 
 class LearnerServiceStub:
-    """Missing associated documentation comment in .proto file."""
+    """Served by each learner next to its training loop.
+    """
 
     def __init__(self, channel):
         """Constructor.
@@ -42,7 +43,8 @@ class LearnerServiceStub:
 
 
 class LearnerServiceServicer:
-    """Missing associated documentation comment in .proto file."""
+    """Served by each learner next to its training loop.
+    """
 
     def GetStatus(self, request, context):
         """Status of the job this learner runs; NOT_FOUND if it runs no such job.
@@ -68,7 +70,8 @@ def add_LearnerServiceServicer_to_server(servicer, server):
 
  # This class is part of an EXPERIMENTAL API.
 class LearnerService:
-    """Missing associated documentation comment in .proto file."""
+    """Served by each learner next to its training loop.
+    """
 
     @staticmethod
     def GetStatus(request,

@@ -26,7 +26,8 @@ if _version_not_supported:
 
 
 class ReplayServiceStub:
-    """Missing associated documentation comment in .proto file."""
+    """Served by the replay service; actors Insert, the learner Samples and commits.
+    """
 
     def __init__(self, channel):
         """Constructor.
@@ -77,7 +78,8 @@ class ReplayServiceStub:
 
 
 class ReplayServiceServicer:
-    """Missing associated documentation comment in .proto file."""
+    """Served by the replay service; actors Insert, the learner Samples and commits.
+    """
 
     def ConfigureTable(self, request, context):
         """Create or update the table of a job. Idempotent: calling it again with the
@@ -88,7 +90,9 @@ class ReplayServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Insert(self, request, context):
-        """Insert whole groups atomically, one Redis transaction per group.
+        """Insert whole groups atomically: one Redis Lua script call per job in the
+        request, holding all of that job's groups, so a group is stored whole or
+        not at all and a crash never leaves half of one.
         A group whose (job_id, task_id) is already stored is reported DUPLICATE and
         stored once. Unknown job: NOT_FOUND. Empty group or a token/log-prob
         length mismatch: INVALID_ARGUMENT. Redis out of memory: RESOURCE_EXHAUSTED
@@ -198,7 +202,8 @@ def add_ReplayServiceServicer_to_server(servicer, server):
 
  # This class is part of an EXPERIMENTAL API.
 class ReplayService:
-    """Missing associated documentation comment in .proto file."""
+    """Served by the replay service; actors Insert, the learner Samples and commits.
+    """
 
     @staticmethod
     def ConfigureTable(request,

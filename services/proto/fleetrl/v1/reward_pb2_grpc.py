@@ -26,7 +26,8 @@ if _version_not_supported:
 
 
 class RewardServiceStub:
-    """Missing associated documentation comment in .proto file."""
+    """Scores completions for actors and checks reward specs for the gateway.
+    """
 
     def __init__(self, channel):
         """Constructor.
@@ -47,7 +48,8 @@ class RewardServiceStub:
 
 
 class RewardServiceServicer:
-    """Missing associated documentation comment in .proto file."""
+    """Scores completions for actors and checks reward specs for the gateway.
+    """
 
     def Score(self, request, context):
         """Score a batch (typically one group). Items are scored concurrently; every
@@ -89,7 +91,8 @@ def add_RewardServiceServicer_to_server(servicer, server):
 
  # This class is part of an EXPERIMENTAL API.
 class RewardService:
-    """Missing associated documentation comment in .proto file."""
+    """Scores completions for actors and checks reward specs for the gateway.
+    """
 
     @staticmethod
     def Score(request,
