@@ -1,19 +1,21 @@
 """`fleetrl top`: a live terminal view of a running fleet, over the gateway's API only.
 
-Each refresh (every second by default) makes two calls: GetFleet (live actors and learners from
-their heartbeats, the task queue of each of the caller's active jobs) and ListJobs (each job's
-last step: reward, staleness, tokens/s). One frame shows actors (state, job, policy version,
-tokens/s, busy), learners (phase, job, step) and jobs (state, step, reward, staleness, queue).
-`--once` prints one frame and exits (scripts, tests); `--json` prints the frame's data as one JSON
-object per refresh instead. The gateway is `--gateway`, else the one a local fleet recorded in
-`<--dir>/fleet.json`, else FLEETRL_GATEWAY, else 127.0.0.1:50051.
+Each refresh (every second by default, on a fixed cadence: the calls' own time is not added to the
+period) makes two calls: GetFleet (live actors and learners from their heartbeats, the task queue of
+each of the caller's active jobs) and ListJobs (each job's last step: reward, staleness, tokens/s).
+One frame shows actors (state, job, policy version, tokens/s, busy), learners (phase, job, step) and
+jobs (state, step, reward, staleness, queue). `--once` prints one frame and exits (scripts, tests);
+`--json` prints the frame's data as one JSON object per refresh instead. The gateway is `--gateway`,
+else the one a local fleet recorded in `<--dir>/fleet.json`, else FLEETRL_GATEWAY, else 127.0.0.1:50051.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -51,10 +53,17 @@ def parser(prog: str = "fleetrl top") -> argparse.ArgumentParser:
     p.add_argument("--gateway", help="gateway address host:port (env FLEETRL_GATEWAY)")
     p.add_argument("--dir", type=Path, help="run directory of a local fleet (`fleetrl up --dir`): its gateway")
     p.add_argument("--token", help="bearer token (env FLEETRL_TOKEN)")
-    p.add_argument("--interval", type=float, default=1.0, help="seconds between refreshes (default 1)")
+    p.add_argument("--interval", type=_seconds, default=1.0, help="seconds between refreshes (default 1)")
     p.add_argument("--once", action="store_true", help="print one frame and exit")
     p.add_argument("--json", action="store_true", help="JSON instead of tables (one object per refresh)")
     return p
+
+
+def _seconds(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"{text} is not a positive number of seconds")
+    return value
 
 
 def gateway_address(args: argparse.Namespace) -> str | None:
@@ -137,25 +146,39 @@ def show(frame: Frame, as_json: bool, out: Console) -> None:
         out.print(render(frame))
 
 
+def every(interval_s: float, clock: Callable[[], float] = time.monotonic,
+          sleep: Callable[[float], None] = time.sleep) -> Iterator[None]:
+    """Yield at a fixed cadence, t0, t0 + interval_s, ..., however long the caller's work takes; a tick
+    that passed during the work (it took longer than interval_s) is skipped, not made up in a burst."""
+    due = clock()
+    while True:
+        yield
+        due += interval_s
+        now = clock()
+        if due < now:
+            due += math.ceil((now - due) / interval_s) * interval_s
+        sleep(due - now)
+
+
 def live(client: Client, args: argparse.Namespace, out: Console) -> int:
     """Redraw every interval until Ctrl-C; a failed refresh shows its error and the next one retries."""
     with Live(Text("connecting..."), console=out, auto_refresh=False) as view:
-        while True:
+        for _ in every(args.interval):
             try:
                 view.update(render(snapshot(client)), refresh=True)
             except FleetError as error:
                 view.update(Text(f"gateway {client.address}: {error}", style="red"), refresh=True)
-            time.sleep(args.interval)
+    return EXIT_OK
 
 
 def stream_json(client: Client, args: argparse.Namespace) -> int:
     """One JSON object per interval until Ctrl-C; a failed refresh prints {"gateway", "error"}."""
-    while True:
+    for _ in every(args.interval):
         try:
             print(json.dumps(snapshot(client).to_dict()), flush=True)
         except FleetError as error:
             print(json.dumps({"gateway": client.address, "error": str(error)}), flush=True)
-        time.sleep(args.interval)
+    return EXIT_OK
 
 
 def main(argv: list[str]) -> int:
