@@ -1,11 +1,13 @@
 """OpenTelemetry tracing for fleetrl: one trace per trajectory, across processes.
 
-Tracing is off unless enabled (`FLEETRL_TRACING=1` or `setup_tracing(enabled=True)`);
-off, the global tracer is OpenTelemetry's no-op and spans cost a function call.
-On, spans go to OTLP when `OTEL_EXPORTER_OTLP_ENDPOINT` is set (needs the
-`otlp` extra), else to a JSONL file per process under `<run_dir>/traces/`, so a
-local run can be inspected offline. Context crosses NATS messages as message
-headers and gRPC calls as metadata, both in W3C `traceparent` form.
+Tracing is on when `FLEETRL_TRACING` says so (`1`/`0`, also `true`/`false`, `on`/`off`), or, when
+that is unset, when an OTLP endpoint is configured (`OTEL_EXPORTER_OTLP_ENDPOINT` or
+`OTEL_EXPORTER_OTLP_TRACES_ENDPOINT`): whoever points a process at a collector wants its spans.
+Off, the global tracer is OpenTelemetry's no-op and spans cost a function call. On, spans go to
+OTLP/gRPC when an endpoint is set (needs the `otlp` extra; without it start-up fails with a
+ConfigError naming the extra), else to a JSONL file per process under `<run_dir>/traces/`, so a
+local run can be inspected offline. Context crosses NATS messages as message headers and gRPC
+calls as metadata, both in W3C `traceparent` form.
 """
 
 from __future__ import annotations
@@ -22,7 +24,11 @@ from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, SpanExportResult
 
+from services.common.errors import ConfigError, FieldViolation
+
 _configured = False
+OTLP_ENDPOINT_VARIABLES = ("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "OTEL_EXPORTER_OTLP_ENDPOINT")
+_TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
 
 
 class JsonlSpanExporter(SpanExporter):
@@ -46,27 +52,55 @@ class JsonlSpanExporter(SpanExporter):
 
 
 def span_record(span: ReadableSpan) -> dict[str, object]:
+    """One finished span as a JSON-able dict: ids in hex, times in ns since the epoch."""
     ctx = span.get_span_context()
     assert ctx is not None
     return {
         "name": span.name,
-        "trace_id": format(ctx.trace_id, "032x"),
-        "span_id": format(ctx.span_id, "016x"),
-        "parent_id": format(span.parent.span_id, "016x") if span.parent else None,
+        "trace_id": _trace_hex(ctx.trace_id),
+        "span_id": _span_hex(ctx.span_id),
+        "parent_id": _span_hex(span.parent.span_id) if span.parent else None,
+        "kind": span.kind.name,
+        "status": {"code": span.status.status_code.name, "description": span.status.description},
         "service": span.resource.attributes.get("service.name"),
         "scope": span.instrumentation_scope.name if span.instrumentation_scope else None,
         "start_ns": span.start_time,
         "end_ns": span.end_time,
         "attributes": dict(span.attributes or {}),
+        "links": [{"trace_id": _trace_hex(link.context.trace_id), "span_id": _span_hex(link.context.span_id),
+                   "attributes": dict(link.attributes or {})} for link in span.links],
+        "events": [{"name": event.name, "time_ns": event.timestamp, "attributes": dict(event.attributes or {})}
+                   for event in span.events],
     }
 
 
+def _trace_hex(trace_id: int) -> str:
+    return format(trace_id, "032x")
+
+
+def _span_hex(span_id: int) -> str:
+    return format(span_id, "016x")
+
+
 def tracing_enabled() -> bool:
-    return os.environ.get("FLEETRL_TRACING", "0").lower() in ("1", "true", "yes", "on")
+    """FLEETRL_TRACING when set, else whether an OTLP endpoint is configured."""
+    value = os.environ.get("FLEETRL_TRACING", "").strip().lower()
+    if not value:
+        return otlp_endpoint_variable() is not None
+    if value not in _TRUE + _FALSE:
+        raise ConfigError("bad environment variable", [
+            FieldViolation("FLEETRL_TRACING", f"{value!r} is not one of {', '.join(_TRUE + _FALSE)}")])
+    return value in _TRUE
+
+
+def otlp_endpoint_variable() -> str | None:
+    """The name of the OTLP endpoint variable that is set (the traces-specific one first), or None."""
+    return next((name for name in OTLP_ENDPOINT_VARIABLES if os.environ.get(name)), None)
 
 
 def setup_tracing(service_name: str, run_dir: Path, *, enabled: bool | None = None) -> bool:
-    """Install the tracer provider for this process; returns whether tracing is on."""
+    """Install the tracer provider for this process; returns whether tracing is on (enabled=None:
+    `tracing_enabled()`). Raises ConfigError when spans should go to OTLP but its exporter is missing."""
     global _configured
     if _configured:
         return True
@@ -80,11 +114,16 @@ def setup_tracing(service_name: str, run_dir: Path, *, enabled: bool | None = No
 
 
 def _exporter(service_name: str, run_dir: Path) -> SpanExporter:
-    if os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT"):
+    variable = otlp_endpoint_variable()
+    if variable is None:
+        return JsonlSpanExporter(Path(run_dir) / "traces" / f"{service_name}-{os.getpid()}.jsonl")
+    try:
         from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
-
-        return OTLPSpanExporter()
-    return JsonlSpanExporter(Path(run_dir) / "traces" / f"{service_name}-{os.getpid()}.jsonl")
+    except ImportError:
+        raise ConfigError("tracing to an OTLP collector needs the otlp extra", [FieldViolation(
+            variable, "set, but opentelemetry-exporter-otlp is not installed: pip install 'fleetrl[otlp]' "
+                      "(or unset it to write traces to <run_dir>/traces/)")]) from None
+    return OTLPSpanExporter()
 
 
 def shutdown_tracing() -> None:

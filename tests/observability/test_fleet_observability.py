@@ -56,8 +56,6 @@ def test_top_once_over_the_gateway(fleet: TracedFleet, capsys: pytest.CaptureFix
         assert expected in text, expected
 
 
-
-
 def test_one_trace_runs_from_feeder_to_the_step_that_trained_it(finished: TracedFleet) -> None:
     trace = wait_for(lambda: _trajectory(finished.spans()), 20, "a complete trajectory trace")
 
@@ -79,6 +77,11 @@ def test_one_trace_runs_from_feeder_to_the_step_that_trained_it(finished: Traced
     assert 1 <= step <= MAX_STEPS
     steps = [s for s in finished.spans() if s["name"] == "learner.step" and s["attributes"]["fleetrl.step"] == step]
     assert len(steps) == 1 and steps[0]["parent_id"] is None  # the step itself is a trace of its own
+    assert steps[0]["trace_id"] != trace["learner.consume"]["trace_id"]
+    assert [(link["trace_id"], link["span_id"]) for link in trace["learner.consume"]["links"]] == [
+        (steps[0]["trace_id"], steps[0]["span_id"])], "learner.consume does not link to the step that trained it"
+    assert trace["fleetrl.v1.ReplayService/Insert"]["kind"] == "SERVER" and trace["actor.task"]["kind"] == "INTERNAL"
+    assert {s["status"]["code"] for s in trace.values()} == {"UNSET"}  # nothing failed on this trajectory's path
 
     task_id = trace["feeder.publish"]["attributes"]["fleetrl.task_id"]
     records = asyncio.run(_lineage(finished.layout.addresses["replay"], finished.run.job_id))

@@ -1,20 +1,27 @@
 """The observability parts on their own: heartbeats in a real Valkey, the queue probe on a real NATS,
-the fleet view's tenant rules, the actor's activity window, and the gRPC interceptor's metrics."""
+the fleet view's tenant rules, the actor's activity window, the gRPC interceptor's metrics, the JSONL
+span records, and when tracing turns on."""
 
 from __future__ import annotations
 
 import asyncio
+import json
+import sys
 from typing import Any
 
 import pytest
+from opentelemetry import trace
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from prometheus_client import CollectorRegistry
 
 from services.actor.metrics import Activity
 from services.common import bus, heartbeat, telemetry
 from services.common.config import JobSpec
-from services.common.errors import NotFound
+from services.common.errors import ConfigError, NotFound
 from services.common.heartbeat import Beat
 from services.common.jobs import JobState, JobStore
+from services.fleet import top
 from services.gateway.checks import Limits
 from services.gateway.service import Gateway
 from services.proto.fleetrl.v1 import common_pb2
@@ -122,3 +129,85 @@ async def test_interceptor_counts_codes_and_traces_without_a_provider(redis_url:
     assert handled == {("ConfigureTable", "OK"): 1, ("Insert", "OK"): 1, ("Stats", "NOT_FOUND"): 1}
     assert telemetry.current_trace_id() == ""
 
+
+
+def test_jsonl_exporter_keeps_kind_status_links_and_events(tmp_path: Any) -> None:
+    path = tmp_path / "traces" / "test.jsonl"
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(telemetry.JsonlSpanExporter(path)))
+    tracer = provider.get_tracer("test")
+    with tracer.start_as_current_span("step") as step:
+        pass
+    with tracer.start_as_current_span("call", kind=trace.SpanKind.CLIENT,
+                                      links=[trace.Link(step.get_span_context(), {"why": "trained"})]) as call:
+        call.add_event("retry", {"attempt": 2})
+        call.set_status(trace.StatusCode.ERROR, "UNAVAILABLE")
+    provider.shutdown()
+    step_record, call_record = [json.loads(line) for line in path.read_text().splitlines()]
+    assert step_record["kind"] == "INTERNAL" and step_record["status"] == {"code": "UNSET", "description": None}
+    assert step_record["links"] == step_record["events"] == []
+    assert call_record["kind"] == "CLIENT"
+    assert call_record["status"] == {"code": "ERROR", "description": "UNAVAILABLE"}
+    assert call_record["links"] == [{"trace_id": step_record["trace_id"], "span_id": step_record["span_id"],
+                                     "attributes": {"why": "trained"}}]
+    [event] = call_record["events"]
+    assert (event["name"], event["attributes"]) == ("retry", {"attempt": 2})
+    assert call_record["start_ns"] <= event["time_ns"] <= call_record["end_ns"]
+
+
+@pytest.mark.parametrize(("env", "enabled"), [
+    ({}, False),
+    ({"FLEETRL_TRACING": "1"}, True),
+    ({"FLEETRL_TRACING": "off"}, False),
+    ({"OTEL_EXPORTER_OTLP_ENDPOINT": "http://127.0.0.1:4317"}, True),
+    ({"OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": "http://127.0.0.1:4317"}, True),
+    ({"OTEL_EXPORTER_OTLP_ENDPOINT": "http://127.0.0.1:4317", "FLEETRL_TRACING": "0"}, False),
+])
+def test_an_otlp_endpoint_turns_tracing_on_unless_fleetrl_tracing_says_otherwise(
+        monkeypatch: pytest.MonkeyPatch, env: dict[str, str], enabled: bool) -> None:
+    for name in ("FLEETRL_TRACING", *telemetry.OTLP_ENDPOINT_VARIABLES):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    assert telemetry.tracing_enabled() is enabled
+
+
+def test_a_typo_in_fleetrl_tracing_is_a_config_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("FLEETRL_TRACING", "ture")
+    with pytest.raises(ConfigError, match="FLEETRL_TRACING"):
+        telemetry.tracing_enabled()
+
+
+def test_otlp_without_the_extra_names_the_extra(monkeypatch: pytest.MonkeyPatch, tmp_path: Any) -> None:
+    """An endpoint is set but the exporter cannot be imported: a ConfigError naming the extra, no provider."""
+    monkeypatch.delenv("FLEETRL_TRACING", raising=False)
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", "http://127.0.0.1:4317")
+    monkeypatch.setitem(sys.modules, "opentelemetry.exporter.otlp.proto.grpc.trace_exporter", None)
+    with pytest.raises(ConfigError, match=r"fleetrl\[otlp\]") as error:
+        telemetry.setup_tracing("test", tmp_path)
+    assert "OTEL_EXPORTER_OTLP_ENDPOINT" in str(error.value)
+    assert not isinstance(trace.get_tracer_provider(), TracerProvider)
+
+
+def test_top_refreshes_on_a_fixed_cadence() -> None:
+    """Refreshes start at t0 + k x interval whatever the calls take; a refresh longer than the interval
+    skips the ticks it overran instead of bursting to catch up."""
+    now, started = [10.0], []
+
+    def sleep(seconds: float) -> None:
+        assert seconds >= 0
+        now[0] += seconds
+
+    call_s = iter([0.3, 0.9, 2.5, 0.0, 0.1])
+    for _ in top.every(1.0, clock=lambda: now[0], sleep=sleep):
+        started.append(now[0])
+        if len(started) == 6:
+            break
+        now[0] += next(call_s)
+    assert started == pytest.approx([10.0, 11.0, 12.0, 15.0, 16.0, 17.0])
+
+
+def test_top_interval_must_be_positive(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        top.parser().parse_args(["--interval", "0"])
+    assert "not a positive number of seconds" in capsys.readouterr().err
