@@ -122,7 +122,7 @@ def _exporter(service_name: str, run_dir: Path) -> SpanExporter:
     except ImportError:
         raise ConfigError("tracing to an OTLP collector needs the otlp extra", [FieldViolation(
             variable, "set, but opentelemetry-exporter-otlp is not installed: pip install 'fleetrl[otlp]' "
-                      "(or unset it to write traces to <run_dir>/traces/)")]) from None
+                      "(or unset it: with FLEETRL_TRACING=1 spans then go to <run_dir>/traces/)")]) from None
     return OTLPSpanExporter()
 
 
