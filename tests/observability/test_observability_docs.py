@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+from dataclasses import dataclass
 from pathlib import Path
 
 import yaml
@@ -18,26 +20,68 @@ ROOT = Path(__file__).resolve().parents[2]
 FLEETRL = ("gateway", "replay", "reward", "learner", "actor")
 
 
+CATALOGUE_ROW = re.compile(r"^\| `(?P<name>[a-z_0-9]+)` \| (?P<type>[a-z ]+) \|(?P<labels>[^|]*)\|", re.MULTILINE)
+METRIC_NAME = re.compile(r"\b(?:fleetrl|grpc_server)_[a-z_0-9]+")
+HISTOGRAM_SAMPLES = ("_bucket", "_sum", "_count")
+
+
+@dataclass(frozen=True)
+class Family:
+    name: str  # as exposed: counters with _total, info with _info
+    type: str  # as the catalogue writes it
+    labels: tuple[str, ...]
+
+
 def _exposed_name(family: Metric) -> str:
     suffix = {"counter": "_total", "info": "_info"}.get(family.type, "")
     return family.name + suffix
 
 
-def _families() -> list[str]:
+def _families() -> dict[str, Family]:
     """Every family a fleetrl process can expose (the actor's and learner's modules registered theirs in
-    the default registry when imported above)."""
+    the default registry when imported above), with its label names (a state set's: its own name)."""
     rpc = CollectorRegistry()
     RpcMetrics(rpc)
-    registries = [REGISTRY, ReplayMetrics().registry, RewardMetrics().registry, rpc]
-    names = [_exposed_name(f) for r in registries for f in r.collect()]
-    return [n for n in names if n.startswith(("fleetrl_", "grpc_"))]
+    out = {}
+    for registry in (REGISTRY, ReplayMetrics().registry, RewardMetrics().registry, rpc):
+        for collector in list(registry._collector_to_names):  # the metric objects, which know their labels
+            for family in collector.collect():
+                if family.name.startswith(("fleetrl_", "grpc_")):
+                    labels = (family.name,) if family.type == "stateset" else tuple(collector._labelnames)
+                    kind = family.type.replace("stateset", "state set")
+                    out[_exposed_name(family)] = Family(_exposed_name(family), kind, labels)
+    return out
 
 
-def test_every_metric_is_in_the_catalogue() -> None:
-    assert services.actor.metrics.TASKS and services.learner.observe.STEPS
+def _catalogue() -> dict[str, Family]:
     text = (ROOT / "docs" / "OBSERVABILITY.md").read_text()
-    missing = [name for name in _families() if f"`{name}`" not in text]
-    assert not missing, f"not documented in docs/OBSERVABILITY.md: {missing}"
+    rows = [Family(m["name"], m["type"], tuple(label.strip() for label in m["labels"].split(",") if label.strip()))
+            for m in CATALOGUE_ROW.finditer(text)]
+    assert len(rows) == len({row.name for row in rows}), "a metric is catalogued twice"
+    return {row.name: row for row in rows}
+
+
+def test_the_catalogue_lists_every_metric_and_only_those() -> None:
+    assert services.actor.metrics.TASKS and services.learner.observe.STEPS
+    code, docs = _families(), _catalogue()
+    assert sorted(set(code) - set(docs)) == [], "not in docs/OBSERVABILITY.md's catalogue"
+    assert sorted(set(docs) - set(code)) == [], "catalogued in docs/OBSERVABILITY.md, but no code exposes it"
+    for name, family in code.items():
+        if family.type == "info":  # an info's labels are the values it is given, not declared names
+            assert docs[name].type == "info", name
+        else:
+            assert docs[name] == family, name
+
+
+def test_every_metric_name_in_the_docs_exists() -> None:
+    """Queries and prose too: a histogram's _bucket/_sum/_count samples count as their family."""
+    families = _families()
+    histograms = {name for name, family in families.items() if family.type == "histogram"}
+    named = {match for path in ("docs/OBSERVABILITY.md", "README.md") for match in
+             METRIC_NAME.findall((ROOT / path).read_text())}
+    unknown = [name for name in sorted(named) if name not in families
+               and not any(name.endswith(s) and name.removesuffix(s) in histograms for s in HISTOGRAM_SAMPLES)]
+    assert not unknown, f"named in the docs, exposed by no code: {unknown}"
 
 
 def _compose(name: str) -> dict:
