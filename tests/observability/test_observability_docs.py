@@ -1,7 +1,8 @@
-"""docs/OBSERVABILITY.md, docs/prometheus.yml and the compose files agree with the code."""
+"""docs/OBSERVABILITY.md, docs/prometheus.yml, docs/grafana/ and the compose files agree with the code."""
 
 from __future__ import annotations
 
+import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -73,15 +74,18 @@ def test_the_catalogue_lists_every_metric_and_only_those() -> None:
             assert docs[name] == family, name
 
 
-def test_every_metric_name_in_the_docs_exists() -> None:
-    """Queries and prose too: a histogram's _bucket/_sum/_count samples count as their family."""
+def _unknown_metrics(text: str) -> list[str]:
+    """Metric names in text that no code exposes (a histogram's _bucket/_sum/_count count as it)."""
     families = _families()
     histograms = {name for name, family in families.items() if family.type == "histogram"}
-    named = {match for path in ("docs/OBSERVABILITY.md", "README.md") for match in
-             METRIC_NAME.findall((ROOT / path).read_text())}
-    unknown = [name for name in sorted(named) if name not in families
-               and not any(name.endswith(s) and name.removesuffix(s) in histograms for s in HISTOGRAM_SAMPLES)]
-    assert not unknown, f"named in the docs, exposed by no code: {unknown}"
+    return [name for name in sorted(set(METRIC_NAME.findall(text))) if name not in families
+            and not any(name.endswith(s) and name.removesuffix(s) in histograms for s in HISTOGRAM_SAMPLES)]
+
+
+def test_every_metric_name_in_the_docs_exists() -> None:
+    """Queries and prose too, not only the catalogue."""
+    for path in ("docs/OBSERVABILITY.md", "README.md"):
+        assert not _unknown_metrics((ROOT / path).read_text()), f"{path} names metrics no code exposes"
 
 
 def _compose(name: str) -> dict:
@@ -100,13 +104,51 @@ def test_prometheus_scrapes_the_ports_compose_configures() -> None:
         else:
             assert jobs[name]["static_configs"] == [{"targets": [f"{name}:{ports[name]}"]}]
     assert "./docs/prometheus.yml:/etc/prometheus/prometheus.yml:ro" in services["prometheus"]["volumes"]
-    assert services["prometheus"]["profiles"] == services["jaeger"]["profiles"] == ["observability"]
+    for name in ("prometheus", "grafana", "jaeger"):
+        assert services[name]["profiles"] == ["observability"], name
+
+
+def test_every_published_port_is_on_loopback_only() -> None:
+    """Nothing in the compose fleet asks for a password (the gateway runs in open mode)."""
+    services = _compose("docker-compose.yml")
+    assert services["gateway"]["environment"]["FLEETRL_GATEWAY_OPEN_MODE"] == "true"
+    published = {name: svc["ports"] for name, svc in services.items() if "ports" in svc}
+    assert set(published) == {"gateway", "prometheus", "grafana", "jaeger"}
+    for name, ports in published.items():
+        assert all(port.startswith("127.0.0.1:") for port in ports), f"{name} publishes {ports} beyond this host"
+
+
+def test_grafana_is_provisioned_with_prometheus_and_the_fleet_dashboard() -> None:
+    services = _compose("docker-compose.yml")
+    grafana = services["grafana"]
+    mounts = {target: ROOT / source for source, target, _ in (volume.split(":") for volume in grafana["volumes"])}
+    provisioning = mounts["/etc/grafana/provisioning"]
+    [source] = yaml.safe_load((provisioning / "datasources" / "prometheus.yml").read_text())["datasources"]
+    [prometheus_port] = [port.rsplit(":", 1)[1] for port in services["prometheus"]["ports"]]
+    assert (source["type"], source["url"], source["isDefault"]) == (
+        "prometheus", f"http://prometheus:{prometheus_port}", True)
+    assert "prometheus" in grafana["depends_on"]
+
+    [provider] = yaml.safe_load((provisioning / "dashboards" / "fleetrl.yml").read_text())["providers"]
+    dashboards = mounts[provider["options"]["path"]]
+    home = grafana["environment"]["GF_DASHBOARDS_DEFAULT_HOME_DASHBOARD_PATH"]
+    assert home.startswith(provider["options"]["path"] + "/")
+    dashboard = json.loads((dashboards / home.rsplit("/", 1)[1]).read_text())
+    targets = [target for panel in dashboard["panels"] for target in panel["targets"]]
+    assert {panel["datasource"]["uid"] for panel in dashboard["panels"]} == {source["uid"]}
+    assert {target["datasource"]["uid"] for target in targets} == {source["uid"]}
+    queries = "\n".join(target["expr"] for target in targets)
+    assert not _unknown_metrics(queries), "the dashboard queries metrics no code exposes"
+    for key in ("fleetrl_actor_generated_tokens_total", "fleetrl_learner_policy_version", "fleetrl_task_queue_pending",
+                "fleetrl_learner_reward_mean", "fleetrl_learner_staleness_versions_bucket",
+                "fleetrl_learner_phase_seconds_sum"):
+        assert key in queries, f"the dashboard does not show {key}"
 
 
 def test_tracing_override_points_every_service_at_jaeger() -> None:
     base, tracing = _compose("docker-compose.yml"), _compose("docker-compose.tracing.yml")
     assert set(tracing) == set(FLEETRL)
-    assert "4317:4317" in base["jaeger"]["ports"]
+    assert "127.0.0.1:4317:4317" in base["jaeger"]["ports"]
     for name, service in tracing.items():
         assert service["environment"]["FLEETRL_TRACING"] == "1", name
         assert service["environment"]["OTEL_EXPORTER_OTLP_ENDPOINT"] == "http://jaeger:4317", name
