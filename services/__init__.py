@@ -5,4 +5,4 @@ nothing but the generated protos in `services.proto` and the kernel in
 `services.common`.
 """
 
-__version__ = "0.1.0"
+__version__ = "0.1.0"  # the only place it is written: pyproject.toml reads it from here

@@ -51,8 +51,11 @@ def _infra(argv: list[str]) -> int:
     from services.common import embedded
 
     if args.action == "down":
+        if not embedded.read_state(args.dir):
+            print(f"no servers recorded in {args.dir}")
+            return 0
         stopped = embedded.stop_recorded(args.dir)
-        print(f"stopped {len(stopped)} server(s)" if stopped else f"no servers recorded in {args.dir}")
+        print(f"stopped {len(stopped)} server(s)" if stopped else "no recorded server was still running")
         return 0
     if embedded.read_state(args.dir):
         print(f"servers already recorded in {args.dir}; run `fleetrl infra down --dir {args.dir}` first",

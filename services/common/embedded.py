@@ -5,6 +5,11 @@ fresh machine needs no Docker and no system packages. Each server listens on a
 free loopback port, keeps its data under a given directory (so a restart with
 the same directory keeps JetStream streams and the Redis AOF), and can be
 stopped cleanly, SIGKILLed and restarted on the same port by fault tests.
+
+A server counts as started when it answers, not when its port accepts: Valkey
+must answer PING with PONG (while it replays its AOF it answers LOADING), and
+nats-server's monitoring endpoint `/healthz` must answer 200 (it answers 503
+until JetStream has recovered its streams).
 """
 
 from __future__ import annotations
@@ -17,6 +22,8 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.error
+import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
@@ -24,6 +31,7 @@ from typing import Literal
 from services.common.errors import Unavailable
 
 START_TIMEOUT_S = 20.0
+PROBE_TIMEOUT_S = 0.5
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -82,16 +90,33 @@ class EmbeddedServer:
     def log_path(self) -> Path:
         return self.data_dir / f"{self.kind}.log"
 
+    def healthy(self) -> bool:
+        """Whether the server answers a real request now (one probe, PROBE_TIMEOUT_S at most)."""
+        raise NotImplementedError
+
     def start(self, timeout_s: float = START_TIMEOUT_S) -> EmbeddedServer:
-        """Start the process (on a new free port the first time) and wait until it listens."""
+        """Start the process (on a new free port the first time) and wait until it is healthy."""
         self.data_dir.mkdir(parents=True, exist_ok=True)
         self.port = self.port or free_port(self.host)
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(
                 self.command(), stdout=log, stderr=subprocess.STDOUT, cwd=self.data_dir, start_new_session=True
             )
-        wait_for_port(self.host, self.port, timeout_s, self.proc)
+        self.wait_healthy(timeout_s)
         return self
+
+    def wait_healthy(self, timeout_s: float) -> None:
+        """Block until `healthy()`; fail early if the process exits."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc is not None and self.proc.poll() is not None:
+                raise Unavailable(f"{self.kind} exited with code {self.proc.returncode} while starting; "
+                                  f"see {self.log_path}")
+            if self.healthy():
+                return
+            time.sleep(0.05)
+        raise Unavailable(f"{self.kind} on {self.host}:{self.port} not healthy within {timeout_s:.0f}s; "
+                          f"see {self.log_path}")
 
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
@@ -134,11 +159,16 @@ class EmbeddedNats(EmbeddedServer):
 
     kind: str = "nats"
     max_payload_mb: int = 8
+    monitor_port: int = 0
+    """HTTP monitoring port (for `/healthz`); a free one the first time, then kept across restarts."""
 
     def command(self) -> list[str]:
+        while self.monitor_port in (0, self.port):
+            self.monitor_port = free_port(self.host)
         conf = self.data_dir / "nats.conf"
         conf.write_text(
             f'host: "{self.host}"\nport: {self.port}\nmax_payload: {self.max_payload_mb * 1024 * 1024}\n'
+            f'http: "{self.host}:{self.monitor_port}"\n'
             f'jetstream {{ store_dir: "{self.data_dir / "jetstream"}" }}\n'
         )
         return [nats_server_binary(), "-c", str(conf)]
@@ -146,6 +176,18 @@ class EmbeddedNats(EmbeddedServer):
     @property
     def url(self) -> str:
         return f"nats://{self.host}:{self.port}"
+
+    @property
+    def monitor_url(self) -> str:
+        return f"http://{self.host}:{self.monitor_port}"
+
+    def healthy(self) -> bool:
+        """`/healthz` answers 200: the server accepts clients and JetStream has recovered its data."""
+        try:
+            with urllib.request.urlopen(f"{self.monitor_url}/healthz", timeout=PROBE_TIMEOUT_S) as response:
+                return int(response.status) == 200
+        except (urllib.error.URLError, OSError):  # HTTPError (503 while JetStream recovers) is a URLError
+            return False
 
 
 @dataclass(kw_only=True)
@@ -168,6 +210,15 @@ class EmbeddedValkey(EmbeddedServer):
     @property
     def url(self) -> str:
         return f"redis://{self.host}:{self.port}/0"
+
+    def healthy(self) -> bool:
+        """PING answers PONG (a Valkey replaying its AOF accepts connections but answers -LOADING)."""
+        try:
+            with socket.create_connection((self.host, self.port), timeout=PROBE_TIMEOUT_S) as sock:
+                sock.sendall(b"*1\r\n$4\r\nPING\r\n")
+                return sock.recv(64).startswith(b"+PONG\r\n")
+        except OSError:
+            return False
 
 
 @dataclass
@@ -208,13 +259,18 @@ SERVICES_USING_INFRA = ("GATEWAY", "REPLAY", "REWARD", "ACTOR", "LEARNER")
 
 
 def write_state(run_dir: Path, infra: Infra) -> Path:
-    """Record the servers' pids (for `infra down`) and their URLs as every service's settings variables
-    (`FLEETRL_<SERVICE>_NATS_URL` / `_REDIS_URL`), so sourcing the file points any service at them."""
+    """Record the servers' pids and identities (for `infra down`) and their URLs as every service's settings
+    variables (`FLEETRL_<SERVICE>_NATS_URL` / `_REDIS_URL`), so sourcing the file points any service at them."""
     path = run_dir / STATE_FILE
-    assert infra.nats.proc and infra.valkey.proc
     urls = [f"FLEETRL_{service}_{name}={url}" for service in SERVICES_USING_INFRA
             for name, url in (("NATS_URL", infra.nats.url), ("REDIS_URL", infra.valkey.url))]
-    path.write_text("\n".join([*urls, f"NATS_PID={infra.nats.proc.pid}", f"VALKEY_PID={infra.valkey.proc.pid}"]) + "\n")
+    processes = []
+    for key, server in (("NATS", infra.nats), ("VALKEY", infra.valkey)):
+        assert server.proc is not None
+        identity = process_identity(server.proc.pid)
+        assert identity is not None, f"{server.kind} exited right after starting; see {server.log_path}"
+        processes += [f"{key}_PID={server.proc.pid}", f"{key}_PROCESS={identity}"]
+    path.write_text("\n".join([*urls, *processes]) + "\n")
     return path
 
 
@@ -228,25 +284,38 @@ def read_state(run_dir: Path) -> dict[str, str]:
 
 
 def stop_recorded(run_dir: Path, timeout_s: float = 10.0) -> list[int]:
-    """SIGTERM the servers a detached `infra up` started; return the pids that were stopped."""
+    """SIGTERM the servers a detached `infra up` started; return the pids that were stopped.
+
+    A recorded pid is signalled only while it is still the recorded process (same start time and
+    executable): after the server exited its pid may belong to anything else."""
     state = read_state(run_dir)
     stopped = []
-    for key in ("NATS_PID", "VALKEY_PID"):
-        pid = int(state.get(key, "0"))
-        if pid and _signal(pid, signal.SIGTERM):
-            deadline = time.monotonic() + timeout_s
-            while time.monotonic() < deadline and _signal(pid, 0):
-                time.sleep(0.05)
-            if _signal(pid, 0):
-                _signal(pid, signal.SIGKILL)
-            stopped.append(pid)
+    for key in ("NATS", "VALKEY"):
+        pid, identity = int(state.get(f"{key}_PID", "0")), state.get(f"{key}_PROCESS", "")
+        if not pid or not identity or process_identity(pid) != identity:
+            continue
+        with contextlib.suppress(ProcessLookupError):  # it may have exited since the check
+            os.kill(pid, signal.SIGTERM)
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline and process_identity(pid) == identity:
+            time.sleep(0.05)
+        if process_identity(pid) == identity:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        stopped.append(pid)
     (run_dir / STATE_FILE).unlink(missing_ok=True)
     return stopped
 
 
-def _signal(pid: int, sig: int) -> bool:
+def process_identity(pid: int) -> str | None:
+    """`<start time>:<executable name>` of a running process, None if there is none (or only a zombie).
+
+    A pid and its start time (clock ticks since boot, from /proc) name one process even after the
+    pid is reused; the executable name guards against a match across a reboot."""
     try:
-        os.kill(pid, sig)
-    except ProcessLookupError:
-        return False
-    return True
+        stat = Path(f"/proc/{pid}/stat").read_text()
+        exe = os.readlink(f"/proc/{pid}/exe")  # fails for a zombie: it has no executable any more
+    except OSError:
+        return None
+    start_ticks = stat[stat.rindex(")") + 2:].split()[19]  # field 22; the name in parentheses may hold spaces
+    return f"{start_ticks}:{Path(exe.removesuffix(' (deleted)')).name}"

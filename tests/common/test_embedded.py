@@ -1,14 +1,29 @@
-"""Embedded servers start, survive SIGKILL with their data, and stop cleanly."""
+"""Embedded servers start only once they answer, survive SIGKILL with their data, and stop cleanly."""
 
 from __future__ import annotations
 
 import asyncio
+import signal
+import socket
+import subprocess
 from pathlib import Path
 
 import redis
 
 from services.common import bus
-from services.common.embedded import EmbeddedNats, EmbeddedValkey
+from services.common.embedded import STATE_FILE, EmbeddedNats, EmbeddedValkey, process_identity, stop_recorded
+
+# Enough single-key writes that replaying the AOF takes Valkey a noticeable time (about 0.3 s here).
+AOF_KEYS = 200_000
+_FILL = "for i = 1, tonumber(ARGV[1]) do redis.call('SET', 'k' .. i, 'v') end"
+
+
+def _raw_command(server: EmbeddedValkey, *words: bytes) -> bytes:
+    """One command over a bare socket: no client library that retries a LOADING answer for us."""
+    request = b"*%d\r\n" % len(words) + b"".join(b"$%d\r\n%s\r\n" % (len(w), w) for w in words)
+    with socket.create_connection((server.host, server.port), timeout=5) as sock:
+        sock.sendall(request)
+        return sock.recv(256)
 
 
 def test_valkey_keeps_aof_data_across_sigkill(tmp_path: Path) -> None:
@@ -20,10 +35,21 @@ def test_valkey_keeps_aof_data_across_sigkill(tmp_path: Path) -> None:
         port = server.port
         server.kill()
         assert not server.alive()
+        assert not server.healthy()
         server.start()
         assert server.port == port
         assert redis.Redis.from_url(server.url).get("k") == b"v"
     assert not server.alive()
+
+
+def test_valkey_start_returns_only_after_the_aof_is_loaded(tmp_path: Path) -> None:
+    server = EmbeddedValkey(data_dir=tmp_path / "v", appendfsync="always")
+    with server:
+        redis.Redis.from_url(server.url).eval(_FILL, 0, AOF_KEYS)
+        server.kill()
+        server.start()
+        # Valkey accepts connections while it replays the AOF and answers "-LOADING" meanwhile.
+        assert _raw_command(server, b"DBSIZE") == b":%d\r\n" % AOF_KEYS
 
 
 def test_jetstream_messages_survive_nats_sigkill(tmp_path: Path) -> None:
@@ -46,6 +72,30 @@ def test_jetstream_messages_survive_nats_sigkill(tmp_path: Path) -> None:
 
     with server:
         asyncio.run(publish())
+        monitor_port = server.monitor_port
         server.kill()
+        assert not server.healthy()
         server.start()
+        assert server.monitor_port == monitor_port
+        assert server.healthy()
         assert asyncio.run(count()) == 3
+
+
+def test_stop_recorded_signals_a_pid_only_while_it_is_the_recorded_process(tmp_path: Path) -> None:
+    sleeper = subprocess.Popen(["sleep", "60"])
+    try:
+        identity = process_identity(sleeper.pid)
+        assert identity is not None
+        start_ticks, exe = identity.split(":", 1)
+        # The recorded server is gone and its pid now belongs to a process that started at another time.
+        (tmp_path / STATE_FILE).write_text(f"NATS_PID={sleeper.pid}\nNATS_PROCESS={int(start_ticks) - 1}:{exe}\n")
+        assert stop_recorded(tmp_path) == []
+        assert sleeper.poll() is None
+        assert not (tmp_path / STATE_FILE).exists()
+
+        (tmp_path / STATE_FILE).write_text(f"NATS_PID={sleeper.pid}\nNATS_PROCESS={identity}\n")
+        assert stop_recorded(tmp_path, timeout_s=5) == [sleeper.pid]
+        assert sleeper.wait(5) == -signal.SIGTERM
+    finally:
+        sleeper.kill()
+        sleeper.wait()
