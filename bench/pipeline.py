@@ -1,7 +1,8 @@
 """Pipeline throughput: the whole fleet against the single-process reference loop, and actor scaling.
 
-`python -m bench.pipeline --json [--steps 8 --actors 2 --scale 1,2,4,8 --latency-s 0.5 --tasks-per-actor 12]`
-prints one JSON object with two parts, measured in the same run.
+`python -m bench.pipeline --json [--steps 6 --actors 2 --scale 1,2,4,8 --latency-s 0.5 --tasks-per-actor 10
+--tracing-actors 2 --tracing-latency-s 0 --tracing-tasks 200 --tracing-rounds 5]` prints one JSON object with
+three parts, measured in the same run.
 
 Fleet vs reference (tiny-llama, the same job: spec, seed, prompts, steps):
 - fleet_groups_per_s: groups the learner trains per second when the whole fleet runs the job
@@ -23,6 +24,19 @@ v0) and publishes k x `--tasks-per-actor` tasks at once, after all k actors hold
 - scaling_efficiency_8: rate(8) / (8 x rate(1)) (goal >= 0.8);
 - overhead_ms_per_group: 1000 x (1 / rate(1) - latency_s), what one group costs beyond generation
   (and per k: 1000 x (k / rate(k) - latency_s)).
+
+Tracing on vs off, on that fixed-backend pipeline: two rigs (each its own NATS, Valkey, replay, reward
+and `--tracing-actors` actors), one with FLEETRL_TRACING=0 and one with FLEETRL_TRACING=1 (JSONL span
+files; each task carries a traceparent, as the feeder's do), run `--tracing-tasks` tasks per round,
+alternating off/on for `--tracing-rounds` rounds (the order flips each round); each side's fastest round
+counts, as this box is shared and noisy. By default generation takes no time (`--tracing-latency-s 0`),
+so the actors do nothing but the pipeline's own work and tracing's share is as large as it can be:
+- tracing_off_trajectories_per_s, tracing_on_trajectories_per_s: best of the rounds (all rounds listed);
+- tracing_ratio: on / off (1.0: tracing costs nothing measurable);
+- tracing_overhead_ms_per_group_off / _on: 1000 x (k / rate - latency_s), the pipeline's cost per group;
+- tracing_spans_written: spans the traced rig wrote (checked: at least one actor.task per trajectory).
+The learner's spans (a few per step, two per trained group) are not in this comparison: this process
+plays the learner, untraced.
 """
 
 from __future__ import annotations
@@ -30,9 +44,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import sys
 import tempfile
 import time
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
@@ -53,7 +69,10 @@ from services.replay.client import ReplayClient
 ROOT = Path(__file__).resolve().parents[1]
 PROMPTS = ROOT / "examples" / "addition" / "train.jsonl"
 MODEL = "tiny-llama"
-QUIET = {"TOKENIZERS_PARALLELISM": "false", "FLEETRL_TRACING": "0"}
+QUIET = {"TOKENIZERS_PARALLELISM": "false"}
+# Traced processes write JSONL span files, whatever OTLP endpoint the caller's environment names.
+TRACING = {False: {"FLEETRL_TRACING": "0"},
+           True: {"FLEETRL_TRACING": "1", "OTEL_EXPORTER_OTLP_ENDPOINT": "", "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": ""}}
 
 
 def job_spec(steps: int, prompts: Path) -> JobSpec:
@@ -114,10 +133,12 @@ def fleet_rate(spec: JobSpec, run_dir: Path, actors: int) -> tuple[float, float]
 
 
 class ScalingRig:
-    """Replay, reward and k fixed-backend actors as supervised processes; this process is the learner."""
+    """Replay, reward and k fixed-backend actors as supervised processes; this process is the learner.
+    With tracing, every process writes its spans to `<tmp>/run/traces/`."""
 
-    def __init__(self, tmp: Path, nats_url: str, redis_url: str, latency_s: float) -> None:
-        self.nats_url, self.redis_url, self.latency_s = nats_url, redis_url, latency_s
+    def __init__(self, tmp: Path, nats_url: str, redis_url: str, latency_s: float, tracing: bool = False) -> None:
+        self.nats_url, self.redis_url, self.latency_s, self.tracing = nats_url, redis_url, latency_s, tracing
+        self.run_dir = tmp / "run"
         self.supervisor = Supervisor(tmp / "logs")
         self.replay_addr = self._service("replay", {"REDIS_URL": redis_url})
         self.reward_addr = self._service("reward", {})
@@ -125,16 +146,16 @@ class ScalingRig:
 
     def _service(self, name: str, env: dict[str, str]) -> str:
         port = free_port()
-        settings = {"LISTEN": f"127.0.0.1:{port}", "NATS_URL": self.nats_url, "LOG_LEVEL": "WARNING", **env}
+        settings = {"LISTEN": f"127.0.0.1:{port}", "NATS_URL": self.nats_url, "LOG_LEVEL": "WARNING",
+                    "RUN_DIR": str(self.run_dir), **env}
         child = self.supervisor.add(self._child(name, name, settings))
         wait_for_port("127.0.0.1", port, 60, child.proc)
         return f"127.0.0.1:{port}"
 
-    @staticmethod
-    def _child(name: str, service: str, settings: dict[str, str]) -> ChildSpec:
+    def _child(self, name: str, service: str, settings: dict[str, str]) -> ChildSpec:
         """A service process configured only through its FLEETRL_<SERVICE>_<FIELD> variables."""
         env = {f"FLEETRL_{service.upper()}_{key}": value for key, value in settings.items()}
-        return ChildSpec(name, [sys.executable, "-m", f"services.{service}"], {**QUIET, **env})
+        return ChildSpec(name, [sys.executable, "-m", f"services.{service}"], {**QUIET, **TRACING[self.tracing], **env})
 
     def grow(self, count: int) -> None:
         while len(self.actors) < count:
@@ -142,7 +163,7 @@ class ScalingRig:
             settings = {"ACTOR_ID": name, "NATS_URL": self.nats_url, "REDIS_URL": self.redis_url,
                         "REPLAY_ADDR": self.replay_addr, "REWARD_ADDR": self.reward_addr, "BACKEND": "fixed",
                         "FIXED_LATENCY_S": str(self.latency_s), "TORCH_THREADS": "1", "POLL_INTERVAL_S": "0.2",
-                        "FETCH_TIMEOUT_S": "0.5"}
+                        "FETCH_TIMEOUT_S": "0.5", "RUN_DIR": str(self.run_dir)}
             self.supervisor.add(self._child(name, "actor", settings))
             self.actors.append(name)
 
@@ -153,6 +174,11 @@ class ScalingRig:
 
     def stop(self) -> None:
         self.supervisor.stop_all()
+
+    def spans(self) -> list[dict[str, Any]]:
+        """The spans the rig's processes wrote (all of them once the rig stopped: exit flushes them)."""
+        return [json.loads(line) for path in sorted((self.run_dir / "traces").glob("*.jsonl"))
+                for line in path.read_text().splitlines() if line.strip()]
 
 
 async def wait_until(predicate: Any, timeout_s: float, what: str) -> None:
@@ -184,7 +210,7 @@ async def measure(rig: ScalingRig, k: int, tasks: int, weights: bytes) -> float:
 
             await wait_until(ready, 300, f"{k} actors holding weights")
             for index in range(tasks):
-                await publish_task(js, job_id, index)
+                await publish_task(js, job_id, index, traced=rig.tracing)
 
             async def stored() -> bool:
                 return (await replay.stats(job_id)).inserted >= tasks
@@ -207,13 +233,16 @@ async def open_job(jobs: JobStore, js: Any, replay: ReplayClient, spec: JobSpec)
     return record.job_id
 
 
-async def publish_task(js: Any, job_id: str, index: int) -> None:
+async def publish_task(js: Any, job_id: str, index: int, traced: bool = False) -> None:
+    """Task `index` of job_id; traced: with a W3C traceparent header, as the feeder of a traced learner sends."""
     a, b = divmod(index, 100)
     task = common_pb2.Task(job_id=job_id, task_id=f"0/{index}", epoch=0, prompt_index=index,
                            prompt=f"What is {a} + {b}?", metadata_json=json.dumps({"answer": str(a + b)}),
                            min_policy_version=0, published_unix_ms=int(time.time() * 1000))
-    await js.publish(bus.task_subject(job_id), task.SerializeToString(),
-                     headers={"Nats-Msg-Id": bus.task_msg_id(job_id, 0, index)})
+    headers = {"Nats-Msg-Id": bus.task_msg_id(job_id, 0, index)}
+    if traced:
+        headers["traceparent"] = f"00-{os.urandom(16).hex()}-{os.urandom(8).hex()}-01"
+    await js.publish(bus.task_subject(job_id), task.SerializeToString(), headers=headers)
 
 
 def rate_of(stats: replay_pb2.TableStats, lineage: list[replay_pb2.LineageRecord], tasks: int) -> float:
@@ -236,6 +265,40 @@ async def scaling(tmp: Path, counts: list[int], latency_s: float, tasks_per_acto
             rig.stop()
 
 
+async def tracing_rounds(tmp: Path, actors: int, latency_s: float, tasks: int, rounds: int) -> dict[str, Any]:
+    """Groups/s of the same fixed-backend pipeline untraced and traced, `rounds` alternating rounds each."""
+    weights = encode_safetensors(models.state_dict_for_publish(models.load(MODEL)[0], "bfloat16"))
+    rates: dict[bool, list[float]] = {False: [], True: []}
+    with ExitStack() as stack:
+        rigs = {}
+        for tracing in (False, True):
+            side = tmp / ("on" if tracing else "off")
+            nats = stack.enter_context(EmbeddedNats(data_dir=side / "nats"))
+            valkey = stack.enter_context(EmbeddedValkey(data_dir=side / "valkey"))
+            rigs[tracing] = ScalingRig(side, nats.url, valkey.url, latency_s, tracing)
+            stack.callback(rigs[tracing].stop)
+        for rig in rigs.values():
+            await measure(rig, actors, 2 * actors, weights)  # warm-up: actors load, reward workers start
+        for index in range(rounds):
+            for tracing in (False, True) if index % 2 == 0 else (True, False):
+                rates[tracing].append(await measure(rigs[tracing], actors, tasks, weights))
+    spans = rigs[True].spans()
+    trajectories = sum(1 for span in spans if span["name"] == "actor.task")
+    if rigs[False].spans() or trajectories < rounds * tasks:
+        raise RuntimeError(f"bench: tracing did not follow the switch: {trajectories} traced trajectories")
+    off, on = max(rates[False]), max(rates[True])
+    return {
+        "tracing_actors": actors, "tracing_latency_s": latency_s, "tracing_tasks": tasks, "tracing_rounds": rounds,
+        "tracing_off_trajectories_per_s": round(off, 3), "tracing_on_trajectories_per_s": round(on, 3),
+        "tracing_ratio": round(on / off, 3),
+        "tracing_off_rounds": [round(rate, 3) for rate in rates[False]],
+        "tracing_on_rounds": [round(rate, 3) for rate in rates[True]],
+        "tracing_overhead_ms_per_group_off": round(1000 * (actors / off - latency_s), 2),
+        "tracing_overhead_ms_per_group_on": round(1000 * (actors / on - latency_s), 2),
+        "tracing_spans_written": len(spans),
+    }
+
+
 # --------------------------------------------------------------------------- report
 
 
@@ -247,6 +310,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         reference_gps = reference_rate(spec, args.threads)
         fleet_gps, fleet_wall_s = fleet_rate(spec, tmp / "fleet", args.actors)
         rates = asyncio.run(scaling(tmp / "scaling", counts, args.latency_s, args.tasks_per_actor))
+        tracing = asyncio.run(tracing_rounds(tmp / "tracing", args.tracing_actors, args.tracing_latency_s,
+                                             args.tracing_tasks, args.tracing_rounds))
     overhead = {k: round(1000 * (k / rate - args.latency_s), 1) for k, rate in rates.items()}
     result: dict[str, Any] = {
         "model": MODEL, "steps": args.steps, "groups_per_step": spec.rollout.prompts_per_step,
@@ -262,7 +327,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         result["overhead_ms_per_group"] = overhead[1]
         if 8 in rates:
             result["scaling_efficiency_8"] = round(rates[8] / (8 * rates[1]), 3)
-    return result
+    return {**result, **tracing}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -275,6 +340,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--scale", default="1,2,4,8", help="actor counts of the fixed-backend runs")
     parser.add_argument("--latency-s", type=float, default=0.5, help="fixed backend seconds per group")
     parser.add_argument("--tasks-per-actor", type=int, default=10, help="tasks per actor in each scaling run")
+    parser.add_argument("--tracing-actors", type=int, default=2, help="actors of each tracing on/off rig")
+    parser.add_argument("--tracing-latency-s", type=float, default=0.0,
+                        help="fixed backend seconds per group in the tracing comparison (default 0: no generation)")
+    parser.add_argument("--tracing-tasks", type=int, default=200, help="tasks per tracing round")
+    parser.add_argument("--tracing-rounds", type=int, default=5,
+                        help="alternating tracing off/on rounds; each side's fastest counts")
     parser.add_argument("--json", action="store_true", help="print one JSON object (the default output)")
     args = parser.parse_args(argv)
     result = run(args)

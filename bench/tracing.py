@@ -1,12 +1,16 @@
 """What tracing costs an actor per trajectory: tracing off (the default) against on (JSONL exporter).
 
+`bench.pipeline` compares whole pipelines traced and untraced; this bench isolates the actor's own
+tracing calls, so it also shows what they cost with tracing off (OpenTelemetry's no-op), which no
+on/off comparison of a pipeline can.
+
 `python -m bench.tracing --json [--trajectories 2000 --rounds 5]` measures, in one process, first
 with tracing off (no tracer provider: OpenTelemetry's no-op) and then on (`telemetry.setup_tracing`
 with the JSONL file exporter behind a batch processor, in a temp run directory):
 
 - `spans`: exactly the tracing calls the actor makes for one trajectory: extract the task's
-  `traceparent`, open `actor.task`, `actor.fetch` and the five stage spans, inject gRPC metadata for
-  the reward and replay calls, read the trace and span ids for the lineage;
+  `traceparent`, open 6 spans (`actor.task`, `actor.fetch` and the four stage spans), inject gRPC
+  metadata for the reward and replay calls, read the trace and span ids for the lineage;
 - `task_loop`: the real `TaskLoop.step` (fetch, weights, generate, score, insert, ack) on in-memory
   stand-ins that answer at once (a message with headers, a policy that holds weights, `FixedBackend`
   with no latency on tiny-llama's tokenizer, reward and replay fakes), i.e. the loop's own bookkeeping
