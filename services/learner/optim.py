@@ -41,6 +41,16 @@ from services.proto.fleetrl.v1 import common_pb2
 PAD_ID = 0
 """Id written into padding positions; attention_mask hides them, so any valid id works."""
 
+STEP_SUMS = ("loss", "tokens", "sequences")
+"""train_step metrics that are sums over the trained samples (a data-parallel step adds the ranks')."""
+SEQUENCE_MEANS = ("completion_len_mean",)
+"""train_step metrics that are means over the trained sequences."""
+BATCH_METRICS = ("reward_mean", "reward_std", "groups", "groups_skipped", "lr", "grad_norm")
+"""train_step metrics of the whole step, the same on every rank (grad_norm is taken after DDP's all-reduce)."""
+RANK_TIMINGS = ("forward_backward_s", "optimizer_s")
+"""Wall-clock seconds of this rank's passes. Every other train_step metric is a mean over real
+completion tokens (losses.policy_loss's token metrics: kl, entropy, clip_frac, ...)."""
+
 
 def build_optimizer(model: torch.nn.Module, optim_cfg: OptimConfig) -> torch.optim.AdamW:
     """AdamW over the model's trainable parameters."""
@@ -81,6 +91,10 @@ class _Cached:
     ref_logprobs: list[Tensor | None] = field(default_factory=list)
 
 
+_NOT_TOKEN_MEANS = ("tokens", "loss", "pg_loss")
+"""The metrics of policy_loss that are not token means (the step reports the first two its own way)."""
+
+
 @dataclass
 class _Totals:
     """Token-weighted sums of micro-batch metrics over the first pass."""
@@ -91,7 +105,7 @@ class _Totals:
     def add(self, metrics: dict[str, float], loss: float) -> None:
         self.loss += loss
         for key, value in metrics.items():
-            if key not in ("tokens", "loss", "pg_loss"):
+            if key not in _NOT_TOKEN_MEANS:
                 self.sums[key] = self.sums.get(key, 0.0) + value * metrics["tokens"]
 
     def means(self, tokens: float) -> dict[str, float]:
@@ -149,6 +163,12 @@ def _one_pass(
     return totals
 
 
+def trainable(groups: list[common_pb2.Group], cfg: LossConfig) -> list[common_pb2.Group]:
+    """The groups a step trains on: all of them, or those with reward variance when
+    skip_zero_variance_groups is on. Dropped groups are not replaced by others."""
+    return [group for group in groups if has_signal(group)] if cfg.skip_zero_variance_groups else list(groups)
+
+
 def train_step(
     model: torch.nn.Module,
     optimizer: torch.optim.Optimizer,
@@ -158,29 +178,63 @@ def train_step(
     spec: JobSpec,
     ref_model: torch.nn.Module | None = None,
     *,
-    global_counts: tuple[float, float] | None = None,
-    loss_scale: float = 1.0,
+    rank: int = 0,
+    world: int = 1,
 ) -> dict[str, float]:
     """One optimizer step on `groups` (see the module docstring for the pass/micro-batch schedule).
 
-    Data-parallel callers pass `global_counts` = (real tokens, sequences) summed over every rank's
-    share of the step, and `loss_scale` = world size, because DDP averages gradients over ranks
-    while the loss wants their sum. Returns the step's metrics; `loss` and the token metrics are
-    those of the first pass (the policy the samples were scored against).
+    Returns the step's metrics; `loss` and the token metrics are those of the first pass (the
+    policy the samples were scored against). A step with no trainable group (every group skipped
+    as zero-variance) applies no update and reports loss, tokens, sequences, grad_norm, the token
+    metrics and the timings as 0, so every metrics line has the same keys; groups_skipped ==
+    groups tells such a step apart.
+
+    Data parallel (`world` > 1, `model` a DDP replica): every rank is given the whole step's
+    groups, so every rank derives the same trainable groups and the same decision to step or not,
+    with no collective. Rank r trains trainable[r::world], normalised by the counts of all the
+    trainable groups, its loss scaled by `world` because DDP averages gradients over ranks while
+    the loss wants their sum. A rank whose share is empty (fewer trainable groups than ranks) runs
+    the same passes on trainable[0] with its loss scaled by 0, so it makes the same DDP collectives
+    and adds nothing to the gradient; its loss, tokens and sequences are reported as 0, so the sums
+    and weighted means over ranks (`policy.reduce_over_ranks`) count each trainable group once.
     """
     rewards = torch.cat([group_rewards(group) for group in groups])
-    kept = [group for group in groups if has_signal(group)] if cfg.skip_zero_variance_groups else list(groups)
-    lr = float(optimizer.param_groups[0]["lr"])
+    kept = trainable(groups, cfg)
     metrics = {"reward_mean": float(rewards.mean()), "reward_std": float(rewards.std(correction=0)),
-               "groups": float(len(groups)), "groups_skipped": float(len(groups) - len(kept)), "lr": lr}
-    if kept:
-        metrics.update(_update(model, optimizer, kept, cfg, spec, ref_model, global_counts, loss_scale))
-        scheduler.step()
-    else:  # no update this step, but the schedule still advances so it stays aligned with max_steps
+               "groups": float(len(groups)), "groups_skipped": float(len(groups) - len(kept)),
+               "lr": float(optimizer.param_groups[0]["lr"])}
+    if not kept:  # no update this step, but the schedule still advances so it stays aligned with max_steps
+        metrics.update(_idle_metrics(cfg))
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="Detected call of")
             scheduler.step()
+        return metrics
+    counts = _counts(kept)
+    share = kept[rank::world]
+    if share:
+        metrics.update(_update(model, optimizer, share, cfg, spec, ref_model, counts, float(world)))
+    else:
+        done = _update(model, optimizer, kept[:1], cfg, spec, ref_model, counts, 0.0)
+        metrics.update({**done, "loss": 0.0, "tokens": 0.0, "sequences": 0.0})
+    scheduler.step()
     return metrics
+
+
+def _counts(groups: list[common_pb2.Group]) -> tuple[float, float]:
+    """(completion tokens, sequences) of groups: the normalisers of the step's loss."""
+    tokens = sum(len(sample.completion_token_ids) for group in groups for sample in group.samples)
+    return float(tokens), float(sum(len(group.samples) for group in groups))
+
+
+def _idle_metrics(cfg: LossConfig) -> dict[str, float]:
+    """What a step with nothing to train reports in place of `_update`'s metrics, all 0: the token
+    metrics policy_loss reports (read off a micro-batch with no token, so the two cannot drift
+    apart), then the step's sums, means, grad_norm and timings."""
+    empty = torch.zeros(1, 0)  # (B, T) with no token
+    token_keys = policy_loss(LossInputs(empty, empty, empty, torch.zeros(1), empty, entropy=empty), cfg).metrics
+    names = [k for k in token_keys if k not in _NOT_TOKEN_MEANS]
+    names += [*STEP_SUMS, *SEQUENCE_MEANS, "grad_norm", *RANK_TIMINGS]
+    return dict.fromkeys(names, 0.0)
 
 
 def _update(
@@ -190,12 +244,14 @@ def _update(
     cfg: LossConfig,
     spec: JobSpec,
     ref_model: torch.nn.Module | None,
-    global_counts: tuple[float, float] | None,
+    counts: tuple[float, float],
     loss_scale: float,
 ) -> dict[str, float]:
-    """The epochs_per_step passes of a step; each ends with a clipped optimizer step."""
+    """The epochs_per_step passes of a step; each ends with a clipped optimizer step.
+
+    `counts`: (tokens, sequences) that normalise the loss; `loss_scale` multiplies it before backward.
+    """
     batch = build_batch(groups, group_advantages(groups, cfg), PAD_ID)
-    counts = global_counts or (float(batch.num_tokens), float(batch.num_sequences))
     micros = micro_batches(batch, spec.train.micro_batch_samples)
     cached = _Cached()
     model.train()

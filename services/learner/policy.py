@@ -2,9 +2,11 @@
 
 `Policy.step(groups)` is one call of `optim.train_step` (the only place the update is written).
 Data parallelism (torch.distributed, gloo on CPU, NCCL on GPU): every rank holds a DDP-wrapped
-replica; `step` gives each rank a whole-group share of the batch (`shard`) and passes the whole
-batch's token and sequence counts, so the summed gradient equals the one-rank gradient and the
-all-reduced loss equals the one-rank loss. Under torchrun only rank 0 runs the service; it drives
+replica and is given the whole step's groups; `train_step` trains the rank's whole-group share
+normalised by the whole batch's token and sequence counts, so the summed gradient equals the
+one-rank gradient (see train_step for empty shares). `reduce_over_ranks` then makes the step's
+metrics those of one rank on the whole batch: sums added, token and sequence means weighted by
+each rank's tokens and sequences. Under torchrun only rank 0 runs the service; it drives
 the other ranks through `Followers` (one `broadcast_object_list` per command: the job's spec,
 the checkpoint to restore, each step's serialised groups), and `follow()` is their whole loop.
 """
@@ -22,13 +24,17 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from services.common import models
 from services.common.config import JobSpec
 from services.learner import checkpoint as ckpt
-from services.learner.batch import has_signal
 from services.learner.losses import LossConfig, loss_config_for
-from services.learner.optim import build_optimizer, build_scheduler, train_step
+from services.learner.optim import (
+    BATCH_METRICS,
+    RANK_TIMINGS,
+    SEQUENCE_MEANS,
+    STEP_SUMS,
+    build_optimizer,
+    build_scheduler,
+    train_step,
+)
 from services.proto.fleetrl.v1 import common_pb2
-
-SUMMED_METRICS = ("loss", "tokens", "sequences")
-"""Step metrics summed over ranks; the other metrics (means) are rank 0's share of the batch."""
 
 
 def resolve_device(device: str) -> str:
@@ -37,16 +43,25 @@ def resolve_device(device: str) -> str:
     return device
 
 
-def shard(groups: list[common_pb2.Group], rank: int, world: int) -> list[common_pb2.Group]:
-    """Rank's share: groups rank, rank + world, ... (groups stay whole for their advantages)."""
-    return groups[rank::world]
+def reduce_over_ranks(metrics: dict[str, float]) -> dict[str, float]:
+    """One rank's train_step metrics -> the whole step's, on every rank (one all_reduce).
+
+    Sums are added; sequence and token means are weighted by each rank's sequences and tokens;
+    batch metrics are already the whole step's; timings stay this rank's. Every rank took the same
+    branch of train_step on the same groups, so every rank holds the same keys."""
+    names = sorted(k for k in metrics if k not in (*BATCH_METRICS, *RANK_TIMINGS))
+    weights = {k: _weight_name(k) for k in names}
+    weighted = torch.tensor([metrics[k] * (metrics[w] if w else 1.0) for k, w in weights.items()], dtype=torch.float64)
+    dist.all_reduce(weighted)
+    totals = dict(zip(names, weighted.tolist(), strict=True))
+    return {**metrics, **{k: totals[k] / (max(totals[w], 1.0) if w else 1.0) for k, w in weights.items()}}
 
 
-def global_counts(groups: list[common_pb2.Group], cfg: LossConfig) -> tuple[float, float]:
-    """(completion tokens, sequences) of the groups train_step will train on."""
-    kept = [g for g in groups if has_signal(g)] if cfg.skip_zero_variance_groups else groups
-    tokens = sum(len(s.completion_token_ids) for g in kept for s in g.samples)
-    return float(tokens), float(sum(len(g.samples) for g in kept))
+def _weight_name(metric: str) -> str | None:
+    """The count a metric is a mean over (None: a sum)."""
+    if metric in STEP_SUMS:
+        return None
+    return "sequences" if metric in SEQUENCE_MEANS else "tokens"
 
 
 class Followers:
@@ -104,17 +119,9 @@ class Policy:
         """One optimizer step on the whole step's groups (each rank is given all of them)."""
         if self.followers is not None:
             self.followers.send("step", [g.SerializeToString() for g in groups])
-        if self.world == 1:
-            return train_step(self.module, self.optimizer, self.scheduler, groups, self.loss_cfg, self.spec,
-                              self.ref_model)
-        metrics = train_step(
-            self.module, self.optimizer, self.scheduler, shard(groups, self.rank, self.world), self.loss_cfg,
-            self.spec, self.ref_model, global_counts=global_counts(groups, self.loss_cfg), loss_scale=self.world,
-        )
-        sums = torch.tensor([metrics.get(k, 0.0) for k in SUMMED_METRICS], dtype=torch.float64)
-        dist.all_reduce(sums)  # each rank's loss is its share of the whole-batch normalised sum
-        metrics.update(zip(SUMMED_METRICS, sums.tolist(), strict=True))
-        return metrics
+        metrics = train_step(self.module, self.optimizer, self.scheduler, groups, self.loss_cfg, self.spec,
+                             self.ref_model, rank=self.rank, world=self.world)
+        return reduce_over_ranks(metrics) if self.world > 1 else metrics
 
     def state(self, step: int, extra: dict[str, object]) -> ckpt.Checkpoint:
         return ckpt.Checkpoint(

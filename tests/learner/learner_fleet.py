@@ -33,11 +33,12 @@ def prompts_jsonl(n: int) -> bytes:
 
 
 def spec_for(**train: Any) -> JobSpec:
-    replay = train.pop("replay", {})
+    """A tiny job: `train` fields as keywords, plus `replay={...}` and `algorithm={...}` sections."""
+    replay, algorithm = train.pop("replay", {}), train.pop("algorithm", {})
     rollout = {"prompts_per_step": 2, "samples_per_prompt": 3, "max_new_tokens": 8}
     return JobSpec.model_validate({
         "name": "t", "model": "tiny-llama", "prompts": "prompts.jsonl", "seed": 7,
-        "reward": {"builtin": "numeric_match"},
+        "reward": {"builtin": "numeric_match"}, "algorithm": algorithm,
         "optim": {"learning_rate": 1e-3, "warmup_steps": 1, "lr_schedule": "linear"},
         "rollout": rollout, "train": {"max_steps": 4, "checkpoint_interval": 2, "max_staleness": 50,
                                       "micro_batch_samples": 4, "weights_dtype": "float32",
@@ -60,6 +61,13 @@ def make_group(job_id: str, task_id: str, version: int, samples: int, seed: int 
             finish_reason="length",
         ))
     return common_pb2.Group(job_id=job_id, task_id=task_id, policy_version=version, samples=out, prompt="p")
+
+
+def flat(group: common_pb2.Group) -> common_pb2.Group:
+    """The group with every reward 0.5: zero variance, nothing for GRPO to learn (dapo skips it)."""
+    for sample in group.samples:
+        sample.reward = 0.5
+    return group
 
 
 async def create_job(jobs: JobStore, spec: JobSpec, num_prompts: int = 16) -> JobRecord:

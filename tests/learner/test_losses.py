@@ -19,7 +19,7 @@ from services.learner.losses import (
     loss_config_for,
     policy_loss,
 )
-from services.learner.optim import build_scheduler, lr_factor, train_step
+from services.learner.optim import build_optimizer, build_scheduler, lr_factor, train_step
 from services.proto.fleetrl.v1 import common_pb2
 
 
@@ -277,11 +277,59 @@ def test_zero_variance_groups_are_skipped() -> None:
     before = copy.deepcopy(model.state_dict())
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     scheduler = build_scheduler(optimizer, spec.optim, 10)
-    out = train_step(model, optimizer, scheduler, groups[:1], loss_config_for(spec), spec)
-    assert out["groups_skipped"] == 1.0 and "loss" not in out
+    idle = train_step(model, optimizer, scheduler, groups[:1], loss_config_for(spec), spec)
+    assert idle["groups_skipped"] == 1.0
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
     out = train_step(model, optimizer, scheduler, groups, loss_config_for(spec), spec)
     assert out["groups_skipped"] == 1.0 and out["sequences"] == 6.0
+    # a step that trained nothing writes the same metrics, 0 where nothing was trained
+    assert idle.keys() == out.keys() and {"loss", "kl", "entropy", "clip_frac", "tokens", "grad_norm"} <= idle.keys()
+    assert all(idle[k] == 0.0 for k in idle.keys() - {"reward_mean", "reward_std", "groups", "groups_skipped", "lr"})
+
+
+# --------------------------------------------------------------------------- optimizer and clipping
+
+
+def test_adamw_set_up_by_hand() -> None:
+    """build_optimizer: AdamW over the trainable parameters only, with the config's learning rate,
+    betas and decoupled weight decay; two steps on one scalar worked out by hand."""
+    model = torch.nn.Module()
+    model.w = torch.nn.Parameter(torch.tensor([2.0]))
+    model.frozen = torch.nn.Parameter(torch.tensor([1.0]), requires_grad=False)
+    optimizer = build_optimizer(model, OptimConfig(learning_rate=0.1, weight_decay=0.5, betas=(0.5, 0.5)))
+    assert isinstance(optimizer, torch.optim.AdamW)
+    assert [p for group in optimizer.param_groups for p in group["params"]] == [model.w]
+    model.w.grad = torch.tensor([1.0])
+    optimizer.step()
+    # step 1: m_hat = g, v_hat = g^2, so the Adam step is g / |g| = 1; w = 2 * (1 - 0.1 * 0.5) - 0.1 * 1
+    assert model.w.item() == pytest.approx(1.8, abs=1e-6)
+    model.w.grad = torch.tensor([3.0])
+    optimizer.step()
+    # step 2: m = 0.5 * 0.5 + 0.5 * 3 = 1.75, v = 0.5 * 0.5 + 0.5 * 9 = 4.75, both / (1 - 0.5^2):
+    # m_hat = 7/3, v_hat = 19/3, step = (7/3) / sqrt(19/3) = 0.927173; w = 1.8 * 0.95 - 0.0927173
+    assert model.w.item() == pytest.approx(1.8 * 0.95 - 0.1 * (7 / 3) / math.sqrt(19 / 3), abs=1e-6)
+    assert model.frozen.item() == 1.0
+
+
+def test_train_step_clips_the_gradient_norm() -> None:
+    """With SGD (step = -lr * g) the update is the gradient itself: unclipped, its norm is lr times the
+    reported grad_norm; with max_grad_norm below that norm, the same direction scaled to max_grad_norm."""
+    groups, lr, clip = random_groups(1), 1.0, 0.05
+    steps, norms = [], []
+    for max_grad_norm in (1e6, clip):
+        spec = JobSpec.model_validate({"prompts": "p.jsonl", "reward": {"builtin": "numeric_match"},
+                                       "optim": {"max_grad_norm": max_grad_norm}, "rollout": {"max_new_tokens": 5}})
+        model = tiny_model()
+        before = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+        optimizer = torch.optim.SGD(model.parameters(), lr=lr)
+        out = train_step(model, optimizer, build_scheduler(optimizer, spec.optim, 10), groups,
+                         loss_config_for(spec), spec)
+        steps.append(torch.cat([p.detach().reshape(-1) for p in model.parameters()]) - before)
+        norms.append(out["grad_norm"])
+    assert norms[0] == pytest.approx(norms[1], rel=1e-6) and norms[0] > 4 * clip  # the pre-clip norm, both times
+    assert float(steps[0].norm()) == pytest.approx(lr * norms[0], rel=1e-4)
+    assert float(steps[1].norm()) == pytest.approx(lr * clip, rel=1e-4)
+    torch.testing.assert_close(steps[1], steps[0] * (clip / norms[0]), atol=1e-7, rtol=1e-3)
 
 
 # --------------------------------------------------------------------------- schedule
