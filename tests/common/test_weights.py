@@ -149,6 +149,38 @@ async def test_pointer_never_moves_backwards(store: WeightStore) -> None:
     assert await store.pull(JOB, latest) == b"five"  # v5 was not overwritten
 
 
+class RacedStore(WeightStore):
+    """A store whose publish is overtaken by `rival`'s between its read of the pointer and its
+    compare-and-swap: the rival publishes once this store's object is written."""
+
+    rival: WeightStore
+
+    def __init__(self, nc: NATS, rival: WeightStore) -> None:
+        super().__init__(nc, bus.jetstream(nc))
+        self.rival = rival
+
+    async def _write_object(self, job_id: str, name: str, payload: bytes) -> str:
+        sha256_hex = await super()._write_object(job_id, name, payload)
+        await self.rival.publish(job_id, 9, b"rival", "bfloat16")
+        return sha256_hex
+
+
+@pytest.mark.parametrize("published_before", [False, True], ids=["create", "update"])
+async def test_pointer_moved_during_publish_raises_failed_precondition(
+    store: WeightStore, nc: NATS, published_before: bool
+) -> None:
+    """A real compare-and-swap conflict on the KV pointer, on its creation and on an update: the
+    overtaken writer gets FailedPrecondition and the pointer keeps the rival's version."""
+    if published_before:
+        await store.publish(JOB, 1, b"one", "bfloat16")
+    raced = RacedStore(nc, store)
+    with pytest.raises(FailedPrecondition, match="moved during publish"):
+        await raced.publish(JOB, 2, b"two", "bfloat16")
+    latest = await store.latest(JOB)
+    assert latest is not None and latest.version == 9
+    assert await store.pull(JOB, latest) == b"rival"
+
+
 async def test_keep_deletes_older_objects(store: WeightStore, nc: NATS) -> None:
     pointers = [await store.publish(JOB, version, os.urandom(1000), "bfloat16", keep=2) for version in range(4)]
     names = {info.name for info in await (await object_store(nc)).list(ignore_deletes=True)}

@@ -16,7 +16,7 @@ from services.common.jobs import JobRecord, JobState, JobStore
 from services.common.weights import WeightStore
 from services.learner import checkpoint as ckpt
 from services.learner.config import LearnerSettings
-from services.learner.feeder import task_ids_in_order
+from services.learner.feeder import in_flight_limit, task_ids_in_order
 from services.learner.service import serve
 from services.proto.fleetrl.v1 import common_pb2, learner_pb2, learner_pb2_grpc
 from services.replay.client import ReplayClient
@@ -28,8 +28,9 @@ def settings(nats_url: str, redis_url: str, replay_addr: str, run_dir: Path) -> 
 
 
 async def test_job_runs_to_export(nats_url: str, redis_url: str, tmp_path: Path) -> None:
+    """4 steps, no actors (the groups are inserted up front); weights every 3 steps and at the end."""
     jobs = JobStore.from_url(redis_url)
-    spec = spec_for(max_steps=4, checkpoint_interval=2, keep_checkpoints=1)
+    spec = spec_for(max_steps=4, checkpoint_interval=2, keep_checkpoints=1, publish_interval=3, keep_weight_versions=10)
     record = await create_job(jobs, spec)
     async with replay_service(redis_url) as addr, ReplayClient(addr) as replay:
         ids = await insert_groups(replay, record, 10)
@@ -40,7 +41,7 @@ async def test_job_runs_to_export(nats_url: str, redis_url: str, tmp_path: Path)
     lines = [json.loads(x) for x in (tmp_path / "jobs" / record.job_id / "metrics.jsonl").read_text().splitlines()]
     assert [x["step"] for x in lines] == [1, 2, 3, 4]
     assert [t for x in lines for t in x["task_ids"]] == ids[:8]  # fifo order, each group once
-    for key in ("loss", "reward_mean", "reward_std", "entropy", "clip_frac", "staleness_mean", "staleness_max",
+    for key in ("loss", "reward_mean", "reward_std", "kl", "entropy", "clip_frac", "staleness_mean", "staleness_max",
                 "tokens_per_s", "stale_dropped"):
         assert key in lines[0], key
     assert stats.committed == 8 and stats.size_groups == 2 and stats.leased_groups == 0
@@ -52,12 +53,15 @@ async def test_job_runs_to_export(nats_url: str, redis_url: str, tmp_path: Path)
     nc = await bus.connect(nats_url, "test")
     js = bus.jetstream(nc)
     pointer = await WeightStore(nc, js).latest(record.job_id)
+    objects = await (await js.object_store(bus.weights_bucket(record.job_id))).list(ignore_deletes=True)
     info = await js.stream_info(bus.TASKS_STREAM)
     await nc.close()
     await jobs.close()
     assert pointer is not None and pointer.version == 4
-    # in flight never exceeds prompts_per_step * (max_staleness + 1) = 102; 8 trained + 102 - 16 prompts/epoch
-    assert info.state.messages > 0
+    assert sorted(o.name for o in objects) == ["v0", "v3", "v4"]  # set-up, publish_interval 3, the last step
+    # No actor takes a task, so the stream holds every task the feeder published. The 8 trained groups
+    # settled 8 of them; the others are in flight at the end: exactly the bound, not one more.
+    assert info.state.messages - 8 == in_flight_limit(2, spec.train.max_staleness) == 102
 
 
 async def test_staleness_drops_old_groups(nats_url: str, redis_url: str, tmp_path: Path) -> None:
