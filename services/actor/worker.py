@@ -1,6 +1,6 @@
 """The task loop: fetch -> ensure_weights -> generate -> score -> insert -> ack, for one task at a time.
 
-Design choices (DESIGN.md, data flow step 4):
+Design choices (docs/ARCHITECTURE.md, data flow steps 5-7):
 - The task is acked only after replay answered INSERTED or DUPLICATE for its group, so a kill at any
   point before that leaves the task unacked and JetStream redelivers it after ack_wait; a kill after
   the insert but before the ack makes the redelivery a DUPLICATE, which is acked. Replay's

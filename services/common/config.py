@@ -61,8 +61,10 @@ class AlgorithmConfig(Strict):
 
     name: Literal["grpo", "dr_grpo", "dapo", "ppo"] = "grpo"
     """grpo: group-normalised advantages, clipped surrogate; dr_grpo: mean-only baseline, no length
-    normalisation; dapo: clip-higher, token-level aggregation, dynamic sampling; ppo: clipped
-    surrogate with RLOO baseline (a value head is not implemented yet)."""
+    normalisation; dapo: clip-higher, token-level aggregation, and groups whose rewards are all equal
+    dropped from the step without replacement (DAPO's dynamic sampling would refill the batch; here
+    the step trains on fewer groups); ppo: clipped surrogate with RLOO baseline (a value head is not
+    implemented yet)."""
     advantage: Literal["grpo", "dr_grpo", "rloo"] | None = None
     """Advantage estimator; None takes the algorithm's default."""
     clip_eps: float = Field(0.2, gt=0, le=1)
@@ -81,7 +83,8 @@ class AlgorithmConfig(Strict):
     """Truncated importance-sampling cap on the ratio between the learner's old policy and the
     actor's behaviour policy, correcting stale or mismatched samples."""
     skip_zero_variance_groups: bool = False
-    """Drop groups whose rewards are all equal (they carry no GRPO signal); dapo turns it on."""
+    """Drop groups whose rewards are all equal (they carry no GRPO signal) from the step, without
+    replacing them; a step left with none applies no update. dapo turns it on."""
 
 
 class OptimConfig(Strict):

@@ -1,6 +1,6 @@
 """Weight store: the learner publishes policy weights, actors pull them, over NATS JetStream.
 
-Layout (docs: DESIGN.md, Weights): one object store bucket per job (`bus.weights_bucket`),
+Layout (docs/ARCHITECTURE.md, data flow step 9): one object store bucket per job (`bus.weights_bucket`),
 objects `v<version>` holding safetensors bytes; a pointer in KV bucket `bus.WEIGHTS_KV`, key
 `<job>`, JSON {version, object, sha256, bytes, dtype}, moved only forward by compare-and-swap.
 

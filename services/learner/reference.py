@@ -15,7 +15,7 @@ one `torch.multinomial` draw per position for the whole group from the task's ge
 behaviour log-prob of a token is taken under softmax(logits / temperature) before the nucleus
 filter, the same distribution `completion_logprobs` scores on the learner side.
 
-    python -m services.learner.reference --job examples/addition.toml --steps 20
+    python -m services.learner.reference --job examples/addition/job.toml --steps 20
 prints one JSON line of metrics per step.
 """
 
