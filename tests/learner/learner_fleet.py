@@ -1,4 +1,5 @@
-"""Test helpers of the learner tests: a real replay service, jobs in a real Redis, synthetic groups.
+"""Test helpers of the learner tests: a real replay service, jobs in a real Redis, synthetic groups,
+and a tiny word-level policy with a reward it can learn.
 
 Groups are made here rather than by actors so a test controls exactly which groups exist and in
 which fifo order; the learner under test cannot tell the difference.
@@ -16,6 +17,12 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
+import torch
+from tokenizers import Tokenizer
+from tokenizers.models import WordLevel
+from tokenizers.pre_tokenizers import WhitespaceSplit
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
 from services.common.config import JobSpec
 from services.common.jobs import JobRecord, JobStore
 from services.learner.feeder import task_ids_in_order
@@ -25,11 +32,31 @@ from services.replay.config import ReplaySettings
 from services.replay.server import running
 
 REPO = Path(__file__).resolve().parents[2]
+WORDS = ["<pad>", "<eos>", "<unk>", *"0123456789", "+", "="]
+"""The vocabulary of `tiny_policy`: enough for "a + b =" prompts and one-digit answers."""
 
 
 def prompts_jsonl(n: int) -> bytes:
     return "".join(json.dumps({"prompt": f"What is {i} + {i}?", "answer": str(2 * i)}) + "\n"
                    for i in range(n)).encode()
+
+
+def tiny_policy() -> tuple[LlamaForCausalLM, PreTrainedTokenizerFast]:
+    """A 15-token word-level tokenizer and a 2-layer, 32-wide Llama over it (the same weights every call)."""
+    core = Tokenizer(WordLevel({w: i for i, w in enumerate(WORDS)}, unk_token="<unk>"))
+    core.pre_tokenizer = WhitespaceSplit()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=core, eos_token="<eos>", pad_token="<pad>", unk_token="<unk>")
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=len(WORDS), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                         eos_token_id=1, pad_token_id=0, bos_token_id=None)
+    return LlamaForCausalLM(config).eval(), tokenizer
+
+
+def first_word_is_seven(completion: str, prompt: str, **_: Any) -> float:
+    """A reward `tiny_policy` learns in about ten steps: 1.0 when the completion starts with the word 7."""
+    words = completion.split()
+    return float(bool(words) and words[0] == "7")
 
 
 def spec_for(**train: Any) -> JobSpec:

@@ -11,35 +11,14 @@ from typing import Any
 
 import pytest
 import torch
-from tokenizers import Tokenizer
-from tokenizers.models import WordLevel
-from tokenizers.pre_tokenizers import WhitespaceSplit
-from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+from learner_fleet import first_word_is_seven, tiny_policy
 
 from services.common.config import JobSpec
 from services.learner.batch import build_batch, completion_logprobs, group_advantages
 from services.learner.losses import loss_config_for
 from services.learner.reference import numeric_match, rollout_group, run, tasks_of_step
 
-WORDS = ["<pad>", "<eos>", "<unk>", *"0123456789", "+", "="]
 REPO = Path(__file__).resolve().parents[2]
-
-
-def tiny_policy() -> tuple[LlamaForCausalLM, PreTrainedTokenizerFast]:
-    """A 15-token word-level tokenizer and a 2-layer, 32-wide Llama over it."""
-    core = Tokenizer(WordLevel({w: i for i, w in enumerate(WORDS)}, unk_token="<unk>"))
-    core.pre_tokenizer = WhitespaceSplit()
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=core, eos_token="<eos>", pad_token="<pad>", unk_token="<unk>")
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=len(WORDS), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                         eos_token_id=1, pad_token_id=0, bos_token_id=None)
-    return LlamaForCausalLM(config).eval(), tokenizer
-
-
-def first_word_is_seven(completion: str, prompt: str, **_: Any) -> float:
-    words = completion.split()
-    return float(bool(words) and words[0] == "7")
 
 
 def job(tmp_path: Path, **rollout: Any) -> JobSpec:

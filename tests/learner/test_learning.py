@@ -1,0 +1,73 @@
+"""A job trained through the real services raises its mean reward.
+
+A whole fleet (`services.fleet.fleet.Fleet`, as `fleetrl up` runs it: embedded NATS and Valkey,
+gateway, reward, replay, learner and two actors as child processes) trains a job submitted through
+the gateway. The model is the 15-token word-level Llama of `learner_fleet.tiny_policy`, saved as an
+HF directory that actors and learner load by path; the reward file pays 1.0 when the completion's
+first word is 7 (1 in 15 for the untrained policy). The reference loop learns the same task
+(test_reference.py); here every step goes through tasks, sampling, the reward sandbox, replay, the
+learner and weight publishing, with actors up to one version behind. About 15 s of training and 15 s
+of fleet start-up and shutdown.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from learner_fleet import tiny_policy
+
+from services.fleet.fleet import Fleet, FleetLayout, FleetOptions
+from services.gateway.client import Client
+
+pytestmark = pytest.mark.slow
+
+STEPS = 15
+FAST_ENV = {
+    "FLEETRL_ACTOR_TORCH_THREADS": "1", "FLEETRL_ACTOR_POLL_INTERVAL_S": "0.3", "FLEETRL_ACTOR_FETCH_TIMEOUT_S": "0.5",
+    "FLEETRL_LEARNER_TORCH_THREADS": "1", "FLEETRL_LEARNER_CLAIM_POLL_S": "0.3", "FLEETRL_LEARNER_SAMPLE_WAIT_S": "0.5",
+    "FLEETRL_REWARD_WORKERS_PER_POOL": "1",
+}
+"""Short polls and one torch thread per process (as in tests/fleet/e2e_fleet.py), so steps take ~1 s."""
+REWARD_FILE = '''
+def reward(completion, prompt, **metadata):
+    words = completion.split()
+    return float(bool(words) and words[0] == "7")
+'''
+PROMPTS = [(1, 2), (3, 4), (2, 2), (5, 1), (0, 3), (4, 4)]
+
+
+@pytest.fixture
+def fleet(tmp_path: Path) -> Iterator[FleetLayout]:
+    fleet = Fleet(FleetOptions(run_dir=tmp_path / "fleet", actors=2, extra_env=dict(FAST_ENV)))
+    try:
+        yield fleet.start()
+    finally:
+        fleet.stop()
+
+
+def test_mean_reward_rises_through_the_services(fleet: FleetLayout, tmp_path: Path) -> None:
+    model, tokenizer = tiny_policy()
+    model.save_pretrained(tmp_path / "model")
+    tokenizer.save_pretrained(tmp_path / "model")
+    prompts, reward = tmp_path / "prompts.jsonl", tmp_path / "reward.py"
+    prompts.write_text("".join(json.dumps({"prompt": f"{a} + {b} =", "answer": str(a + b)}) + "\n" for a, b in PROMPTS))
+    reward.write_text(REWARD_FILE)
+    with Client(fleet.addresses["gateway"]) as client:
+        run = client.create_run(
+            str(tmp_path / "model"), prompts, reward, name="learn", seed=3, learning_rate=0.03, prompts_per_step=4,
+            samples_per_prompt=8, max_new_tokens=1, max_steps=STEPS, max_staleness=1, checkpoint_interval=STEPS,
+            timeout_per_step_s=60, **{"rollout.chat_template": False, "train.task_ack_wait_s": 5})
+        info = run.wait(timeout_s=180)
+    assert info.state == "succeeded", info.reason
+    path = tmp_path / "fleet" / "jobs" / run.job_id / "metrics.jsonl"
+    metrics = [json.loads(line) for line in path.read_text().splitlines()]
+    rewards = [m["reward_mean"] for m in metrics]
+    print("reward_mean per step:", " ".join(f"{r:.2f}" for r in rewards))
+    assert [m["step"] for m in metrics] == list(range(1, STEPS + 1))
+    assert all(m["staleness_max"] <= 1 for m in metrics)
+    early, late = sum(rewards[:3]) / 3, sum(rewards[-3:]) / 3
+    assert early < 0.3, rewards  # about 1/15 before the policy has moved
+    assert late > 0.7, rewards
