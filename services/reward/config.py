@@ -36,6 +36,9 @@ class RewardSettings(InfraSettings):
     """A worker is replaced after this many items."""
     sandbox_uid_base: int = Field(200_000, ge=0, le=2**31 - 2**17)
     """When the service runs as root, workers run as private uids/gids in [base, base+60000) (0: stay root)."""
+    worker_namespaces: bool = True
+    """Put each worker in new network and PID namespaces where the kernel allows; False keeps only the
+    fallback layers (rlimits, private uid, audit hook, killing by process group and uid)."""
     sandbox_dir: Path | None = None
     """Where workers' private temp dirs are made (None: the system temp dir)."""
     max_items_per_request: int = Field(4096, ge=1, le=1_000_000)

@@ -6,19 +6,28 @@ Layers, strongest first (each one is applied where the machine allows it):
    another user it is tried together with CLONE_NEWUSER (unprivileged user namespaces).
 2. PID namespace (CLONE_NEWPID): the worker forks once and the item loop runs as PID 1 of a new
    namespace, so when it dies the kernel kills every process it left, even ones that called setsid.
+   The item loop dies with the outer process (PR_SET_PDEATHSIG), and the service also kills it by
+   its pidfd: leaving the process group (setsid, setpgid raise no audit event) does not save it.
 3. rlimits: address space, CPU seconds, file size, open files, processes, no core files.
 4. A private uid when the service runs as root (RLIMIT_NPROC is not enforced for root): one uid per
-   worker, taken from `sandbox_uid_base`, so the process limit counts that worker alone. When the
-   Python installation sits under a private directory (a 0700 /root), a private mount namespace
-   puts a tmpfs over that directory and binds back only what Python needs, so the dropped uid can
-   import the stdlib while the rest of root's home (keys, tokens) is hidden.
+   worker, taken from `sandbox_uid_base`, so the process limit counts that worker alone and the
+   service can kill every process of the worker by its uid, wherever it went. No new privileges
+   (PR_SET_NO_NEW_PRIVS), so no setuid program takes a process out of that uid. When the Python
+   installation sits under a private directory (a 0700 /root), a private mount namespace puts a
+   tmpfs over that directory and binds back only what Python needs, so the dropped uid can import
+   the stdlib while the rest of root's home (keys, tokens) is hidden.
 5. An audit hook (`sys.addaudithook`) installed before user code runs. It denies sockets, process
    creation (fork, exec, spawn, system, subprocess), signals, ctypes, rlimit changes and any write,
    rename, delete, link or mkdir outside the worker's temp dir. It is defence in depth, not the
    boundary: Python-level hooks can be bypassed by code that reaches C, which layers 1-4 contain.
-Fallback without namespaces (unprivileged, no user namespaces): layers 3 and 5 plus the service's
-wall-clock kill of the worker's process group. `isolation` in the worker's ready message says which
-layers are active, and the service logs it.
+   Some calls raise no audit event at all: os.setsid, os.setpgid and `_posixsubprocess.fork_exec`
+   (which subprocess calls, and which sympy imports, so it cannot be denied at import).
+Fallback without namespaces: layers 3-5 plus the service's wall-clock kill of the worker's process
+group and, as root, of every process of its uid. Unprivileged, workers share the service's uid: the
+service then makes itself non-dumpable, so they cannot read its environment or memory through
+/proc, and RLIMIT_NPROC counts every process of that user, so with the default
+`worker_max_processes` a worker cannot start any process. `isolation` in the worker's ready
+message says which layers are active, and the service logs it when it starts a pool.
 Stdlib only: this runs in the worker before any user code.
 """
 
@@ -27,6 +36,7 @@ from __future__ import annotations
 import ctypes
 import os
 import resource
+import signal
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -46,6 +56,7 @@ PATH_EVENTS = {"os.rename": 2, "os.remove": 1, "os.rmdir": 1, "os.mkdir": 1, "os
                "os.truncate": 1, "os.utime": 1, "shutil.rmtree": 1, "shutil.copyfile": 2,
                "shutil.copytree": 2, "shutil.move": 2, "os.chflags": 1, "os.lchmod": 1}
 MS_BIND, MS_REC, MS_PRIVATE = 0x1000, 0x4000, 0x40000
+PR_SET_PDEATHSIG, PR_SET_DUMPABLE, PR_SET_NO_NEW_PRIVS = 1, 4, 38
 WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_TRUNC
 
 
@@ -54,16 +65,52 @@ def _unshare(flags: int) -> bool:
     return bool(libc.unshare(flags) == 0)
 
 
-def unshare_namespaces(want_pid: bool) -> dict[str, bool]:
-    """Enter new network (and PID) namespaces if allowed; returns which ones were entered."""
-    pid_flag = CLONE_NEWPID if want_pid else 0
-    if os.geteuid() == 0 and _unshare(CLONE_NEWNET | pid_flag):
-        return {"netns": True, "pidns": bool(pid_flag), "userns": False}
-    if _unshare(CLONE_NEWUSER | CLONE_NEWNET | pid_flag):
-        return {"netns": True, "pidns": bool(pid_flag), "userns": True}
+def unshare_namespaces(wanted: bool) -> dict[str, bool]:
+    """Enter new network and PID namespaces if wanted and allowed; returns which ones were entered."""
+    none = {"netns": False, "pidns": False, "userns": False}
+    if not wanted:
+        return none
+    if os.geteuid() == 0 and _unshare(CLONE_NEWNET | CLONE_NEWPID):
+        return {"netns": True, "pidns": True, "userns": False}
+    if _unshare(CLONE_NEWUSER | CLONE_NEWNET | CLONE_NEWPID):
+        return {"netns": True, "pidns": True, "userns": True}
     if os.geteuid() == 0 and _unshare(CLONE_NEWNET):
-        return {"netns": True, "pidns": False, "userns": False}
-    return {"netns": False, "pidns": False, "userns": False}
+        return {**none, "netns": True}
+    return none
+
+
+def _prctl(option: int, value: int) -> None:
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(option, ctypes.c_ulong(value), ctypes.c_ulong(0), ctypes.c_ulong(0), ctypes.c_ulong(0)) != 0:
+        raise OSError(ctypes.get_errno(), f"prctl({option}, {value}) failed")
+
+
+def _proc_stat_field(index: int) -> int:
+    with open("/proc/self/stat") as handle:
+        return int(handle.read().rsplit(")", 1)[1].split()[index])
+
+
+def die_with_parent(parent: int) -> None:
+    """Have the kernel SIGKILL this process when parent ends (PR_SET_PDEATHSIG); exit if it has.
+
+    A fork and a uid change both clear the setting, so it is set again after each. The parent is
+    read from /proc, which numbers processes as the service does (getppid() is 0 for PID 1 of a
+    new namespace); if it is no longer parent, the parent ended before the prctl took effect.
+    """
+    _prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    if _proc_stat_field(1) != parent:
+        os._exit(1)
+
+
+def forbid_new_privileges() -> None:
+    """PR_SET_NO_NEW_PRIVS: exec'ing a setuid program no longer changes the uid (inherited, irreversible)."""
+    _prctl(PR_SET_NO_NEW_PRIVS, 1)
+
+
+def hide_from_same_uid() -> None:
+    """PR_SET_DUMPABLE 0 for the calling process (the service, when workers share its uid): other
+    processes of that uid can no longer read its /proc environ or memory, or ptrace it."""
+    _prctl(PR_SET_DUMPABLE, 0)
 
 
 def _enc(value: str | None) -> bytes | None:

@@ -22,12 +22,15 @@ class RewardMetrics:
                              ["job", "status"], registry=self.registry)
         self.latency = Histogram("fleetrl_reward_latency_seconds", "Wall-clock seconds per item on a worker",
                                  ["status"], buckets=LATENCY_BUCKETS_S, registry=self.registry)
-        self.worker_restarts = Counter("fleetrl_reward_worker_restarts_total",
-                                       "Workers killed and replaced (timeout, crash, limit)", registry=self.registry)
+        self.worker_restarts = Counter(
+            "fleetrl_reward_worker_restarts_total",
+            "Workers killed and replaced, by reason (timeout, crash, cancelled, recycled)",
+            ["reason"], registry=self.registry)
         self.pools = Gauge("fleetrl_reward_pools", "Live worker pools (one per reward spec)", registry=self.registry)
 
     def observe(self, job_id: str, status: str, latency_s: float) -> None:
         self.items.labels(job=job_id, status=status).inc()
         self.latency.labels(status=status).observe(latency_s)
-        if status in ("timeout", "killed"):
-            self.worker_restarts.inc()
+
+    def worker_replaced(self, reason: str) -> None:
+        self.worker_restarts.labels(reason=reason).inc()

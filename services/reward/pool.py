@@ -4,7 +4,9 @@ The first worker is started before the pool is used, so a spec that cannot load 
 that brought it (and Validate) with the reason; the other workers start in the background. Each
 item takes an idle worker, runs with the spec's wall-clock timeout and gives the worker back, or,
 when the item timed out, crashed the worker, or the call was cancelled, kills it and starts a
-replacement. A hostile item therefore holds one worker for at most its timeout.
+replacement (so does a worker that has served max_items_per_worker items or used half its CPU
+limit); `on_replace` hears each replacement's reason. A hostile item therefore holds one worker for
+at most its timeout. The pool logs which isolation layers its first worker reports.
 """
 
 from __future__ import annotations
@@ -13,7 +15,8 @@ import asyncio
 import contextlib
 import logging
 import time
-from typing import Any
+from collections.abc import Callable
+from typing import Any, Literal
 
 from services.common.errors import Unavailable
 from services.reward.sandbox import Outcome, PoolConfig, UidPool, Worker, WorkerDied
@@ -21,6 +24,17 @@ from services.reward.sandbox import Outcome, PoolConfig, UidPool, Worker, Worker
 log = logging.getLogger(__name__)
 
 SPAWN_ATTEMPTS = 3
+LAYERS = ("netns", "pidns", "userns", "mountns", "dropped_uid", "audit_hook")
+
+ReplaceReason = Literal["timeout", "crash", "cancelled", "recycled"]
+
+
+def describe_isolation(isolation: dict[str, Any]) -> str:
+    """The active and missing isolation layers, e.g. "rlimits netns pidns dropped_uid (uid 200001); missing: userns"."""
+    active = ["rlimits", *(layer for layer in LAYERS if isolation.get(layer))]
+    missing = [layer for layer in LAYERS if not isolation.get(layer)]
+    uid = f" (uid {isolation['uid']})" if isolation.get("dropped_uid") else ""
+    return f"{' '.join(active)}{uid}; missing: {' '.join(missing) or 'none'}"
 
 
 class WorkerPool:
@@ -29,17 +43,17 @@ class WorkerPool:
     boot: dict[str, Any]
     cfg: PoolConfig
     last_used: float
-    restarts: int
 
-    def __init__(self, boot: dict[str, Any], cfg: PoolConfig, uids: UidPool) -> None:
-        self.boot, self.cfg, self._uids = boot, cfg, uids
+    def __init__(self, boot: dict[str, Any], cfg: PoolConfig, uids: UidPool,
+                 on_replace: Callable[[ReplaceReason], None] = lambda reason: None) -> None:
+        self.boot, self.cfg, self._uids, self._on_replace = boot, cfg, uids, on_replace
         self._idle: asyncio.Queue[Worker] = asyncio.Queue()
         self._live: set[Worker] = set()
         self._tasks: set[asyncio.Task[None]] = set()
         self._spawns: set[asyncio.Task[None]] = set()
         self._broken: str | None = None
         self._closed = False
-        self.last_used, self.restarts = time.monotonic(), 0
+        self.last_used = time.monotonic()
 
     @property
     def live_workers(self) -> int:
@@ -51,12 +65,16 @@ class WorkerPool:
 
     async def start(self) -> None:
         """Start the first worker (raising ConfigError if the spec cannot load), then the rest."""
-        self._add(await self._start_worker())
+        first = await self._start_worker()
+        level = logging.INFO if first.isolation.get("netns") else logging.WARNING
+        log.log(level, "reward pool (%s, %d workers): isolation %s", self.boot["mode"], self.cfg.size,
+                describe_isolation(first.isolation))
+        self._add(first)
         for _ in range(self.cfg.size - 1):
             self._spawn()
 
     async def _start_worker(self) -> Worker:
-        uid = self._uids.take()
+        uid = await self._uids.take()
         try:
             return await Worker.start(self.boot, uid, self.cfg)
         except BaseException:
@@ -95,9 +113,9 @@ class WorkerPool:
         await worker.kill()
         self._uids.give(worker.uid)
 
-    def _replace(self, worker: Worker) -> None:
+    def _replace(self, worker: Worker, reason: ReplaceReason) -> None:
         self._live.discard(worker)
-        self.restarts += 1
+        self._on_replace(reason)
         self._background(self._retire(worker))
         if not self._closed:
             self._spawn()
@@ -117,13 +135,13 @@ class WorkerPool:
         try:
             reply = await worker.call(request, timeout_s, self.cfg.max_reply_bytes)
         except TimeoutError:
-            self._replace(worker)
+            self._replace(worker, "timeout")
             return Outcome("timeout", reason=f"timed out after {timeout_s:g}s", latency_s=time.monotonic() - start)
         except WorkerDied as died:
-            self._replace(worker)
+            self._replace(worker, "crash")
             return Outcome("killed", reason=str(died), latency_s=time.monotonic() - start)
         except BaseException:
-            self._replace(worker)  # cancelled mid-item: its late reply must not reach the next item
+            self._replace(worker, "cancelled")  # cancelled mid-item: its late reply must not reach the next item
             raise
         self._release(worker)
         return Outcome("reply", reply=reply, latency_s=time.monotonic() - start)
@@ -131,7 +149,7 @@ class WorkerPool:
     def _release(self, worker: Worker) -> None:
         worn = worker.items >= self.cfg.max_items_per_worker or worker.cpu_s > self.cfg.limits.cpu_s / 2
         if worn:
-            self._replace(worker)
+            self._replace(worker, "recycled")
         else:
             self._idle.put_nowait(worker)
 
@@ -140,5 +158,6 @@ class WorkerPool:
         self._closed = True
         for task in list(self._spawns):
             task.cancel()
-        await asyncio.gather(*self._spawns, *self._tasks, return_exceptions=True)
+        while self._spawns or self._tasks:  # a spawn that finished meanwhile retires its worker in a new task
+            await asyncio.gather(*self._spawns, *self._tasks, return_exceptions=True)
         await asyncio.gather(*(self._retire(w) for w in list(self._live)), return_exceptions=True)

@@ -4,8 +4,9 @@ A `Worker` is a fresh `python -I` process in its own session (process group), wi
 environment (PATH, LANG, HOME=TMPDIR=its private temp dir) and that temp dir as cwd; inside, it
 isolates itself (see `guard`) before loading the spec. Every item has a wall-clock timeout (CPU
 limits alone miss `sleep`); on timeout, death, an oversized or malformed reply, or a cancelled call,
-the whole process group is SIGKILLed, reaped, its temp dir removed and a fresh worker started, so
-the rest of the batch keeps being scored. Only JSON crosses from worker to service.
+every process of the worker is SIGKILLed (its children by pidfd, its process group, every process
+of its private uid), it is reaped, its temp dir removed and a fresh worker started, so the rest of
+the batch keeps being scored. Only JSON crosses from worker to service.
 `WorkerPool` keeps `size` workers for one spec and hands each item to an idle one.
 """
 
@@ -24,13 +25,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from services.common.errors import ConfigError, FieldViolation
-from services.reward import protocol
+from services.common.errors import ConfigError, FieldViolation, Unavailable
+from services.reward import procfs, protocol
 
 log = logging.getLogger(__name__)
 
 ROOT = str(Path(__file__).resolve().parents[2])
 BOOTSTRAP = f"import sys; sys.path.insert(0, {ROOT!r}); from services.reward.worker import main; main()"
+KILL_WAIT_S = 1.0
 
 
 @dataclass(frozen=True)
@@ -54,6 +56,7 @@ class PoolConfig:
     max_items_per_worker: int
     max_reply_bytes: int
     sandbox_dir: Path | None = None
+    namespaces: bool = True
 
 
 @dataclass
@@ -73,23 +76,35 @@ class WorkerDied(Exception):
 class UidPool:
     """Private uids for workers when running as root (RLIMIT_NPROC then counts one worker).
 
-    Uids are not reused soon: a killed worker's processes still count against its uid until the
-    kernel has reaped them. The walk through the range starts at a pid-derived offset, so two
-    services on one host rarely share a uid (sharing only tightens the process limit).
+    A uid is held from `take` until `give`, which the pool calls once every process of the worker
+    is gone, and a uid some process still runs under (another service's worker on this host, or
+    a zombie) is skipped, so killing "every process of the uid" only ever hits one worker. The walk
+    through the range starts at a pid-derived offset. Two services on one host that take the same
+    free uid at the same moment would share it: that only tightens the process limit.
     """
 
     SPAN = 60_000
+    enabled: bool
     _counter = itertools.count((os.getpid() * 7919) % SPAN)
+    _held: set[int] = set()  # class-level: shared by every pool of this process
 
     def __init__(self, base: int) -> None:
-        self._enabled = base > 0 and os.geteuid() == 0
+        self.enabled = base > 0 and os.geteuid() == 0
         self._base = base
 
-    def take(self) -> int:
-        return self._base + next(self._counter) % self.SPAN if self._enabled else 0
+    async def take(self) -> int:
+        if not self.enabled:
+            return 0
+        busy = await asyncio.to_thread(procfs.uids_in_use)
+        for _ in range(self.SPAN):
+            uid = self._base + next(self._counter) % self.SPAN
+            if uid not in self._held and uid not in busy:
+                self._held.add(uid)
+                return uid
+        raise Unavailable(f"every sandbox uid in [{self._base}, {self._base + self.SPAN}) is in use")
 
     def give(self, uid: int) -> None:
-        """Nothing to do: uids are handed out round-robin over SPAN."""
+        self._held.discard(uid)
 
 
 def death_reason(returncode: int | None) -> str:
@@ -129,13 +144,17 @@ class Worker:
         tmpdir = tempfile.mkdtemp(prefix="fleetrl-reward-", dir=cfg.sandbox_dir)
         if uid:
             os.chown(tmpdir, uid, uid)
-        proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-I", "-c", BOOTSTRAP, stdin=asyncio.subprocess.PIPE,
-            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.DEVNULL, cwd=tmpdir,
-            env=worker_env(tmpdir), start_new_session=True)
+        try:  # asyncio kills the process itself when this is cancelled
+            proc = await asyncio.create_subprocess_exec(
+                sys.executable, "-I", "-c", BOOTSTRAP, stdin=asyncio.subprocess.PIPE,
+                stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.DEVNULL, cwd=tmpdir,
+                env=worker_env(tmpdir), start_new_session=True)
+        except BaseException:
+            shutil.rmtree(tmpdir, ignore_errors=True)
+            raise
         worker = cls(proc, tmpdir, uid)
-        limits = cfg.limits.__dict__
-        message = {**boot, "limits": limits, "uid": uid, "tmpdir": tmpdir, "root": ROOT}
+        message = {**boot, "limits": cfg.limits.__dict__, "uid": uid, "tmpdir": tmpdir, "root": ROOT,
+                   "parent_pid": os.getpid(), "namespaces": cfg.namespaces}
         try:
             ready = await worker._exchange(message, cfg.start_timeout_s, cfg.max_reply_bytes)
         except (TimeoutError, WorkerDied) as error:
@@ -186,13 +205,36 @@ class Worker:
         return reply
 
     async def kill(self) -> None:
-        """SIGKILL the worker's whole process group, reap it and remove its temp dir."""
+        """SIGKILL every process of the worker, reap it and remove its temp dir.
+
+        First its children by pidfd: with a PID namespace, the item loop is the worker's child and
+        PID 1 of the namespace, whose death takes every process of the namespace with it, even ones
+        that left the process group. Then the process group, then (with a private uid) every process
+        of that uid, wherever it went. Only then is the worker awaited: asyncio also waits until its
+        pipes close, which a surviving process would hold open, so that wait is bounded.
+        """
+        children = await asyncio.to_thread(procfs.pidfds_of_children, self.proc.pid)
+        for pidfd in children:
+            with contextlib.suppress(ProcessLookupError):
+                signal.pidfd_send_signal(pidfd, signal.SIGKILL)
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(self.proc.pid, signal.SIGKILL)
         with contextlib.suppress(ProcessLookupError):
             self.proc.kill()
-        await self.proc.wait()
+        left = await asyncio.to_thread(self._sweep, children)
+        if left:
+            log.warning("processes of sandbox uid %d survived SIGKILL for %gs: %s", self.uid, KILL_WAIT_S, left)
+        try:
+            await asyncio.wait_for(self.proc.wait(), KILL_WAIT_S)
+        except TimeoutError:  # reaped, but a process outside its group and uid holds its pipes
+            log.warning("reward worker %d: a process it started still holds its pipes", self.proc.pid)
         shutil.rmtree(self.tmpdir, ignore_errors=True)
+
+    def _sweep(self, children: list[int]) -> list[int]:
+        procfs.wait_ended(children, KILL_WAIT_S)
+        for pidfd in children:
+            os.close(pidfd)
+        return procfs.kill_uid(self.uid, KILL_WAIT_S, reap_except=self.proc.pid) if self.uid else []
 
 
 def _spec_field(boot: dict[str, Any]) -> str:

@@ -24,7 +24,7 @@ from pydantic import ValidationError
 
 from services.common.config import RewardSpec, validate
 from services.common.errors import ConfigError, FieldViolation, InvalidArgument
-from services.reward import builtins
+from services.reward import builtins, guard
 from services.reward.config import RewardSettings
 from services.reward.metrics import RewardMetrics
 from services.reward.pool import WorkerPool
@@ -150,16 +150,18 @@ class Scorer:
         self.metrics = metrics or RewardMetrics()
         self._pools: dict[str, asyncio.Task[WorkerPool]] = {}
         self._uids = UidPool(settings.sandbox_uid_base)
+        if not self._uids.enabled:
+            guard.hide_from_same_uid()  # workers run under our uid: keep them out of our /proc environ
 
     def _pool_config(self, spec: RewardSpec) -> PoolConfig:
         s = self.settings
         limits = Limits(spec.memory_limit_mb, s.worker_cpu_limit_s, s.worker_max_file_mb,
                         s.worker_max_open_files, s.worker_max_processes)
         return PoolConfig(s.workers_per_pool, limits, s.worker_start_timeout_s, s.max_items_per_worker,
-                          s.max_reply_bytes, s.sandbox_dir)
+                          s.max_reply_bytes, s.sandbox_dir, s.worker_namespaces)
 
     async def _new_pool(self, spec: SpecInput) -> WorkerPool:
-        pool = WorkerPool(boot_message(spec), self._pool_config(spec.spec), self._uids)
+        pool = WorkerPool(boot_message(spec), self._pool_config(spec.spec), self._uids, self.metrics.worker_replaced)
         try:
             await pool.start()
         except BaseException:

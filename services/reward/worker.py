@@ -1,8 +1,9 @@
 """The sandboxed worker process: isolate, load one reward spec, then score items until stdin closes.
 
 Started by `sandbox.Worker.start` as `python -I -c "...worker.main()"` in a new session. The
-first frame on stdin is the boot message (mode, spec or source, limits, uid, temp dir); the worker
-answers one ready frame ({"ok": true, "isolation": {...}} or {"ok": false, "reason": traceback}),
+first frame on stdin is the boot message (mode, spec or source, limits, uid, temp dir, the service's
+pid, whether to enter namespaces); the worker answers one ready frame ({"ok": true, "isolation":
+{...}} naming the active layers, or {"ok": false, "reason": traceback}),
 then answers each item frame with {"value": x} | {"components": {...}} | {"error": reason} and
 its CPU seconds so far. User code sees /dev/null as stdin/stdout, so printing cannot corrupt the
 protocol. Stdlib only, except the built-in registry in "builtin" mode (imported before the uid drop).
@@ -46,11 +47,7 @@ def _supervise(child: int, fds: tuple[int, int]) -> None:
 
 def isolate(boot: dict[str, Any], fds: tuple[int, int]) -> dict[str, Any]:
     """Enter namespaces, apply limits, drop to the worker's uid; returns the active layers."""
-    isolation: dict[str, Any] = guard.unshare_namespaces(want_pid=True)
-    if isolation["pidns"]:
-        child = os.fork()
-        if child:
-            _supervise(child, fds)
+    isolation, parent = _enter_namespaces(boot, fds)
     limits = boot["limits"]
     os.chdir(boot["tmpdir"])
     if boot["mode"] == "builtin":
@@ -61,8 +58,23 @@ def isolate(boot: dict[str, Any], fds: tuple[int, int]) -> dict[str, Any]:
     if uid and os.geteuid() == 0:
         isolation["mountns"] = guard.expose_paths(_python_paths(boot))
     isolation["dropped_uid"] = guard.drop_privileges(uid)
-    isolation["uid"] = os.getuid()
+    guard.die_with_parent(parent)  # again: the uid change (and a fork) cleared it
+    guard.forbid_new_privileges()
+    isolation.update(uid=os.getuid(), audit_hook=boot["mode"] == "file")
     return isolation
+
+
+def _enter_namespaces(boot: dict[str, Any], fds: tuple[int, int]) -> tuple[dict[str, Any], int]:
+    """The namespaces entered, and the pid of the item loop's parent (the service, or the outer process)."""
+    parent = int(boot["parent_pid"])
+    guard.die_with_parent(parent)
+    isolation: dict[str, Any] = guard.unshare_namespaces(bool(boot["namespaces"]))
+    if isolation["pidns"]:
+        parent = os.getpid()
+        child = os.fork()
+        if child:
+            _supervise(child, fds)
+    return isolation, parent
 
 
 def _python_paths(boot: dict[str, Any]) -> list[str]:

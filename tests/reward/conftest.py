@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import time
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -41,19 +43,25 @@ def descendants(root: int | None = None) -> list[int]:
     return found
 
 
-def sandbox_uid_processes() -> list[int]:
-    """Pids running under any sandbox uid of these tests (escapees of a process group would show here)."""
+def uid_processes(wanted: Callable[[int], bool]) -> list[int]:
+    """Pids of live (not zombie) processes any of whose uids (real, effective, saved, fs) is wanted."""
     out = []
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit():
             try:
-                uid = int(entry.stat().st_uid)
-                zombie = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+                status = (entry / "status").read_text()
             except OSError:
                 continue
-            if UID_BASE <= uid < UID_BASE + 60_000 and not zombie:
+            fields = dict(line.split(":", 1) for line in status.splitlines() if ":" in line)
+            uids = [int(u) for u in fields["Uid"].split()]
+            if not fields["State"].strip().startswith("Z") and any(wanted(u) for u in uids):
                 out.append(int(entry.name))
     return out
+
+
+def sandbox_uid_processes() -> list[int]:
+    """Pids running under any sandbox uid of these tests (escapees of a process group would show here)."""
+    return uid_processes(lambda uid: UID_BASE <= uid < UID_BASE + 60_000)
 
 
 def wait_gone(census: Callable[[], list[int]], within_s: float = 2.0) -> list[int]:
@@ -77,14 +85,22 @@ def items(*rows: tuple[str, dict[str, object]]) -> list[reward_pb2.ScoreItem]:
     return [reward_pb2.ScoreItem(completion=c, prompt="p", metadata_json=json.dumps(m)) for c, m in rows]
 
 
-@pytest.fixture
-async def reward_stub(tmp_path: Path) -> AsyncIterator[reward_pb2_grpc.RewardServiceStub]:
-    """A RewardService (2 workers per pool) and a stub; asserts every worker process is gone after."""
-    settings = RewardSettings(listen="127.0.0.1:0", workers_per_pool=2, worker_start_timeout_s=3.0,
-                              sandbox_uid_base=UID_BASE, sandbox_dir=tmp_path, grace_s=0.5)
+@contextlib.asynccontextmanager
+async def reward_service(sandbox_dir: Path, **settings: Any) -> AsyncIterator[reward_pb2_grpc.RewardServiceStub]:
+    """A RewardService and a stub; asserts every worker process and temp dir is gone after."""
+    settings = {"workers_per_pool": 2, **settings}
+    config = RewardSettings(listen="127.0.0.1:0", worker_start_timeout_s=3.0, sandbox_uid_base=UID_BASE,
+                            sandbox_dir=sandbox_dir, grace_s=0.5, **settings)
     before = set(descendants())  # servers that other tests' session fixtures keep running
-    async with running(settings) as service, channel(f"127.0.0.1:{service.port}") as chan:
+    async with running(config) as service, channel(f"127.0.0.1:{service.port}") as chan:
         yield reward_pb2_grpc.RewardServiceStub(chan)
     assert set(descendants()) - before == set(), "worker processes left behind"
     assert wait_gone(sandbox_uid_processes) == [], "processes of sandbox uids left behind"
-    assert list(tmp_path.iterdir()) == [], "worker temp dirs left behind"
+    assert list(sandbox_dir.iterdir()) == [], "worker temp dirs left behind"
+
+
+@pytest.fixture
+async def reward_stub(tmp_path: Path) -> AsyncIterator[reward_pb2_grpc.RewardServiceStub]:
+    """A RewardService with 2 workers per pool."""
+    async with reward_service(tmp_path) as stub:
+        yield stub

@@ -3,16 +3,28 @@ scored as a non-OK result with a reason, leaves no process behind, and benign re
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import os
 import socket
+import subprocess
+import sys
 import time
 import uuid
 from pathlib import Path
+from typing import Any
 
 import pytest
 
+from services.common.embedded import free_port, wait_for_port
+from services.common.grpcutil import channel
 from services.proto.fleetrl.v1 import common_pb2, reward_pb2, reward_pb2_grpc
-from tests.reward.conftest import file_spec, items
+from services.reward.config import RewardSettings
+from services.reward.pool import describe_isolation
+from services.reward.scorer import Item, Scorer, parse_spec
+from tests.reward.conftest import UID_BASE, descendants, file_spec, items
+
+ROOT = Path(__file__).resolve().parents[2]
 
 OK, ERROR = common_pb2.REWARD_STATUS_OK, common_pb2.REWARD_STATUS_ERROR
 TIMEOUT, KILLED = common_pb2.REWARD_STATUS_TIMEOUT, common_pb2.REWARD_STATUS_KILLED
@@ -30,14 +42,8 @@ HOSTILE = {
                ERROR, "socket"),
     "write_outside": (f"def reward(c, p, **m):\n    open({ESCAPE!r}, 'w').write('x')\n    return 1.0\n",
                       ERROR, "outside the temp dir"),
-    "environ_secret": ("import os, glob\ndef reward(c, p, **m):\n"
-                       "    for path in glob.glob('/proc/*/environ'):\n"
-                       "        try:\n"
-                       "            if b'hunter2' in open(path, 'rb').read():\n"
-                       "                return 1.0\n"
-                       "        except OSError:\n"
-                       "            pass\n"
-                       "    return os.environ['FLEETRL_TEST_SECRET']\n", ERROR, "KeyError"),
+    "environ_secret": ("import os\ndef reward(c, p, **m):\n    return os.environ['FLEETRL_TEST_SECRET']\n",
+                       ERROR, "KeyError"),
     "raises": ("def reward(c, p, **m):\n    raise ValueError('boom')\n", ERROR, "ValueError: boom"),
     "nan": ("def reward(c, p, **m):\n    return float('nan')\n", ERROR, "not a finite number"),
     "string": ("def reward(c, p, **m):\n    return 'one'\n", ERROR, "expected a float or dict"),
@@ -64,7 +70,7 @@ def listener() -> socket.socket:
 @pytest.mark.parametrize("case", sorted(HOSTILE))
 async def test_hostile_file_is_contained(case: str, reward_stub: reward_pb2_grpc.RewardServiceStub,
                                          listener: socket.socket, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("FLEETRL_TEST_SECRET", "hunter2")
+    monkeypatch.setenv("FLEETRL_TEST_SECRET", "hunter2")  # in os.environ, which workers must not inherit
     source, want_status, want_reason = HOSTILE[case]
     spec = file_spec(source, timeout_s=1.0)
     assert (await reward_stub.Validate(reward_pb2.ValidateRequest(spec=spec), timeout=10)).ok
@@ -121,18 +127,78 @@ async def test_dict_rewards_params_and_temp_dir_writes(reward_stub: reward_pb2_g
     assert result.reward == 1.25 and dict(result.components) == {"correct": 1.0, "bonus": 0.25}
 
 
-async def test_workers_are_isolated(tmp_path: Path) -> None:
-    from services.reward.config import RewardSettings
-    from services.reward.scorer import Scorer, parse_spec
-    from tests.reward.conftest import UID_BASE, descendants
-
+async def test_workers_are_isolated_and_the_pool_logs_how(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     before = set(descendants())
     scorer = Scorer(RewardSettings(workers_per_pool=1, sandbox_uid_base=UID_BASE, sandbox_dir=tmp_path))
     spec = file_spec(BENIGN)
-    pool = await scorer.pool(parse_spec(spec.spec_json, spec.file_source))
+    with caplog.at_level(logging.INFO, logger="services.reward.pool"):
+        pool = await scorer.pool(parse_spec(spec.spec_json, spec.file_source))
     isolation = pool.isolation
     await scorer.close()
+    assert [r.getMessage() for r in caplog.records if "isolation" in r.getMessage()] == [
+        f"reward pool (file, 1 workers): isolation {describe_isolation(isolation)}"]
+    assert isolation["audit_hook"]
     if os.geteuid() == 0:
         assert isolation["netns"] and isolation["pidns"] and isolation["dropped_uid"]
         assert UID_BASE <= isolation["uid"] < UID_BASE + 60_000
+        assert describe_isolation(isolation).startswith("rlimits netns pidns mountns dropped_uid audit_hook (uid 3")
     assert set(descendants()) - before == set()
+
+
+async def test_every_worker_replacement_is_counted_by_reason(tmp_path: Path) -> None:
+    source = ("import os, time\ndef reward(c, p, **m):\n    if c == 'hang':\n        time.sleep(1e9)\n"
+              "    if c == 'exit':\n        os._exit(1)\n    return 1.0\n")
+    scorer = Scorer(RewardSettings(workers_per_pool=1, max_items_per_worker=2, sandbox_uid_base=UID_BASE,
+                                   sandbox_dir=tmp_path))
+    spec = file_spec(source, timeout_s=0.5)
+    parsed = parse_spec(spec.spec_json, spec.file_source)
+    try:
+        for completion in ("hang", "exit", "ok", "ok"):  # the second "ok" is the worker's 2nd item: recycled
+            await scorer.score("j", parsed, [Item(completion, "p")])
+    finally:
+        await scorer.close()
+    counts = {reason: scorer.metrics.registry.get_sample_value("fleetrl_reward_worker_restarts_total",
+                                                               {"reason": reason})
+              for reason in ("timeout", "crash", "recycled", "cancelled")}
+    assert counts == {"timeout": 1.0, "crash": 1.0, "recycled": 1.0, "cancelled": None}
+
+
+SECRET_SCAN = """
+import glob, os
+def reward(completion, prompt, secret, **meta):
+    found = 0
+    for path in glob.glob("/proc/[0-9]*/environ"):
+        try:
+            with open(path, "rb") as handle:
+                found += secret.encode() in handle.read()
+        except OSError:
+            pass
+    return {"found": found, "in_os_environ": float(secret in str(os.environ))}
+"""
+
+
+async def test_the_services_environment_does_not_reach_user_code(tmp_path: Path) -> None:
+    """A service process started with a secret in its real environment: the same /proc scan that
+    finds it from this test's process finds nothing from a reward file, nor does os.environ."""
+    secret = f"hunter2-{uuid.uuid4().hex}"
+    port = free_port()
+    env = {**os.environ, "FLEETRL_TEST_SECRET": secret}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "services.reward", "--listen", f"127.0.0.1:{port}",
+         "--set", f"sandbox_uid_base={UID_BASE}", "--set", f"sandbox_dir={tmp_path}"], env=env, cwd=ROOT,
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        await asyncio.to_thread(wait_for_port, "127.0.0.1", port, 60.0, proc)
+        scan: dict[str, Any] = {}
+        exec(SECRET_SCAN, scan)
+        assert scan["reward"]("x", "p", secret=secret)["found"] >= 1, "the scan cannot find the secret even here"
+        async with channel(f"127.0.0.1:{port}") as chan:
+            reply = await reward_pb2_grpc.RewardServiceStub(chan).Score(reward_pb2.ScoreRequest(
+                job_id="j", spec=file_spec(SECRET_SCAN), items=items(("x", {"secret": secret}))), timeout=30)
+    finally:
+        proc.terminate()
+        await asyncio.to_thread(proc.wait, 30)
+    result = reply.results[0]
+    assert result.status == OK, result.reason
+    assert dict(result.components) == {"found": 0.0, "in_os_environ": 0.0}
+    assert proc.returncode == 0 and list(tmp_path.iterdir()) == []

@@ -1,0 +1,135 @@
+"""Reward files that start processes the service did not ask for: each one, and everything it
+started, is gone within timeout + 1 s of its item, while the same service keeps serving.
+
+The processes escape the worker's process group (setsid, setpgid) or are created through
+`_posixsubprocess.fork_exec`, which raises no audit event, so the audit hook cannot stop them; the
+kernel layers and the kill must. The census counts processes by the worker's private uid, which
+exists only when the service runs as root.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from services.proto.fleetrl.v1 import common_pb2, reward_pb2, reward_pb2_grpc
+from tests.reward.conftest import file_spec, items, reward_service, uid_processes
+
+OK, TIMEOUT = common_pb2.REWARD_STATUS_OK, common_pb2.REWARD_STATUS_TIMEOUT
+BENIGN = "def reward(completion, prompt, **meta):\n    return float(completion.strip() == meta['answer'])\n"
+MAX_PROCESSES = 8
+TIMEOUT_S = 1.0
+
+# A fork bomb bounded to 4 + 4 * 2**4 processes should every limit fail, so a broken sandbox cannot
+# take the test machine down. Each exec'd child runs without the audit hook, forks freely and puts
+# every new process in a session of its own.
+BOMB_CHILD = """
+import os, time
+for _ in range(4):
+    try:
+        if os.fork() == 0:
+            os.setsid()
+    except OSError:
+        break
+time.sleep(1e9)
+"""
+FORK_EXEC = """
+def escape():
+    import _posixsubprocess
+    started = 0
+    for _ in range(4):
+        errpipe_read, errpipe_write = os.pipe()
+        try:
+            _posixsubprocess.fork_exec(
+                [sys.executable, "-I", "-c", BOMB_CHILD], [os.fsencode(sys.executable)], True, (), None,
+                [b"PATH=/usr/bin:/bin"], -1, -1, -1, -1, -1, -1, errpipe_read, errpipe_write, True, True,
+                -1, None, None, None, -1, None, *ALLOW_VFORK)
+            started += 1
+        except OSError:
+            break
+        finally:
+            os.close(errpipe_read)
+            os.close(errpipe_write)
+    return started
+"""
+ESCAPES = {
+    "setsid": "def escape():\n    os.setsid()\n    return 0\n",
+    "setpgid": "def escape():\n    os.setpgid(0, 0)\n    return 0\n",
+    "fork_exec_bomb": FORK_EXEC,
+}
+TEMPLATE = """
+import os, sys, time
+BOMB_CHILD = {bomb_child!r}
+ALLOW_VFORK = {allow_vfork!r}
+{escape}
+def reward(completion, prompt, **meta):
+    if meta.get("probe"):
+        return {{"uid": os.getuid(), "started": escape()}}
+    time.sleep(1e9)
+"""
+
+pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="the census counts processes by a worker's private uid")
+
+
+def escape_source(case: str) -> str:
+    allow_vfork = (False,) if sys.version_info >= (3, 11) else ()
+    return TEMPLATE.format(bomb_child=BOMB_CHILD, allow_vfork=allow_vfork, escape=ESCAPES[case])
+
+
+async def score_one(stub: reward_pb2_grpc.RewardServiceStub, spec: reward_pb2.RewardSpec,
+                    meta: dict[str, object]) -> reward_pb2.ScoreResult:
+    reply = await stub.Score(reward_pb2.ScoreRequest(job_id="j", spec=spec, items=items(("x", meta))), timeout=20)
+    return reply.results[0]
+
+
+async def gone(uid: int, within_s: float) -> list[int]:
+    """The uid's processes still alive after within_s (polled without blocking the service's loop)."""
+    deadline = time.monotonic() + within_s
+    while (left := uid_processes(lambda u: u == uid)) and time.monotonic() < deadline:
+        await asyncio.sleep(0.02)
+    return left
+
+
+async def settled_census(uid: int, within_s: float) -> list[int]:
+    """The uid's processes once their number has stopped growing for 0.5 s (the bomb is exhausted)."""
+    deadline, last, since = time.monotonic() + within_s, -1, time.monotonic()
+    while time.monotonic() < deadline:
+        pids = uid_processes(lambda u: u == uid)
+        if len(pids) != last:
+            last, since = len(pids), time.monotonic()
+        elif time.monotonic() - since > 0.5:
+            return pids
+        await asyncio.sleep(0.05)
+    return pids
+
+
+@pytest.mark.parametrize(("case", "namespaces"), [
+    ("setsid", True), ("setpgid", True),  # without a PID namespace the worker leads its session already
+    ("fork_exec_bomb", True), ("fork_exec_bomb", False)])
+async def test_escaped_processes_die_with_their_worker(case: str, namespaces: bool, tmp_path: Path) -> None:
+    async with reward_service(tmp_path, workers_per_pool=1, worker_max_processes=MAX_PROCESSES,
+                              worker_namespaces=namespaces) as stub:
+        spec = file_spec(escape_source(case), timeout_s=TIMEOUT_S)
+        probe = await score_one(stub, spec, {"probe": True})
+        assert probe.status == OK, probe.reason
+        uid, started = int(probe.components["uid"]), int(probe.components["started"])
+        census = await settled_census(uid, within_s=10.0)
+        if case == "fork_exec_bomb":
+            assert started >= 1, "fork_exec started no process"
+            assert len(census) == MAX_PROCESSES, f"the bomb should fill the process limit: {census}"
+        else:
+            assert len(census) == 1, census
+
+        start = time.monotonic()
+        hang = await score_one(stub, spec, {})  # the escape happened above; this item hangs
+        assert hang.status == TIMEOUT, hang.reason
+        left = await gone(uid, within_s=start + TIMEOUT_S + 1.0 - time.monotonic())
+        assert left == [], f"processes of the killed worker (uid {uid}) still run: {left}"
+
+        benign = await score_one(stub, file_spec(BENIGN), {"answer": "x"})
+        assert benign.status == OK and benign.reward == 1.0, benign.reason
