@@ -47,7 +47,7 @@ class RewardSpec(Strict):
     timeout_per_item_s: float = Field(5.0, gt=0, le=600)
     """Wall-clock limit for scoring one completion; past it the item scores as a timeout."""
     memory_limit_mb: int = Field(1024, ge=64, le=65536)
-    """Address-space limit of each sandboxed worker running a reward file."""
+    """Address-space limit of each sandboxed worker scoring this spec (a reward file or a built-in)."""
 
     @model_validator(mode="after")
     def _exactly_one(self) -> RewardSpec:
