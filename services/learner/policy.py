@@ -43,15 +43,17 @@ def resolve_device(device: str) -> str:
     return device
 
 
-def reduce_over_ranks(metrics: dict[str, float]) -> dict[str, float]:
-    """One rank's train_step metrics -> the whole step's, on every rank (one all_reduce).
+def reduce_over_ranks(metrics: dict[str, float], device: str) -> dict[str, float]:
+    """One rank's train_step metrics -> the whole step's, on every rank (one all_reduce on `device`:
+    NCCL reduces only CUDA tensors).
 
     Sums are added; sequence and token means are weighted by each rank's sequences and tokens;
     batch metrics are already the whole step's; timings stay this rank's. Every rank took the same
     branch of train_step on the same groups, so every rank holds the same keys."""
     names = sorted(k for k in metrics if k not in (*BATCH_METRICS, *RANK_TIMINGS))
     weights = {k: _weight_name(k) for k in names}
-    weighted = torch.tensor([metrics[k] * (metrics[w] if w else 1.0) for k, w in weights.items()], dtype=torch.float64)
+    weighted = torch.tensor([metrics[k] * (metrics[w] if w else 1.0) for k, w in weights.items()],
+                            dtype=torch.float64, device=device)
     dist.all_reduce(weighted)
     totals = dict(zip(names, weighted.tolist(), strict=True))
     return {**metrics, **{k: totals[k] / (max(totals[w], 1.0) if w else 1.0) for k, w in weights.items()}}
@@ -93,12 +95,14 @@ class Policy:
     optimizer: torch.optim.AdamW
     scheduler: torch.optim.lr_scheduler.LambdaLR
     loss_cfg: LossConfig
+    device: str
     rank: int
     world: int
     followers: Followers | None
 
     def __init__(self, spec: JobSpec, device: str = "cpu", followers: Followers | None = None) -> None:
         self.spec = spec
+        self.device = device
         self.followers = followers
         if followers is not None:
             followers.send("job", spec.model_dump_json(), device)
@@ -121,7 +125,7 @@ class Policy:
             self.followers.send("step", [g.SerializeToString() for g in groups])
         metrics = train_step(self.module, self.optimizer, self.scheduler, groups, self.loss_cfg, self.spec,
                              self.ref_model, rank=self.rank, world=self.world)
-        return reduce_over_ranks(metrics) if self.world > 1 else metrics
+        return reduce_over_ranks(metrics, self.device) if self.world > 1 else metrics
 
     def state(self, step: int, extra: dict[str, object]) -> ckpt.Checkpoint:
         return ckpt.Checkpoint(
