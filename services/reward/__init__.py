@@ -5,7 +5,8 @@ Components (none references the others' internals; `scorer.Scorer` wires them):
 - `guard`, `protocol`, `worker`: the stdlib-only side that runs inside a sandboxed worker process
   (isolation set-up, audit hook, length-prefixed JSON framing, the item loop).
 - `sandbox`: the service side of the workers: start under limits, call with a wall-clock timeout,
-  kill the whole process group, replace; `WorkerPool` keeps N of them per reward spec.
+  kill every process of a worker (children by pidfd, process group, private uid; `procfs` finds
+  them), replace; `pool.WorkerPool` keeps N of them per reward spec.
 - `scorer`: validates specs, caches one pool per spec digest (bounded, idle pools reaped), turns
   worker replies into `Result`s and records metrics.
 - `server` + `convert`: the thin gRPC adapter; `__main__`: `python -m services.reward` / `fleetrl reward`.
