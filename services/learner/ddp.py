@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import datetime
 import logging
+import os
 from collections.abc import Callable, Coroutine
 from typing import Any
 
@@ -38,7 +39,9 @@ def main(settings: LearnerSettings, once: bool,
     log.info("rank %d of %d (%s): %s", rank, dist.get_world_size(), dist.get_backend(),
              "serving" if rank == 0 else "following rank 0")
     if backend_for(settings) == "nccl":
-        torch.cuda.set_device(rank % torch.cuda.device_count())
+        # torchrun sets LOCAL_RANK, the rank on this machine; the global rank would pick a GPU that
+        # does not exist on the second machine of a multi-node job
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)) % torch.cuda.device_count())
     try:
         if rank == 0:
             try:

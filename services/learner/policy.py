@@ -114,7 +114,8 @@ class Policy:
         self.rank, self.world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
         self.module = self.model
         if self.world > 1:
-            self.module = DistributedDataParallel(self.model, device_ids=None if device == "cpu" else [self.rank])
+            device_ids = None if device == "cpu" else [torch.cuda.current_device()]
+            self.module = DistributedDataParallel(self.model, device_ids=device_ids)
         self.optimizer = build_optimizer(self.model, spec.optim)
         self.scheduler = build_scheduler(self.optimizer, spec.optim, spec.train.max_steps)
         self.loss_cfg = loss_config_for(spec)
