@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import tomllib
 from pathlib import Path
 from typing import Any, Literal, TypeVar
@@ -239,15 +240,99 @@ def validate(cls: type[M], data: dict[str, Any], what: str | None = None) -> M:
         raise ConfigError(f"invalid {what or cls.__name__}", violations_of(error)) from None
 
 
+MAX_SPEC_DEPTH = 32
+"""Deepest nesting of tables and arrays a spec may have; deeper values cannot be stored (pydantic's
+JSON serialiser has its own depth limit) or passed to a reward function safely."""
+
+
+# MAX_SPEC_DEPTH bare or quoted key parts each followed by a dot (so a key of more than MAX_SPEC_DEPTH
+# parts), starting where a key can start. The possessive `++` and the look-behind keep the search
+# linear in the text's length.
+_LONG_DOTTED_KEY = re.compile(
+    rf"""(?<![\w."'-])(?:(?:[A-Za-z0-9_-]++|"[^"\n]*+"|'[^'\n]*+')[ \t]*+\.[ \t]*+){{{MAX_SPEC_DEPTH}}}""")
+
+
 def parse_job_spec(text: str, fmt: Literal["toml", "json"] = "toml") -> JobSpec:
-    """Parse and validate a job spec from TOML or JSON text."""
+    """Parse and validate a job spec from TOML or JSON text; one ConfigError names every bad field."""
+    data = spec_table(text, fmt)
+    problems = value_problems(data)
+    try:
+        spec = validate(JobSpec, data, "job spec")
+    except ConfigError as error:
+        raise ConfigError("invalid job spec", [*problems, *error.violations]) from None
+    if problems:
+        raise ConfigError("invalid job spec", problems)
+    return spec
+
+
+def spec_table(text: str, fmt: Literal["toml", "json"] = "toml") -> dict[str, Any]:
+    """The table of a spec text; ConfigError at `<root>` when it does not parse or is not a table.
+
+    Besides syntax errors, the parsers raise ValueError for an integer literal of more than 4300
+    digits and RecursionError for very deep nesting: both are the user's text, not our fault.
+    A TOML dotted key of more than MAX_SPEC_DEPTH parts is refused before parsing: tomllib's time
+    grows with the square of a key's parts (a 400 KB `a.a.a...` key takes minutes).
+    """
+    if fmt == "toml" and _LONG_DOTTED_KEY.search(text):
+        raise ConfigError("job spec does not parse", [FieldViolation(
+            "<root>", f"a dotted key has more than {MAX_SPEC_DEPTH} parts")])
     try:
         data = tomllib.loads(text) if fmt == "toml" else json.loads(text)
-    except (tomllib.TOMLDecodeError, json.JSONDecodeError) as error:
+    except ValueError as error:  # TOMLDecodeError and JSONDecodeError are ValueErrors too
         raise ConfigError("job spec does not parse", [FieldViolation("<root>", str(error))]) from None
+    except RecursionError:
+        raise ConfigError("job spec does not parse", [FieldViolation(
+            "<root>", f"nested too deeply (at most {MAX_SPEC_DEPTH} levels are allowed)")]) from None
     if not isinstance(data, dict):
         raise ConfigError("job spec must be a table", [FieldViolation("<root>", "not a table/object")])
-    return validate(JobSpec, data, "job spec")
+    return data
+
+
+def value_problems(value: Any, root: str = "", max_depth: int | None = MAX_SPEC_DEPTH) -> list[FieldViolation]:
+    """Parts of parsed TOML/JSON that no model can hold: nesting deeper than max_depth (None: no
+    limit), and strings (or keys) with unpaired surrogates (JSON `\\ud800` escapes), which cannot be
+    encoded as UTF-8. Walks without recursion, so it is safe on anything a parser returned; a path
+    is spelled out only for a problem found."""
+    if isinstance(value, str):
+        return [] if _encodable(value) else [FieldViolation(root or "<root>", _NOT_UNICODE)]
+    found: list[FieldViolation] = []
+    todo: list[tuple[Any, int, _Where]] = [(value, 0, None)] if isinstance(value, dict | list) else []
+    while todo:
+        item, depth, where = todo.pop()
+        if max_depth is not None and depth >= max_depth:
+            found.append(FieldViolation(_path(root, where), f"nested deeper than {max_depth} levels"))
+            continue
+        for key, child in item.items() if isinstance(item, dict) else enumerate(item):
+            if isinstance(key, str) and not _encodable(key):
+                found.append(FieldViolation(_path(root, where), f"key {key!r} is not valid Unicode"))
+            elif isinstance(child, str):
+                if not _encodable(child):
+                    found.append(FieldViolation(_path(root, (where, key)), _NOT_UNICODE))
+            elif child and isinstance(child, dict | list):  # an empty one can hold no problem
+                todo.append((child, depth + 1, (where, key)))
+    return sorted(found, key=lambda v: v.field)
+
+
+_NOT_UNICODE = "not valid Unicode (an unpaired surrogate escape)"
+_Where = tuple[Any, Any] | None  # (parent's _Where, key): a path kept as links, spelled out on demand
+
+
+def _path(root: str, where: _Where) -> str:
+    keys: list[str] = []
+    while where is not None:
+        where, key = where
+        keys.append(str(key))
+    return ".".join([root] * bool(root) + keys[::-1]) or "<root>"
+
+
+def _encodable(text: str) -> bool:
+    if text.isascii():
+        return True
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def parse_value(text: str) -> Any:
@@ -297,6 +382,17 @@ def _merge(base: dict[str, Any], top: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def read_toml(path: Path, field: str) -> dict[str, Any]:
+    """A settings TOML file's table; ConfigError naming field and the file if it cannot be read or parsed."""
+    try:
+        return tomllib.loads(path.read_text())
+    except OSError as error:
+        raise ConfigError(f"cannot read {path}",
+                          [FieldViolation(field, f"{path}: {error.strerror or error}")]) from None
+    except (ValueError, RecursionError) as error:  # TOMLDecodeError, UnicodeDecodeError, a huge integer
+        raise ConfigError(f"{path} does not parse", [FieldViolation(field, f"{path}: {error}")]) from None
+
+
 def load_settings(
     cls: type[M],
     *,
@@ -311,9 +407,7 @@ def load_settings(
     `redis_url` with prefix FLEETRL_REPLAY_; nested fields join with `__`. Only fields cls declares
     are read from the environment, so unrelated FLEETRL_ variables of other services are ignored.
     """
-    data: dict[str, Any] = {}
-    if toml_path is not None:
-        data = tomllib.loads(Path(toml_path).read_text())
+    data = read_toml(Path(toml_path), "config") if toml_path is not None else {}
     env = env_overrides(env_prefix, environ)
     data = _merge(data, {k: v for k, v in env.items() if k in cls.model_fields})
     data = apply_overrides(data, overrides or [])

@@ -1,5 +1,9 @@
 """`python -m services.gateway` / `fleetrl gateway`: run the JobService until SIGTERM or SIGINT.
 
+Start-up problems end the process with one line on stderr and no traceback: exit 2 for bad
+settings (an unreadable or broken --config, tokens or TLS file, an address it cannot listen on),
+exit 1 for anything else (NATS unreachable, a taken metrics port).
+
 `fleetrl gateway hash-token TOKEN` prints the sha256 digest to put in the `tokens` setting.
 """
 
@@ -71,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as error:
         print(f"fleetrl gateway: {error}", file=sys.stderr)
         return 2
-    except FleetError as error:
+    except (FleetError, OSError) as error:  # OSError: e.g. the metrics port is taken
         print(f"fleetrl gateway: {error}", file=sys.stderr)
         return 1
     return 0

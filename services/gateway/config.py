@@ -8,12 +8,11 @@ forgetting to configure tokens never exposes jobs. Tokens are stored as sha256 h
 from __future__ import annotations
 
 import re
-import tomllib
 from pathlib import Path
 
 from pydantic import Field, field_validator, model_validator
 
-from services.common.config import InfraSettings
+from services.common.config import InfraSettings, read_toml
 from services.common.errors import ConfigError, FieldViolation
 
 ENV_PREFIX = "FLEETRL_GATEWAY_"
@@ -72,8 +71,12 @@ class GatewaySettings(InfraSettings):
         """tokens merged with tokens_file; ConfigError if a digest is malformed."""
         table = dict(self.tokens)
         if self.tokens_file is not None:
-            data = tomllib.loads(self.tokens_file.read_text())
-            table.update(data.get("tokens", data))
+            data = read_toml(self.tokens_file, "tokens_file")
+            tokens = data.get("tokens", data)
+            if not isinstance(tokens, dict):
+                raise ConfigError("invalid tokens", [FieldViolation("tokens_file", f"{self.tokens_file}: "
+                                                                   "[tokens] must be a table")])
+            table.update(tokens)
         bad = [FieldViolation(f"tokens.{t}", "not a sha256 hex digest") for t, d in table.items()
                if not isinstance(d, str) or not _SHA256_HEX.match(d)]
         if bad:

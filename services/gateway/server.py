@@ -14,6 +14,7 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import AsyncIterator, Callable
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -146,18 +147,29 @@ async def start_grpc(settings: GatewaySettings, register: list[Callable[[grpc.ai
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     reflection.enable_server_reflection([*names, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
     credentials = server_credentials(settings)
-    port = (server.add_secure_port(settings.listen, credentials) if credentials
-            else server.add_insecure_port(settings.listen))
-    if port == 0:
-        raise OSError(f"cannot bind gRPC server to {settings.listen}")
+    try:
+        port = (server.add_secure_port(settings.listen, credentials) if credentials
+                else server.add_insecure_port(settings.listen))
+    except RuntimeError:  # grpc's "Failed to bind": the port is taken, the address or the TLS pair is bad
+        problem = "cannot listen there (is the port in use, the address valid"
+        problem += ", and tls_cert/tls_key a PEM certificate chain and its key?)" if credentials else "?)"
+        raise ConfigError("gateway settings", [FieldViolation("listen", f"{settings.listen}: {problem}")]) from None
     await server.start()
     return server, port, health_servicer
 
 
 def server_credentials(settings: GatewaySettings) -> grpc.ServerCredentials | None:
+    """TLS credentials from tls_key and tls_cert; ConfigError naming the file that cannot be read."""
     if settings.tls_cert is None or settings.tls_key is None:
         return None
-    return grpc.ssl_server_credentials([(settings.tls_key.read_bytes(), settings.tls_cert.read_bytes())])
+    return grpc.ssl_server_credentials([(_read(settings.tls_key, "tls_key"), _read(settings.tls_cert, "tls_cert"))])
+
+
+def _read(path: Path, field: str) -> bytes:
+    try:
+        return path.read_bytes()
+    except OSError as error:
+        raise ConfigError("gateway settings", [FieldViolation(field, f"{path}: {error.strerror or error}")]) from None
 
 
 def token_table(settings: GatewaySettings) -> TokenTable:

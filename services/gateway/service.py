@@ -5,9 +5,12 @@ Design choices:
   cannot be probed across tenants.
 - Submission gathers every violation (spec, prompt lines, file pairing, and the reward service's
   verdict on the reward spec) into one ConfigError; an unreachable reward service is UNAVAILABLE,
-  never an unchecked accept.
+  never an unchecked accept. The violations travel back in trailing metadata, which gRPC clients
+  refuse past 8-16 KiB, so the report is clipped to REPORT_BYTES (the rest is counted, not shown).
 - Watching polls the store (`get` + `steps`) rather than a transient channel: the store is the
   source of truth, so a stream resumed after a gateway restart (with from_step) misses nothing.
+- WatchJob's from_step is a uint64; a from_step past the job's max_steps means "no steps" and is
+  clamped to max_steps + 1, so `Run.wait` (from_step 2**62) and any uint64 work.
 - Cancel is idempotent: cancelling a cancelled job purges its queued tasks again (a retry after a
   failed purge completes it); cancelling a succeeded or failed job is a no-op.
 - The fleet view lists every live member (capacity is shared), but a member working on another
@@ -26,12 +29,15 @@ from typing import Any, Protocol, cast
 
 from services.common.bus import TaskQueue, check_job_id
 from services.common.config import RewardSpec
-from services.common.errors import ConfigError, FailedPrecondition, FieldViolation, NotFound
+from services.common.errors import ConfigError, FailedPrecondition, FieldViolation, InvalidArgument, NotFound
 from services.common.heartbeat import Beat
 from services.common.jobs import ACTIVE, JobRecord, JobState, JobStore, now_ms
 from services.gateway.checks import Limits, Submission, check_sizes, check_submission
 
 log = logging.getLogger(__name__)
+MAX_REASON_CHARS = 1000
+REPORT_BYTES = 1200
+CLIP_FIELD, CLIP_DESCRIPTION = 120, 240
 
 
 class RewardChecker(Protocol):
@@ -112,7 +118,7 @@ class Gateway:
         if checked.reward is not None:
             violations += await self._reward_violations(checked.reward, sub.reward_file)
         if violations or checked.spec is None:
-            raise ConfigError("invalid job submission", violations)
+            raise ConfigError("invalid job submission", reported(violations))
         record = await self.store.create(tenant, checked.spec, sub.prompts, sub.reward_file or None,
                                          sub.idempotency_key)
         log.info("job %s (%s) submitted by %s", record.job_id, record.name, tenant)
@@ -143,6 +149,9 @@ class Gateway:
 
     async def cancel(self, tenant: str, job_id: str, reason: str) -> JobRecord:
         """Cancel a queued or running job and drop its queued tasks."""
+        if len(reason) > MAX_REASON_CHARS:
+            raise InvalidArgument("invalid cancel request", [FieldViolation(
+                "reason", f"{len(reason)} characters, more than the limit of {MAX_REASON_CHARS}")])
         record = await self.get(tenant, job_id)
         if record.state in ACTIVE:
             try:
@@ -160,7 +169,7 @@ class Gateway:
         """The current state, then every step from from_step and every state change, until the end."""
         record = await self.get(tenant, job_id)
         yield WatchEvent(record, state=record.state)
-        next_step, state = max(1, from_step), record.state
+        next_step, state = min(max(1, from_step), record.spec.train.max_steps + 1), record.state
         while True:
             record = await self.store.get(job_id)
             # read after the record, so a terminal record's steps are all in them
@@ -197,6 +206,25 @@ class Gateway:
         for path in sorted(p for p in root.rglob("*") if p.is_file()):
             async for chunk in file_chunks(path, path.relative_to(root).as_posix(), self.chunk_bytes):
                 yield chunk
+
+
+def reported(violations: list[FieldViolation]) -> list[FieldViolation]:
+    """The violations that fit in REPORT_BYTES (UTF-8) of fields and descriptions, each clipped."""
+    out: list[FieldViolation] = []
+    used = 0
+    for violation in violations:
+        clipped = FieldViolation(_clip(violation.field, CLIP_FIELD), _clip(violation.description, CLIP_DESCRIPTION))
+        used += len(clipped.field.encode()) + len(clipped.description.encode())
+        if used > REPORT_BYTES:
+            break
+        out.append(clipped)
+    if len(out) < len(violations):
+        out.append(FieldViolation("<more>", f"{len(violations) - len(out)} more problems not shown"))
+    return out
+
+
+def _clip(text: str, chars: int) -> str:
+    return text if len(text) <= chars else f"{text[:chars]}... ({len(text)} characters)"
 
 
 def model_dir(record: JobRecord) -> Path:

@@ -1,24 +1,27 @@
 """Bad submissions: every mistake named in one INVALID_ARGUMENT, oversize is RESOURCE_EXHAUSTED,
-undecodable bytes never crash the server, and an unreachable reward service is UNAVAILABLE."""
+undecodable bytes never crash the server, and an unreachable reward service is UNAVAILABLE. Arbitrary
+spec text and prompt lines (random tables, huge integers, deep nesting, truncation) are never
+answered INTERNAL or UNKNOWN, and the gateway keeps serving."""
 
 from __future__ import annotations
 
 import json
 import os
 import random
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import grpc
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from services.common.errors import ConfigError, ResourceExhausted, Unavailable
 from services.common.grpcutil import field_violations
+from services.common.jobs import JobState, JobStore
 from services.gateway.client import Client
-from services.proto.fleetrl.v1 import gateway_pb2
+from services.proto.fleetrl.v1 import gateway_pb2, gateway_pb2_grpc
 from tests.gateway.conftest import TOKENS, Infra, Proc
 
 PROMPTS = b'{"prompt": "1 + 1?", "answer": "2"}\n'
@@ -179,3 +182,219 @@ def test_unreachable_reward_service_is_unavailable(infra: Infra, tmp_path: Path)
             client.submit(json.dumps(VALID), PROMPTS, spec_format="json")
     finally:
         proc.stop()
+
+
+# ----------------------------------------------------------------------------- parser limits, ids, sizes
+
+HUGE_INT = "9" * 5000  # past Python's 4300-digit limit on int(str)
+
+
+@pytest.fixture(scope="module")
+def raw(gateway: Proc) -> Iterator[Callable[..., Any]]:
+    """raw("SubmitJob", request) -> the reply, or the RpcError; as alice, 30 s deadline."""
+    metadata = (("authorization", f"Bearer {TOKENS['alice']}"),)
+    with grpc.insecure_channel(gateway.address, options=[("grpc.max_send_message_length", 64 << 20)]) as ch:
+        stub = gateway_pb2_grpc.JobServiceStub(ch)
+
+        def call(method: str, request: Any) -> Any:
+            try:
+                reply = getattr(stub, method)(request, timeout=30, metadata=metadata)
+                return list(reply) if method in ("WatchJob", "DownloadModel") else reply
+            except grpc.RpcError as error:
+                return error
+
+        yield call
+
+
+def submit(raw: Callable[..., Any], spec: str, prompts: bytes = PROMPTS, fmt: str = "toml",
+           reward_file: bytes = b"") -> Any:
+    return raw("SubmitJob", gateway_pb2.SubmitJobRequest(spec=spec, spec_format=fmt, prompts=prompts,
+                                                         reward_file=reward_file))
+
+
+def violated(reply: Any) -> list[str]:
+    assert isinstance(reply, grpc.RpcError) and reply.code() == grpc.StatusCode.INVALID_ARGUMENT, reply
+    return [f for f, _ in field_violations(reply)]
+
+
+def test_parser_limits_are_invalid_argument_naming_the_field(raw: Callable[..., Any]) -> None:
+    base = json.dumps(VALID)[:-1]
+    for spec, fmt in [(f"seed = {HUGE_INT}", "toml"), (f'{base}, "seed": {HUGE_INT}}}', "json"),
+                      ("a = " + "[" * 60_000, "toml"), ("[" * 60_000, "json"), ('{"a":' * 12_000, "json")]:
+        assert violated(submit(raw, spec, fmt=fmt)) == ["<root>"], spec[:40]
+    deep = f'{base[:-1]}, "params": {{"a": {"[" * 40}{"]" * 40}}}}}}}'
+    assert violated(submit(raw, deep, fmt="json")) == ["reward.params.a" + ".0" * 29]
+    surrogate = f'{base[:-1]}, "params": {{"s": "\\ud800"}}}}}}'
+    assert violated(submit(raw, surrogate, fmt="json")) == ["reward.params.s"]
+    prompts = b'{"prompt": ' + HUGE_INT.encode() + b'}\n{"prompt": "x", "a": ' + b"[" * 100_000 + b"\n"
+    assert violated(submit(raw, json.dumps(VALID), prompts, "json")) == ["prompts[line 1]", "prompts[line 2]"]
+
+
+def test_a_flood_of_violations_is_clipped_not_lost(raw: Callable[..., Any]) -> None:
+    many = "\n".join(f"key{i} = 1" for i in range(5000))
+    fields = violated(submit(raw, many))
+    assert fields[0] == "prompts" and fields[-1] == "<more>" and len(fields) < 100
+    long_key = violated(submit(raw, json.dumps(dict(VALID, **{"k" * 60_000: 1})), fmt="json"))
+    assert len(long_key) == 1 and long_key[0].startswith("kkk") and len(long_key[0]) < 200
+
+
+def test_spec_over_64kib_is_resource_exhausted(raw: Callable[..., Any]) -> None:
+    reply = submit(raw, "# padding\n" * 7000)
+    assert isinstance(reply, grpc.RpcError) and reply.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "spec is" in (reply.details() or "")
+
+
+def test_job_id_and_reason_are_named(raw: Callable[..., Any], alice: Client) -> None:
+    for bad in ("not/an id", "x" * 65, "ok\n", "x" * 1_000_000):
+        for method, request in [("GetJob", gateway_pb2.GetJobRequest(job_id=bad)),
+                                ("CancelJob", gateway_pb2.CancelJobRequest(job_id=bad)),
+                                ("WatchJob", gateway_pb2.WatchJobRequest(job_id=bad)),
+                                ("DownloadModel", gateway_pb2.DownloadModelRequest(job_id=bad))]:
+            assert violated(raw(method, request)) == ["job_id"], (method, bad[:10])
+    job = alice.submit(json.dumps(VALID), PROMPTS, spec_format="json")
+    too_long = raw("CancelJob", gateway_pb2.CancelJobRequest(job_id=job.job_id, reason="r" * 1001))
+    assert violated(too_long) == ["reason"]
+    assert alice.get_job(job.job_id).state == "queued"
+    assert alice.cancel_job(job.job_id, "r" * 1000).reason == "r" * 1000
+
+
+def test_watch_from_any_uint64_step(infra: Infra, alice: Client) -> None:
+    job = alice.submit(json.dumps(dict(VALID, train={"max_steps": 3})), PROMPTS, spec_format="json")
+
+    async def learn(store: JobStore) -> None:
+        await store.set_state(job.job_id, JobState.RUNNING, allowed_from=(JobState.QUEUED,))
+        for step in (1, 2, 3):
+            await store.append_step(job.job_id, {"step": step, "reward_mean": step / 10})
+        await store.set_state(job.job_id, JobState.SUCCEEDED)
+
+    infra.store(learn)
+    for from_step, steps in [(2**64 - 1, []), (2**63, []), (2**63 - 1, []), (4, []), (3, [3]), (0, [1, 2, 3])]:
+        events = list(alice.watch_job(job.job_id, from_step=from_step, timeout_s=10))
+        assert [e.step.step for e in events if e.step] == steps, from_step
+        assert events[0].state == "succeeded"
+
+
+# ----------------------------------------------------------------------------- arbitrary text
+
+SPEC_KEYS = ["name", "model", "prompts", "reward", "builtin", "file", "params", "seed", "algorithm", "optim",
+             "rollout", "train", "replay", "clip_eps", "learning_rate", "betas", "max_steps", "temperature",
+             "system_prompt", "samples_per_prompt", "sampler", "prompt", "answer"]
+
+
+class Huge(int):
+    """An integer literal of more digits than Python's int(str) accepts (written out by the encoders)."""
+
+
+SURROGATES = st.sampled_from(["\ud800", "a\udfffb"])  # JSON can carry them as escapes; UTF-8 cannot
+keys = st.one_of(st.sampled_from(SPEC_KEYS), st.text(max_size=12), SURROGATES)
+scalars = st.one_of(st.none(), st.booleans(), st.integers(), st.integers(-2**70, 2**70), st.floats(),
+                    st.text(max_size=30), SURROGATES, st.integers(4301, 6000).map(Huge))
+values = st.recursive(scalars, lambda inner: st.one_of(st.lists(inner, max_size=4),
+                                                        st.dictionaries(keys, inner, max_size=4)), max_leaves=16)
+tables = st.one_of(st.dictionaries(keys, values, max_size=6),  # random tables, and VALID with random parts
+                   st.dictionaries(st.sampled_from(["seed", "optim", "rollout", "train", "reward", "name", "x"]),
+                                   values, max_size=3).map(lambda extra: {**VALID, **extra}),
+                   st.dictionaries(keys, values, max_size=3).map(
+                       lambda params: {**VALID, "reward": {"builtin": "numeric_match", "params": params}}))
+
+
+def to_json(value: Any) -> str:
+    if isinstance(value, Huge):
+        return "9" * int(value)
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{json.dumps(k)}: {to_json(v)}" for k, v in value.items()) + "}"
+    if isinstance(value, list):
+        return "[" + ", ".join(to_json(v) for v in value) + "]"
+    return json.dumps(value)
+
+
+def quote(text: str) -> str:
+    """A JSON string, which is also a TOML basic string unless it needs escapes TOML lacks (surrogates)."""
+    return json.dumps(text, ensure_ascii=any("\ud800" <= c <= "\udfff" for c in text))
+
+
+def to_toml(value: Any) -> str:
+    """Inline TOML (None has no TOML form and is written `null`, which does not parse: fine here)."""
+    if isinstance(value, Huge):
+        return "9" * int(value)
+    if isinstance(value, bool | int) or value is None:
+        return json.dumps(value)
+    if isinstance(value, float):
+        return {"nan": "nan", "inf": "inf", "-inf": "-inf"}.get(repr(value), repr(value))
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{quote(k)} = {to_toml(v)}" for k, v in value.items()) + "}"
+    if isinstance(value, list):
+        return "[" + ", ".join(to_toml(v) for v in value) + "]"
+    return quote(value)
+
+
+def toml_document(table: dict[str, Any]) -> str:
+    return "\n".join(f"{quote(k)} = {to_toml(v)}" for k, v in table.items())
+
+
+@st.composite
+def spec_texts(draw: st.DrawFn) -> tuple[str, str]:
+    """(text, format): a random table as TOML or JSON, maybe then truncated, spliced or deeply nested."""
+    fmt = draw(st.sampled_from(["toml", "json", "", "yaml"]))
+    table = draw(tables)
+    text = to_json(table) if fmt == "json" else toml_document(table)
+    cut = draw(st.integers(0, len(text)))
+    mutation = draw(st.sampled_from(["none", "none", "truncate", "splice", "deep", "deep_value"]))
+    if mutation == "truncate":
+        text = text[:cut]
+    elif mutation == "splice":
+        text = text[:cut] + draw(st.text(max_size=20)) + text[cut:]
+    elif mutation == "deep":
+        opener = draw(st.sampled_from(["[", "{", '{"a": ', "a = [", "{a = ", "[[", "a.a."]))
+        text = text[:cut] + opener * draw(st.integers(30, 9000)) + text[cut:]
+    elif mutation == "deep_value":
+        depth = draw(st.integers(30, 3000))
+        nested = "[" * depth + "1" + "]" * depth
+        text = (to_json({**VALID, "reward": {"builtin": "numeric_match", "params": {"a": "$"}}}).replace('"$"', nested)
+                if fmt == "json" else f"{toml_document(VALID)}\nreward.params.a = {nested}")
+    return text, fmt
+
+
+prompt_lines = st.one_of(
+    values.map(to_json),
+    st.dictionaries(keys, values, max_size=4).map(lambda d: to_json({"prompt": "2 + 2?", **d})),
+    st.text(max_size=40),
+    st.integers(30, 100_000).map(lambda n: '{"prompt": "x", "a": ' + "[" * n),
+    st.integers(4301, 6000).map(lambda n: '{"prompt": ' + "9" * n + "}"),
+)
+prompt_files = st.one_of(st.lists(prompt_lines, max_size=8).map(lambda lines: "\n".join(lines).encode()),
+                         st.binary(max_size=64))
+
+ANSWERED = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED}
+
+
+def check_answer(reply: Any, gateway: Proc) -> None:
+    event(reply.code().name if isinstance(reply, grpc.RpcError) else "OK")
+    if isinstance(reply, grpc.RpcError):
+        assert reply.code() in ANSWERED, (reply.code(), reply.details())
+        if reply.code() == grpc.StatusCode.INVALID_ARGUMENT:
+            assert field_violations(reply), reply.details()
+    assert gateway.proc is not None and gateway.proc.poll() is None
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
+                                                                   HealthCheck.too_slow])
+@given(spec=spec_texts(), prompts=st.one_of(st.just(PROMPTS), prompt_files))
+def test_arbitrary_spec_text_is_never_internal(raw: Callable[..., Any], gateway: Proc, spec: tuple[str, str],
+                                               prompts: bytes) -> None:
+    check_answer(submit(raw, spec[0], prompts, spec[1]), gateway)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
+                                                                   HealthCheck.too_slow])
+@given(prompts=prompt_files, reward_file=st.sampled_from([b"", b"def reward(c, p, **k):\n    return 1.0\n"]))
+def test_arbitrary_prompt_lines_are_never_internal(raw: Callable[..., Any], gateway: Proc, prompts: bytes,
+                                                   reward_file: bytes) -> None:
+    reply = submit(raw, json.dumps(VALID), prompts, "json", reward_file)
+    check_answer(reply, gateway)
+    if isinstance(reply, grpc.RpcError) and reply.code() == grpc.StatusCode.INVALID_ARGUMENT:
+        assert all(f.startswith(("prompts", "reward_file", "<more>")) for f in violated(reply)), violated(reply)
+
+
+def test_still_serving_after_the_property_tests(alice: Client) -> None:
+    assert alice.submit(json.dumps(VALID), PROMPTS, spec_format="json").state == "queued"
