@@ -1,10 +1,13 @@
 """`fleetrl submit|status|watch|cancel|jobs|download`: the job commands, over the Python client.
 
-Human output (rich tables and a live progress bar) by default, `--json` for scripts (one JSON
-object per line). Exit codes: 0 ok; 2 bad input (invalid spec or override, unreadable job file,
-malformed or unknown job id: ConfigError / InvalidArgument / NotFound); 1 any other failure
-(gateway unreachable, authentication, ...). `watch` (and `submit --watch`) also exit 1 when the
-job ends failed or cancelled, so a script can chain on it.
+Human output (rich tables and a live progress bar) by default, `--json` for scripts: `submit`,
+`status JOB`, `cancel` and `download` print one JSON object, `jobs` and `status` without a job one
+JSON array, `watch` one JSON object per line per event; an error is one JSON object on stderr,
+`{"error", "code", "violations"}`. Exit codes: 0 ok; 2 bad input (invalid spec or override,
+unreadable job file or CA file, malformed or unknown job id, a download directory that cannot be
+written: ConfigError / InvalidArgument / NotFound); 1 any other failure (gateway unreachable,
+authentication, ...). `watch` (and `submit --watch`) also exit 1 when the job ends failed or
+cancelled, so a script can chain on it.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from services.common.errors import ConfigError, FleetError, InvalidArgument, NotFound
+from services.common.errors import ConfigError, FleetError, InvalidArgument, NotFound, grpc_code
 from services.gateway.client import Client
 from services.gateway.models import JobInfo, StepInfo
 
@@ -35,6 +38,8 @@ def parser() -> argparse.ArgumentParser:
     common.add_argument("--gateway", help="gateway address host:port (env FLEETRL_GATEWAY)")
     common.add_argument("--token", help="bearer token (env FLEETRL_TOKEN)")
     common.add_argument("--ca-file", help="PEM CA certificate of a TLS gateway (env FLEETRL_CA_FILE)")
+    common.add_argument("--tls", action="store_true", default=None,
+                        help="TLS with gRPC's default root CAs, when no --ca-file is given (env FLEETRL_TLS=1)")
     common.add_argument("--json", action="store_true", help="machine-readable output")
     top = argparse.ArgumentParser(prog="fleetrl", description="Submit and follow fleetrl jobs.")
     sub = top.add_subparsers(dest="command", required=True)
@@ -63,19 +68,25 @@ def main(argv: list[str] | None = None) -> int:
         return int(exit_.code or 0)
     out = Console(soft_wrap=True)
     try:
-        with Client(args.gateway, token=args.token, ca_file=args.ca_file) as client:
+        with Client(args.gateway, token=args.token, ca_file=args.ca_file, tls=args.tls) as client:
             return COMMANDS[args.command](client, args, out)
     except BAD_INPUT as error:
-        report(error, out)
+        report(error, args.json)
         return EXIT_BAD_INPUT
     except FleetError as error:
-        report(error, out)
+        report(error, args.json)
         return EXIT_FAILURE
     except KeyboardInterrupt:
         return EXIT_FAILURE
 
 
-def report(error: FleetError, out: Console) -> None:
+def report(error: FleetError, as_json: bool) -> None:
+    """The error on stderr: a message and one line per bad field, or one JSON object."""
+    if as_json:
+        print(json.dumps({"error": str(error), "code": grpc_code(error).name,
+                          "violations": [{"field": f, "description": d} for f, d in _violations(error)]}),
+              file=sys.stderr)
+        return
     err = Console(stderr=True, soft_wrap=True)
     message = str(error).split(": ")[0] if _violations(error) else str(error)
     err.print(f"[bold red]error:[/] {type(error).__name__}: {message}", highlight=False)

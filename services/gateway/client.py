@@ -9,12 +9,18 @@
     run.wait(); run.download_model("out/")
 
 Failed calls raise `services.common.errors` types: a bad spec is a ConfigError whose `violations`
-name every bad field (from the BadRequest details), an unknown job NotFound, and so on. `watch`
-survives a gateway restart: it reconnects (bounded) and resumes after the last step it saw.
+name every bad field (from the BadRequest details), an unknown job NotFound, and so on. Local
+mistakes are ConfigErrors too: an unreadable ca_file, spec_file or job file, a token that cannot be
+sent, a download directory that cannot be written. `watch` survives a gateway restart: it
+reconnects (bounded) and resumes after the last step it saw.
+
+TLS: a ca_file (or FLEETRL_CA_FILE) trusts that CA; `tls=True` (or FLEETRL_TLS=1) without one trusts
+gRPC's default roots (its bundled public CAs, or the file GRPC_DEFAULT_SSL_ROOTS_FILE_PATH names).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
@@ -34,7 +40,7 @@ from services.gateway.models import FleetInfo, JobEventInfo, JobInfo, StepInfo
 from services.proto.fleetrl.v1 import gateway_pb2, gateway_pb2_grpc
 
 DEFAULT_ADDRESS = "127.0.0.1:50051"
-ENV_ADDRESS, ENV_TOKEN, ENV_CA_FILE = "FLEETRL_GATEWAY", "FLEETRL_TOKEN", "FLEETRL_CA_FILE"
+ENV_ADDRESS, ENV_TOKEN, ENV_CA_FILE, ENV_TLS = "FLEETRL_GATEWAY", "FLEETRL_TOKEN", "FLEETRL_CA_FILE", "FLEETRL_TLS"
 SECTIONS = ("reward", "algorithm", "optim", "rollout", "train", "replay")
 FLAT_PARAMS = {
     "learning_rate": "optim.learning_rate", "warmup_steps": "optim.warmup_steps",
@@ -85,12 +91,16 @@ def _read(path: Path, field: str) -> bytes:
         raise ConfigError("cannot read a job file", [FieldViolation(field, f"{path}: {error.strerror}")]) from None
 
 
+def _read_toml(path: Path, field: str) -> dict[str, Any]:
+    try:
+        return tomllib.loads(_read(path, field).decode())
+    except (ValueError, RecursionError) as error:  # TOMLDecodeError, UnicodeDecodeError, a huge integer
+        raise ConfigError("job file does not parse", [FieldViolation(field, f"{path}: {error}")]) from None
+
+
 def load_job_file(path: Path, overrides: list[str] | None = None) -> tuple[str, bytes, bytes]:
     """(spec JSON, prompts, reward file) of a job TOML; its file paths are relative to the TOML's directory."""
-    try:
-        data = tomllib.loads(_read(Path(path), "spec").decode())
-    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as error:
-        raise ConfigError("job file does not parse", [FieldViolation("<root>", str(error))]) from None
+    data = _read_toml(Path(path), "spec")
     apply_overrides(data, overrides or [])
     return job_payload(data, Path(path).parent)
 
@@ -114,13 +124,17 @@ class Client:
     _metadata: tuple[tuple[str, str], ...]
 
     def __init__(self, address: str | None = None, token: str | None = None, ca_file: str | Path | None = None,
-                 timeout_s: float = 30.0) -> None:
+                 timeout_s: float = 30.0, *, tls: bool | None = None) -> None:
         self.address = address or os.environ.get(ENV_ADDRESS) or DEFAULT_ADDRESS
         self.timeout_s = timeout_s
         token = token if token is not None else os.environ.get(ENV_TOKEN)
         ca_file = ca_file if ca_file is not None else os.environ.get(ENV_CA_FILE)
-        if ca_file:
-            creds = grpc.ssl_channel_credentials(root_certificates=Path(ca_file).read_bytes())
+        tls = tls if tls is not None else os.environ.get(ENV_TLS, "").lower() in ("1", "true", "yes")
+        if token and not (token.isascii() and token.isprintable()):
+            raise ConfigError("invalid token", [FieldViolation("token", "must be printable ASCII")])
+        if ca_file or tls:
+            roots = _read(Path(ca_file), "ca_file") if ca_file else None
+            creds = grpc.ssl_channel_credentials(root_certificates=roots)
             self._channel = grpc.secure_channel(self.address, creds, options=CHANNEL_OPTIONS)
         else:
             self._channel = grpc.insecure_channel(self.address, options=CHANNEL_OPTIONS)
@@ -162,7 +176,7 @@ class Client:
                    name: str | None = None, spec_file: str | Path | None = None, idempotency_key: str = "",
                    **params: Any) -> Run:
         """Submit a job from keyword arguments (see FLAT_PARAMS for the flat knob names) and return its Run."""
-        base: dict[str, Any] = tomllib.loads(Path(spec_file).read_text()) if spec_file else {}
+        base = _read_toml(Path(spec_file), "spec_file") if spec_file else {}
         data = _merge(base, spec_from_params(params))
         data["model"], data["prompts"] = model, str(Path(prompt_file).resolve())
         if name is not None:
@@ -223,22 +237,26 @@ class Client:
                 time.sleep(min(5.0, 0.2 * 2 ** failures) * (0.5 + random.random()))
 
     def download_model(self, job_id: str, path: str | Path, timeout_s: float = 3600.0) -> Path:
-        """Write the succeeded job's exported model directory under path; returns path."""
+        """Write the succeeded job's exported model directory under path; returns path.
+
+        ConfigError (naming `path`) if the directory or a file in it cannot be created or written."""
         root = Path(path)
-        root.mkdir(parents=True, exist_ok=True)
         handle = None
         try:
+            with _writing(root):
+                root.mkdir(parents=True, exist_ok=True)
             for chunk in self._stub.DownloadModel(gateway_pb2.DownloadModelRequest(job_id=job_id),
                                                   timeout=timeout_s, metadata=self._metadata):
-                if chunk.offset == 0:
-                    target = root / _safe_relative(chunk.path)
-                    target.parent.mkdir(parents=True, exist_ok=True)
-                    handle = target.open("wb")
-                assert handle is not None, "a file's first chunk has offset 0"
-                handle.write(chunk.data)
-                if chunk.last:
-                    handle.close()
-                    handle = None
+                with _writing(root):
+                    if chunk.offset == 0:
+                        target = root / _safe_relative(chunk.path)
+                        target.parent.mkdir(parents=True, exist_ok=True)
+                        handle = target.open("wb")
+                    assert handle is not None, "a file's first chunk has offset 0"
+                    handle.write(chunk.data)
+                    if chunk.last:
+                        handle.close()
+                        handle = None
         except grpc.RpcError as error:
             raise to_domain_error(error) from None
         finally:
@@ -283,6 +301,16 @@ class Run:
 
     def download_model(self, path: str | Path) -> Path:
         return self.client.download_model(self.job_id, path)
+
+
+@contextlib.contextmanager
+def _writing(root: Path) -> Iterator[None]:
+    """Local file errors while writing a download become a ConfigError naming `path`."""
+    try:
+        yield
+    except OSError as error:
+        raise ConfigError(f"cannot write the model under {root}", [FieldViolation(
+            "path", f"{error.filename or root}: {error.strerror or error}")]) from None
 
 
 def _safe_relative(name: str) -> Path:

@@ -3,19 +3,25 @@ open mode, and the token table itself."""
 
 from __future__ import annotations
 
+import json
+import os
 import subprocess
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
 import grpc
 import pytest
+from google.protobuf import descriptor_pb2
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from services.common.errors import NotFound, Unauthenticated, Unavailable
 from services.gateway.__main__ import main as gateway_main
 from services.gateway.auth import TokenTable, hash_token
 from services.gateway.client import Client, Run
-from tests.gateway.conftest import TOKENS, Infra, Proc
+from services.proto.fleetrl.v1 import gateway_pb2
+from tests.gateway.conftest import ROOT, TOKENS, Infra, Proc
 
 
 @pytest.fixture
@@ -53,6 +59,32 @@ def test_right_tenant_and_raw_bearer_header(gateway: Proc, bobs_run: Run) -> Non
         health = health_pb2_grpc.HealthStub(channel)
         reply = health.Check(health_pb2.HealthCheckRequest(service="fleetrl.v1.JobService"), timeout=5)
         assert reply.status == health_pb2.HealthCheckResponse.SERVING  # exempt: no token needed
+
+
+@pytest.mark.parametrize("token", [None, "wrong-token", TOKENS["alice"]])
+def test_reflection_lists_and_describes_services_with_any_or_no_token(gateway: Proc, token: str | None) -> None:
+    """Reflection is exempt from auth (as auth.py says), so `grpcurl list` works on a closed gateway."""
+    metadata = (("authorization", f"Bearer {token}"),) if token else ()
+    requests = [reflection_pb2.ServerReflectionRequest(list_services=""),
+                reflection_pb2.ServerReflectionRequest(file_containing_symbol="fleetrl.v1.JobService")]
+    with grpc.insecure_channel(gateway.address) as channel:
+        stub = reflection_pb2_grpc.ServerReflectionStub(channel)
+        listed, described = stub.ServerReflectionInfo(iter(requests), timeout=10, metadata=metadata)
+        names = {s.name for s in listed.list_services_response.service}
+        assert names == {"fleetrl.v1.JobService", "grpc.health.v1.Health", "grpc.reflection.v1alpha.ServerReflection"}
+        files = [descriptor_pb2.FileDescriptorProto.FromString(raw)
+                 for raw in described.file_descriptor_response.file_descriptor_proto]
+        methods = {m.name for f in files for svc in f.service if svc.name == "JobService" for m in svc.method}
+        assert methods == set(gateway_pb2.DESCRIPTOR.services_by_name["JobService"].methods_by_name)
+        list_jobs = channel.unary_unary("/fleetrl.v1.JobService/ListJobs",
+                                        request_serializer=gateway_pb2.ListJobsRequest.SerializeToString,
+                                        response_deserializer=gateway_pb2.ListJobsResponse.FromString)
+        if token != TOKENS["alice"]:  # the same channel and metadata are refused by the JobService
+            with pytest.raises(grpc.RpcError) as caught:
+                list_jobs(gateway_pb2.ListJobsRequest(), timeout=10, metadata=metadata)
+            assert caught.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        else:
+            list_jobs(gateway_pb2.ListJobsRequest(), timeout=10, metadata=metadata)
 
 
 def test_token_table() -> None:
@@ -100,5 +132,13 @@ def test_tls(infra: Infra, tmp_path: Path, job_dir: Path) -> None:
             assert client.submit_file(job_dir / "job.toml").tenant == "alice"
         with Client(proc.address, token=TOKENS["alice"], timeout_s=3) as plain, pytest.raises(Unavailable):
             plain.list_jobs()
+        # --tls without --ca-file trusts gRPC's default roots, which GRPC_DEFAULT_SSL_ROOTS_FILE_PATH replaces
+        env = {**os.environ, "GRPC_DEFAULT_SSL_ROOTS_FILE_PATH": str(cert), "FLEETRL_TOKEN": TOKENS["alice"]}
+        command = [sys.executable, "-m", "services.gateway.cli", "jobs", "--gateway", proc.address, "--json"]
+        trusted = subprocess.run([*command, "--tls"], env=env, cwd=ROOT, capture_output=True, text=True, timeout=60)
+        assert trusted.returncode == 0, trusted.stderr
+        assert isinstance(json.loads(trusted.stdout), list)
+        plaintext = subprocess.run(command, env=env, cwd=ROOT, capture_output=True, text=True, timeout=60)
+        assert plaintext.returncode == 1 and json.loads(plaintext.stderr)["code"] == "UNAVAILABLE"
     finally:
         proc.stop()

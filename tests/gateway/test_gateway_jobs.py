@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import subprocess
+import sys
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -16,7 +18,7 @@ from services.common.errors import ConfigError, FailedPrecondition, NotFound
 from services.common.jobs import JobState, JobStore
 from services.gateway import cli
 from services.gateway.client import Client, Run
-from tests.gateway.conftest import TOKENS, Infra, Proc
+from tests.gateway.conftest import ROOT, TOKENS, Infra, Proc
 
 
 def builtin_run(client: Client, prompts: Path, **params: object) -> Run:
@@ -173,3 +175,50 @@ def test_cli_watch_prints_summary(infra: Infra, gateway: Proc, client_for: Calla
 def test_unknown_job_is_not_found(client_for: Callable[..., Client]) -> None:
     with pytest.raises(NotFound):
         client_for("alice").get_job("j-ffffffffffff")
+
+
+def test_cli_download_json_and_unwritable_dir(infra: Infra, gateway: Proc, client_for: Callable[..., Client],
+                                              job_dir: Path, tmp_path: Path,
+                                              capsys: pytest.CaptureFixture[str]) -> None:
+    run = builtin_run(client_for("alice"), job_dir / "prompts.jsonl")
+    model = tmp_path / "export"
+    (model / "sub").mkdir(parents=True)
+    (model / "weights.bin").write_bytes(b"w" * 3000)
+    (model / "sub" / "config.json").write_text("{}")
+    play_learner(infra, run.job_id, 1, model)
+    out = tmp_path / "got"
+    assert cli.main(cli_run(gateway, "download", run.job_id, str(out), "--json")) == 0
+    assert json.loads(capsys.readouterr().out) == {"job_id": run.job_id, "dir": str(out), "files": 2, "bytes": 3002}
+    assert (out / "weights.bin").read_bytes() == b"w" * 3000 and (out / "sub" / "config.json").read_text() == "{}"
+    blocker = tmp_path / "a-file"
+    blocker.write_text("in the way")
+    assert cli.main(cli_run(gateway, "download", run.job_id, str(blocker / "dir"))) == 2
+    err = capsys.readouterr().err
+    assert "path: " in err and str(blocker) in err and "Traceback" not in err
+    assert cli.main(cli_run(gateway, "download", run.job_id, str(blocker), "--json")) == 2
+    error = json.loads(capsys.readouterr().err)
+    assert error["code"] == "INVALID_ARGUMENT" and [v["field"] for v in error["violations"]] == ["path"]
+    assert str(blocker) in error["violations"][0]["description"]
+
+
+def test_cli_errors_are_clear_and_json_with_json(gateway: Proc, tmp_path: Path,
+                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    missing = tmp_path / "no-ca.pem"
+    assert cli.main(cli_run(gateway, "jobs", "--ca-file", str(missing))) == 2
+    err = capsys.readouterr().err
+    assert "ca_file: " in err and str(missing) in err
+    assert cli.main(cli_run(gateway, "status", "j-000000000000", "--json")) == 2
+    assert json.loads(capsys.readouterr().err) == {"error": "job 'j-000000000000' does not exist",
+                                                   "code": "NOT_FOUND", "violations": []}
+    assert cli.main(cli_run(gateway, "status", "not/an id", "--json")) == 2
+    assert [v["field"] for v in json.loads(capsys.readouterr().err)["violations"]] == ["job_id"]
+    assert cli.main(["jobs", "--gateway", gateway.address, "--token", "t\u00f6ken", "--json"]) == 2
+    assert json.loads(capsys.readouterr().err)["violations"][0]["field"] == "token"
+    assert cli.main(["jobs", "--gateway", gateway.address, "--token", "wrong", "--json"]) == 1
+    assert json.loads(capsys.readouterr().err)["code"] == "UNAUTHENTICATED"
+    # the same as a process: one line of JSON on stderr, no traceback
+    done = subprocess.run([sys.executable, "-m", "services.gateway.cli", "jobs", "--gateway", gateway.address,
+                           "--ca-file", str(missing), "--json"], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+    assert json.loads(done.stderr)["violations"][0] == {"field": "ca_file",
+                                                        "description": f"{missing}: No such file or directory"}
