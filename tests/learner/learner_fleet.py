@@ -11,6 +11,7 @@ import contextlib
 import json
 import os
 import random
+import signal
 import subprocess
 import sys
 from collections.abc import AsyncIterator
@@ -125,4 +126,24 @@ def learner_process(nats_url: str, redis_url: str, replay_addr: str, run_dir: Pa
                "FLEETRL_LEARNER_SAMPLE_WAIT_S": "0.5", "FLEETRL_LEARNER_TORCH_THREADS": "1", **env}
     cmd = [sys.executable, "-m", "services.learner", "--once", "--nats-url", nats_url, "--redis-url", redis_url,
            "--replay-addr", replay_addr, "--run-dir", str(run_dir)]
-    return subprocess.Popen(cmd, cwd=REPO, env=environ, stdout=log.open("ab"), stderr=subprocess.STDOUT)
+    return started(subprocess.Popen(cmd, cwd=REPO, env=environ, stdout=log.open("ab"), stderr=subprocess.STDOUT,
+                                    start_new_session=True))
+
+
+STARTED: list[subprocess.Popen[bytes]] = []
+"""Processes the tests started, each in its own session; `kill_started` ends them after each test."""
+
+
+def started(proc: subprocess.Popen[bytes]) -> subprocess.Popen[bytes]:
+    STARTED.append(proc)
+    return proc
+
+
+def kill_started() -> None:
+    """SIGKILL the process group of every process a test started: a test that failed or timed out
+    mid-run must not leave a learner (or torchrun's ranks) running into the next tests."""
+    while STARTED:
+        proc = STARTED.pop()
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()

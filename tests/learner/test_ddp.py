@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 from ddp_rank import steps
-from learner_fleet import REPO, create_job, insert_groups, learner_process, replay_service, spec_for
+from learner_fleet import REPO, create_job, insert_groups, learner_process, replay_service, spec_for, started
 
 from services.common.embedded import free_port
 from services.common.jobs import JobState, JobStore
@@ -58,7 +58,9 @@ async def test_torchrun_service_matches_one_rank(nats_url: str, redis_url: str, 
         one = await create_job(jobs, spec)
         await insert_groups(replay, one, 6)
         proc = learner_process(nats_url, redis_url, addr, run_dir, log)
+        deadline = asyncio.get_running_loop().time() + 120
         while proc.poll() is None:
+            assert asyncio.get_running_loop().time() < deadline, "1-rank learner did not finish"
             await asyncio.sleep(0.1)
         two = await create_job(jobs, spec)
         await insert_groups(replay, two, 6)
@@ -67,7 +69,8 @@ async def test_torchrun_service_matches_one_rank(nats_url: str, redis_url: str, 
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
                str(free_port()), "-m", "services.learner", "--once", "--nats-url", nats_url, "--redis-url",
                redis_url, "--replay-addr", addr, "--run-dir", str(run_dir)]
-        ddp = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log.open("ab"), stderr=subprocess.STDOUT)
+        ddp = started(subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log.open("ab"), stderr=subprocess.STDOUT,
+                                       start_new_session=True))
         deadline = asyncio.get_running_loop().time() + 120
         while ddp.poll() is None:
             assert asyncio.get_running_loop().time() < deadline, "torchrun learner did not finish"
