@@ -4,7 +4,9 @@
 - items_per_s: a trivial reward file scored through a real RewardService, batches of 64, several
   concurrent callers (like several actors);
 - inprocess_items_per_s: the same function called in a loop in this process (the unsafe baseline);
-- hostile_mix_items_per_s: benign items per second while 10% of items hang until their timeout;
+- hostile_mix_items_per_s: benign items per second while 10% of items hang until their timeout,
+  with the pool's default burst workers; hostile_mix_no_burst_items_per_s: the same with
+  burst_workers_per_pool=0 (each hanging item holds a worker until its timeout, nothing replaces it);
 - items_per_s_by_workers: items_per_s for each worker count tried.
 """
 
@@ -49,9 +51,12 @@ def batch(hang_every: int = 0) -> list[reward_pb2.ScoreItem]:
         {"answer": "57", "hang": bool(hang_every and i % hang_every == 0)})) for i in range(BATCH)]
 
 
-async def service_rate(workers: int, seconds: float, callers: int, hang_every: int, timeout_s: float) -> float:
-    """Benign (OK) items per second through a fresh service with `workers` workers."""
+async def service_rate(workers: int, seconds: float, callers: int, hang_every: int, timeout_s: float,
+                       burst: int | None = None) -> float:
+    """Benign (OK) items per second through a fresh service with `workers` workers (and `burst`)."""
     settings = RewardSettings(listen="127.0.0.1:0", workers_per_pool=workers, grace_s=0.5)
+    if burst is not None:
+        settings = settings.model_copy(update={"burst_workers_per_pool": burst})
     spec = spec_to_proto(RewardSpec(file="reward.py", timeout_per_item_s=timeout_s), SOURCE.encode())
     async with running(settings) as service, channel(f"127.0.0.1:{service.port}") as chan:
         stub = reward_pb2_grpc.RewardServiceStub(chan)
@@ -72,12 +77,14 @@ async def service_rate(workers: int, seconds: float, callers: int, hang_every: i
 
 async def run(args: argparse.Namespace) -> dict[str, Any]:
     by_workers = {w: await service_rate(w, args.seconds, args.callers, 0, 5.0) for w in args.workers}
-    hostile = await service_rate(max(args.workers), max(args.seconds, 4 * args.hang_timeout_s), args.callers,
-                                 10, args.hang_timeout_s)
+    hostile_s = max(args.seconds, 4 * args.hang_timeout_s)
+    hostile = await service_rate(max(args.workers), hostile_s, args.callers, 10, args.hang_timeout_s)
+    no_burst = await service_rate(max(args.workers), hostile_s, args.callers, 10, args.hang_timeout_s, burst=0)
     return {
         "items_per_s": round(by_workers[max(args.workers)], 1),
         "inprocess_items_per_s": round(inprocess_rate(args.seconds), 1),
         "hostile_mix_items_per_s": round(hostile, 1),
+        "hostile_mix_no_burst_items_per_s": round(no_burst, 1),
         "items_per_s_by_workers": {str(w): round(r, 1) for w, r in by_workers.items()},
         "batch": BATCH, "callers": args.callers, "hang_timeout_s": args.hang_timeout_s,
     }
@@ -89,7 +96,7 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=3.0, help="measuring time per figure")
     parser.add_argument("--workers", type=int, nargs="+", default=[1, 2, 4], help="worker counts to try")
     parser.add_argument("--callers", type=int, default=4, help="concurrent Score callers")
-    parser.add_argument("--hang-timeout-s", type=float, default=0.5, help="timeout of the hanging items")
+    parser.add_argument("--hang-timeout-s", type=float, default=2.0, help="timeout of the hanging items")
     args = parser.parse_args()
     result = asyncio.run(run(args))
     print(json.dumps(result) if args.json else json.dumps(result, indent=2))

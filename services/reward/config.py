@@ -18,6 +18,9 @@ class RewardSettings(InfraSettings):
     """gRPC listen address (host:port; port 0 picks a free one)."""
     workers_per_pool: int = Field(4, ge=1, le=512)
     """Sandboxed worker processes per reward spec; throughput grows with it."""
+    burst_workers_per_pool: int = Field(4, ge=0, le=512)
+    """Extra workers a pool may start while items run past a quarter of their timeout, one per such
+    item, so that slow or hanging items do not take the capacity of the rest (0: never)."""
     max_pools: int = Field(16, ge=1, le=1024)
     """Most reward specs with live workers; the least recently used pool is closed beyond it."""
     pool_idle_s: float = Field(600.0, gt=0, le=86400)

@@ -6,7 +6,11 @@ item takes an idle worker, runs with the spec's wall-clock timeout and gives the
 when the item timed out, crashed the worker, or the call was cancelled, kills it and starts a
 replacement (so does a worker that has served max_items_per_worker items or used half its CPU
 limit); `on_replace` hears each replacement's reason. A hostile item therefore holds one worker for
-at most its timeout. The pool logs which isolation layers its first worker reports.
+at most its timeout. An item still running after a quarter of its timeout is overrunning: for each
+one the pool may start an extra worker (at most `cfg.burst`), so items that hang take the capacity
+they hold, not the capacity of the items queued behind them. Extra workers are retired when they
+are given back and the pool holds more than it needs. The pool logs which isolation layers its
+first worker reports.
 """
 
 from __future__ import annotations
@@ -15,7 +19,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, Literal
 
 from services.common.errors import Unavailable
@@ -24,6 +28,8 @@ from services.reward.sandbox import Outcome, PoolConfig, UidPool, Worker, Worker
 log = logging.getLogger(__name__)
 
 SPAWN_ATTEMPTS = 3
+OVERRUN_FRACTION = 0.25
+"""An item running longer than this share of its timeout is overrunning (it earns a burst worker)."""
 LAYERS = ("netns", "pidns", "userns", "mountns", "dropped_uid", "audit_hook")
 
 ReplaceReason = Literal["timeout", "crash", "cancelled", "recycled"]
@@ -51,6 +57,7 @@ class WorkerPool:
         self._live: set[Worker] = set()
         self._tasks: set[asyncio.Task[None]] = set()
         self._spawns: set[asyncio.Task[None]] = set()
+        self._overrunning: set[object] = set()
         self._broken: str | None = None
         self._closed = False
         self.last_used = time.monotonic()
@@ -81,8 +88,16 @@ class WorkerPool:
             self._uids.give(uid)
             raise
 
+    def _target(self) -> int:
+        """Workers the pool should have now: its size, plus one per overrunning item up to the burst."""
+        return self.cfg.size + min(len(self._overrunning), self.cfg.burst)
+
+    def _top_up(self) -> None:
+        while not self._closed and len(self._live) + len(self._spawns) < self._target():
+            self._spawn()
+
     def _add(self, worker: Worker) -> None:
-        if self._closed:
+        if self._closed or len(self._live) >= self._target():  # closed, or a burst no longer needed
             self._background(self._retire(worker))
             return
         self._live.add(worker)
@@ -117,8 +132,7 @@ class WorkerPool:
         self._live.discard(worker)
         self._on_replace(reason)
         self._background(self._retire(worker))
-        if not self._closed:
-            self._spawn()
+        self._top_up()
 
     async def _acquire(self) -> Worker:
         while True:
@@ -133,7 +147,8 @@ class WorkerPool:
         worker = await self._acquire()
         start = time.monotonic()
         try:
-            reply = await worker.call(request, timeout_s, self.cfg.max_reply_bytes)
+            with self._overrun_watch(timeout_s):
+                reply = await worker.call(request, timeout_s, self.cfg.max_reply_bytes)
         except TimeoutError:
             self._replace(worker, "timeout")
             return Outcome("timeout", reason=f"timed out after {timeout_s:g}s", latency_s=time.monotonic() - start)
@@ -146,10 +161,29 @@ class WorkerPool:
         self._release(worker)
         return Outcome("reply", reply=reply, latency_s=time.monotonic() - start)
 
+    @contextlib.contextmanager
+    def _overrun_watch(self, timeout_s: float) -> Iterator[None]:
+        """Count the block as overrunning once it has run OVERRUN_FRACTION of timeout_s, until it ends."""
+        token = object()
+
+        def overrun() -> None:
+            self._overrunning.add(token)
+            self._top_up()
+
+        handle = asyncio.get_running_loop().call_later(timeout_s * OVERRUN_FRACTION, overrun)
+        try:
+            yield
+        finally:
+            handle.cancel()
+            self._overrunning.discard(token)
+
     def _release(self, worker: Worker) -> None:
         worn = worker.items >= self.cfg.max_items_per_worker or worker.cpu_s > self.cfg.limits.cpu_s / 2
         if worn:
             self._replace(worker, "recycled")
+        elif len(self._live) > self._target():  # a burst worker whose overrunning item has ended
+            self._live.discard(worker)
+            self._background(self._retire(worker))
         else:
             self._idle.put_nowait(worker)
 

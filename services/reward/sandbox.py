@@ -57,6 +57,8 @@ class PoolConfig:
     max_reply_bytes: int
     sandbox_dir: Path | None = None
     namespaces: bool = True
+    burst: int = 0
+    """Extra workers while items overrun (see `WorkerPool`)."""
 
 
 @dataclass

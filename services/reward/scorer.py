@@ -158,7 +158,7 @@ class Scorer:
         limits = Limits(spec.memory_limit_mb, s.worker_cpu_limit_s, s.worker_max_file_mb,
                         s.worker_max_open_files, s.worker_max_processes)
         return PoolConfig(s.workers_per_pool, limits, s.worker_start_timeout_s, s.max_items_per_worker,
-                          s.max_reply_bytes, s.sandbox_dir, s.worker_namespaces)
+                          s.max_reply_bytes, s.sandbox_dir, s.worker_namespaces, s.burst_workers_per_pool)
 
     async def _new_pool(self, spec: SpecInput) -> WorkerPool:
         pool = WorkerPool(boot_message(spec), self._pool_config(spec.spec), self._uids, self.metrics.worker_replaced)

@@ -4,6 +4,7 @@ scored as a non-OK result with a reason, leaves no process behind, and benign re
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import socket
@@ -161,6 +162,33 @@ async def test_every_worker_replacement_is_counted_by_reason(tmp_path: Path) -> 
                                                                {"reason": reason})
               for reason in ("timeout", "crash", "recycled", "cancelled")}
     assert counts == {"timeout": 1.0, "crash": 1.0, "recycled": 1.0, "cancelled": None}
+
+
+async def test_an_item_that_hangs_does_not_take_the_capacity_of_the_next(tmp_path: Path) -> None:
+    """One worker, one burst: once the hanging item has run a quarter of its timeout the pool starts
+    a second worker, which scores the next item while the first still hangs (without the burst the
+    next item could only start after the hang's timeout). Afterwards the pool shrinks back to one."""
+    source = "import time\ndef reward(c, p, **m):\n    if c == 'hang':\n        time.sleep(1e9)\n    return 1.0\n"
+    scorer = Scorer(RewardSettings(workers_per_pool=1, burst_workers_per_pool=1, sandbox_uid_base=UID_BASE,
+                                   sandbox_dir=tmp_path))
+    spec = file_spec(source, timeout_s=20)
+    parsed = parse_spec(spec.spec_json, spec.file_source)
+    try:
+        pool = await scorer.pool(parsed)
+        hang = asyncio.create_task(scorer.score("j", parsed, [Item("hang", "p")]))
+        await asyncio.sleep(0.2)
+        benign = asyncio.create_task(scorer.score("j", parsed, [Item("ok", "p")]))
+        done, _ = await asyncio.wait({hang, benign}, timeout=60, return_when=asyncio.FIRST_COMPLETED)
+        assert done == {benign}, "the benign item waited for the hanging one"
+        assert [r.status for r in benign.result()] == ["ok"]
+        assert pool.live_workers == 2
+        hang.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await hang
+        await asyncio.sleep(0.5)
+        assert pool.live_workers == 1
+    finally:
+        await scorer.close()
 
 
 SECRET_SCAN = """
