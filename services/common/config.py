@@ -16,7 +16,7 @@ import tomllib
 from pathlib import Path
 from typing import Any, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from services.common.errors import ConfigError, FieldViolation
 
@@ -102,9 +102,16 @@ class OptimConfig(Strict):
     weight_decay: float = Field(0.0, ge=0, le=1)
     """AdamW decoupled weight decay."""
     betas: tuple[float, float] = (0.9, 0.999)
-    """AdamW betas."""
+    """AdamW betas, each in [0, 1)."""
     max_grad_norm: float = Field(1.0, gt=0, le=1e6)
     """Gradient-norm clipping threshold."""
+
+    @field_validator("betas")
+    @classmethod
+    def _betas_in_range(cls, betas: tuple[float, float]) -> tuple[float, float]:
+        if not all(0 <= b < 1 for b in betas):
+            raise ValueError("each beta must be in [0, 1)")
+        return betas
 
 
 class RolloutConfig(Strict):
@@ -194,10 +201,15 @@ class JobSpec(Strict):
     seed: int = Field(0, ge=0, le=2**31 - 1)
     """Seed of prompt shuffling, sampling and initialisation."""
     algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig)
+    """The RL objective. Presets per `name` are applied by the learner's loss registry."""
     optim: OptimConfig = Field(default_factory=OptimConfig)
+    """AdamW with warmup then decay, and gradient-norm clipping."""
     rollout: RolloutConfig = Field(default_factory=RolloutConfig)
+    """How actors generate completions."""
     train: TrainConfig = Field(default_factory=TrainConfig)
+    """The learner's schedule and its fault-tolerance knobs."""
     replay: ReplayConfig = Field(default_factory=ReplayConfig)
+    """The job's replay table."""
 
 
 # --------------------------------------------------------------------------- services

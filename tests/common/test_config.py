@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import json
+import typing
 from pathlib import Path
+from typing import Any, Literal
 
+import annotated_types
 import pytest
+from pydantic import BaseModel
 
 from services.common.config import InfraSettings, JobSpec, load_settings, parse_job_spec
 from services.common.errors import ConfigError
@@ -92,3 +97,57 @@ def test_settings_precedence(tmp_path: Path) -> None:
 def test_bad_setting_names_the_field() -> None:
     with pytest.raises(ConfigError, match="metrics_port"):
         load_settings(InfraSettings, env_prefix="FLEETRL_X_", overrides=["metrics_port=70000"], environ={})
+
+
+def bounded_field_cases(model: type[BaseModel] = JobSpec, prefix: str = "") -> list[tuple[str, object]]:
+    """(dotted path, a value just outside the field's bounds or choices) for every bounded field."""
+    cases: list[tuple[str, object]] = []
+    for name, info in model.model_fields.items():
+        path = f"{prefix}{name}"
+        kind = info.annotation
+        if isinstance(kind, type) and issubclass(kind, BaseModel):
+            cases += bounded_field_cases(kind, f"{path}.")
+            continue
+        for bound in info.metadata:
+            if isinstance(bound, annotated_types.Ge):
+                cases.append((path, bound.ge - 1))
+            elif isinstance(bound, annotated_types.Gt):
+                cases.append((path, bound.gt))
+            elif isinstance(bound, annotated_types.Le):
+                cases.append((path, bound.le + 1))
+            elif isinstance(bound, annotated_types.Lt):
+                cases.append((path, bound.lt))
+        parts = [kind] if typing.get_origin(kind) is Literal else typing.get_args(kind)  # Literal, or a union
+        if any(typing.get_origin(part) is Literal for part in parts):
+            cases.append((path, "no-such-choice"))
+    return cases
+
+
+BOUNDED = bounded_field_cases()
+
+
+def test_the_bounded_field_table_covers_the_spec() -> None:
+    paths = {path for path, _ in BOUNDED}
+    assert {"algorithm.entropy_coef", "algorithm.clip_eps_high", "algorithm.name", "train.epochs_per_step",
+            "rollout.prompts_per_step", "rollout.max_new_tokens", "train.publish_interval",
+            "train.checkpoint_interval", "train.timeout_per_step_s", "seed"} <= paths
+    assert len(BOUNDED) > 40
+
+
+@pytest.mark.parametrize(("path", "value"), BOUNDED, ids=[f"{p}={v}" for p, v in BOUNDED])
+def test_every_bounded_field_names_itself_when_out_of_range(path: str, value: object) -> None:
+    spec: dict[str, Any] = {"prompts": "p.jsonl", "reward": {"builtin": "numeric_match"}}
+    *parents, leaf = path.split(".")
+    node = spec
+    for part in parents:
+        node = node.setdefault(part, {})
+    node[leaf] = value
+    with pytest.raises(ConfigError) as info:
+        parse_job_spec(json.dumps(spec), "json")
+    assert path in [v.field for v in info.value.violations]
+
+
+def test_betas_are_bounded() -> None:
+    with pytest.raises(ConfigError) as info:
+        parse_job_spec("prompts = 'p.jsonl'\n[reward]\nbuiltin = 'numeric_match'\n[optim]\nbetas = [0.9, 1.5]\n")
+    assert [v.field for v in info.value.violations] == ["optim.betas"]
