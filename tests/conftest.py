@@ -1,18 +1,24 @@
-"""Fixtures shared by every test: real nats-server and Valkey processes on free ports.
+"""Fixtures shared by every test: real nats-server and Valkey processes on free ports, and tiny models.
 
 Each server is a child process with its data under the test's tmp_path, so a
 test may SIGKILL it (`server.kill()`) and bring it back on the same port with
 the same data (`server.start()`). Nothing in the suite mocks NATS or Redis.
+`tiny_model(name)` builds a fresh named tiny test model (random weights, fixed
+seed: the same bits in every process) with its tokenizer.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
+from services.common import models
 from services.common.embedded import EmbeddedNats, EmbeddedValkey
+
+TinyModel = Callable[..., tuple[Any, Any]]
 
 
 @pytest.fixture
@@ -39,3 +45,20 @@ def nats_url(nats_server: EmbeddedNats) -> str:
 @pytest.fixture
 def redis_url(valkey_server: EmbeddedValkey) -> str:
     return valkey_server.url
+
+
+@pytest.fixture(scope="session")
+def tiny_model_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("tiny-model-cache")
+
+
+@pytest.fixture
+def tiny_model(tiny_model_cache: Path) -> TinyModel:
+    """`tiny_model(name="tiny-llama", **load_kwargs)` -> a fresh (model, tokenizer) the test may change."""
+
+    def load(name: str = "tiny-llama", **kwargs: Any) -> tuple[Any, Any]:
+        if not name.startswith("tiny-"):
+            raise ValueError(f"{name!r} is not a tiny test model")
+        return models.load(name, cache_dir=tiny_model_cache, **kwargs)
+
+    return load

@@ -21,6 +21,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
 from services.common import models
 from services.common.errors import ConfigError, InvalidArgument, NotFound
+from tests.conftest import TinyModel
 
 REPO = Path(__file__).resolve().parents[2]
 CHAT = [{"role": "user", "content": "What is 12 + 7? Answer with just the number."}]
@@ -86,8 +87,8 @@ def test_tiny_model_has_chat_tokenizer_and_special_ids(cache_dir: Path) -> None:
     assert untied.lm_head.weight.data_ptr() != untied.model.embed_tokens.weight.data_ptr()
 
 
-def test_tiny_export_reloads_with_equal_logits(cache_dir: Path, tmp_path: Path) -> None:
-    model, tokenizer = models.load("tiny-llama", cache_dir=cache_dir)
+def test_tiny_export_reloads_with_equal_logits(tiny_model: TinyModel, tmp_path: Path) -> None:
+    model, tokenizer = tiny_model("tiny-llama")
     out = models.export(model, tokenizer, tmp_path / "export")
     models.export(model, tokenizer, out)  # replacing an existing export is atomic too
     assert sorted(p.name for p in tmp_path.iterdir()) == ["export"], "no temp or old dirs left behind"
@@ -102,8 +103,8 @@ def test_tiny_export_reloads_with_equal_logits(cache_dir: Path, tmp_path: Path) 
 
 
 @pytest.mark.parametrize("name", ["tiny-llama", "tiny-llama-untied"])
-def test_publish_bf16_round_trip_loads_in_place(cache_dir: Path, name: str) -> None:
-    source, _ = models.load(name, cache_dir=cache_dir)
+def test_publish_bf16_round_trip_loads_in_place(tiny_model: TinyModel, name: str) -> None:
+    source, _ = tiny_model(name)
     with torch.no_grad():
         for p in source.parameters():
             p.add_(0.01)  # differ from the freshly built target
@@ -112,7 +113,7 @@ def test_publish_bf16_round_trip_loads_in_place(cache_dir: Path, name: str) -> N
     assert all(t.dtype == torch.bfloat16 for t in published.values())
     received = safetensors.torch.load(safetensors.torch.save(published))
 
-    target, _ = models.load(name, cache_dir=cache_dir)
+    target, _ = tiny_model(name)
     pointers = {k: t.data_ptr() for k, t in target.state_dict().items()}
     models.load_state_dict_inplace(target, received)
     assert {k: t.data_ptr() for k, t in target.state_dict().items()} == pointers
@@ -122,8 +123,8 @@ def test_publish_bf16_round_trip_loads_in_place(cache_dir: Path, name: str) -> N
     assert (target.lm_head.weight is target.model.embed_tokens.weight) == (name == "tiny-llama")
 
 
-def test_load_in_place_rejects_a_mismatch_without_touching_the_model(cache_dir: Path) -> None:
-    model, _ = models.load("tiny-llama", cache_dir=cache_dir)
+def test_load_in_place_rejects_a_mismatch_without_touching_the_model(tiny_model: TinyModel) -> None:
+    model, _ = tiny_model()
     before = _digest(model)
     good = models.state_dict_for_publish(model, "bf16")
     bad = {k: torch.zeros_like(t) for k, t in good.items()}
