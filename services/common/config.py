@@ -394,13 +394,19 @@ def _merge(base: dict[str, Any], top: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def read_toml(path: Path, field: str) -> dict[str, Any]:
-    """A settings TOML file's table; ConfigError naming field and the file if it cannot be read or parsed."""
+def read_bytes(path: Path, field: str) -> bytes:
+    """A file named by a setting or argument; ConfigError naming field and the file if it cannot be read."""
     try:
-        return tomllib.loads(path.read_text())
+        return path.read_bytes()
     except OSError as error:
         raise ConfigError(f"cannot read {path}",
                           [FieldViolation(field, f"{path}: {error.strerror or error}")]) from None
+
+
+def read_toml(path: Path, field: str) -> dict[str, Any]:
+    """A TOML file's table; ConfigError naming field and the file if it cannot be read or parsed."""
+    try:
+        return tomllib.loads(read_bytes(path, field).decode())
     except (ValueError, RecursionError) as error:  # TOMLDecodeError, UnicodeDecodeError, a huge integer
         raise ConfigError(f"{path} does not parse", [FieldViolation(field, f"{path}: {error}")]) from None
 

@@ -25,14 +25,13 @@ import json
 import os
 import random
 import time
-import tomllib
 from collections.abc import Iterator
 from pathlib import Path, PurePosixPath
 from typing import Any
 
 import grpc
 
-from services.common.config import apply_overrides, set_dotted
+from services.common.config import apply_overrides, read_bytes, read_toml, set_dotted
 from services.common.errors import ConfigError, FieldViolation, FleetError, from_grpc
 from services.common.grpcutil import field_violations
 from services.gateway import convert
@@ -84,23 +83,9 @@ def spec_from_params(params: dict[str, Any]) -> dict[str, Any]:
     return data
 
 
-def _read(path: Path, field: str) -> bytes:
-    try:
-        return path.read_bytes()
-    except OSError as error:
-        raise ConfigError("cannot read a job file", [FieldViolation(field, f"{path}: {error.strerror}")]) from None
-
-
-def _read_toml(path: Path, field: str) -> dict[str, Any]:
-    try:
-        return tomllib.loads(_read(path, field).decode())
-    except (ValueError, RecursionError) as error:  # TOMLDecodeError, UnicodeDecodeError, a huge integer
-        raise ConfigError("job file does not parse", [FieldViolation(field, f"{path}: {error}")]) from None
-
-
 def load_job_file(path: Path, overrides: list[str] | None = None) -> tuple[str, bytes, bytes]:
     """(spec JSON, prompts, reward file) of a job TOML; its file paths are relative to the TOML's directory."""
-    data = _read_toml(Path(path), "spec")
+    data = read_toml(Path(path), "spec")
     apply_overrides(data, overrides or [])
     return job_payload(data, Path(path).parent)
 
@@ -109,8 +94,9 @@ def job_payload(data: dict[str, Any], base: Path) -> tuple[str, bytes, bytes]:
     """Read the files a spec table names (relative to base) and encode the spec as JSON."""
     prompts = data.get("prompts")
     reward_file = data.get("reward", {}).get("file") if isinstance(data.get("reward"), dict) else None
-    prompt_bytes = _read(base / prompts, "prompts") if isinstance(prompts, str) and prompts else b""
-    reward_bytes = _read(base / reward_file, "reward.file") if isinstance(reward_file, str) and reward_file else b""
+    prompt_bytes = read_bytes(base / prompts, "prompts") if isinstance(prompts, str) and prompts else b""
+    reward_bytes = (read_bytes(base / reward_file, "reward.file") if isinstance(reward_file, str) and reward_file
+                    else b"")
     return json.dumps(data, default=str), prompt_bytes, reward_bytes
 
 
@@ -133,7 +119,7 @@ class Client:
         if token and not (token.isascii() and token.isprintable()):
             raise ConfigError("invalid token", [FieldViolation("token", "must be printable ASCII")])
         if ca_file or tls:
-            roots = _read(Path(ca_file), "ca_file") if ca_file else None
+            roots = read_bytes(Path(ca_file), "ca_file") if ca_file else None
             creds = grpc.ssl_channel_credentials(root_certificates=roots)
             self._channel = grpc.secure_channel(self.address, creds, options=CHANNEL_OPTIONS)
         else:
@@ -176,7 +162,7 @@ class Client:
                    name: str | None = None, spec_file: str | Path | None = None, idempotency_key: str = "",
                    **params: Any) -> Run:
         """Submit a job from keyword arguments (see FLAT_PARAMS for the flat knob names) and return its Run."""
-        base = _read_toml(Path(spec_file), "spec_file") if spec_file else {}
+        base = read_toml(Path(spec_file), "spec_file") if spec_file else {}
         data = _merge(base, spec_from_params(params))
         data["model"], data["prompts"] = model, str(Path(prompt_file).resolve())
         if name is not None:

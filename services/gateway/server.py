@@ -14,7 +14,6 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import AsyncIterator, Callable
-from pathlib import Path
 from typing import Any
 
 import grpc
@@ -22,6 +21,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from services.common import bus, grpcutil, telemetry
+from services.common.config import read_bytes
 from services.common.errors import ConfigError, FieldViolation, InvalidArgument
 from services.common.grpcutil import map_errors, map_stream_errors
 from services.common.jobs import JobStore
@@ -162,14 +162,8 @@ def server_credentials(settings: GatewaySettings) -> grpc.ServerCredentials | No
     """TLS credentials from tls_key and tls_cert; ConfigError naming the file that cannot be read."""
     if settings.tls_cert is None or settings.tls_key is None:
         return None
-    return grpc.ssl_server_credentials([(_read(settings.tls_key, "tls_key"), _read(settings.tls_cert, "tls_cert"))])
-
-
-def _read(path: Path, field: str) -> bytes:
-    try:
-        return path.read_bytes()
-    except OSError as error:
-        raise ConfigError("gateway settings", [FieldViolation(field, f"{path}: {error.strerror or error}")]) from None
+    key, cert = read_bytes(settings.tls_key, "tls_key"), read_bytes(settings.tls_cert, "tls_cert")
+    return grpc.ssl_server_credentials([(key, cert)])
 
 
 def token_table(settings: GatewaySettings) -> TokenTable:
