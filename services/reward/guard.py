@@ -41,6 +41,8 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
+from services.reward import procfs  # stdlib only, like this module
+
 CLONE_NEWNS = 0x00020000
 CLONE_NEWNET = 0x40000000
 CLONE_NEWPID = 0x20000000
@@ -85,11 +87,6 @@ def _prctl(option: int, value: int) -> None:
         raise OSError(ctypes.get_errno(), f"prctl({option}, {value}) failed")
 
 
-def _proc_stat_field(index: int) -> int:
-    with open("/proc/self/stat") as handle:
-        return int(handle.read().rsplit(")", 1)[1].split()[index])
-
-
 def die_with_parent(parent: int) -> None:
     """Have the kernel SIGKILL this process when parent ends (PR_SET_PDEATHSIG); exit if it has.
 
@@ -98,7 +95,7 @@ def die_with_parent(parent: int) -> None:
     new namespace); if it is no longer parent, the parent ended before the prctl took effect.
     """
     _prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-    if _proc_stat_field(1) != parent:
+    if procfs.parent_of("self") != parent:
         os._exit(1)
 
 

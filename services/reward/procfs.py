@@ -17,6 +17,7 @@ import signal
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Literal
 
 
 @dataclass(frozen=True)
@@ -46,8 +47,9 @@ def uids_in_use() -> set[int]:
     return {uid for proc in processes() for uid in proc.uids}
 
 
-def parent_of(pid: int) -> int | None:
-    """The parent pid of pid, or None when it has ended."""
+def parent_of(pid: int | Literal["self"]) -> int | None:
+    """The parent pid of pid (in /proc's numbering, the service's even inside a PID namespace), or None
+    when it has ended."""
     try:
         with open(f"/proc/{pid}/stat") as handle:
             return int(handle.read().rsplit(")", 1)[1].split()[1])
