@@ -27,7 +27,7 @@ from nats.js.kv import KeyValue
 from nats.js.object_store import ObjectStore
 
 from services.common.config import JobSpec
-from services.common.errors import FieldViolation, InvalidArgument, Unavailable
+from services.common.errors import FieldViolation, InvalidArgument, Unavailable, clip
 
 log = logging.getLogger(__name__)
 
@@ -43,8 +43,7 @@ _JOB_ID_RE = re.compile(r"[A-Za-z0-9_-]{1,64}")
 def check_job_id(job_id: str) -> str:
     """Job ids become subject tokens and bucket names: letters, digits, `-` and `_` only."""
     if not _JOB_ID_RE.fullmatch(job_id):  # not match(): its `$` lets a trailing newline through
-        shown = job_id if len(job_id) <= 80 else f"{job_id[:80]}... ({len(job_id)} characters)"
-        problem = f"{shown!r} is not 1-64 of [A-Za-z0-9_-]"
+        problem = f"{clip(job_id, 80)!r} is not 1-64 of [A-Za-z0-9_-]"
         raise InvalidArgument(f"invalid job_id: {problem}", [FieldViolation("job_id", problem)])
     return job_id
 

@@ -20,6 +20,11 @@ class FieldViolation:
     description: str
 
 
+def clip(text: str, chars: int) -> str:
+    """text, or its first `chars` characters and its length when it is longer (user input quoted in errors)."""
+    return text if len(text) <= chars else f"{text[:chars]}... ({len(text)} characters)"
+
+
 class FleetError(Exception):
     """Root of every error fleetrl raises on purpose."""
 

@@ -29,7 +29,7 @@ from typing import Any, Protocol, cast
 
 from services.common.bus import TaskQueue, check_job_id
 from services.common.config import RewardSpec
-from services.common.errors import ConfigError, FailedPrecondition, FieldViolation, InvalidArgument, NotFound
+from services.common.errors import ConfigError, FailedPrecondition, FieldViolation, InvalidArgument, NotFound, clip
 from services.common.heartbeat import Beat
 from services.common.jobs import ACTIVE, JobRecord, JobState, JobStore, now_ms
 from services.gateway.checks import Limits, Submission, check_sizes, check_submission
@@ -213,7 +213,7 @@ def reported(violations: list[FieldViolation]) -> list[FieldViolation]:
     out: list[FieldViolation] = []
     used = 0
     for violation in violations:
-        clipped = FieldViolation(_clip(violation.field, CLIP_FIELD), _clip(violation.description, CLIP_DESCRIPTION))
+        clipped = FieldViolation(clip(violation.field, CLIP_FIELD), clip(violation.description, CLIP_DESCRIPTION))
         used += len(clipped.field.encode()) + len(clipped.description.encode())
         if used > REPORT_BYTES:
             break
@@ -221,10 +221,6 @@ def reported(violations: list[FieldViolation]) -> list[FieldViolation]:
     if len(out) < len(violations):
         out.append(FieldViolation("<more>", f"{len(violations) - len(out)} more problems not shown"))
     return out
-
-
-def _clip(text: str, chars: int) -> str:
-    return text if len(text) <= chars else f"{text[:chars]}... ({len(text)} characters)"
 
 
 def model_dir(record: JobRecord) -> Path:
