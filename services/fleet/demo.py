@@ -20,6 +20,7 @@ import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
+from importlib import resources
 from pathlib import Path
 
 from rich.console import Console
@@ -33,7 +34,8 @@ from services.gateway.models import JobInfo, StepInfo
 
 EXIT_OK, EXIT_FAILURE, EXIT_BAD_INPUT = 0, 1, 2
 BAD_INPUT = (ConfigError, InvalidArgument, NotFound)
-EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+EXAMPLES = Path(str(resources.files("services.fleet") / "examples"))
+"""The example jobs, package data of `services.fleet` (so a wheel has them; a checkout links ./examples here)."""
 DEFAULT_JOB = EXAMPLES / "addition" / "job.toml"
 DEFAULT_EVAL = EXAMPLES / "addition" / "eval.jsonl"
 SUPERVISE_S = 0.25
@@ -95,6 +97,10 @@ def run(args: argparse.Namespace, out: Console) -> int:
     overrides = job_overrides(args)
     spec = parse_job_spec(load_job_file(args.job, overrides)[0], "json")  # fail before starting anything
     problems = eval_problems(args.eval_file, args.eval_problems)
+    if not args.gateway:  # a local fleet loads the model on this machine: is it installed?
+        from services.common import models
+
+        models.check_available(spec.model)
     run_dir = args.dir.resolve()
     run_dir.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
