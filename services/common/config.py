@@ -60,18 +60,23 @@ class RewardSpec(Strict):
 class AlgorithmConfig(Strict):
     """The RL objective. Presets per `name` are applied by the learner's loss registry."""
 
-    name: Literal["grpo", "dr_grpo", "dapo", "ppo"] = "grpo"
+    name: Literal["grpo", "dr_grpo", "dapo", "ppo", "gspo", "cispo"] = "grpo"
     """grpo: group-normalised advantages, clipped surrogate; dr_grpo: mean-only baseline, no length
     normalisation; dapo: clip-higher, token-level aggregation, and groups whose rewards are all equal
     dropped from the step without replacement (DAPO's dynamic sampling would refill the batch; here
     the step trains on fewer groups); ppo: clipped surrogate with RLOO baseline (a value head is not
-    implemented yet)."""
+    implemented yet); gspo: GRPO advantages with a sequence-level importance ratio (the geometric mean
+    of the token ratios) clipped per sequence, default clip 3e-4 / 4e-4 as in the GSPO paper; cispo:
+    token-level REINFORCE whose importance weight is clipped and detached, so clipped tokens keep their
+    gradient (MiniMax-M1), default weights clipped to [0, 5]."""
     advantage: Literal["grpo", "dr_grpo", "rloo"] | None = None
     """Advantage estimator; None takes the algorithm's default."""
-    clip_eps: float = Field(0.2, gt=0, le=1)
-    """Lower clip range of the importance ratio: ratios below 1 - clip_eps are clipped."""
+    clip_eps: float | None = Field(None, gt=0, le=1)
+    """Lower clip range of the importance ratio: ratios below 1 - clip_eps are clipped. None takes the
+    algorithm's default: 0.2; gspo 3e-4 (a sequence ratio); cispo 1.0 (no lower clip of the weight)."""
     clip_eps_high: float | None = Field(None, gt=0, le=10)
-    """Upper clip range (DAPO clip-higher); None uses clip_eps (dapo default 0.28)."""
+    """Upper clip range (DAPO clip-higher); None takes the algorithm's default: clip_eps; dapo 0.28;
+    gspo 4e-4; cispo 4.0."""
     loss_agg: Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"] | None = None
     """How per-token losses are averaged; None takes the algorithm's default."""
     kl_coef: float = Field(0.0, ge=0, le=10)

@@ -1,13 +1,19 @@
-"""RL objectives as pure functions of tensors: advantages, KL estimators, the clipped policy loss.
+"""RL objectives as pure functions of tensors: advantages, KL estimators, the policy-gradient surrogates.
 
 Design choice (prime-rl's trainer/rl/loss.py): `policy_loss(inputs, cfg) -> LossOutputs` holds no
-trainer state, and every variant is picked from a registry by name (`ADVANTAGES`,
+trainer state, and every variant is picked from a registry by name (`ADVANTAGES`, `SURROGATES`,
 `KL_ESTIMATORS`, `LOSS_AGGREGATIONS`) instead of an if-ladder in the trainer. The loss is
 
-    ratio_t = exp(logprobs_t - old_logprobs_t)
-    pg_t    = -min(ratio_t * A, clip(ratio_t, 1 - clip_eps, 1 + clip_eps_high) * A)
     w_t     = min(exp(old_logprobs_t - behaviour_logprobs_t), tis_cap)          (detached)
-    loss_t  = w_t * pg_t + kl_coef * KL_t(policy || ref) - entropy_coef * H_t
+    loss_t  = pg_t(w) + kl_coef * KL_t(policy || ref) - entropy_coef * H_t
+
+with the surrogate pg_t of `cfg.surrogate` (r_t = exp(logprobs_t - old_logprobs_t), clip(x) =
+clamp(x, 1 - clip_eps, 1 + clip_eps_high), sg = stop-gradient):
+
+    clip   (PPO/GRPO)  pg_t = -w_t * min(r_t * A, clip(r_t) * A)
+    gspo   (GSPO)      s_i = exp(mean_t log r_t) over sequence i's tokens, w_i the geometric mean of its w_t,
+                       pg_t = -w_i * min(s_i * A_i, clip(s_i) * A_i) on every token of sequence i
+    cispo  (CISPO)     pg_t = -w_t * sg(clip(r_t)) * A * logprobs_t
 
 aggregated over real completion tokens by `loss_agg`. Normalisers take the WHOLE step batch's
 token and sequence counts when `LossInputs.num_tokens` / `num_sequences` are given, so summing
@@ -42,6 +48,7 @@ class LossConfig:
     max_new_tokens: int
     advantage: str
     skip_zero_variance_groups: bool
+    surrogate: str = "clip"
 
 
 @dataclass(frozen=True)
@@ -50,6 +57,8 @@ class _Preset:
     loss_agg: str
     clip_eps_high: float | None  # None: same as clip_eps
     skip_zero_variance_groups: bool
+    surrogate: str = "clip"
+    clip_eps: float = 0.2
 
 
 PRESETS: dict[str, _Preset] = {
@@ -57,6 +66,10 @@ PRESETS: dict[str, _Preset] = {
     "dr_grpo": _Preset("dr_grpo", "seq_mean_token_sum_norm", None, False),
     "dapo": _Preset("grpo", "token_mean", 0.28, True),
     "ppo": _Preset("rloo", "token_mean", None, False),
+    # GSPO paper (arXiv 2507.18071): sequence ratios stay near 1, so the clip range is 3e-4 / 4e-4
+    "gspo": _Preset("grpo", "seq_mean_token_mean", 4e-4, False, surrogate="gspo", clip_eps=3e-4),
+    # MiniMax-M1 (arXiv 2506.13585) clips only the upper side of the detached weight
+    "cispo": _Preset("grpo", "token_mean", 4.0, False, surrogate="cispo", clip_eps=1.0),
 }
 """Defaults per algorithm name for the fields a JobSpec leaves as None."""
 
@@ -65,10 +78,12 @@ def loss_config_for(spec: JobSpec) -> LossConfig:
     """The LossConfig of a job: explicit fields win, None fields take the algorithm's preset."""
     algo = spec.algorithm
     preset = PRESETS[algo.name]
+    low = algo.clip_eps if algo.clip_eps is not None else preset.clip_eps
     high = algo.clip_eps_high if algo.clip_eps_high is not None else preset.clip_eps_high
     return LossConfig(
-        clip_eps=algo.clip_eps,
-        clip_eps_high=high if high is not None else algo.clip_eps,
+        surrogate=preset.surrogate,
+        clip_eps=low,
+        clip_eps_high=high if high is not None else low,
         loss_agg=algo.loss_agg or preset.loss_agg,
         kl_coef=algo.kl_coef,
         kl_estimator=algo.kl_estimator,
@@ -196,19 +211,78 @@ LOSS_AGGREGATIONS: dict[str, Callable[[Tensor, LossInputs, LossConfig], Tensor]]
 """Per-token loss (B, T) -> scalar, by AlgorithmConfig.loss_agg name."""
 
 
+# --------------------------------------------------------------------------- surrogates
+
+
+@dataclass
+class Surrogate:
+    """A policy-gradient surrogate's per-token loss and what its clip did, for the metrics."""
+
+    pg_BT: Tensor  # (B, T) loss with the truncated IS weights applied, before aggregation
+    ratio_BT: Tensor  # (B, T) the ratio the surrogate clips (a sequence's ratio on each of its tokens), detached
+    clip_low_BT: Tensor  # (B, T) bool: the lower clip bound changed this token's gradient
+    clip_high_BT: Tensor  # (B, T) bool: the upper clip bound did
+
+
+def _clip_surrogate(inputs: LossInputs, adv: Tensor, tis_w: Tensor, cfg: LossConfig) -> Surrogate:
+    """PPO's clipped surrogate on token ratios: a clipped token's gradient is zero."""
+    ratio = torch.exp(inputs.logprobs - inputs.old_logprobs)  # (B, T)
+    clipped = ratio.clamp(1 - cfg.clip_eps, 1 + cfg.clip_eps_high)
+    pg_BT = -torch.minimum(ratio * adv, clipped * adv)
+    ratio = ratio.detach()
+    return Surrogate(tis_w * pg_BT, ratio, (ratio < 1 - cfg.clip_eps) & (adv < 0),
+                     (ratio > 1 + cfg.clip_eps_high) & (adv > 0))
+
+
+def _gspo_surrogate(inputs: LossInputs, adv: Tensor, tis_w: Tensor, cfg: LossConfig) -> Surrogate:
+    """GSPO: one length-normalised ratio per sequence, clipped per sequence, on each of its tokens.
+
+    Token-level advantages are averaged over the sequence's tokens (GSPO defines A per sequence);
+    the truncated IS weights enter as their geometric mean over the sequence, like the ratio.
+    """
+    mask = inputs.mask
+    lengths_B = mask.sum(-1).clamp(min=1)
+    log_s_B = ((inputs.logprobs - inputs.old_logprobs) * mask).sum(-1) / lengths_B
+    s_B1 = torch.exp(log_s_B)[:, None]  # (B, 1)
+    adv_B1 = adv if adv.shape[-1] == 1 else ((adv * mask).sum(-1) / lengths_B)[:, None]
+    w_B1 = torch.exp((torch.log(tis_w) * mask).sum(-1) / lengths_B)[:, None]
+    clipped = s_B1.clamp(1 - cfg.clip_eps, 1 + cfg.clip_eps_high)
+    pg_B1 = -w_B1 * torch.minimum(s_B1 * adv_B1, clipped * adv_B1)
+    s_BT = s_B1.detach().expand_as(mask)
+    return Surrogate(pg_B1.expand_as(mask), s_BT, ((s_B1 < 1 - cfg.clip_eps) & (adv_B1 < 0)).expand_as(mask),
+                     ((s_B1 > 1 + cfg.clip_eps_high) & (adv_B1 > 0)).expand_as(mask))
+
+
+def _cispo_surrogate(inputs: LossInputs, adv: Tensor, tis_w: Tensor, cfg: LossConfig) -> Surrogate:
+    """CISPO: REINFORCE weighted by the clipped, detached ratio; every token keeps its gradient.
+
+    The loss's value is -w * A * logprob (its gradient is what matters); a clipped token's
+    gradient is scaled by the clip bound instead of zeroed as in PPO.
+    """
+    ratio = torch.exp(inputs.logprobs - inputs.old_logprobs).detach()  # (B, T)
+    weight = ratio.clamp(1 - cfg.clip_eps, 1 + cfg.clip_eps_high)
+    pg_BT = -tis_w * weight * adv * inputs.logprobs
+    return Surrogate(pg_BT, ratio, ratio < 1 - cfg.clip_eps, ratio > 1 + cfg.clip_eps_high)
+
+
+SURROGATES: dict[str, Callable[[LossInputs, Tensor, Tensor, LossConfig], Surrogate]] = {
+    "clip": _clip_surrogate,
+    "gspo": _gspo_surrogate,
+    "cispo": _cispo_surrogate,
+}
+"""Policy-gradient surrogates by LossConfig.surrogate (see the module docstring for the formulas)."""
+
+
 # --------------------------------------------------------------------------- policy loss
 
 
 def policy_loss(inputs: LossInputs, cfg: LossConfig) -> LossOutputs:
-    """Clipped surrogate with truncated importance sampling, KL and entropy terms, aggregated by cfg."""
+    """The surrogate of cfg with truncated importance sampling, KL and entropy terms, aggregated by cfg."""
     inputs = replace(inputs, mask=inputs.mask.to(inputs.logprobs.dtype))
     adv = inputs.advantages if inputs.advantages.dim() == 2 else inputs.advantages[:, None]  # (B, T) | (B, 1)
-    ratio = torch.exp(inputs.logprobs - inputs.old_logprobs)  # (B, T)
-    clipped = ratio.clamp(1 - cfg.clip_eps, 1 + cfg.clip_eps_high)
-    pg_BT = -torch.minimum(ratio * adv, clipped * adv)
     tis_raw = torch.exp(inputs.old_logprobs - inputs.behaviour_logprobs).detach()
-    tis_w = tis_raw.clamp(max=cfg.tis_cap)
-    loss_BT = tis_w * pg_BT
+    surrogate = SURROGATES[cfg.surrogate](inputs, adv, tis_raw.clamp(max=cfg.tis_cap), cfg)
+    loss_BT = surrogate.pg_BT
     kl_BT = None
     if inputs.ref_logprobs is not None:
         kl_BT = kl_penalty(inputs.logprobs, inputs.ref_logprobs, cfg.kl_estimator)
@@ -217,9 +291,9 @@ def policy_loss(inputs: LossInputs, cfg: LossConfig) -> LossOutputs:
         loss_BT = loss_BT - cfg.entropy_coef * inputs.entropy
     aggregate = LOSS_AGGREGATIONS[cfg.loss_agg]
     loss = aggregate(loss_BT, inputs, cfg)
-    metrics = _metrics(inputs, ratio, adv, cfg, tis_raw, pg_BT, kl_BT)
+    metrics = _metrics(inputs, surrogate, cfg, tis_raw, kl_BT)
     metrics["loss"] = float(loss.detach())
-    metrics["pg_loss"] = float(aggregate((tis_w * pg_BT).detach(), inputs, cfg))
+    metrics["pg_loss"] = float(aggregate(surrogate.pg_BT.detach(), inputs, cfg))
     return LossOutputs(loss=loss, metrics=metrics)
 
 
@@ -229,28 +303,23 @@ def _masked_mean(values_BT: Tensor, mask: Tensor) -> float:
 
 def _metrics(
     inputs: LossInputs,
-    ratio: Tensor,
-    adv: Tensor,
+    surrogate: Surrogate,
     cfg: LossConfig,
     tis_raw: Tensor,
-    pg_BT: Tensor,
     kl_BT: Tensor | None,
 ) -> dict[str, float]:
     """Token means over this micro-batch's real tokens, plus its token count for weighting."""
     mask = inputs.mask
-    ratio = ratio.detach()
-    clip_low = (ratio < 1 - cfg.clip_eps) & (adv < 0)
-    clip_high = (ratio > 1 + cfg.clip_eps_high) & (adv > 0)
-    out = {
+    clip_low, clip_high = surrogate.clip_low_BT, surrogate.clip_high_BT
+    return {
         "tokens": float(mask.sum()),
-        "ratio_mean": _masked_mean(ratio, mask),
+        "ratio_mean": _masked_mean(surrogate.ratio_BT, mask),
         "clip_low_frac": _masked_mean(clip_low, mask),
         "clip_high_frac": _masked_mean(clip_high, mask),
         "clip_frac": _masked_mean(clip_low | clip_high, mask),
         "tis_frac": _masked_mean(tis_raw > cfg.tis_cap, mask),
         "tis_weight_mean": _masked_mean(tis_raw.clamp(max=cfg.tis_cap), mask),
-        "pg_token_mean": _masked_mean(pg_BT, mask),
+        "pg_token_mean": _masked_mean(surrogate.pg_BT, mask),
         "kl": _masked_mean(kl_BT, mask) if kl_BT is not None else 0.0,
         "entropy": _masked_mean(inputs.entropy, mask) if inputs.entropy is not None else 0.0,
     }
-    return out

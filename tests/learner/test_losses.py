@@ -72,6 +72,12 @@ def test_presets_fill_only_unset_fields() -> None:
     assert (dr.loss_agg, dr.advantage, dr.max_new_tokens) == ("seq_mean_token_sum_norm", "dr_grpo", 128)
     ppo = loss_config_for(spec(name="ppo", loss_agg="seq_mean_token_mean", clip_eps_high=0.5))
     assert (ppo.advantage, ppo.loss_agg, ppo.clip_eps_high) == ("rloo", "seq_mean_token_mean", 0.5)
+    assert (grpo.surrogate, dapo.surrogate, ppo.surrogate, ppo.clip_eps) == ("clip", "clip", "clip", 0.2)
+    gspo = loss_config_for(spec(name="gspo"))
+    assert (gspo.surrogate, gspo.clip_eps, gspo.clip_eps_high, gspo.loss_agg, gspo.advantage) == (
+        "gspo", 3e-4, 4e-4, "seq_mean_token_mean", "grpo")
+    cispo = loss_config_for(spec(name="cispo", clip_eps=0.5))
+    assert (cispo.surrogate, cispo.clip_eps, cispo.clip_eps_high, cispo.loss_agg) == ("cispo", 0.5, 4.0, "token_mean")
 
 
 # --------------------------------------------------------------------------- aggregations
@@ -229,9 +235,13 @@ def test_on_policy_grpo_gradient_is_reinforce_with_baseline() -> None:
     torch.testing.assert_close(ours, grads(model), atol=1e-7, rtol=1e-5)
 
 
-@pytest.mark.parametrize("loss_agg", ["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"])
-def test_micro_batch_accumulation_equals_full_batch(loss_agg: str) -> None:
-    model, groups, cfg = tiny_model(), random_groups(2, behaviour_noise=0.3), config(loss_agg=loss_agg)
+@pytest.mark.parametrize(("loss_agg", "surrogate"), [
+    ("token_mean", "clip"), ("seq_mean_token_mean", "clip"), ("seq_mean_token_sum_norm", "clip"),
+    ("seq_mean_token_mean", "gspo"), ("token_mean", "cispo"),
+])
+def test_micro_batch_accumulation_equals_full_batch(loss_agg: str, surrogate: str) -> None:
+    model, groups = tiny_model(), random_groups(2, behaviour_noise=0.3)
+    cfg = config(loss_agg=loss_agg, surrogate=surrogate)
     batch = build_batch(groups, group_advantages(groups, cfg), pad_id=0)
     per_micro = []
     for micro_size in (batch.num_sequences, 2):
@@ -247,9 +257,10 @@ def test_micro_batch_accumulation_equals_full_batch(loss_agg: str) -> None:
     torch.testing.assert_close(per_micro[1], per_micro[0], atol=1e-7, rtol=1e-5)
 
 
-def test_train_step_same_update_for_any_micro_batch_size() -> None:
+@pytest.mark.parametrize("name", ["dapo", "gspo", "cispo"])
+def test_train_step_same_update_for_any_micro_batch_size(name: str) -> None:
     groups = random_groups(3, behaviour_noise=0.3)
-    spec_data = dict(prompts="p.jsonl", reward={"builtin": "numeric_match"}, algorithm={"name": "dapo"},
+    spec_data = dict(prompts="p.jsonl", reward={"builtin": "numeric_match"}, algorithm={"name": name},
                      rollout={"max_new_tokens": 5})
     params, metrics = [], []
     for micro_size in (9, 2):
@@ -261,8 +272,9 @@ def test_train_step_same_update_for_any_micro_batch_size() -> None:
         params.append(torch.cat([p.detach().reshape(-1) for p in model.parameters()]))
     torch.testing.assert_close(params[1], params[0], atol=1e-6, rtol=1e-5)
     assert metrics[0]["loss"] == pytest.approx(metrics[1]["loss"], abs=1e-6)
-    kept = [g for g in groups if has_signal(g)]  # dapo skips constant-reward groups
-    assert 0 < len(kept) < len(groups) and metrics[0]["groups_skipped"] == len(groups) - len(kept)
+    kept = [g for g in groups if has_signal(g)] if name == "dapo" else groups  # dapo skips constant-reward groups
+    assert len(kept) > 0 and metrics[0]["groups_skipped"] == len(groups) - len(kept)
+    assert name != "dapo" or len(kept) < len(groups)
     tokens = sum(len(s.completion_token_ids) for g in kept for s in g.samples)
     assert metrics[0]["tokens"] == metrics[1]["tokens"] == tokens
     assert params[0].sub(torch.cat([p.detach().reshape(-1) for p in tiny_model().parameters()])).abs().max() > 1e-4
@@ -355,3 +367,70 @@ def test_scheduler_warmup_and_decay(schedule: str, warmup: int, expected: list[f
         scheduler.step()
     assert seen == pytest.approx([0.5 * f for f in expected])
     assert lr_factor(100, optim_cfg, 6) == pytest.approx(expected[-1])
+
+
+# --------------------------------------------------------------------------- GSPO and CISPO
+
+
+def sequence_inputs(token_ratios: list[list[float]], advantages: list[float], mask: list[list[float]]) -> LossInputs:
+    old = torch.full((len(token_ratios), len(token_ratios[0])), -1.0)
+    lp = (old + torch.tensor(token_ratios).log()).requires_grad_(True)
+    return LossInputs(lp, old, old.clone(), torch.tensor(advantages), torch.tensor(mask))
+
+
+def test_gspo_uses_the_geometric_mean_ratio_of_each_sequence() -> None:
+    # row 0: token ratios 1.21 and 1 -> s = sqrt(1.21) = 1.1; row 1: one real token, ratio 0.5 (the pad's 4 is masked)
+    inputs = sequence_inputs([[1.21, 1.0], [0.5, 4.0]], [1.0, -1.0], [[1.0, 1.0], [1.0, 0.0]])
+    out = policy_loss(inputs, config(surrogate="gspo", clip_eps=0.2, clip_eps_high=0.2, loss_agg="seq_mean_token_mean"))
+    out.loss.backward()
+    # row 0: -min(1.1, 1.1) = -1.1, unclipped; row 1: -min(-0.5, -0.8) = 0.8, clipped low; mean over 2 rows
+    assert out.loss.item() == pytest.approx((-1.1 + 0.8) / 2, abs=1e-6)
+    # d(-s A)/d logp_t = -s A / |y| for each token of row 0, halved by the mean over rows; row 1 is clipped: 0
+    torch.testing.assert_close(inputs.logprobs.grad, torch.tensor([[-0.275, -0.275], [0.0, 0.0]]), atol=1e-6, rtol=0)
+    assert (out.metrics["clip_low_frac"], out.metrics["clip_high_frac"]) == (pytest.approx(1 / 3), 0.0)
+    assert out.metrics["ratio_mean"] == pytest.approx((1.1 + 1.1 + 0.5) / 3)
+
+
+def test_gspo_clips_the_whole_sequence_not_its_tokens() -> None:
+    # token ratios 1.5 and 1/1.5: each token alone would be clipped at eps 0.2, their geometric mean 1 is not
+    inputs = sequence_inputs([[1.5, 1 / 1.5]], [1.0], [[1.0, 1.0]])
+    out = policy_loss(inputs, config(surrogate="gspo", loss_agg="seq_mean_token_mean"))
+    out.loss.backward()
+    assert out.loss.item() == pytest.approx(-1.0, abs=1e-6)
+    torch.testing.assert_close(inputs.logprobs.grad, torch.tensor([[-0.5, -0.5]]), atol=1e-6, rtol=0)
+    assert out.metrics["clip_frac"] == 0.0
+    token_level = sequence_inputs([[1.5, 1 / 1.5]], [1.0], [[1.0, 1.0]])
+    policy_loss(token_level, config(loss_agg="seq_mean_token_mean")).loss.backward()
+    assert token_level.logprobs.grad[0, 0].item() == 0.0  # PPO's token clip drops the first token's gradient
+
+
+def test_gspo_on_policy_equals_grpo() -> None:
+    grpo, gspo = on_policy(**AGG_2x3), on_policy(**AGG_2x3)  # type: ignore[arg-type]
+    a = policy_loss(grpo, config(loss_agg="seq_mean_token_mean"))
+    b = policy_loss(gspo, config(surrogate="gspo", loss_agg="seq_mean_token_mean"))
+    a.loss.backward()
+    b.loss.backward()
+    assert a.loss.item() == pytest.approx(b.loss.item(), abs=1e-6)
+    torch.testing.assert_close(grpo.logprobs.grad, gspo.logprobs.grad, atol=1e-6, rtol=0)
+
+
+def test_cispo_keeps_the_gradient_of_clipped_tokens() -> None:
+    inputs = clip_inputs(1.0)  # ratios 0.5, 0.9, 1.1, 1.5 at logprob log(r) - 1
+    out = policy_loss(inputs, config(surrogate="cispo", clip_eps=0.2, clip_eps_high=0.28))
+    out.loss.backward()
+    weights = torch.tensor([[0.8, 0.9, 1.1, 1.28]])  # clip(r, 0.8, 1.28), detached
+    # d(-w A logp)/d logp = -w A, over 4 tokens (token_mean); PPO gives the 1.5 token no gradient, CISPO -1.28 / 4
+    torch.testing.assert_close(inputs.logprobs.grad, -weights / 4, atol=1e-6, rtol=0)
+    expected = -(weights * inputs.logprobs.detach()).sum().item() / 4
+    assert out.loss.item() == pytest.approx(expected, abs=1e-6)
+    assert (out.metrics["clip_low_frac"], out.metrics["clip_high_frac"]) == (0.25, 0.25)
+
+
+def test_cispo_applies_the_truncated_importance_weight() -> None:
+    old = torch.tensor([[-1.0, -1.0]])
+    behaviour = old - torch.tensor([[0.5, 3.0]]).log()  # old/behaviour 0.5 and 3 -> capped at 2
+    lp = old.clone().requires_grad_(True)
+    out = policy_loss(LossInputs(lp, old, behaviour, torch.tensor([2.0]), torch.ones(1, 2)),
+                      config(surrogate="cispo", tis_cap=2.0))
+    out.loss.backward()
+    torch.testing.assert_close(lp.grad, torch.tensor([[-0.5 * 2 / 2, -2.0 * 2 / 2]]), atol=1e-6, rtol=0)
