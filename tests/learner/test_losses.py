@@ -450,8 +450,9 @@ def _straightforward(surrogate: str, lp: Tensor, old: Tensor, beh: Tensor, adv: 
             clipped = s.clamp(1 - cfg.clip_eps, 1 + cfg.clip_eps_high)
             per_sequence.append(-w_seq * torch.minimum(s * adv[i], clipped * adv[i]) * len(tokens))
         else:  # cispo: token terms, summed here and divided by the token count below
-            terms = [-w[k] * float(torch.exp(lp[i, t].detach() - old[i, t]).clamp(1 - cfg.clip_eps, 1 + cfg.clip_eps_high))
-                     * adv[i] * lp[i, t] for k, t in enumerate(tokens)]
+            ratios = [float(torch.exp(lp[i, t].detach() - old[i, t])) for t in tokens]
+            weights = [min(max(r, 1 - cfg.clip_eps), 1 + cfg.clip_eps_high) for r in ratios]
+            terms = [-w[k] * weights[k] * adv[i] * lp[i, t] for k, t in enumerate(tokens)]
             per_sequence.append(sum(terms))
     if surrogate == "gspo":  # seq_mean_token_mean: each sequence's mean, then the mean over sequences
         return sum(p / mask[i].sum() for i, p in enumerate(per_sequence)) / lp.shape[0]
