@@ -37,7 +37,7 @@ def model_class(obj: dict[str, Any]) -> type[pydantic.BaseModel]:
     """The typed model of a built-in kind: apps/v1 Deployment -> V1Deployment."""
     version = obj["apiVersion"].rsplit("/", 1)[-1]
     cls = getattr(kubernetes.client, version.capitalize() + obj["kind"], None)
-    assert isinstance(cls, type) and issubclass(cls, pydantic.BaseModel), f"no model for {obj['apiVersion']} {obj['kind']}"
+    assert isinstance(cls, type) and issubclass(cls, pydantic.BaseModel), f"no model of {obj['kind']}"
     return cls
 
 

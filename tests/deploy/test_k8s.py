@@ -136,11 +136,12 @@ def test_containers_run_real_entry_points_with_real_settings(rendered: dict[str,
                 assert name[4:].lower() in torchrun_options(), f"{name} is not a torchrun option"
                 continue
             assert name.startswith(prefix), f"{service}: {name} is not {prefix}*"
-            assert name[len(prefix):].lower().split("__")[0] in cls.model_fields, f"{name} is not a setting of {service}"
+            field = name[len(prefix):].lower().split("__")[0]
+            assert field in cls.model_fields, f"{name} is not a setting of {service}"
             values[name] = variable["value"]
         settings = load_settings(cls, env_prefix=prefix, environ=values)  # the values validate too
         if service in GRPC_SERVICES:
-            assert getattr(settings, "listen").startswith("0.0.0.0:"), f"{service} must listen on every interface"
+            assert settings.listen.startswith("0.0.0.0:"), f"{service} must listen on every interface"
 
 
 def torchrun_options() -> set[str]:
@@ -152,7 +153,7 @@ def torchrun_options() -> set[str]:
 @pytest.mark.parametrize("overlay", OVERLAYS)
 def test_grpc_services_are_probed_through_grpc_health(rendered: dict[str, list[dict[str, Any]]], overlay: str) -> None:
     for service, container in fleetrl_containers(rendered[overlay]):
-        cls, prefix = SETTINGS[service]
+        prefix = SETTINGS[service][1]
         env = {v["name"]: v.get("value") for v in container.get("env", [])}
         if service not in GRPC_SERVICES:
             assert f"{prefix}LISTEN" not in env and not any(k in container for k in ("livenessProbe", "readinessProbe"))
