@@ -11,6 +11,7 @@ KEDA's documented spec (keda.sh/v1alpha1) and the rules KEDA's admission webhook
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 from pathlib import Path
@@ -18,11 +19,16 @@ from typing import Any
 
 import kubernetes.client
 import pydantic
+import pytest
 import yaml
 
 ROOT = Path(__file__).resolve().parents[2]
 K8S = ROOT / "deploy" / "k8s"
 KUBECTL = shutil.which("kubectl")
+NEEDS_KUBECTL = pytest.mark.skipif(KUBECTL is None and os.environ.get("CI") != "true",
+                                   reason="kubectl (kustomize) not installed; CI requires it")
+JOB = "j-0123456789ab"
+"""A job id as the gateway makes them, for the job trigger."""
 
 
 def render(directory: Path) -> list[dict[str, Any]]:
@@ -31,6 +37,13 @@ def render(directory: Path) -> list[dict[str, Any]]:
     out = subprocess.run([KUBECTL, "kustomize", str(directory)], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     return [doc for doc in yaml.safe_load_all(out.stdout) if doc]
+
+
+def find(objects: list[dict[str, Any]], kind: str, name: str) -> dict[str, Any]:
+    """The one object of that kind and name."""
+    matches = [o for o in objects if o["kind"] == kind and o["metadata"]["name"] == name]
+    assert len(matches) == 1, f"{kind}/{name}: {len(matches)} objects"
+    return matches[0]
 
 
 def model_class(obj: dict[str, Any]) -> type[pydantic.BaseModel]:
