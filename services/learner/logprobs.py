@@ -4,10 +4,10 @@ The plain form, `naive_token_logprobs` (kept as the definition the tests and `be
 compare against), builds log_softmax(logits / temperature), its exp and their product: several
 float32 (B, T, vocab) tensors per micro-batch, most of them kept for backward. `token_logprobs` is
 one autograd function instead. Its forward takes chunks of CHUNK_POSITIONS positions; per chunk,
-z = logits / temperature in float32, lse = logsumexp(z), logprob = z[target] - lse and, when asked,
-entropy = -sum(p * log p) with log p = z - lse. It keeps only the logits (the model's output, alive anyway)
-and the per-position lse and entropy. Its backward recomputes softmax chunk by chunk and writes
-the logits' gradient into one buffer:
+log p = log_softmax(logits / temperature) in float32, logprob = log p[target] and, when asked,
+entropy = -sum(p * log p). It keeps only the logits (the model's output, alive anyway) and the
+per-position entropy. Its backward recomputes the softmax chunk by chunk and writes the logits'
+gradient into one buffer:
 
     d logprob / d z = onehot(target) - p
     d entropy / d z = -p * (log p + entropy)
@@ -57,6 +57,12 @@ def _chunks(n: int) -> range:
     return range(0, n, CHUNK_POSITIONS)
 
 
+def _scaled(logits: Tensor, temperature: float) -> Tensor:
+    """logits / temperature in float32 (a view of float32 logits when temperature is 1)."""
+    z = logits.float()
+    return z if temperature == 1.0 else z / temperature
+
+
 class _TokenLogprobs(torch.autograd.Function):
     """logits (N, V), targets (N,) -> (log-probs (N,), entropy (N,), empty when not asked)."""
 
@@ -65,17 +71,14 @@ class _TokenLogprobs(torch.autograd.Function):
                 entropy_grad: bool) -> tuple[Tensor, Tensor]:
         n = logits.shape[0]
         logprobs = torch.empty(n, dtype=torch.float32, device=logits.device)
-        lse = torch.empty_like(logprobs)
         ent = torch.empty(n if entropy else 0, dtype=torch.float32, device=logits.device)
         for s in _chunks(n):
-            z = logits[s : s + CHUNK_POSITIONS].float() / temperature  # (C, V), a new buffer
-            lse_c = torch.logsumexp(z, dim=-1)
-            lse[s : s + CHUNK_POSITIONS] = lse_c
-            logprobs[s : s + CHUNK_POSITIONS] = z.gather(-1, targets[s : s + CHUNK_POSITIONS, None]).squeeze(-1) - lse_c
+            rows = slice(s, s + CHUNK_POSITIONS)
+            logp = torch.log_softmax(_scaled(logits[rows], temperature), dim=-1)  # (C, V)
+            logprobs[rows] = logp.gather(-1, targets[rows, None]).squeeze(-1)
             if entropy:  # -sum p log p, not lse - sum p z: that difference of two large numbers cancels
-                logp = z.sub_(lse_c[:, None])
-                ent[s : s + CHUNK_POSITIONS] = -torch.linalg.vecdot(logp.exp(), logp)
-        ctx.save_for_backward(logits, targets, lse, ent)
+                ent[rows] = -torch.linalg.vecdot(logp.exp(), logp)
+        ctx.save_for_backward(logits, targets, ent)
         ctx.temperature = temperature
         ctx.set_materialize_grads(False)
         if not entropy_grad:
@@ -85,20 +88,23 @@ class _TokenLogprobs(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad_logprobs: Tensor | None,
                  grad_entropy: Tensor | None) -> tuple[Tensor | None, None, None, None, None]:
-        logits, targets, lse, ent = ctx.saved_tensors
+        logits, targets, ent = ctx.saved_tensors
         if grad_logprobs is None and grad_entropy is None:
             return None, None, None, None, None
         grad = torch.empty_like(logits)
+        scale = 1.0 / ctx.temperature  # d z / d logits
         for s in _chunks(logits.shape[0]):
             rows = slice(s, s + CHUNK_POSITIONS)
-            logp = logits[rows].float() / ctx.temperature - lse[rows, None]  # (C, V) log p
-            p = logp.exp()
-            if grad_logprobs is not None:
-                g_lp = grad_logprobs[rows, None]
-                g = (p * -g_lp).scatter_add_(-1, targets[rows, None], g_lp)
+            z = _scaled(logits[rows], ctx.temperature)
+            if grad_entropy is None:
+                g_lp = grad_logprobs[rows, None] * scale
+                g = torch.softmax(z, dim=-1).mul_(-g_lp).scatter_add_(-1, targets[rows, None], g_lp)
             else:
-                g = torch.zeros_like(p)
-            if grad_entropy is not None:
-                g.sub_(logp.add_(ent[rows, None]).mul_(p).mul_(grad_entropy[rows, None]))
-            grad[rows] = g.div_(ctx.temperature)
+                logp = torch.log_softmax(z, dim=-1)
+                p = logp.exp()
+                g = logp.add_(ent[rows, None]).mul_(p).mul_(-scale * grad_entropy[rows, None])
+                if grad_logprobs is not None:
+                    g_lp = grad_logprobs[rows, None] * scale
+                    g.sub_(p.mul_(g_lp)).scatter_add_(-1, targets[rows, None], g_lp)
+            grad[rows] = g
         return grad, None, None, None, None
