@@ -97,6 +97,7 @@ class _TokenLogprobs(torch.autograd.Function):
             rows = slice(s, s + CHUNK_POSITIONS)
             z = _scaled(logits[rows], ctx.temperature)
             if grad_entropy is None:
+                assert grad_logprobs is not None  # both None returned above
                 g_lp = grad_logprobs[rows, None] * scale
                 g = torch.softmax(z, dim=-1).mul_(-g_lp).scatter_add_(-1, targets[rows, None], g_lp)
             else:
