@@ -42,7 +42,8 @@ class ActorSettings(InfraSettings):
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     """Compute dtype of generation; published weights are cast to it when loaded."""
     torch_threads: int = Field(0, ge=0, le=1024)
-    """torch intra-op threads (0: torch's default)."""
+    """torch intra-op threads, set with torch.set_num_threads at start (0: torch's default, one per
+    core). The local launcher sets it from its thread budget (services/fleet/cores.py)."""
     poll_interval_s: float = Field(1.0, gt=0, le=60)
     """How often the list of running jobs is re-read."""
     fetch_timeout_s: float = Field(1.0, gt=0, le=60)

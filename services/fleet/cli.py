@@ -9,6 +9,7 @@ import sys
 import threading
 from pathlib import Path
 
+from services.fleet import cores
 from services.fleet.fleet import Fleet, FleetLayout, FleetOptions, request_scale
 
 
@@ -19,14 +20,32 @@ def _up_parser(prog: str) -> argparse.ArgumentParser:
     parser.add_argument("--nats-url", help="use this NATS instead of an embedded one")
     parser.add_argument("--redis-url", help="use this Redis instead of an embedded Valkey")
     parser.add_argument("--tracing", action="store_true", help="write traces to RUN_DIR/traces (or OTLP)")
+    add_thread_flags(parser)
     return parser
+
+
+def add_thread_flags(parser: argparse.ArgumentParser) -> None:
+    """The thread budget's overrides (see services.fleet.cores)."""
+    parser.add_argument("--cores", type=_positive, help="cores the compute threads divide (default: this machine's)")
+    parser.add_argument("--learner-threads", type=_positive, help="the learner's compute threads (default: the rest)")
+    share = round(cores.ACTOR_SHARE * 100)
+    parser.add_argument("--actor-threads", type=_positive,
+                        help=f"each actor's compute threads (default: {share}%% of the cores, shared)")
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
 
 
 def options_from(args: argparse.Namespace) -> FleetOptions:
     if args.actors < 0:
         raise SystemExit("--actors must be >= 0")
     return FleetOptions(run_dir=args.dir, actors=args.actors, nats_url=args.nats_url, redis_url=args.redis_url,
-                        tracing=args.tracing)
+                        tracing=args.tracing, cores=args.cores, learner_threads=args.learner_threads,
+                        actor_threads=args.actor_threads)
 
 
 def print_layout(layout: FleetLayout, actors: int) -> None:
@@ -39,6 +58,8 @@ def print_layout(layout: FleetLayout, actors: int) -> None:
         if name.startswith("actor-") and port:
             print(f"{name:<8} metrics http://127.0.0.1:{port}/metrics")
     print(f"actors   {actors}   logs in {layout.log_dir}")
+    if layout.threads:
+        print("threads  " + ", ".join(f"{name} {n}" for name, n in layout.threads.items()) + " (each actor)")
 
 
 def up(argv: list[str]) -> int:

@@ -28,6 +28,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from services.common.config import parse_job_spec
 from services.common.errors import ConfigError, FieldViolation, FleetError, InvalidArgument, NotFound
+from services.fleet.cli import add_thread_flags
 from services.fleet.fleet import Fleet, FleetLayout, FleetOptions
 from services.gateway.client import Client, Run, load_job_file
 from services.gateway.models import JobInfo, StepInfo
@@ -64,6 +65,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--eval-file", type=Path, default=DEFAULT_EVAL, help="held-out prompts JSONL with answers")
     p.add_argument("--gateway", help="use the fleet behind this gateway address instead of a local one")
     p.add_argument("--token", help="bearer token for --gateway (env FLEETRL_TOKEN)")
+    add_thread_flags(p)
     return p
 
 
@@ -158,7 +160,9 @@ def fleet_address(args: argparse.Namespace, run_dir: Path, out: Console) -> Iter
         return
     if args.actors < 1:
         raise ConfigError("bad option", [FieldViolation("--actors", "must be >= 1")])
-    with started_fleet(FleetOptions(run_dir=run_dir, actors=args.actors), out) as layout:
+    options = FleetOptions(run_dir=run_dir, actors=args.actors, cores=args.cores,
+                           learner_threads=args.learner_threads, actor_threads=args.actor_threads)
+    with started_fleet(options, out) as layout:
         yield layout.addresses["gateway"]
 
 
@@ -173,6 +177,7 @@ def started_fleet(options: FleetOptions, out: Console) -> Iterator[FleetLayout]:
         layout = fleet.start()
         supervising.start()
         out.print(f"fleet up: gateway {layout.addresses['gateway']}, logs in {layout.log_dir}")
+        out.print("compute threads: " + ", ".join(f"{name} {n}" for name, n in layout.threads.items()))
         yield layout
     finally:
         stop.set()

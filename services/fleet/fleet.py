@@ -4,7 +4,8 @@ The fleet's layout goes to `<run_dir>/fleet.json` (addresses, metrics ports, one
 service and per actor, log directory); `fleetrl scale` writes the wanted actor count to
 `<run_dir>/fleet.scale` and sends SIGHUP to the supervising process, which
 adds actors or stops the newest ones with SIGTERM (they finish or release
-their task first).
+their task first). Each child gets a compute-thread budget from the machine's cores
+(`services.fleet.cores`): torch, OpenMP and BLAS threads alike.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from pathlib import Path
 from services.actor.config import ActorSettings
 from services.common import embedded
 from services.common.errors import Unavailable
+from services.fleet import cores
 from services.fleet.supervisor import ChildSpec, Supervisor
 
 log = logging.getLogger(__name__)
@@ -46,6 +48,13 @@ class FleetOptions:
     tracing: bool = False
     metrics: bool = True
     extra_env: dict[str, str] = field(default_factory=dict)
+    """Environment added to every child last (it overrides the thread budget's variables too)."""
+    cores: int | None = None
+    """Cores the thread budget divides (None: the CPUs this process may run on)."""
+    learner_threads: int | None = None
+    """The learner's compute threads (None: the budget's rule, see `cores`)."""
+    actor_threads: int | None = None
+    """Each actor's compute threads (None: the budget's rule)."""
 
 
 @dataclass
@@ -58,6 +67,8 @@ class FleetLayout:
     metrics_ports: dict[str, int]
     log_dir: Path
     pid: int
+    threads: dict[str, int] = field(default_factory=dict)
+    """Compute threads per service at start ("actor": each actor started with the initial count)."""
 
     def to_json(self) -> str:
         data = {**self.__dict__, "log_dir": str(self.log_dir)}
@@ -84,19 +95,35 @@ class Fleet:
         self.layout: FleetLayout | None = None
         self._actor_ids = 0
         self._rescale = threading.Event()
+        self.cores = options.cores or cores.machine_cores()
+        self.threads = cores.budget(self.cores, options.actors, options.learner_threads, options.actor_threads)
 
     def start(self) -> FleetLayout:
         nats_url, redis_url = self._start_infra()
         host = self.options.host
         addresses = {name: f"{host}:{embedded.free_port(host)}" for name in SERVICES}
         metrics = {name: embedded.free_port(host) if self.options.metrics else 0 for name in SERVICES}
-        self.layout = FleetLayout(nats_url, redis_url, addresses, metrics, self.supervisor.log_dir, os.getpid())
+        self.layout = FleetLayout(nats_url, redis_url, addresses, metrics, self.supervisor.log_dir, os.getpid(),
+                                  dict(self.threads))
+        self._log_threads()
         for name in SERVICES:
-            self.supervisor.add(ChildSpec(name, _module_argv(name), self._env(name)))
+            self.supervisor.add(ChildSpec(name, _module_argv(name), self._env(name, threads=self.threads[name])))
         self._wait_listening()
         self.set_actors(self.options.actors)
         (self.run_dir / STATE_FILE).write_text(self.layout.to_json())
         return self.layout
+
+    def _log_threads(self) -> None:
+        summary = ", ".join(f"{name} {n}" for name, n in self.threads.items())
+        log.info("compute threads on %d cores: %s (each actor)", self.cores, summary)
+        if cores.oversubscribed(self.threads, self.cores, self.options.actors):
+            log.warning("the learner and %d actor(s) run more compute threads than the %d cores",
+                        self.options.actors, self.cores)
+
+    def _actor_threads(self, count: int) -> int:
+        """Threads of an actor started when the fleet runs `count` actors: the running learner keeps its own."""
+        share = cores.budget(self.cores, count, self.threads["learner"], self.options.actor_threads)
+        return share["actor"]
 
     def _wait_listening(self) -> None:
         """Every service accepts connections; the gateway checks each submission with the reward service."""
@@ -119,7 +146,7 @@ class Fleet:
             self.infra.valkey.start()
         return self.options.nats_url or self.infra.nats.url, self.options.redis_url or self.infra.valkey.url
 
-    def _env(self, service: str, actor_index: int = 0) -> dict[str, str]:
+    def _env(self, service: str, actor_index: int = 0, threads: int = 1) -> dict[str, str]:
         assert self.layout is not None
         prefix = f"FLEETRL_{service.upper()}_"
         addresses = self.layout.addresses
@@ -140,7 +167,7 @@ class Fleet:
         out = {prefix + key: value for key, value in env.items()}
         out["FLEETRL_TRACING"] = "1" if self.options.tracing else "0"
         out["TOKENIZERS_PARALLELISM"] = "false"
-        return {**out, **self.options.extra_env}
+        return {**out, **cores.thread_env(service, threads), **self.options.extra_env}
 
     def actor_names(self) -> list[str]:
         return sorted((n for n in self.supervisor.children if n.startswith("actor-")), key=lambda n: int(n[6:]))
@@ -154,12 +181,14 @@ class Fleet:
             self.supervisor.remove(surplus, self._actor_grace_s() + ACTOR_STOP_MARGIN_S)
         for name in surplus:
             self.layout.metrics_ports.pop(name, None)
+        threads = self._actor_threads(count)
         for _ in range(count - len(names)):
             self._actor_ids += 1
             name = f"actor-{self._actor_ids}"
             if self.options.metrics:
                 self.layout.metrics_ports[name] = embedded.free_port(self.options.host)
-            self.supervisor.add(ChildSpec(name, _module_argv("actor"), self._env("actor", self._actor_ids)))
+            env = self._env("actor", self._actor_ids, threads)
+            self.supervisor.add(ChildSpec(name, _module_argv("actor"), env))
         (self.run_dir / STATE_FILE).write_text(self.layout.to_json())
         log.info("actors: %s", ", ".join(self.actor_names()) or "none")
 

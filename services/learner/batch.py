@@ -5,8 +5,9 @@ true position 0..len-1 and causal attention never sees padding. Only the positio
 predict a completion token are kept: with `start = min(prompt_len) - 1` over the batch, column t
 of every (B, T) tensor is the prediction made at position `start + t` of the token
 `input_ids[:, start + t + 1]`, where T = L - 1 - start. `completion_mask` marks the columns whose
-target is a real completion token. The model is asked for just those logits (`logits_to_keep`),
-which keeps the (B, T, vocab) tensor as small as the completions.
+target is a real completion token. The model is asked for just those T logits (`logits_to_keep`
+as positions), which keeps the (B, T, vocab) tensor as small as the completions, and
+`logprobs.token_logprobs` reduces it to log-probs without full-vocabulary copies.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from services.learner.logprobs import token_logprobs
 from services.learner.losses import LossConfig, compute_group_advantages
 from services.proto.fleetrl.v1 import common_pb2
 
@@ -122,18 +124,21 @@ def micro_batches(batch: TrainBatch, micro_batch_samples: int) -> list[TrainBatc
     return [select_rows(batch, slice(i, min(i + step, size))) for i in range(0, size, step)]
 
 
-def completion_logprobs(model: torch.nn.Module, batch: TrainBatch, temperature: float = 1.0) -> tuple[Tensor, Tensor]:
-    """(log-probs (B, T), entropy (B, T)) of the batch's target tokens under softmax(logits / temperature).
+def completion_logprobs(
+    model: torch.nn.Module, batch: TrainBatch, temperature: float = 1.0, *, entropy: bool = False,
+    entropy_grad: bool = False,
+) -> tuple[Tensor, Tensor | None]:
+    """(log-probs (B, T), entropy (B, T) or None) of the batch's target tokens under softmax(logits / temperature).
 
     The actor samples at `temperature`, so these are the log-probs of the same distribution as its
     behaviour log-probs. Columns outside completion_mask hold values of prompt or padding tokens;
-    callers mask them.
+    callers mask them. The model computes logits only at the T predicting positions, and
+    `logprobs.token_logprobs` reduces them in chunks; the entropy is computed when `entropy` is
+    set and is differentiable only with `entropy_grad`.
     """
-    keep = batch.input_ids.shape[1] - batch.start
-    out = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, logits_to_keep=keep, use_cache=False)
-    logits = out.logits[:, :-1].float() / temperature  # (B, T, V)
-    logp_all = torch.log_softmax(logits, dim=-1)
+    width = batch.input_ids.shape[1]
+    positions = torch.arange(batch.start, width - 1, device=batch.input_ids.device)  # (T,)
+    out = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, logits_to_keep=positions,
+                use_cache=False)
     targets = batch.input_ids[:, batch.start + 1 :]  # (B, T)
-    logprobs = logp_all.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
-    entropy = -(logp_all.exp() * logp_all).sum(-1)
-    return logprobs, entropy
+    return token_logprobs(out.logits, targets, temperature, entropy=entropy, entropy_grad=entropy_grad)

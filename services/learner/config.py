@@ -39,7 +39,8 @@ class LearnerSettings(InfraSettings):
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """Where the model trains; auto: cuda when available, else cpu."""
     torch_threads: int = Field(0, ge=0, le=1024)
-    """torch intra-op threads (0: torch's default)."""
+    """torch intra-op threads, set with torch.set_num_threads at start (0: torch's default, one per
+    core). The local launcher sets it from its thread budget (services/fleet/cores.py)."""
     sample_wait_s: float = Field(2.0, gt=0, le=60)
     """Longest one replay Sample call waits for groups (the step deadline is the job's
     train.timeout_per_step_s)."""

@@ -9,7 +9,9 @@ and ending in ONE grad-norm clip and ONE optimizer.step(); the scheduler steps o
 `old_logprobs` are the learner's log-probs from the first pass (taken before any update of this
 step), so the first pass is exactly on the learner's policy and later passes are clipped against
 it. Losses are normalised by the whole batch's token/sequence counts, so the accumulated gradient
-of a pass equals the gradient of the full batch in one piece.
+of a pass equals the gradient of the full batch in one piece. The entropy is computed only where
+it is used: on the first pass (the step's metrics are the first pass's) and, when `entropy_coef`
+> 0, on every pass with its gradient; the frozen reference gives log-probs only.
 """
 
 from __future__ import annotations
@@ -139,10 +141,12 @@ def _one_pass(
 ) -> _Totals:
     """Forward/backward over every micro-batch, accumulating gradients; the first pass fills `cached`."""
     first = not cached.old_logprobs
+    train_entropy = cfg.entropy_coef > 0
     totals = _Totals()
     for index, micro in enumerate(micros):
         with _sync_context(model, last=index == len(micros) - 1):
-            logprobs, entropy = completion_logprobs(model, micro, temperature)
+            logprobs, entropy = completion_logprobs(model, micro, temperature, entropy=first or train_entropy,
+                                                    entropy_grad=train_entropy)
             if first:
                 cached.old_logprobs.append(logprobs.detach())
                 cached.ref_logprobs.append(_ref_logprobs(ref_model, micro, cfg, temperature))
@@ -153,7 +157,7 @@ def _one_pass(
                 advantages=micro.advantages,
                 mask=micro.completion_mask,
                 ref_logprobs=cached.ref_logprobs[index],
-                entropy=entropy if cfg.entropy_coef > 0 else entropy.detach(),
+                entropy=entropy,
                 num_tokens=counts[0],
                 num_sequences=counts[1],
             )

@@ -5,6 +5,7 @@
 - chaos: the same job while actors are SIGKILLed every few seconds and the reward service, the
   replay service and the learner are each SIGKILLed once; replay's and the learner's counters
   account for every group: 0 lost, 0 duplicated;
+- thread budget: every child runs with its share of the cores (OMP/MKL/OpenBLAS threads);
 - live scale: an actor is added mid-job and one removed (`fleetrl scale`); nothing is lost.
 """
 
@@ -21,6 +22,7 @@ from e2e_fleet import FleetUnderTest, wait_for
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from services.common.jobs import now_ms
+from services.fleet import cores
 
 pytestmark = pytest.mark.slow
 
@@ -59,6 +61,17 @@ def test_happy_path_job_succeeds_and_exports(fleet: FleetUnderTest, tmp_path: Pa
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     ids = tokenizer("What is 2 + 5?", return_tensors="pt").input_ids
     assert model(ids).logits.shape[-1] == len(tokenizer)
+
+
+def test_every_child_runs_with_its_thread_budget(fleet: FleetUnderTest) -> None:
+    threads = fleet.fleet.threads
+    for name in ("learner", "gateway", "replay", "reward", *fleet.actors()):
+        environ = Path(f"/proc/{fleet.pid(name)}/environ").read_bytes().split(b"\0")
+        env = dict(item.decode().partition("=")[::2] for item in environ if item)
+        expected = str(threads["actor" if name.startswith("actor-") else name])
+        assert {env[key] for key in cores.THREAD_ENV} == {expected}, (name, threads)
+    actors = len(fleet.actors())
+    assert not cores.oversubscribed(threads, fleet.fleet.cores, actors) or threads["learner"] == threads["actor"] == 1
 
 
 def account(fleet: FleetUnderTest, job_id: str) -> dict[str, int]:

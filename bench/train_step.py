@@ -1,0 +1,225 @@
+"""The learner's optimizer step on a real model for a job's batch: time, model FLOPs against the
+machine's measured matmul throughput, and peak RSS against the training state.
+
+`python -m bench.train_step --json [--job examples/addition/job.toml --model smollm2-135m --steps 1]`
+prints one JSON object. The batch is the job's: `prompts_per_step` groups of `samples_per_prompt`
+samples, prompts from its prompt file through the chat template, every completion
+`max_new_tokens` random tokens long (the longest a step can get), rewards alternating 0/1. Each
+step is `services.learner.optim.train_step` with the job's algorithm, micro-batches and frozen
+reference (when `kl_coef` > 0), as the learner runs it. After one warm-up step (it allocates the
+AdamW state), `steps` timed steps run on the learner's log-prob path, then `steps` on the path it
+replaced (logits at T + 1 positions, full-vocabulary log_softmax, entropy always, also for the
+reference; swapped in for `optim.completion_logprobs`), on the same model.
+
+- model_flops_per_step = 6 * N_body * padded_tokens + 6 * d * V * scored_positions
+  (+ 2 * N_body * padded_tokens + 2 * d * V * scored_positions for the reference's forward),
+  with N_body the parameters without the token embedding, padded_tokens the tokens the
+  micro-batches hold (padding included: it is computed), scored_positions the B * T positions
+  whose logits are taken, d x V the output projection. Attention scores are left out (under 1%
+  at these lengths).
+- matmul_gflops: the best of `--matmul-repeats` float32 2048 x 2048 products, same threads.
+- mfu: model_flops_per_step / step_s / (matmul_gflops * 1e9).
+- state_gb: weights + gradients + AdamW's two moments (+ the reference's weights), float32.
+- peak_rss_gb: the process's peak resident memory during the timed steps of a path (VmHWM,
+  reset through /proc/self/clear_refs before each path; without that, the peak since start).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import json
+import os
+import random
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+from transformers import PreTrainedModel
+
+from services.actor.backends import prompt_tokens
+from services.common import models
+from services.common.config import JobSpec, parse_job_spec
+from services.learner import optim
+from services.learner.batch import TrainBatch, build_batch, group_advantages, micro_batches
+from services.learner.logprobs import naive_token_logprobs
+from services.learner.losses import loss_config_for
+from services.proto.fleetrl.v1 import common_pb2
+
+DEFAULT_JOB = Path(__file__).resolve().parents[1] / "examples" / "addition" / "job.toml"
+MATMUL_N = 2048
+PEAK_RESET = False
+"""Whether the last timed_steps could reset the peak RSS (else peak_rss_gb is the peak since start)."""
+
+
+def naive_completion_logprobs(
+    model: torch.nn.Module, batch: TrainBatch, temperature: float = 1.0, *, entropy: bool = False,
+    entropy_grad: bool = False,
+) -> tuple[Tensor, Tensor | None]:
+    """The learner's log-probs before `logprobs.token_logprobs` (same signature; entropy always)."""
+    keep = batch.input_ids.shape[1] - batch.start
+    out = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, logits_to_keep=keep, use_cache=False)
+    logprobs, ent = naive_token_logprobs(out.logits[:, :-1], batch.input_ids[:, batch.start + 1 :], temperature)
+    return logprobs, ent if entropy_grad else ent.detach()
+
+
+@contextlib.contextmanager
+def naive_path() -> Iterator[None]:
+    saved = optim.completion_logprobs
+    optim.completion_logprobs = naive_completion_logprobs
+    try:
+        yield
+    finally:
+        optim.completion_logprobs = saved
+
+
+def job_groups(spec: JobSpec, prompts: list[str], tokenizer: Any, seed: int) -> list[common_pb2.Group]:
+    rng = random.Random(seed)
+    rollout = spec.rollout
+    groups = []
+    for index in range(rollout.prompts_per_step):
+        prompt = prompt_tokens(tokenizer, prompts[index % len(prompts)], rollout)
+        group = common_pb2.Group(task_id=f"0/{index}")
+        for sample in range(rollout.samples_per_prompt):
+            completion = [rng.randrange(len(tokenizer)) for _ in range(rollout.max_new_tokens)]
+            group.samples.append(common_pb2.Sample(
+                prompt_token_ids=prompt, completion_token_ids=completion,
+                behaviour_logprobs=[-1.0] * len(completion), reward=float(sample % 2)))
+        groups.append(group)
+    return groups
+
+
+def matmul_gflops(repeats: int) -> float:
+    a, b = torch.randn(MATMUL_N, MATMUL_N), torch.randn(MATMUL_N, MATMUL_N)
+    torch.mm(a, b)
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        torch.mm(a, b)
+        best = min(best, time.perf_counter() - start)
+    return 2 * MATMUL_N**3 / best / 1e9
+
+
+def reset_peak_rss() -> bool:
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+    except OSError:
+        return False
+    return True
+
+
+def peak_rss_gb() -> float:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024 / 1e9
+    raise RuntimeError("no VmHWM in /proc/self/status")
+
+
+def step_flops(
+    model: PreTrainedModel, spec: JobSpec, groups: list[common_pb2.Group], reference: bool
+) -> dict[str, float]:
+    """Padded tokens and scored positions of the step's micro-batches, and its model FLOPs (see above)."""
+    cfg = loss_config_for(spec)
+    batch = build_batch(groups, group_advantages(groups, cfg), optim.PAD_ID)
+    micros = micro_batches(batch, spec.train.micro_batch_samples)
+    padded = sum(m.input_ids.numel() for m in micros)
+    scored = sum(m.completion_mask.numel() for m in micros)
+    head = model.config.vocab_size * model.config.hidden_size  # d x V: the embedding, and the output projection
+    n_total = sum(p.numel() for p in model.parameters())  # a tied weight counts once
+    n_body = n_total - head * (1 if model.config.tie_word_embeddings else 2)
+    forward = 2 * n_body * padded + 2 * head * scored
+    flops = 3 * forward * spec.train.epochs_per_step + (forward if reference else 0)
+    return {"params": n_total, "params_body": n_body, "padded_tokens": padded, "scored_positions": scored,
+            "completion_tokens": batch.num_tokens, "model_flops_per_step": flops}
+
+
+def timed_steps(train: Any, steps: int, what: str) -> tuple[list[float], float]:
+    gc.collect()
+    global PEAK_RESET
+    PEAK_RESET = reset_peak_rss()
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        train()
+        times.append(time.perf_counter() - start)
+        print(f"{what} step: {times[-1]:.1f}s", file=sys.stderr, flush=True)
+    return times, peak_rss_gb()
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    spec = parse_job_spec(args.job.read_text())
+    if args.model:
+        spec = spec.model_copy(update={"model": args.model})
+    prompts_file = args.job.parent / spec.prompts
+    prompts = [json.loads(line)["prompt"] for line in prompts_file.read_text().splitlines()[:64] if line.strip()]
+    model, tokenizer = models.load(spec.model)
+    reference = None
+    if spec.algorithm.kl_coef > 0:
+        reference, _ = models.load(spec.model)
+        reference.requires_grad_(False)
+    optimizer = optim.build_optimizer(model, spec.optim)
+    scheduler = optim.build_scheduler(optimizer, spec.optim, spec.train.max_steps)
+    cfg = loss_config_for(spec)
+    groups = job_groups(spec, prompts, tokenizer, seed=0)
+    last: dict[str, float] = {}
+
+    def train() -> None:
+        last.update(optim.train_step(model, optimizer, scheduler, groups, cfg, spec, reference))
+
+    gflops = matmul_gflops(args.matmul_repeats)
+    timed_steps(train, 1, "warm-up")  # AdamW state, allocator
+    new_times, new_rss = timed_steps(train, args.steps, "learner path")
+    new_fb = last["forward_backward_s"]
+    with naive_path():
+        old_times, old_rss = timed_steps(train, args.steps, "naive path")
+    old_fb = last["forward_backward_s"]
+    gflops = max(gflops, matmul_gflops(args.matmul_repeats))
+    figures = step_flops(model, spec, groups, reference is not None)
+    n = figures["params"]
+    state = 4 * n * (4 + (reference is not None))  # weights, grads, 2 AdamW moments (+ reference), float32
+    step_s, old_step_s = min(new_times), min(old_times)
+    return {
+        "model": spec.model, "threads": torch.get_num_threads(), "cpus": os.cpu_count(),
+        "load_avg_1m": round(os.getloadavg()[0], 2), "steps": args.steps,
+        "prompts_per_step": spec.rollout.prompts_per_step, "samples_per_prompt": spec.rollout.samples_per_prompt,
+        "max_new_tokens": spec.rollout.max_new_tokens, "micro_batch_samples": spec.train.micro_batch_samples,
+        "kl_coef": spec.algorithm.kl_coef, "entropy_coef": spec.algorithm.entropy_coef,
+        **figures,
+        "step_s": round(step_s, 3), "step_s_all": [round(t, 3) for t in new_times],
+        "forward_backward_s": round(new_fb, 3),
+        "matmul_gflops": round(gflops, 2),
+        "model_gflops_per_s": round(figures["model_flops_per_step"] / step_s / 1e9, 2),
+        "mfu": round(figures["model_flops_per_step"] / step_s / (gflops * 1e9), 3),
+        "state_gb": round(state / 1e9, 3), "peak_rss_gb": round(new_rss, 3),
+        "peak_rss_over_state": round(new_rss / (state / 1e9), 3),
+        "peak_rss_reset": PEAK_RESET,
+        "naive_step_s": round(old_step_s, 3), "naive_step_s_all": [round(t, 3) for t in old_times],
+        "naive_forward_backward_s": round(old_fb, 3), "naive_peak_rss_gb": round(old_rss, 3),
+        "naive_over_new_step_time": round(old_step_s / step_s, 3),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
+    parser.add_argument("--job", type=Path, default=DEFAULT_JOB, help="job TOML (default examples/addition/job.toml)")
+    parser.add_argument("--model", help="model instead of the job's (e.g. tiny-llama for a quick check)")
+    parser.add_argument("--steps", type=int, default=1, help="timed steps per path (default 1; best counts)")
+    parser.add_argument("--matmul-repeats", type=int, default=5, help="timed 2048^3 products (best counts)")
+    parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    parser.add_argument("--json", action="store_true", help="print one JSON object (the default output)")
+    args = parser.parse_args(argv)
+    result = run(args)
+    print(json.dumps(result) if args.json else json.dumps(result, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,111 @@
+"""Log-probabilities and entropies of target tokens under softmax(logits / temperature), in chunks.
+
+The plain form, `naive_token_logprobs` (kept as the definition the tests and `bench.train_step`
+compare against), builds log_softmax(logits / temperature), its exp and their product: several
+float32 (B, T, vocab) tensors per micro-batch, most of them kept for backward. `token_logprobs` is
+one autograd function instead. Its forward takes chunks of CHUNK_POSITIONS positions; per chunk,
+log p = log_softmax(logits / temperature) in float32, logprob = log p[target] and, when asked,
+entropy = -sum(p * log p). It keeps only the logits (the model's output, alive anyway) and the
+per-position entropy. Its backward recomputes the softmax chunk by chunk and writes the logits'
+gradient into one buffer:
+
+    d logprob / d z = onehot(target) - p
+    d entropy / d z = -p * (log p + entropy)
+    d / d logits    = (d / d z) / temperature
+
+Design choice: the entropy is a metric unless `entropy_coef` > 0, so callers ask for it only when
+they report or train on it, and it is differentiable only when asked (`entropy_grad`); otherwise
+the backward skips its term.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+
+CHUNK_POSITIONS = 256
+"""Positions per chunk: the largest temporary is CHUNK_POSITIONS x vocab float32 (48 MiB for SmolLM2)."""
+
+
+def naive_token_logprobs(logits: Tensor, targets: Tensor, temperature: float = 1.0) -> tuple[Tensor, Tensor]:
+    """(log-probs (B, T), entropy (B, T)) of targets (B, T) under softmax(logits (B, T, V) / temperature),
+    through full-vocabulary log_softmax: the definition `token_logprobs` must match."""
+    upcast = logits.to(torch.promote_types(logits.dtype, torch.float32))  # float64 stays float64
+    logp_all = torch.log_softmax(upcast / temperature, dim=-1)  # (B, T, V)
+    logprobs = logp_all.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    entropy = -(logp_all.exp() * logp_all).sum(-1)
+    return logprobs, entropy
+
+
+def token_logprobs(
+    logits: Tensor, targets: Tensor, temperature: float = 1.0, *, entropy: bool = False, entropy_grad: bool = False
+) -> tuple[Tensor, Tensor | None]:
+    """(log-probs (B, T), entropy (B, T) or None) of targets (B, T) under softmax(logits (B, T, V) / temperature).
+
+    Log-probs are float32 and differentiable with respect to logits. The entropy is computed when
+    `entropy` is set, and differentiable only when `entropy_grad` is set too.
+    """
+    shape = targets.shape
+    flat_logits = logits.reshape(-1, logits.shape[-1])  # (N, V), a view of the model's contiguous output
+    logprobs, ent = _TokenLogprobs.apply(flat_logits, targets.reshape(-1), temperature, entropy, entropy_grad)
+    return logprobs.view(shape), ent.view(shape) if entropy else None
+
+
+def _chunks(n: int) -> range:
+    return range(0, n, CHUNK_POSITIONS)
+
+
+def _scaled(logits: Tensor, temperature: float) -> Tensor:
+    """logits / temperature in float32 (a view of float32 logits when temperature is 1)."""
+    z = logits.float()
+    return z if temperature == 1.0 else z / temperature
+
+
+class _TokenLogprobs(torch.autograd.Function):
+    """logits (N, V), targets (N,) -> (log-probs (N,), entropy (N,), empty when not asked)."""
+
+    @staticmethod
+    def forward(ctx: Any, logits: Tensor, targets: Tensor, temperature: float, entropy: bool,
+                entropy_grad: bool) -> tuple[Tensor, Tensor]:
+        n = logits.shape[0]
+        logprobs = torch.empty(n, dtype=torch.float32, device=logits.device)
+        ent = torch.empty(n if entropy else 0, dtype=torch.float32, device=logits.device)
+        for s in _chunks(n):
+            rows = slice(s, s + CHUNK_POSITIONS)
+            logp = torch.log_softmax(_scaled(logits[rows], temperature), dim=-1)  # (C, V)
+            logprobs[rows] = logp.gather(-1, targets[rows, None]).squeeze(-1)
+            if entropy:  # -sum p log p, not lse - sum p z: that difference of two large numbers cancels
+                ent[rows] = -torch.linalg.vecdot(logp.exp(), logp)
+        ctx.save_for_backward(logits, targets, ent)
+        ctx.temperature = temperature
+        ctx.set_materialize_grads(False)
+        if not entropy_grad:
+            ctx.mark_non_differentiable(ent)
+        return logprobs, ent
+
+    @staticmethod
+    def backward(ctx: Any, grad_logprobs: Tensor | None,
+                 grad_entropy: Tensor | None) -> tuple[Tensor | None, None, None, None, None]:
+        logits, targets, ent = ctx.saved_tensors
+        if grad_logprobs is None and grad_entropy is None:
+            return None, None, None, None, None
+        grad = torch.empty_like(logits)
+        scale = 1.0 / ctx.temperature  # d z / d logits
+        for s in _chunks(logits.shape[0]):
+            rows = slice(s, s + CHUNK_POSITIONS)
+            z = _scaled(logits[rows], ctx.temperature)
+            if grad_entropy is None:
+                assert grad_logprobs is not None  # both None returned above
+                g_lp = grad_logprobs[rows, None] * scale
+                g = torch.softmax(z, dim=-1).mul_(-g_lp).scatter_add_(-1, targets[rows, None], g_lp)
+            else:
+                logp = torch.log_softmax(z, dim=-1)
+                p = logp.exp()
+                g = logp.add_(ent[rows, None]).mul_(p).mul_(-scale * grad_entropy[rows, None])
+                if grad_logprobs is not None:
+                    g_lp = grad_logprobs[rows, None] * scale
+                    g.sub_(p.mul_(g_lp)).scatter_add_(-1, targets[rows, None], g_lp)
+            grad[rows] = g
+        return grad, None, None, None, None
