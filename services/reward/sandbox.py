@@ -252,11 +252,15 @@ class Worker:
             raise WorkerDied(await self._reason()) from None
 
     async def _read(self, fd: int, max_bytes: int) -> dict[str, Any]:
+        """The one frame on a reply pipe, which must then close (a second frame is not a reply)."""
         try:
             (size,) = protocol.HEADER.unpack(await _read_exact(fd, protocol.HEADER.size))
             if size > max_bytes:
                 raise WorkerDied(f"reply of {size} bytes exceeds {max_bytes}")
-            return protocol.decode(await _read_exact(fd, size))
+            reply = protocol.decode(await _read_exact(fd, size))
+            if await _read_exact(fd, 1, eof_ok=True):
+                raise BadReply("more than one frame on the reply pipe (the reward code wrote on it)")
+            return reply
         except EOFError:
             raise WorkerDied(await self._reason()) from None
         except protocol.ProtocolError as error:
@@ -325,8 +329,8 @@ async def _ready(add: Any, remove: Any, fd: int) -> None:
         remove(fd)
 
 
-async def _read_exact(fd: int, size: int) -> bytes:
-    """size bytes from a non-blocking fd; EOFError when the writer closes it first."""
+async def _read_exact(fd: int, size: int, eof_ok: bool = False) -> bytes:
+    """size bytes from a non-blocking fd; at EOF before that, what came if eof_ok, else EOFError."""
     loop = asyncio.get_running_loop()
     data = bytearray()
     while len(data) < size:
@@ -335,6 +339,8 @@ async def _read_exact(fd: int, size: int) -> bytes:
         except BlockingIOError:
             await _ready(loop.add_reader, loop.remove_reader, fd)
             continue
+        if not chunk and eof_ok:
+            break
         if not chunk:
             raise EOFError("the worker closed the reply pipe")
         data += chunk

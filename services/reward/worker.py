@@ -42,16 +42,18 @@ def _private_channel() -> socket.socket:
     return sock
 
 
-def _supervise(child: int, sock: socket.socket) -> None:
-    """Outer process of a PID namespace: wait for the item loop (PID 1 inside) and mirror its end."""
+def _supervise(child: int, sock: socket.socket, reply_fd: int) -> None:
+    """Outer process of a PID namespace: wait for the item loop (PID 1 inside) and mirror its end.
+    It closes its copies of the channel (a reply pipe must close when the item loop closes it)."""
     sock.close()
+    os.close(reply_fd)
     _, status = os.waitpid(child, 0)
     if os.WIFSIGNALED(status):
         os.kill(os.getpid(), os.WTERMSIG(status))
     os._exit(os.waitstatus_to_exitcode(status) & 0xFF)
 
 
-def isolate(boot: dict[str, Any], sock: socket.socket) -> dict[str, Any]:
+def isolate(boot: dict[str, Any], sock: socket.socket, reply_fd: int) -> dict[str, Any]:
     """Enter namespaces (legacy) or take the jail's, apply limits, drop to the worker's uid, load the
     seccomp filter (jail); returns the active layers."""
     jailed = bool(boot.get("jail"))
@@ -59,7 +61,7 @@ def isolate(boot: dict[str, Any], sock: socket.socket) -> dict[str, Any]:
         isolation: dict[str, Any] = {"mountns": True, "pidns": True, "netns": True, "userns": os.geteuid() != 0}
         parent = 0
     else:
-        isolation, parent = _enter_namespaces(boot, sock)
+        isolation, parent = _enter_namespaces(boot, sock, reply_fd)
     limits = boot["limits"]
     os.chdir(boot["tmpdir"])
     if boot["mode"] == "builtin":
@@ -85,7 +87,7 @@ def isolate(boot: dict[str, Any], sock: socket.socket) -> dict[str, Any]:
     return isolation
 
 
-def _enter_namespaces(boot: dict[str, Any], sock: socket.socket) -> tuple[dict[str, Any], int]:
+def _enter_namespaces(boot: dict[str, Any], sock: socket.socket, reply_fd: int) -> tuple[dict[str, Any], int]:
     """The namespaces entered, and the pid of the item loop's parent (the service, or the outer process)."""
     parent = int(boot["parent_pid"])
     guard.die_with_parent(parent)
@@ -94,7 +96,7 @@ def _enter_namespaces(boot: dict[str, Any], sock: socket.socket) -> tuple[dict[s
         parent = os.getpid()
         child = os.fork()
         if child:
-            _supervise(child, sock)
+            _supervise(child, sock, reply_fd)
     return isolation, parent
 
 
@@ -197,7 +199,7 @@ def main() -> None:
     sock = _private_channel()
     boot, reply_fd = protocol.receive(sock)
     try:
-        isolation = isolate(boot, sock)
+        isolation = isolate(boot, sock, reply_fd)
     except BaseException as error:  # report why the worker cannot isolate itself, then exit
         reply(reply_fd, {"ok": False, "reason": _reason(error)})
         os._exit(3)
