@@ -97,16 +97,20 @@ def _binds() -> list[str]:
 def command(bwrap: str, argv: list[str], tmp_mb: int) -> list[str]:
     """bwrap's command line running argv (a Python command) in the jail."""
     if os.geteuid() == 0:
+        # bwrap's own init stays PID 1: it runs as root, which the worker's private uid cannot touch,
+        # and bwrap (root without capabilities) could not send its parent-death SIGKILL to that uid,
+        # while the init's death takes the whole PID namespace with it
         namespaces = ["--unshare-ipc", "--unshare-pid", "--unshare-net", "--unshare-uts", "--unshare-cgroup-try",
                       "--cap-drop", "ALL", *(arg for cap in ROOT_CAPS for arg in ("--cap-add", cap))]
     else:
-        namespaces = ["--unshare-all", "--unshare-user", "--cap-drop", "ALL"]
+        # the worker is PID 1: no init of the same uid whose memory it could write through /proc
+        namespaces = ["--unshare-all", "--unshare-user", "--cap-drop", "ALL", "--as-pid-1"]
     # setpriv --pdeathsig: bwrap gets SIGKILL when the service ends, even by SIGKILL, and its
     # --die-with-parent passes that on to the jail (a preexec_fn would run Python in a forked child
     # of the multithreaded service, which can crash)
     setpriv = shutil.which("setpriv")
     prefix = [setpriv, "--pdeathsig", "KILL"] if setpriv else []
-    return [*prefix, bwrap, *namespaces, "--die-with-parent", "--new-session", "--as-pid-1",
+    return [*prefix, bwrap, *namespaces, "--die-with-parent", "--new-session",
             *_system_binds(), *_binds(),
             "--proc", "/proc", "--dev", "/dev",
             "--size", str(tmp_mb * 1024 * 1024), "--perms", "0700", "--tmpfs", WORKDIR,
@@ -146,7 +150,7 @@ def probe(bwrap: str | None) -> tuple[dict[str, bool], str]:
     top, pids, links, denied = (part.split() for part in done.stdout.split("|"))
     layers["bwrap"] = True
     layers["mountns"] = "fleetrl" in top and {"home", "var", "tmp", "run"}.isdisjoint(top)
-    layers["pidns"] = pids == ["1"]
+    layers["pidns"] = len(pids) <= 2  # the probe, and bwrap's init when running as root
     layers["netns"] = links == ["lo"]
     layers["seccomp"] = denied == ["inet", "fork"]
     return layers, "" if all(layers.values()) else f"probe saw / = {top}, pids {pids}, links {links}, denied {denied}"

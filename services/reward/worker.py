@@ -59,7 +59,7 @@ def isolate(boot: dict[str, Any], sock: socket.socket, reply_fd: int) -> dict[st
     jailed = bool(boot.get("jail"))
     if jailed:
         isolation: dict[str, Any] = {"mountns": True, "pidns": True, "netns": True, "userns": os.geteuid() != 0}
-        parent = 0
+        parent = os.getppid()  # 0 when the worker is PID 1, else bwrap's init (1)
     else:
         isolation, parent = _enter_namespaces(boot, sock, reply_fd)
     limits = boot["limits"]
