@@ -6,9 +6,9 @@ frame nested too deeply to parse is a ProtocolError like any other malformed fra
 
 Requests travel on a Unix socket (the worker's stdin, which the worker shuts for writing); each
 request carries, as SCM_RIGHTS ancillary data on one marker byte before its frame, the write end of
-a pipe made for that request alone, and the reply is the first frame on that pipe. The service
-reads nothing else: a frame user code writes anywhere else reaches no reader, one written on the
-current request's pipe can only stand for that request, and a pipe of an earlier request is closed.
+a pipe made for that request alone, and the reply is the one frame on that pipe before it closes.
+The service reads nothing else: a frame user code writes anywhere else reaches no reader, a pipe of
+an earlier request is closed, and a second frame on the current one makes that item an error.
 This module is stdlib-only because it is imported inside the worker before any isolation is in place.
 """
 
