@@ -4,6 +4,8 @@ Components (none references the others' internals; `scorer.Scorer` wires them):
 - `builtins`: the registry of built-in verifiers, each a function with a strict params model.
 - `guard`, `protocol`, `worker`: the stdlib-only side that runs inside a sandboxed worker process
   (isolation set-up, audit hook, length-prefixed JSON framing, the item loop).
+- `jail`, `syscall_filter`: the bubblewrap jail a worker runs in (command line, start-up probe) and
+  the seccomp filter the worker loads inside it before any user code.
 - `sandbox`: the service side of the workers: start under limits, call with a wall-clock timeout,
   kill every process of a worker (children by pidfd, process group, private uid; `procfs` finds
   them), replace; `pool.WorkerPool` keeps N of them per reward spec.

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Literal
 
 from pydantic import Field
 
@@ -39,11 +40,23 @@ class RewardSettings(InfraSettings):
     """A worker is replaced after this many items."""
     sandbox_uid_base: int = Field(200_000, ge=0, le=2**31 - 2**17)
     """When the service runs as root, workers run as private uids/gids in [base, base+60000) (0: stay root)."""
+    sandbox_mode: Literal["jail", "legacy"] = "jail"
+    """jail: every worker runs in a bubblewrap jail with a seccomp filter (see services/reward/jail.py),
+    and the service refuses to run reward code when a start-up probe finds a layer of it missing;
+    legacy: the explicit weaker mode without the jail (namespaces entered by the worker where the
+    kernel allows, rlimits, private uid, audit hook), for machines where bwrap cannot run."""
+    worker_tmp_mb: int = Field(64, ge=1, le=65536)
+    """Size of a jailed worker's private temp dir (a tmpfs, counted in memory)."""
+    max_memory_limit_mb: int = Field(4096, ge=64, le=65536)
+    """Largest `reward.memory_limit_mb` a job may ask for; a job asking more is refused."""
+    max_timeout_per_item_s: float = Field(60.0, gt=0, le=600)
+    """Largest `reward.timeout_per_item_s` a job may ask for; a job asking more is refused."""
     worker_namespaces: bool = True
-    """Put each worker in new network and PID namespaces where the kernel allows; False keeps only the
-    fallback layers (rlimits, private uid, audit hook, killing by process group and uid)."""
+    """Legacy sandbox only: put each worker in new network and PID namespaces where the kernel allows;
+    False keeps only the fallback layers (rlimits, private uid, audit hook, killing by group and uid)."""
     sandbox_dir: Path | None = None
-    """Where workers' private temp dirs are made (None: the system temp dir)."""
+    """Legacy sandbox only: where workers' private temp dirs are made (None: the system temp dir).
+    Dirs a SIGKILLed service left there are removed when the next service starts."""
     max_items_per_request: int = Field(4096, ge=1, le=1_000_000)
     """Largest batch one Score call may carry."""
     max_reply_bytes: int = Field(1 << 20, ge=1024, le=64 << 20)

@@ -1,6 +1,10 @@
 """Isolation of a sandboxed worker: namespaces, resource limits, dropped uid and an audit hook.
 
-Layers, strongest first (each one is applied where the machine allows it):
+In the jail (`jail`), bubblewrap provides the namespaces and the filesystem, and `syscall_filter`
+the seccomp filter; from here the worker then takes the rlimits, the private uid, no_new_privs, the
+parent-death signal, non-dumpability and the audit hook. The legacy sandbox (`sandbox_mode =
+"legacy"`, an explicit weaker mode) has only the layers below.
+Layers of the legacy sandbox, strongest first (each one is applied where the machine allows it):
 1. Network namespace (`unshare(CLONE_NEWNET)`, via ctypes since Python 3.11 has no os.unshare): the
    worker sees only a down loopback, so no socket reaches anything. As root it works directly; as
    another user it is tried together with CLONE_NEWUSER (unprivileged user namespaces).
@@ -62,9 +66,11 @@ PR_SET_PDEATHSIG, PR_SET_DUMPABLE, PR_SET_NO_NEW_PRIVS = 1, 4, 38
 WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_TRUNC
 
 
+LIBC = ctypes.CDLL(None, use_errno=True)
+
+
 def _unshare(flags: int) -> bool:
-    libc = ctypes.CDLL(None, use_errno=True)
-    return bool(libc.unshare(flags) == 0)
+    return bool(LIBC.unshare(flags) == 0)
 
 
 def unshare_namespaces(wanted: bool) -> dict[str, bool]:
@@ -82,8 +88,7 @@ def unshare_namespaces(wanted: bool) -> dict[str, bool]:
 
 
 def _prctl(option: int, value: int) -> None:
-    libc = ctypes.CDLL(None, use_errno=True)
-    if libc.prctl(option, ctypes.c_ulong(value), ctypes.c_ulong(0), ctypes.c_ulong(0), ctypes.c_ulong(0)) != 0:
+    if LIBC.prctl(option, ctypes.c_ulong(value), ctypes.c_ulong(0), ctypes.c_ulong(0), ctypes.c_ulong(0)) != 0:
         raise OSError(ctypes.get_errno(), f"prctl({option}, {value}) failed")
 
 
@@ -94,9 +99,14 @@ def die_with_parent(parent: int) -> None:
     read from /proc, which numbers processes as the service does (getppid() is 0 for PID 1 of a
     new namespace); if it is no longer parent, the parent ended before the prctl took effect.
     """
-    _prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    set_parent_death_signal()
     if procfs.parent_of("self") != parent:
         os._exit(1)
+
+
+def set_parent_death_signal() -> None:
+    """PR_SET_PDEATHSIG SIGKILL: the kernel kills this process when the thread that started it ends."""
+    _prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
 def forbid_new_privileges() -> None:
@@ -115,8 +125,7 @@ def _enc(value: str | None) -> bytes | None:
 
 
 def _mount(source: str, target: str, fstype: str | None, flags: int, data: str | None) -> None:
-    libc = ctypes.CDLL(None, use_errno=True)
-    if libc.mount(_enc(source), _enc(target), _enc(fstype), flags, _enc(data)) != 0:
+    if LIBC.mount(_enc(source), _enc(target), _enc(fstype), flags, _enc(data)) != 0:
         raise OSError(ctypes.get_errno(), f"mount {source} on {target} failed")
 
 

@@ -15,6 +15,7 @@ class RewardMetrics:
     latency: Histogram
     worker_restarts: Counter
     pools: Gauge
+    sandbox_layer: Gauge
 
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
@@ -27,6 +28,9 @@ class RewardMetrics:
             "Workers killed and replaced, by reason (timeout, crash, cancelled, recycled)",
             ["reason"], registry=self.registry)
         self.pools = Gauge("fleetrl_reward_pools", "Live worker pools (one per reward spec)", registry=self.registry)
+        self.sandbox_layer = Gauge("fleetrl_reward_sandbox_layer",
+                                   "1 when a sandbox layer held at start-up (bwrap, mountns, pidns, netns, seccomp)",
+                                   ["layer"], registry=self.registry)
 
     def observe(self, job_id: str, status: str, latency_s: float) -> None:
         self.items.labels(job=job_id, status=status).inc()
@@ -34,3 +38,7 @@ class RewardMetrics:
 
     def worker_replaced(self, reason: str) -> None:
         self.worker_restarts.labels(reason=reason).inc()
+
+    def sandbox_layers(self, layers: dict[str, bool]) -> None:
+        for layer, held in layers.items():
+            self.sandbox_layer.labels(layer=layer).set(1.0 if held else 0.0)

@@ -23,14 +23,14 @@ from collections.abc import Callable, Iterator
 from typing import Any, Literal
 
 from services.common.errors import Unavailable
-from services.reward.sandbox import Outcome, PoolConfig, UidPool, Worker, WorkerDied
+from services.reward.sandbox import BadReply, Outcome, PoolConfig, UidPool, Worker, WorkerDied
 
 log = logging.getLogger(__name__)
 
 SPAWN_ATTEMPTS = 3
 OVERRUN_FRACTION = 0.25
 """An item running longer than this share of its timeout is overrunning (it earns a burst worker)."""
-LAYERS = ("netns", "pidns", "userns", "mountns", "dropped_uid", "audit_hook")
+LAYERS = ("netns", "pidns", "userns", "mountns", "seccomp", "dropped_uid", "audit_hook")
 
 ReplaceReason = Literal["timeout", "crash", "cancelled", "recycled"]
 
@@ -155,6 +155,9 @@ class WorkerPool:
         except WorkerDied as died:
             self._replace(worker, "crash")
             return Outcome("killed", reason=str(died), latency_s=time.monotonic() - start)
+        except BadReply as bad:
+            self._replace(worker, "crash")
+            return Outcome("error", reason=str(bad), latency_s=time.monotonic() - start)
         except BaseException:
             self._replace(worker, "cancelled")  # cancelled mid-item: its late reply must not reach the next item
             raise

@@ -47,6 +47,11 @@ def uids_in_use() -> set[int]:
     return {uid for proc in processes() for uid in proc.uids}
 
 
+def alive(pid: int) -> bool:
+    """Whether a process pid exists (a zombie counts)."""
+    return os.path.exists(f"/proc/{pid}")
+
+
 def parent_of(pid: int | Literal["self"]) -> int | None:
     """The parent pid of pid (in /proc's numbering, the service's even inside a PID namespace), or None
     when it has ended."""

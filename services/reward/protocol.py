@@ -1,14 +1,22 @@
 """Length-prefixed JSON frames between the reward service and its sandboxed workers.
 
 A frame is a 4-byte big-endian length followed by that many bytes of UTF-8 JSON. JSON is the only
-encoding in both directions, so the service never unpickles anything a worker produced. This module
-is stdlib-only because it is imported inside the worker before any isolation is in place.
+encoding in both directions, so the service never unpickles anything a worker produced, and a
+frame nested too deeply to parse is a ProtocolError like any other malformed frame.
+
+Requests travel on a Unix socket (the worker's stdin, which the worker shuts for writing); each
+request carries, as SCM_RIGHTS ancillary data on one marker byte before its frame, the write end of
+a pipe made for that request alone, and the reply is the one frame on that pipe before it closes.
+The service reads nothing else: a frame user code writes anywhere else reaches no reader, a pipe of
+an earlier request is closed, and a second frame on the current one makes that item an error.
+This module is stdlib-only because it is imported inside the worker before any isolation is in place.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import socket
 import struct
 from typing import Any
 
@@ -32,6 +40,8 @@ def decode(body: bytes) -> dict[str, Any]:
         message = json.loads(body)
     except (UnicodeDecodeError, json.JSONDecodeError) as error:
         raise ProtocolError(f"frame is not JSON: {error}") from None
+    except RecursionError:
+        raise ProtocolError("frame is nested too deeply") from None
     if not isinstance(message, dict):
         raise ProtocolError("frame is not a JSON object")
     return message
@@ -61,3 +71,21 @@ def write_fd(fd: int, message: dict[str, Any]) -> None:
     data = memoryview(encode(message))
     while data:
         data = data[os.write(fd, data):]
+
+
+def send_request(sock: socket.socket, reply_fd: int) -> None:
+    """Send the marker byte carrying reply_fd (the request's frame follows on the same socket)."""
+    socket.send_fds(sock, [b"R"], [reply_fd])
+
+
+def receive(sock: socket.socket) -> tuple[dict[str, Any], int]:
+    """The next request and the descriptor its reply goes to (worker side); EOFError when the service
+    has closed the socket, ProtocolError when a request came without its descriptor."""
+    marker, fds, _, _ = socket.recv_fds(sock, 1, 1)
+    if not marker:
+        raise EOFError("the service closed the socket")
+    if len(fds) != 1:
+        for fd in fds:
+            os.close(fd)
+        raise ProtocolError("a request came without its reply descriptor")
+    return read_fd(sock.fileno()), fds[0]

@@ -1,12 +1,17 @@
 """Sandboxed worker processes, seen from the service: start, call with a timeout, kill, replace.
 
-A `Worker` is a fresh `python -I` process in its own session (process group), with a minimal
-environment (PATH, LANG, HOME=TMPDIR=its private temp dir) and that temp dir as cwd; inside, it
-isolates itself (see `guard`) before loading the spec. Every item has a wall-clock timeout (CPU
-limits alone miss `sleep`); on timeout, death, an oversized or malformed reply, or a cancelled call,
-every process of the worker is SIGKILLed (its children by pidfd, its process group, every process
-of its private uid), it is reaped, its temp dir removed and a fresh worker started, so the rest of
-the batch keeps being scored. Only JSON crosses from worker to service.
+A `Worker` is a `python -I` process in its own session (process group). In the jail (the default,
+see `jail`) it runs under bubblewrap with nothing of the host but Python, a private tmpfs as its
+temp dir and cwd, and new namespaces; in the legacy sandbox (`sandbox_mode = "legacy"`, an explicit
+weaker mode) it runs on the host with a minimal environment (PATH, LANG, HOME=TMPDIR=its private
+temp dir, named after the service's pid so a later service sweeps it if this one is SIGKILLed).
+Inside, it isolates itself (see `worker`, `guard`) before loading the spec. Requests go on a Unix
+socket and each reply comes on a pipe made for that request (see `protocol`), so user code cannot
+answer for an item it is not running. Every item has a wall-clock timeout (CPU limits alone miss
+`sleep`); on timeout, death, an oversized or malformed reply, or a cancelled call, every process of
+the worker is SIGKILLed (its children by pidfd, its process group, every process of its private
+uid), it is reaped, its temp dir removed and a fresh worker started, so the rest of the batch keeps
+being scored. Only JSON crosses from worker to service.
 `WorkerPool` keeps `size` workers for one spec and hands each item to an idle one.
 """
 
@@ -19,6 +24,7 @@ import logging
 import os
 import shutil
 import signal
+import socket
 import sys
 import tempfile
 from dataclasses import dataclass, field
@@ -26,13 +32,18 @@ from pathlib import Path
 from typing import Any, Literal
 
 from services.common.errors import ConfigError, FieldViolation, Unavailable
-from services.reward import procfs, protocol
+from services.reward import jail, procfs, protocol
 
 log = logging.getLogger(__name__)
 
 ROOT = str(Path(__file__).resolve().parents[2])
-BOOTSTRAP = f"import sys; sys.path.insert(0, {ROOT!r}); from services.reward.worker import main; main()"
 KILL_WAIT_S = 1.0
+TMPDIR_PREFIX = "fleetrl-reward-"
+
+
+def bootstrap(root: str) -> str:
+    """The worker's `python -c` program, importing services.reward from root."""
+    return f"import sys; sys.path.insert(0, {root!r}); from services.reward.worker import main; main()"
 
 
 @dataclass(frozen=True)
@@ -59,6 +70,10 @@ class PoolConfig:
     namespaces: bool = True
     burst: int = 0
     """Extra workers while items overrun (see `WorkerPool`)."""
+    bwrap: str | None = None
+    """The bwrap binary when workers run in the jail; None for the legacy sandbox."""
+    tmp_mb: int = 64
+    """Size of the jail's /sandbox tmpfs."""
 
 
 @dataclass
@@ -72,7 +87,11 @@ class Outcome:
 
 
 class WorkerDied(Exception):
-    """The worker ended (or broke the protocol) before replying."""
+    """The worker ended before replying, or its reply is larger than allowed."""
+
+
+class BadReply(Exception):
+    """The worker's reply does not parse (not JSON, not an object, nested too deeply)."""
 
 
 class UidPool:
@@ -126,40 +145,45 @@ def worker_env(tmpdir: str) -> dict[str, str]:
     return {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8", "HOME": tmpdir, "TMPDIR": tmpdir}
 
 
+def sweep_tmpdirs(sandbox_dir: Path | None) -> list[str]:
+    """Remove legacy workers' temp dirs whose service (the pid in the name) is gone; the paths removed."""
+    removed = []
+    for path in Path(sandbox_dir or tempfile.gettempdir()).glob(f"{TMPDIR_PREFIX}*-*"):
+        owner = path.name[len(TMPDIR_PREFIX):].split("-", 1)[0]
+        if owner.isdigit() and not procfs.alive(int(owner)):
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(str(path))
+    return removed
+
+
 class Worker:
     """One sandboxed worker process serving one spec, one item at a time."""
 
     proc: asyncio.subprocess.Process
-    tmpdir: str
+    sock: socket.socket
+    tmpdir: str | None
     uid: int
     isolation: dict[str, Any]
     items: int
     cpu_s: float
 
-    def __init__(self, proc: asyncio.subprocess.Process, tmpdir: str, uid: int) -> None:
-        self.proc, self.tmpdir, self.uid = proc, tmpdir, uid
+    def __init__(self, proc: asyncio.subprocess.Process, sock: socket.socket, tmpdir: str | None, uid: int) -> None:
+        self.proc, self.sock, self.tmpdir, self.uid = proc, sock, tmpdir, uid
         self.isolation, self.items, self.cpu_s = {}, 0, 0.0
 
     @classmethod
     async def start(cls, boot: dict[str, Any], uid: int, cfg: PoolConfig) -> Worker:
         """Start a worker and load the spec; ConfigError naming why when it cannot load."""
-        tmpdir = tempfile.mkdtemp(prefix="fleetrl-reward-", dir=cfg.sandbox_dir)
-        if uid:
-            os.chown(tmpdir, uid, uid)
-        try:  # asyncio kills the process itself when this is cancelled
-            proc = await asyncio.create_subprocess_exec(
-                sys.executable, "-I", "-c", BOOTSTRAP, stdin=asyncio.subprocess.PIPE,
-                stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.DEVNULL, cwd=tmpdir,
-                env=worker_env(tmpdir), start_new_session=True)
-        except BaseException:
-            shutil.rmtree(tmpdir, ignore_errors=True)
-            raise
-        worker = cls(proc, tmpdir, uid)
-        message = {**boot, "limits": cfg.limits.__dict__, "uid": uid, "tmpdir": tmpdir, "root": ROOT,
-                   "parent_pid": os.getpid(), "namespaces": cfg.namespaces}
+        worker = await cls._spawn(uid, cfg)
+        message = {**boot, "limits": cfg.limits.__dict__, "uid": uid, "parent_pid": os.getpid(),
+                   "namespaces": cfg.namespaces, "jail": cfg.bwrap is not None,
+                   "tmpdir": worker.tmpdir or jail.WORKDIR, "root": jail.INSIDE_ROOT if cfg.bwrap else ROOT}
         try:
             ready = await worker._exchange(message, cfg.start_timeout_s, cfg.max_reply_bytes)
-        except (TimeoutError, WorkerDied) as error:
+            if ready.get("ok"):
+                worker.isolation = dict(ready.get("isolation") or {})  # reported before any user code ran
+                ready = await worker._exchange({"load": True}, cfg.start_timeout_s, cfg.max_reply_bytes)
+        except (TimeoutError, WorkerDied, BadReply) as error:
             await worker.kill()
             what = f"did not load within {cfg.start_timeout_s:g}s" if isinstance(error, TimeoutError) else str(error)
             raise ConfigError("reward spec cannot load", [FieldViolation(_spec_field(boot), what)]) from None
@@ -170,28 +194,77 @@ class Worker:
             await worker.kill()
             reason = str(ready.get("reason", "unknown"))
             raise ConfigError("reward spec cannot load", [FieldViolation(_spec_field(boot), reason)])
-        worker.isolation = dict(ready.get("isolation") or {})
         return worker
 
+    @classmethod
+    async def _spawn(cls, uid: int, cfg: PoolConfig) -> Worker:
+        ours, theirs = socket.socketpair()
+        tmpdir = None
+        if cfg.bwrap:
+            argv = jail.command(cfg.bwrap, [sys.executable, "-I", "-c", bootstrap(jail.INSIDE_ROOT)], cfg.tmp_mb)
+            options: dict[str, Any] = {"cwd": "/", "env": worker_env(jail.WORKDIR)}
+        else:
+            tmpdir = tempfile.mkdtemp(prefix=f"{TMPDIR_PREFIX}{os.getpid()}-", dir=cfg.sandbox_dir)
+            if uid:
+                os.chown(tmpdir, uid, uid)
+            argv = [sys.executable, "-I", "-c", bootstrap(ROOT)]
+            options = {"cwd": tmpdir, "env": worker_env(tmpdir)}
+        try:  # asyncio kills the process itself when this is cancelled
+            proc = await asyncio.create_subprocess_exec(
+                *argv, stdin=theirs.fileno(), stdout=asyncio.subprocess.DEVNULL,
+                stderr=asyncio.subprocess.DEVNULL, start_new_session=True, **options)
+        except BaseException:
+            ours.close()
+            if tmpdir:
+                shutil.rmtree(tmpdir, ignore_errors=True)
+            raise
+        finally:
+            theirs.close()
+        ours.setblocking(False)
+        return cls(proc, ours, tmpdir, uid)
+
     async def _exchange(self, message: dict[str, Any], timeout_s: float, max_bytes: int) -> dict[str, Any]:
-        assert self.proc.stdin is not None and self.proc.stdout is not None
+        """Send message with a fresh reply pipe and read the first frame on that pipe."""
+        read_fd, write_fd = os.pipe()
         try:
-            self.proc.stdin.write(protocol.encode(message))
-            await self.proc.stdin.drain()
+            os.set_blocking(read_fd, False)
+            async with asyncio.timeout(timeout_s):
+                await self._send(message, write_fd)
+                os.close(write_fd)
+                write_fd = -1
+                return await self._read(read_fd, max_bytes)
+        finally:
+            os.close(read_fd)
+            if write_fd >= 0:
+                os.close(write_fd)
+
+    async def _send(self, message: dict[str, Any], reply_fd: int) -> None:
+        loop = asyncio.get_running_loop()
+        try:
+            while True:
+                try:
+                    protocol.send_request(self.sock, reply_fd)
+                    break
+                except BlockingIOError:
+                    await _ready(loop.add_writer, loop.remove_writer, self.sock.fileno())
+            await loop.sock_sendall(self.sock, protocol.encode(message))
         except (BrokenPipeError, ConnectionResetError):
             raise WorkerDied(await self._reason()) from None
-        return await asyncio.wait_for(self._read(self.proc.stdout, max_bytes), timeout_s)
 
-    async def _read(self, stream: asyncio.StreamReader, max_bytes: int) -> dict[str, Any]:
+    async def _read(self, fd: int, max_bytes: int) -> dict[str, Any]:
+        """The one frame on a reply pipe, which must then close (a second frame is not a reply)."""
         try:
-            (size,) = protocol.HEADER.unpack(await stream.readexactly(protocol.HEADER.size))
+            (size,) = protocol.HEADER.unpack(await _read_exact(fd, protocol.HEADER.size))
             if size > max_bytes:
                 raise WorkerDied(f"reply of {size} bytes exceeds {max_bytes}")
-            return protocol.decode(await stream.readexactly(size))
-        except asyncio.IncompleteReadError:
+            reply = protocol.decode(await _read_exact(fd, size))
+            if await _read_exact(fd, 1, eof_ok=True):
+                raise BadReply("more than one frame on the reply pipe (the reward code wrote on it)")
+            return reply
+        except EOFError:
             raise WorkerDied(await self._reason()) from None
         except protocol.ProtocolError as error:
-            raise WorkerDied(f"protocol error: {error}") from None
+            raise BadReply(f"malformed reply: {error}") from None
 
     async def _reason(self) -> str:
         with contextlib.suppress(TimeoutError):
@@ -199,7 +272,7 @@ class Worker:
         return death_reason(self.proc.returncode)
 
     async def call(self, request: dict[str, Any], timeout_s: float, max_bytes: int) -> dict[str, Any]:
-        """The worker's reply to one item; TimeoutError or WorkerDied otherwise."""
+        """The worker's reply to one item; TimeoutError, WorkerDied or BadReply otherwise."""
         reply = await self._exchange(request, timeout_s, max_bytes)
         self.items += 1
         cpu = reply.get("cpu_s")
@@ -228,15 +301,50 @@ class Worker:
             log.warning("processes of sandbox uid %d survived SIGKILL for %gs: %s", self.uid, KILL_WAIT_S, left)
         try:
             await asyncio.wait_for(self.proc.wait(), KILL_WAIT_S)
-        except TimeoutError:  # reaped, but a process outside its group and uid holds its pipes
-            log.warning("reward worker %d: a process it started still holds its pipes", self.proc.pid)
-        shutil.rmtree(self.tmpdir, ignore_errors=True)
+        except TimeoutError:
+            log.warning("reward worker %d did not end within %gs of SIGKILL", self.proc.pid, KILL_WAIT_S)
+        self.sock.close()
+        if self.tmpdir:
+            shutil.rmtree(self.tmpdir, ignore_errors=True)
 
     def _sweep(self, children: list[int]) -> list[int]:
         procfs.wait_ended(children, KILL_WAIT_S)
         for pidfd in children:
             os.close(pidfd)
         return procfs.kill_uid(self.uid, KILL_WAIT_S, reap_except=self.proc.pid) if self.uid else []
+
+
+async def _ready(add: Any, remove: Any, fd: int) -> None:
+    """Wait until fd is ready through the loop's add_reader/add_writer."""
+    ready: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+
+    def wake() -> None:
+        if not ready.done():
+            ready.set_result(None)
+
+    add(fd, wake)
+    try:
+        await ready
+    finally:
+        remove(fd)
+
+
+async def _read_exact(fd: int, size: int, eof_ok: bool = False) -> bytes:
+    """size bytes from a non-blocking fd; at EOF before that, what came if eof_ok, else EOFError."""
+    loop = asyncio.get_running_loop()
+    data = bytearray()
+    while len(data) < size:
+        try:
+            chunk = os.read(fd, size - len(data))
+        except BlockingIOError:
+            await _ready(loop.add_reader, loop.remove_reader, fd)
+            continue
+        if not chunk and eof_ok:
+            break
+        if not chunk:
+            raise EOFError("the worker closed the reply pipe")
+        data += chunk
+    return bytes(data)
 
 
 def _spec_field(boot: dict[str, Any]) -> str:

@@ -15,6 +15,7 @@ import contextlib
 import enum
 import hashlib
 import json
+import logging
 import math
 import time
 from dataclasses import dataclass, field
@@ -23,12 +24,14 @@ from typing import Any
 from pydantic import ValidationError
 
 from services.common.config import RewardSpec, validate
-from services.common.errors import ConfigError, FieldViolation, InvalidArgument
-from services.reward import builtins, guard
+from services.common.errors import ConfigError, FailedPrecondition, FieldViolation, InvalidArgument
+from services.reward import builtins, guard, jail
 from services.reward.config import RewardSettings
 from services.reward.metrics import RewardMetrics
 from services.reward.pool import WorkerPool
-from services.reward.sandbox import Limits, Outcome, PoolConfig, UidPool
+from services.reward.sandbox import Limits, Outcome, PoolConfig, UidPool, sweep_tmpdirs
+
+log = logging.getLogger(__name__)
 
 MAX_COMPONENTS = 64
 
@@ -116,7 +119,7 @@ def _finite(value: Any) -> bool:
 def to_result(outcome: Outcome) -> Result:
     """Check a worker's reply and turn any outcome into a Result."""
     if outcome.kind != "reply":
-        status = Status.TIMEOUT if outcome.kind == "timeout" else Status.KILLED
+        status = {"timeout": Status.TIMEOUT, "error": Status.ERROR}.get(outcome.kind, Status.KILLED)
         return Result(0.0, {}, status, outcome.reason, outcome.latency_s)
     reply = outcome.reply
     if "error" in reply:
@@ -139,11 +142,39 @@ def _components_result(components: Any, latency_s: float) -> Result:
     return Result(reward, parts, Status.OK, "", latency_s)
 
 
+@dataclass(frozen=True)
+class SandboxState:
+    """The sandbox this service runs reward code in, as found at start-up."""
+
+    mode: str
+    layers: dict[str, bool]
+    problem: str = ""
+    """Why reward code is refused ("" when it runs)."""
+    bwrap: str | None = None
+
+    def describe(self) -> str:
+        held = [name for name, ok in self.layers.items() if ok]
+        missing = [name for name, ok in self.layers.items() if not ok]
+        return f"mode {self.mode}: {' '.join(held) or 'none'} hold; missing: {' '.join(missing) or 'none'}"
+
+
+def find_sandbox(settings: RewardSettings) -> SandboxState:
+    """Probe the jail (jail mode) and sweep temp dirs of dead services; which layers hold."""
+    for path in sweep_tmpdirs(settings.sandbox_dir):
+        log.info("removed a reward worker temp dir left by a killed service: %s", path)
+    if settings.sandbox_mode == "legacy":
+        return SandboxState("legacy", {"bwrap": False, "mountns": False, "seccomp": False})
+    bwrap = jail.bwrap_binary()
+    layers, problem = jail.probe(bwrap)
+    return SandboxState("jail", layers, problem, bwrap)
+
+
 class Scorer:
     """Scores batches on cached worker pools; one instance per service."""
 
     settings: RewardSettings
     metrics: RewardMetrics
+    sandbox: SandboxState
 
     def __init__(self, settings: RewardSettings, metrics: RewardMetrics | None = None) -> None:
         self.settings = settings
@@ -152,15 +183,36 @@ class Scorer:
         self._uids = UidPool(settings.sandbox_uid_base)
         if not self._uids.enabled:
             guard.hide_from_same_uid()  # workers run under our uid: keep them out of our /proc environ
+        self.sandbox = find_sandbox(settings)
+        self.metrics.sandbox_layers(self.sandbox.layers)
+        if self.sandbox.problem:
+            log.error("reward sandbox %s; refusing to run reward code: %s (sandbox_mode=legacy runs it in the "
+                      "weaker legacy sandbox)", self.sandbox.describe(), self.sandbox.problem)
+        else:
+            log.log(logging.INFO if self.sandbox.mode == "jail" else logging.WARNING, "reward sandbox %s",
+                    self.sandbox.describe())
 
     def _pool_config(self, spec: RewardSpec) -> PoolConfig:
         s = self.settings
         limits = Limits(spec.memory_limit_mb, s.worker_cpu_limit_s, s.worker_max_file_mb,
                         s.worker_max_open_files, s.worker_max_processes)
         return PoolConfig(s.workers_per_pool, limits, s.worker_start_timeout_s, s.max_items_per_worker,
-                          s.max_reply_bytes, s.sandbox_dir, s.worker_namespaces, s.burst_workers_per_pool)
+                          s.max_reply_bytes, s.sandbox_dir, s.worker_namespaces, s.burst_workers_per_pool,
+                          self.sandbox.bwrap, s.worker_tmp_mb)
+
+    def check_caps(self, spec: RewardSpec) -> None:
+        """ConfigError naming each field of spec above the operator's cap."""
+        s = self.settings
+        asked = (("memory_limit_mb", spec.memory_limit_mb, s.max_memory_limit_mb),
+                 ("timeout_per_item_s", spec.timeout_per_item_s, s.max_timeout_per_item_s))
+        violations = [FieldViolation(f"reward.{name}", f"{value:g} exceeds this reward service's cap {cap:g} "
+                                     f"(max_{name})") for name, value, cap in asked if value > cap]
+        if violations:
+            raise ConfigError("reward spec asks for more than the reward service allows", violations)
 
     async def _new_pool(self, spec: SpecInput) -> WorkerPool:
+        if self.sandbox.problem:
+            raise FailedPrecondition(f"the reward sandbox is not available: {self.sandbox.problem}")
         pool = WorkerPool(boot_message(spec), self._pool_config(spec.spec), self._uids, self.metrics.worker_replaced)
         try:
             await pool.start()
@@ -170,7 +222,8 @@ class Scorer:
         return pool
 
     async def pool(self, spec: SpecInput) -> WorkerPool:
-        """The spec's pool, started on first use; ConfigError when the spec cannot load."""
+        """The spec's pool, started on first use; ConfigError when the spec cannot load or asks too much."""
+        self.check_caps(spec.spec)
         task = self._pools.get(spec.digest)
         if task is None:
             task = asyncio.get_running_loop().create_task(self._new_pool(spec))

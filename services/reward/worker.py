@@ -1,53 +1,67 @@
-"""The sandboxed worker process: isolate, load one reward spec, then score items until stdin closes.
+"""The sandboxed worker process: isolate, load one reward spec, then score items until the service closes.
 
-Started by `sandbox.Worker.start` as `python -I -c "...worker.main()"` in a new session. The
-first frame on stdin is the boot message (mode, spec or source, limits, uid, temp dir, the service's
-pid, whether to enter namespaces); the worker answers one ready frame ({"ok": true, "isolation":
-{...}} naming the active layers, or {"ok": false, "reason": traceback}),
-then answers each item frame with {"value": x} | {"components": {...}} | {"error": reason} and
-its CPU seconds so far. User code sees /dev/null as stdin/stdout, so printing cannot corrupt the
-protocol. Stdlib only, except the built-in registry in "builtin" mode (imported before the uid drop).
+Started by `sandbox.Worker.start`, inside the bubblewrap jail (`jail`) or, in the legacy sandbox, as
+a plain `python -I` in a new session. Its stdin is a Unix socket carrying requests, each with the
+pipe its reply goes to (`protocol`); the worker shuts the socket for writing at once. The first
+request is the boot message (mode, spec or source, limits, uid, temp dir, the service's pid, jail
+or not); the worker isolates itself and answers {"isolation": {...}} naming the layers that hold,
+before any user code runs. The second request loads the spec (a reward file's code runs here
+first) and is answered {"ok": true} or {"ok": false, "reason": traceback}. Then each item is
+answered {"value": x} | {"components": {...}} | {"error": reason} with its CPU seconds so far.
+User code sees /dev/null as stdin, stdout and stderr. Stdlib only, plus pyseccomp in the jail and
+the built-in registry in "builtin" mode (both imported before the uid drop).
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import resource
+import socket
 import sys
 import traceback
 from collections.abc import Callable
 from typing import Any
 
-from services.reward import guard, protocol
+from services.reward import codeexec, guard, protocol
 
 RewardFn = Callable[..., Any]
 
 
-def _private_pipes() -> tuple[int, int]:
-    rfd, wfd = os.dup(0), os.dup(1)
+def _private_channel() -> socket.socket:
+    """The request socket (moved off fd 0 and shut for writing); fds 0-2 become /dev/null."""
+    sock = socket.socket(fileno=os.dup(0))
+    sock.shutdown(socket.SHUT_WR)
     devnull = os.open(os.devnull, os.O_RDWR)
-    os.dup2(devnull, 0)
-    os.dup2(devnull, 1)
+    for fd in (0, 1, 2):
+        os.dup2(devnull, fd)
     os.close(devnull)
     sys.stdin = open(os.devnull)  # noqa: SIM115 - lives as long as the process
-    sys.stdout = open(os.devnull, "w")  # noqa: SIM115
-    return rfd, wfd
+    sys.stdout = sys.stderr = open(os.devnull, "w")  # noqa: SIM115
+    return sock
 
 
-def _supervise(child: int, fds: tuple[int, int]) -> None:
-    """Outer process of a PID namespace: wait for the item loop (PID 1 inside) and mirror its end."""
-    for fd in fds:
-        os.close(fd)
+def _supervise(child: int, sock: socket.socket, reply_fd: int) -> None:
+    """Outer process of a PID namespace: wait for the item loop (PID 1 inside) and mirror its end.
+    It closes its copies of the channel (a reply pipe must close when the item loop closes it)."""
+    sock.close()
+    os.close(reply_fd)
     _, status = os.waitpid(child, 0)
     if os.WIFSIGNALED(status):
         os.kill(os.getpid(), os.WTERMSIG(status))
     os._exit(os.waitstatus_to_exitcode(status) & 0xFF)
 
 
-def isolate(boot: dict[str, Any], fds: tuple[int, int]) -> dict[str, Any]:
-    """Enter namespaces, apply limits, drop to the worker's uid; returns the active layers."""
-    isolation, parent = _enter_namespaces(boot, fds)
+def isolate(boot: dict[str, Any], sock: socket.socket, reply_fd: int) -> dict[str, Any]:
+    """Enter namespaces (legacy) or take the jail's, apply limits, drop to the worker's uid, load the
+    seccomp filter (jail); returns the active layers."""
+    jailed = bool(boot.get("jail"))
+    if jailed:
+        isolation: dict[str, Any] = {"mountns": True, "pidns": True, "netns": True, "userns": os.geteuid() != 0}
+        parent = os.getppid()  # 0 when the worker is PID 1, else bwrap's init (1)
+    else:
+        isolation, parent = _enter_namespaces(boot, sock, reply_fd)
     limits = boot["limits"]
     os.chdir(boot["tmpdir"])
     if boot["mode"] == "builtin":
@@ -56,15 +70,24 @@ def isolate(boot: dict[str, Any], fds: tuple[int, int]) -> dict[str, Any]:
                      limits["processes"])
     uid = int(boot.get("uid") or 0)
     if uid and os.geteuid() == 0:
-        isolation["mountns"] = guard.expose_paths(_python_paths(boot))
+        if jailed:
+            os.chown(boot["tmpdir"], uid, uid)
+        else:
+            isolation["mountns"] = guard.expose_paths(_python_paths(boot))
     isolation["dropped_uid"] = guard.drop_privileges(uid)
     guard.die_with_parent(parent)  # again: the uid change (and a fork) cleared it
     guard.forbid_new_privileges()
+    guard.hide_from_same_uid()  # a code_tests child cannot read or write this process's memory
+    if jailed:
+        from services.reward import syscall_filter
+
+        syscall_filter.load(allow_fork=boot["mode"] == "builtin")
+        isolation["seccomp"] = True
     isolation.update(uid=os.getuid(), audit_hook=boot["mode"] == "file")
     return isolation
 
 
-def _enter_namespaces(boot: dict[str, Any], fds: tuple[int, int]) -> tuple[dict[str, Any], int]:
+def _enter_namespaces(boot: dict[str, Any], sock: socket.socket, reply_fd: int) -> tuple[dict[str, Any], int]:
     """The namespaces entered, and the pid of the item loop's parent (the service, or the outer process)."""
     parent = int(boot["parent_pid"])
     guard.die_with_parent(parent)
@@ -73,7 +96,7 @@ def _enter_namespaces(boot: dict[str, Any], fds: tuple[int, int]) -> tuple[dict[
         parent = os.getpid()
         child = os.fork()
         if child:
-            _supervise(child, fds)
+            _supervise(child, sock, reply_fd)
     return isolation, parent
 
 
@@ -100,7 +123,7 @@ def load_file(source: str, tmpdir: str, root: str) -> RewardFn:
     return fn
 
 
-def load(boot: dict[str, Any], fds: tuple[int, int]) -> RewardFn:
+def load(boot: dict[str, Any]) -> RewardFn:
     """The function scoring one item, for either mode."""
     if boot["mode"] == "file":
         fn = load_file(boot["source"], boot["tmpdir"], boot["root"])
@@ -108,9 +131,8 @@ def load(boot: dict[str, Any], fds: tuple[int, int]) -> RewardFn:
         if params:
             return lambda completion, prompt, **meta: fn(completion, prompt, params=params, **meta)
         return fn
-    from services.reward import builtins, codeexec
+    from services.reward import builtins
 
-    codeexec.CHILD_CLOSE_FDS[:] = list(fds)
     return builtins.resolve(boot["spec"]["builtin"], boot["spec"]["params"])
 
 
@@ -144,28 +166,50 @@ def score_one(fn: RewardFn, request: dict[str, Any]) -> dict[str, Any]:
     return encode_value(value)
 
 
-def serve(fn: RewardFn, rfd: int, wfd: int) -> None:
+def reply(fd: int, message: dict[str, Any]) -> None:
+    """Write message on a request's reply pipe and close it; a pipe the service (or user code) closed
+    already is left alone: the service then sees no reply."""
+    try:
+        protocol.write_fd(fd, message)
+    except OSError:
+        pass
+    finally:
+        with contextlib.suppress(OSError):
+            os.close(fd)
+
+
+def serve(fn: RewardFn, sock: socket.socket) -> None:
     while True:
         try:
-            request = protocol.read_fd(rfd)
-        except EOFError:
+            request, reply_fd = protocol.receive(sock)
+        except (EOFError, ConnectionError):
             return
-        reply = score_one(fn, request)
+        codeexec.CHILD_CLOSE_FDS[:] = [sock.fileno(), reply_fd]
+        result = score_one(fn, request)
         usage = resource.getrusage(resource.RUSAGE_SELF)
-        reply["cpu_s"] = usage.ru_utime + usage.ru_stime
-        protocol.write_fd(wfd, reply)
+        result["cpu_s"] = usage.ru_utime + usage.ru_stime
+        reply(reply_fd, result)
+
+
+def _reason(error: BaseException) -> str:
+    return "".join(traceback.format_exception(error, limit=-3))[-4000:].strip()
 
 
 def main() -> None:
-    rfd, wfd = _private_pipes()
-    boot = protocol.read_fd(rfd)
+    sock = _private_channel()
+    boot, reply_fd = protocol.receive(sock)
     try:
-        isolation = isolate(boot, (rfd, wfd))
-        fn = load(boot, (rfd, wfd))
-    except BaseException as error:  # report why the spec cannot load, then exit
-        reason = "".join(traceback.format_exception(error, limit=-3))[-4000:].strip()
-        protocol.write_fd(wfd, {"ok": False, "reason": reason})
+        isolation = isolate(boot, sock, reply_fd)
+    except BaseException as error:  # report why the worker cannot isolate itself, then exit
+        reply(reply_fd, {"ok": False, "reason": _reason(error)})
         os._exit(3)
-    protocol.write_fd(wfd, {"ok": True, "isolation": isolation})
-    serve(fn, rfd, wfd)
+    reply(reply_fd, {"ok": True, "isolation": isolation})
+    _, reply_fd = protocol.receive(sock)
+    try:
+        fn = load(boot)
+    except BaseException as error:  # report why the spec cannot load, then exit
+        reply(reply_fd, {"ok": False, "reason": _reason(error)})
+        os._exit(3)
+    reply(reply_fd, {"ok": True})
+    serve(fn, sock)
     os._exit(0)

@@ -1,0 +1,103 @@
+"""What the operator of a reward service controls: caps on what a job may ask, the refusal to run
+reward code without the jail, and no worker or temp dir outliving a SIGKILLed service."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import grpc
+import pytest
+
+from services.common.embedded import free_port, wait_for_port
+from services.common.grpcutil import channel
+from services.proto.fleetrl.v1 import common_pb2, reward_pb2, reward_pb2_grpc
+from services.reward import jail
+from services.reward.config import RewardSettings
+from services.reward.scorer import Scorer
+from tests.reward.conftest import UID_BASE, descendants, file_spec, items, reward_service, uid_processes, wait_gone
+
+ROOT = Path(__file__).resolve().parents[2]
+BENIGN = "def reward(completion, prompt, **meta):\n    return 1.0\n"
+HANG = "import time\ndef reward(completion, prompt, **meta):\n    time.sleep(1e9)\n"
+
+
+async def test_a_spec_asking_more_than_the_caps_is_refused_naming_the_field(tmp_path: Path) -> None:
+    async with reward_service(tmp_path, max_memory_limit_mb=512, max_timeout_per_item_s=2.0) as stub:
+        too_much = await stub.Validate(reward_pb2.ValidateRequest(spec=file_spec(BENIGN, memory_mb=1024)), timeout=10)
+        assert not too_much.ok and "reward.memory_limit_mb: 1024 exceeds" in too_much.reason, too_much.reason
+        too_slow = await stub.Validate(reward_pb2.ValidateRequest(spec=file_spec(BENIGN, timeout_s=5)), timeout=10)
+        assert not too_slow.ok and "reward.timeout_per_item_s: 5 exceeds" in too_slow.reason, too_slow.reason
+        ok = await stub.Validate(reward_pb2.ValidateRequest(spec=file_spec(BENIGN, memory_mb=512, timeout_s=2)),
+                                 timeout=10)
+        assert ok.ok, ok.reason
+
+
+async def test_without_the_jail_reward_code_is_refused_unless_legacy_is_chosen(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(jail, "bwrap_binary", lambda: None)
+    async with reward_service(tmp_path) as stub:
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await stub.Score(reward_pb2.ScoreRequest(job_id="j", spec=file_spec(BENIGN), items=items(("x", {}))),
+                             timeout=10)
+        assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert "no bwrap binary" in str(refused.value.details())
+    scorer = Scorer(RewardSettings(sandbox_mode="legacy", sandbox_dir=tmp_path))
+    assert scorer.sandbox.problem == "" and scorer.sandbox.describe().startswith("mode legacy")
+    held = scorer.metrics.registry.get_sample_value("fleetrl_reward_sandbox_layer", {"layer": "seccomp"})
+    assert held == 0.0
+
+
+@pytest.mark.parametrize("mode", ["jail", "legacy"])
+async def test_a_sigkilled_service_leaves_no_worker_and_its_temp_dirs_are_swept(mode: str, tmp_path: Path) -> None:
+    port = free_port()
+    argv = [sys.executable, "-m", "services.reward", "--listen", f"127.0.0.1:{port}", "--workers", "2",
+            "--set", f"sandbox_uid_base={UID_BASE}", "--set", f"sandbox_dir={tmp_path}",
+            "--set", f"sandbox_mode={mode}", "--set", f"run_dir={tmp_path / 'run'}"]
+    proc = subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        await asyncio.to_thread(wait_for_port, "127.0.0.1", port, 60.0, proc)
+        async with channel(f"127.0.0.1:{port}") as chan:
+            stub = reward_pb2_grpc.RewardServiceStub(chan)
+            call = stub.Score(reward_pb2.ScoreRequest(job_id="j", spec=file_spec(HANG, timeout_s=30),
+                                                      items=items(("x", {}))), timeout=60)
+            await asyncio.sleep(1.0)
+            workers = descendants(proc.pid)
+            assert workers, "the service started no worker"
+            proc.send_signal(signal.SIGKILL)
+            with pytest.raises(grpc.aio.AioRpcError):
+                await call
+    finally:
+        proc.kill()
+        proc.wait()
+    start = time.monotonic()
+    left = wait_gone(lambda: [pid for pid in workers if os.path.exists(f"/proc/{pid}")
+                              and Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"], 5.0)
+    assert left == [], f"workers outlived the SIGKILLed service: {left}"
+    assert time.monotonic() - start < 5.0
+    if os.geteuid() == 0:
+        assert wait_gone(lambda: uid_processes(lambda u: UID_BASE <= u < UID_BASE + 60_000)) == []
+    left_dirs = [p for p in tmp_path.iterdir() if p.name != "run"]
+    if mode == "legacy":
+        assert left_dirs, "the legacy workers' temp dirs should still be there after the SIGKILL"
+    scorer = Scorer(RewardSettings(sandbox_mode=mode, sandbox_dir=tmp_path))  # the next service sweeps them
+    await scorer.close()
+    assert [p for p in tmp_path.iterdir() if p.name != "run"] == []
+
+
+async def test_the_pool_reports_status_ok_in_the_jail_for_a_builtin_that_forks(tmp_path: Path) -> None:
+    """code_tests forks a child per test: built-in workers may fork (but not exec) in the jail."""
+    from services.common.config import RewardSpec
+    from services.reward.convert import spec_to_proto
+
+    spec = spec_to_proto(RewardSpec(builtin="code_tests", params={}, timeout_per_item_s=10))
+    async with reward_service(tmp_path) as stub:
+        reply = await stub.Score(reward_pb2.ScoreRequest(job_id="j", spec=spec, items=items(
+            ("```python\ndef add(a, b):\n    return a + b\n```", {"tests": ["assert add(1, 2) == 3"]}))), timeout=30)
+    assert reply.results[0].status == common_pb2.REWARD_STATUS_OK, reply.results[0].reason
+    assert reply.results[0].reward == 1.0 and reply.results[0].components["all_passed"] == 1.0
