@@ -33,6 +33,10 @@ def _settings_fields(service: str) -> set[str]:
     return set(getattr(importlib.import_module(module), name).model_fields)
 
 
+def _services_of(path: Path) -> dict[str, dict]:
+    return yaml.safe_load(path.read_text())["services"]  # type: ignore[no-any-return]
+
+
 def _fleetrl_services(path: Path) -> dict[str, dict]:
     services = yaml.safe_load(path.read_text())["services"]
     return {name: svc for name, svc in services.items() if svc.get("image", "").startswith("fleetrl")}
@@ -63,3 +67,17 @@ def test_dockerfile_entrypoint_is_the_cli() -> None:
 def test_compose_config_validates() -> None:
     subprocess.run(["docker-compose", "-f", "docker-compose.yml", "-f", "docker-compose.gpu.yml", "config", "-q"],
                    cwd=ROOT, check=True, timeout=60)
+
+
+def test_compose_nats_configuration_is_accepted_by_nats_server() -> None:
+    """The compose NATS service's command and config file, checked by the real nats-server (`-t`)."""
+    from services.common.embedded import nats_server_binary
+
+    nats = _services_of(ROOT / "docker-compose.yml")["nats"]
+    command = list(nats["command"])
+    mounted = {v.split(":")[1]: v.split(":")[0] for v in nats["volumes"] if v.startswith("./")}
+    config = command[command.index("-c") + 1]
+    command[command.index("-c") + 1] = str(ROOT / mounted[config])
+    done = subprocess.run([nats_server_binary(), *command, "-t"], capture_output=True, text=True, timeout=30)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "max_payload" in (ROOT / mounted[config]).read_text()
