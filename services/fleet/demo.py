@@ -30,6 +30,7 @@ from services.common.config import parse_job_spec
 from services.common.errors import ConfigError, FieldViolation, FleetError, InvalidArgument, NotFound
 from services.fleet.cli import add_thread_flags
 from services.fleet.fleet import Fleet, FleetLayout, FleetOptions
+from services.fleet.report import EVAL_SAMPLES
 from services.gateway.client import Client, Run, load_job_file
 from services.gateway.models import JobInfo, StepInfo
 
@@ -60,6 +61,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--model", help="model to train (default: the job's, smollm2-135m); tiny-* for a quick check")
     p.add_argument("--max-steps", type=int, help="optimizer steps (default: the job's)")
     p.add_argument("--eval-problems", type=int, default=100, help="held-out problems evaluated (default 100)")
+    p.add_argument("--eval-samples", type=int, default=EVAL_SAMPLES,
+                   help=f"sampled completions a problem for pass@1 and pass@k (default {EVAL_SAMPLES}; 0: greedy only)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a job spec field")
     p.add_argument("--job", type=Path, default=DEFAULT_JOB, help="job TOML (default examples/addition/job.toml)")
     p.add_argument("--eval-file", type=Path, default=DEFAULT_EVAL, help="held-out prompts JSONL with answers")
@@ -99,6 +102,8 @@ def run(args: argparse.Namespace, out: Console) -> int:
     overrides = job_overrides(args)
     spec = parse_job_spec(load_job_file(args.job, overrides)[0], "json")  # fail before starting anything
     problems = eval_problems(args.eval_file, args.eval_problems)
+    if args.eval_samples < 0:
+        raise ConfigError("bad option", [FieldViolation("--eval-samples", "must be >= 0")])
     if not args.gateway:  # a local fleet loads the model on this machine: is it installed?
         from services.common import models
 
@@ -111,7 +116,7 @@ def run(args: argparse.Namespace, out: Console) -> int:
     from services.fleet import report  # torch and matplotlib only once there is something to report
 
     summary = report.write(run_dir, spec, trained.job, trained.steps, trained.model_dir, problems,
-                           train_wall_s=trained.train_wall_s, out=out)
+                           train_wall_s=trained.train_wall_s, out=out, samples=args.eval_samples)
     summary["wall_s"] = time.monotonic() - started
     (run_dir / report.REPORT_JSON).write_text(json.dumps(summary, indent=2) + "\n")
     report.print_summary(summary, out)

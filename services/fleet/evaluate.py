@@ -1,21 +1,26 @@
-"""Held-out evaluation of the addition task: greedy accuracy and format rate.
+"""Held-out evaluation of the addition task: greedy accuracy, format rate, and sampled pass@k.
 
 A completion is *correct* when the last integer in it equals a + b, and
-*number-only* when, stripped, it is nothing but that integer. Generation is
-greedy and batched with left padding; prompts go through the same chat
-formatting the actors use, so base and trained models see what training saw.
+*number-only* when, stripped, it is nothing but that integer. Greedy generation is
+batched with left padding; prompts go through the same chat formatting the actors use,
+so base and trained models see what training saw. Sampled generation uses the actor's own
+sampler (`HFBackend.generate`, the job's temperature and top-p), k completions a problem,
+and pass@k is the unbiased estimator of Chen et al. (2021) over those k samples.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import re
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import cast
+from typing import Protocol, cast
 
 import torch
 from transformers import GenerationMixin, PreTrainedModel, PreTrainedTokenizerBase
+
+from services.actor.backends import Completion
 
 _LAST_INT = re.compile(r"-?\d+")
 _ONLY_INT = re.compile(r"^\s*-?\d+\s*$")
@@ -29,11 +34,45 @@ class EvalResult:
     examples: list[dict[str, str]]
 
 
+@dataclass(frozen=True)
+class SampledResult:
+    """pass@1 and pass@k over problems, from `samples` sampled completions each."""
+
+    problems: int
+    samples: int
+    temperature: float
+    pass_at_1: float
+    pass_at_k: float
+    correct_per_problem: list[int]
+
+
+class Sampler(Protocol):
+    """What sampled evaluation needs of an inference backend (`services.actor.backends.HFBackend`)."""
+
+    def generate(
+        self, prompt_token_ids: list[int], n: int, *, max_new_tokens: int, temperature: float, top_p: float,
+        seed: int, ignore_eos: bool = False,
+    ) -> list[Completion]: ...
+
+
 def score(completion: str, answer: str) -> tuple[bool, bool]:
     """(correct, number-only) of one completion."""
     numbers = _LAST_INT.findall(completion)
     correct = bool(numbers) and numbers[-1] == answer
     return correct, bool(_ONLY_INT.match(completion)) and correct
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Unbiased pass@k from n samples of which c are correct: 1 - C(n - c, k) / C(n, k).
+
+    The chance that k samples drawn without replacement from the n include a correct one, written
+    as a product (1 - k / i for i in n - c + 1 .. n) so large n needs no big binomials.
+    """
+    if not 0 <= c <= n or not 1 <= k <= n:
+        raise ValueError(f"pass@k needs 0 <= c <= n and 1 <= k <= n, got n={n}, c={c}, k={k}")
+    if n - c < k:
+        return 1.0
+    return 1.0 - math.prod(1.0 - k / i for i in range(n - c + 1, n + 1))
 
 
 def read_problems(path: Path, limit: int) -> list[dict[str, str]]:
@@ -73,5 +112,20 @@ def evaluate(
     return EvalResult(n, sum(c for c, _ in scores) / n, sum(f for _, f in scores) / n, examples)
 
 
-def as_dict(result: EvalResult) -> dict[str, object]:
+def sampled(
+    backend: Sampler, problems: list[dict[str, str]], prompt_ids: list[list[int]], samples: int, *,
+    max_new_tokens: int, temperature: float, top_p: float = 1.0, seed: int = 0,
+) -> SampledResult:
+    """pass@1 and pass@`samples` of `samples` completions a problem, problem i drawn with seed + i."""
+    correct = []
+    for index, (problem, ids) in enumerate(zip(problems, prompt_ids, strict=True)):
+        completions = backend.generate(ids, samples, max_new_tokens=max_new_tokens, temperature=temperature,
+                                       top_p=top_p, seed=seed + index)
+        correct.append(sum(score(c.text, str(problem["answer"]))[0] for c in completions))
+    n = len(problems)
+    return SampledResult(n, samples, temperature, sum(pass_at_k(samples, c, 1) for c in correct) / n,
+                         sum(pass_at_k(samples, c, samples) for c in correct) / n, correct)
+
+
+def as_dict(result: EvalResult | SampledResult) -> dict[str, object]:
     return asdict(result)

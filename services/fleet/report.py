@@ -5,7 +5,9 @@ Files written into the run directory:
 - `metrics.jsonl`: one JSON object per optimizer step, as `WatchJob` streamed it.
 - `training.png`: reward (and its components), accuracy and KL against steps.
 - `eval.json`: greedy accuracy and number-only rate of the base and the trained model on the
-  same held-out problems, with a few example completions each.
+  same held-out problems, with a few example completions each, and sampled pass@1 / pass@k on the
+  first SAMPLED_PROBLEMS of them (k completions a problem at the job's temperature and top-p, the
+  unbiased estimator).
 - `report.json` and `report.md`: the job, the figures above, wall times and file names.
 
 Design choice: both models are evaluated here, the same way (greedy, the job's prompt encoding,
@@ -29,6 +31,11 @@ from services.gateway.models import JobInfo, StepInfo
 METRICS_JSONL, PLOT_PNG, EVAL_JSON = "metrics.jsonl", "training.png", "eval.json"
 REPORT_JSON, REPORT_MD = "report.json", "report.md"
 EVAL_NEW_TOKENS = 16
+EVAL_SAMPLES = 8
+"""Sampled completions a problem for pass@k (k = EVAL_SAMPLES) in the demo's report."""
+SAMPLED_PROBLEMS = 25
+"""Sampled evaluation covers the first SAMPLED_PROBLEMS problems: k completions of each cost about k
+greedy passes (see the README's demo figures)."""
 COMPONENTS = "reward/"
 PLOTTED = (("mean reward of the training samples", ("reward_mean",)),
            ("reward components of the training samples (correct = accuracy)", (COMPONENTS,)),
@@ -38,14 +45,18 @@ LABELS = {"reward_mean": "reward", "kl": "KL"}
 
 
 def write(run_dir: Path, spec: JobSpec, job: JobInfo, steps: list[StepInfo], model_dir: Path | None,
-          problems: list[dict[str, str]], *, train_wall_s: float, out: Console) -> dict[str, Any]:
-    """Write every report file (the evaluation only when there is a trained model); the summary."""
+          problems: list[dict[str, str]], *, train_wall_s: float, out: Console,
+          samples: int = EVAL_SAMPLES) -> dict[str, Any]:
+    """Write every report file (the evaluation only when there is a trained model); the summary.
+
+    `samples` completions a problem give pass@1 and pass@`samples`; 0 leaves sampled evaluation out.
+    """
     write_metrics(run_dir / METRICS_JSONL, steps)
     plot(run_dir / PLOT_PNG, steps)
     evaluation = None
     if model_dir is not None:
         out.print(f"evaluating the base and the trained model on {len(problems)} held-out problems ...")
-        evaluation = evaluate_both(spec, model_dir, problems)
+        evaluation = evaluate_both(spec, model_dir, problems, samples)
         (run_dir / EVAL_JSON).write_text(json.dumps(evaluation, indent=2) + "\n")
     summary = summarise(job, steps, model_dir, evaluation, train_wall_s)
     (run_dir / REPORT_MD).write_text(markdown(summary))
@@ -90,15 +101,16 @@ def _expand(keys: tuple[str, ...], steps: list[StepInfo]) -> list[str]:
 # ----------------------------------------------------------------------------- evaluation
 
 
-def evaluate_both(spec: JobSpec, model_dir: Path, problems: list[dict[str, str]]) -> dict[str, Any]:
-    """{"problems", "max_new_tokens", "base": EvalResult dict, "trained": EvalResult dict}."""
-    return {"problems": len(problems), "max_new_tokens": EVAL_NEW_TOKENS,
-            "base": evaluate_model(spec.model, spec, problems),
-            "trained": evaluate_model(str(model_dir), spec, problems)}
+def evaluate_both(spec: JobSpec, model_dir: Path, problems: list[dict[str, str]], samples: int) -> dict[str, Any]:
+    """{"problems", "max_new_tokens", "samples", "base": figures, "trained": figures} (see evaluate_model)."""
+    return {"problems": len(problems), "max_new_tokens": EVAL_NEW_TOKENS, "samples": samples,
+            "base": evaluate_model(spec.model, spec, problems, samples),
+            "trained": evaluate_model(str(model_dir), spec, problems, samples)}
 
 
-def evaluate_model(model_name: str, spec: JobSpec, problems: list[dict[str, str]]) -> dict[str, Any]:
-    from services.actor.backends import prompt_tokens
+def evaluate_model(model_name: str, spec: JobSpec, problems: list[dict[str, str]], samples: int) -> dict[str, Any]:
+    """Greedy EvalResult fields, plus `sampled` (a SampledResult dict, or None when samples is 0)."""
+    from services.actor.backends import HFBackend, prompt_tokens
     from services.common import models
     from services.fleet import evaluate
 
@@ -106,7 +118,13 @@ def evaluate_model(model_name: str, spec: JobSpec, problems: list[dict[str, str]
     model, tokenizer = models.load(model_name)
     prompt_ids = [prompt_tokens(tokenizer, p["prompt"], spec.rollout) for p in problems]
     result = evaluate.as_dict(evaluate.evaluate(model, tokenizer, problems, prompt_ids, EVAL_NEW_TOKENS))
-    return {"model": model_name, **result, "wall_s": round(time.monotonic() - started, 1)}
+    sampled = None
+    if samples > 0:
+        first = slice(0, SAMPLED_PROBLEMS)
+        sampled = evaluate.as_dict(evaluate.sampled(
+            HFBackend(model, tokenizer), problems[first], prompt_ids[first], samples, max_new_tokens=EVAL_NEW_TOKENS,
+            temperature=spec.rollout.temperature, top_p=spec.rollout.top_p, seed=spec.seed))
+    return {"model": model_name, **result, "sampled": sampled, "wall_s": round(time.monotonic() - started, 1)}
 
 
 # ----------------------------------------------------------------------------- summary
@@ -129,8 +147,19 @@ def _figures(evaluation: dict[str, Any] | None) -> dict[str, Any] | None:
     if evaluation is None:
         return None
     keys = ("accuracy", "number_only_rate")
-    return {"problems": evaluation["problems"],
-            **{which: {k: evaluation[which][k] for k in keys} for which in ("base", "trained")}}
+    figures: dict[str, Any] = {"problems": evaluation["problems"], "samples": evaluation["samples"],
+                               "sampled_problems": min(evaluation["problems"], SAMPLED_PROBLEMS)}
+    for which in ("base", "trained"):
+        sampled = evaluation[which]["sampled"] or {}
+        figures[which] = {**{k: evaluation[which][k] for k in keys},
+                          "pass_at_1": sampled.get("pass_at_1"), "pass_at_k": sampled.get("pass_at_k")}
+    return figures
+
+
+def _pass_cells(figures: dict[str, Any], which: str) -> list[str]:
+    """The pass@1 and pass@k cells of one model ("-" when sampled evaluation was off)."""
+    row = figures[which]
+    return [f"{row[key]:.1%}" if row[key] is not None else "-" for key in ("pass_at_1", "pass_at_k")]
 
 
 def markdown(summary: dict[str, Any]) -> str:
@@ -139,10 +168,13 @@ def markdown(summary: dict[str, Any]) -> str:
              f"training wall time {summary['train_wall_s']:.0f} s.", ""]
     figures = summary["eval"]
     if figures:
-        lines += [f"Held-out evaluation, {figures['problems']} problems, greedy:", "",
-                  "| model | accuracy | number-only |", "|---|---|---|"]
-        lines += [f"| {which} | {figures[which]['accuracy']:.1%} | {figures[which]['number_only_rate']:.1%} |"
-                  for which in ("base", "trained")]
+        k = figures["samples"]
+        lines += [f"Held-out evaluation, {figures['problems']} problems: greedy accuracy and number-only rate; "
+                  f"pass@1 and pass@{k} from {k} sampled completions of each of the first "
+                  f"{figures['sampled_problems']} (unbiased estimator).", "",
+                  f"| model | accuracy | number-only | pass@1 | pass@{k} |", "|---|---|---|---|---|"]
+        lines += [f"| {which} | {figures[which]['accuracy']:.1%} | {figures[which]['number_only_rate']:.1%} | "
+                  + " | ".join(_pass_cells(figures, which)) + " |" for which in ("base", "trained")]
     else:
         lines.append(f"No evaluation: the job ended {summary['state']} {summary['reason']}".rstrip())
     lines += ["", f"![training curves]({PLOT_PNG})", "", "Per-step metrics: `metrics.jsonl`; details: `eval.json`."]
@@ -152,11 +184,13 @@ def markdown(summary: dict[str, Any]) -> str:
 def print_summary(summary: dict[str, Any], out: Console) -> None:
     figures = summary["eval"]
     if figures:
-        table = Table(title=f"held-out accuracy, {figures['problems']} problems (greedy)")
-        for column in ("model", "accuracy", "number-only"):
+        k = figures["samples"]
+        table = Table(title=f"held-out accuracy, {figures['problems']} problems (greedy; pass@k sampled, k={k})")
+        for column in ("model", "accuracy", "number-only", "pass@1", f"pass@{k}"):
             table.add_column(column)
         for which in ("base", "trained"):
-            table.add_row(which, f"{figures[which]['accuracy']:.1%}", f"{figures[which]['number_only_rate']:.1%}")
+            table.add_row(which, f"{figures[which]['accuracy']:.1%}", f"{figures[which]['number_only_rate']:.1%}",
+                          *_pass_cells(figures, which))
         out.print(table)
     out.print(f"job {summary['job_id']} {summary['state']}: {summary['steps']} steps, "
               f"training {summary['train_wall_s']:.0f} s, total {summary.get('wall_s', 0):.0f} s")

@@ -17,11 +17,14 @@ from PIL import Image
 
 from services.fleet import demo
 from services.fleet.fleet import STATE_FILE
+from services.fleet.report import SAMPLED_PROBLEMS
 
 ROOT = Path(__file__).resolve().parents[2]
 STEPS = 3
 EVAL_PROBLEMS = 100
+SAMPLES, SAMPLED = 4, min(EVAL_PROBLEMS, SAMPLED_PROBLEMS)
 QUICK = ["--model", "tiny-llama", "--max-steps", str(STEPS), "--eval-problems", str(EVAL_PROBLEMS),
+         "--eval-samples", str(SAMPLES),
          "--set", "rollout.prompts_per_step=2", "--set", "rollout.samples_per_prompt=4",
          "--set", "rollout.max_new_tokens=4", "--set", "train.checkpoint_interval=100"]
 
@@ -53,6 +56,10 @@ def test_demo_trains_and_writes_a_well_formed_report(
         figures = evaluation[which]
         assert figures["problems"] == EVAL_PROBLEMS
         assert 0 <= figures["accuracy"] <= 1 and 0 <= figures["number_only_rate"] <= figures["accuracy"]
+        sampled = figures["sampled"]
+        assert (sampled["problems"], sampled["samples"]) == (SAMPLED, SAMPLES)
+        assert len(sampled["correct_per_problem"]) == SAMPLED
+        assert 0 <= sampled["pass_at_1"] <= sampled["pass_at_k"] <= 1
     assert evaluation["trained"]["model"] == str(run_dir / "model")
 
 
@@ -65,10 +72,12 @@ def test_demo_report_summarises_the_job_and_the_fleet_is_gone(
     assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads((run_dir / "report.json").read_text())
     assert report["state"] == "succeeded" and report["steps"] == STEPS and report["model"] == "tiny-llama"
-    assert set(report["eval"]) == {"problems", "base", "trained"} and report["wall_s"] > report["train_wall_s"] > 0
+    assert set(report["eval"]) == {"problems", "samples", "sampled_problems", "base", "trained"}
+    assert report["wall_s"] > report["train_wall_s"] > 0
     assert all((run_dir / name).is_file() for name in report["files"])
     markdown = (run_dir / "report.md").read_text()
     assert "| base |" in markdown and "| trained |" in markdown and "training.png" in markdown
+    assert f"| pass@1 | pass@{SAMPLES} |" in markdown
     assert (run_dir / "model" / "config.json").is_file() and list((run_dir / "model").glob("*.safetensors"))
     assert not (run_dir / STATE_FILE).exists()  # the fleet the demo started is stopped
 
@@ -78,6 +87,7 @@ def test_demo_report_summarises_the_job_and_the_fleet_is_gone(
     ["--set", "no_such_field=1"],
     ["--max-steps", "0"],
     ["--eval-problems", "100000"],
+    ["--eval-samples", "-1"],
     ["--job", "does/not/exist.toml"],
 ])
 def test_bad_input_exits_2_before_starting_anything(argv: list[str], tmp_path: Path) -> None:
