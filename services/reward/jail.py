@@ -22,6 +22,7 @@ jailed pools when it fails, unless the operator chose the legacy sandbox (`sandb
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -118,8 +119,11 @@ def command(bwrap: str, argv: list[str], tmp_mb: int) -> list[str]:
             "--setenv", "PATH", "/usr/bin:/bin", "--setenv", "LANG", "C.UTF-8", *argv]
 
 
+HOST_ONLY = ("home", "var", "tmp", "run")
+"""Top-level host dirs whose contents the jail must hide (a bound Python installation may live under one)."""
+
 PROBE = f"""
-import os, socket, sys
+import json, os, socket, sys
 sys.path.insert(0, {INSIDE_ROOT!r})
 from services.reward import syscall_filter
 links = [line.split(":")[0].strip() for line in open("/proc/self/net/dev").read().splitlines()[2:]]
@@ -131,8 +135,21 @@ for name, attempt in (("inet", lambda: socket.socket(socket.AF_INET)), ("fork", 
     except OSError:
         denied.append(name)
 pids = [name for name in os.listdir("/proc") if name.isdigit()]
-print(" ".join(sorted(os.listdir("/"))), "|", " ".join(pids), "|", " ".join(links), "|", " ".join(denied))
+hidden = {{top: sorted(os.listdir("/" + top)) for top in {HOST_ONLY!r} if os.path.isdir("/" + top)}}
+print(" ".join(sorted(os.listdir("/"))), "|", " ".join(pids), "|", " ".join(links), "|", " ".join(denied), "|",
+      json.dumps(hidden))
 """
+
+
+def _only_bound_paths(seen: dict[str, list[str]]) -> bool:
+    """Each HOST_ONLY dir seen in the jail holds nothing but the first step towards a bound Python path
+    (a virtualenv under /home or /tmp is bound at its own path, so that dir exists, holding only that)."""
+    allowed: dict[str, set[str]] = {}
+    for path in _python_paths():
+        parts = Path(path).parts  # ("/", top, child, ...)
+        if len(parts) > 2:
+            allowed.setdefault(parts[1], set()).add(parts[2])
+    return all(set(children) <= allowed.get(top, set()) for top, children in seen.items())
 
 
 def probe(bwrap: str | None) -> tuple[dict[str, bool], str]:
@@ -147,9 +164,10 @@ def probe(bwrap: str | None) -> tuple[dict[str, bool], str]:
         return layers, f"bwrap did not run: {error}"
     if done.returncode != 0:
         return layers, f"bwrap failed ({done.returncode}): {(done.stderr or done.stdout).strip()[-500:]}"
-    top, pids, links, denied = (part.split() for part in done.stdout.split("|"))
+    *parts, hidden = done.stdout.split("|")
+    top, pids, links, denied = (part.split() for part in parts)
     layers["bwrap"] = True
-    layers["mountns"] = "fleetrl" in top and {"home", "var", "tmp", "run"}.isdisjoint(top)
+    layers["mountns"] = "fleetrl" in top and _only_bound_paths(json.loads(hidden))
     layers["pidns"] = len(pids) <= 2  # the probe, and bwrap's init when running as root
     layers["netns"] = links == ["lo"]
     layers["seccomp"] = denied == ["inet", "fork"]

@@ -212,7 +212,9 @@ class Scorer:
 
     async def _new_pool(self, spec: SpecInput) -> WorkerPool:
         if self.sandbox.problem:
-            raise FailedPrecondition(f"the reward sandbox is not available: {self.sandbox.problem}")
+            raise FailedPrecondition(
+                f"the reward sandbox is not available: {self.sandbox.problem}; an operator may accept the weaker "
+                "legacy sandbox with the reward setting sandbox_mode=legacy (FLEETRL_REWARD_SANDBOX_MODE=legacy)")
         pool = WorkerPool(boot_message(spec), self._pool_config(spec.spec), self._uids, self.metrics.worker_replaced)
         try:
             await pool.start()

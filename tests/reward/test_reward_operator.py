@@ -101,3 +101,19 @@ async def test_the_pool_reports_status_ok_in_the_jail_for_a_builtin_that_forks(t
             ("```python\ndef add(a, b):\n    return a + b\n```", {"tests": ["assert add(1, 2) == 3"]}))), timeout=30)
     assert reply.results[0].status == common_pb2.REWARD_STATUS_OK, reply.results[0].reason
     assert reply.results[0].reward == 1.0 and reply.results[0].components["all_passed"] == 1.0
+
+
+def test_the_probe_accepts_a_virtualenv_under_a_hidden_dir_and_nothing_else_there(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A venv in /tmp/x or /home/u is bound at its own path, so /tmp or /home exists in the jail holding
+    just that step; anything else there means the host's dir leaked in (a fresh clone's venv under /tmp
+    once made the probe refuse every reward)."""
+    from services.reward import jail
+
+    monkeypatch.setattr(jail, "_python_paths", lambda: ["/usr/local", "/tmp/clone/.venv", "/home/u/.pyenv/v"])
+    assert jail._only_bound_paths({"tmp": ["clone"], "home": ["u"]})
+    assert jail._only_bound_paths({})
+    assert not jail._only_bound_paths({"tmp": ["clone", "secret"]})
+    assert not jail._only_bound_paths({"var": ["log"]})
+    assert jail._only_bound_paths({"run": []})  # an empty mount point holds nothing of the host
