@@ -1,7 +1,7 @@
 """gRPC clients the actor calls: the reward service (here) and the replay service (services.replay.client).
 
-Each call has a deadline and is tried once; a failure surfaces as its domain error (Unavailable,
-ResourceExhausted, NotFound, ...) so the task loop alone decides what to retry and for how long.
+Each call has a deadline and is retried as the caller's `RetryPolicy` says; a failure past it surfaces
+as its domain error (Unavailable, ResourceExhausted, NotFound, ...).
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from collections.abc import Sequence
 import grpc
 
 from services.common import telemetry
-from services.common.grpcutil import channel, retry
+from services.common.grpcutil import RetryPolicy, channel, retry
 from services.proto.fleetrl.v1 import reward_pb2, reward_pb2_grpc
 
 
@@ -20,10 +20,12 @@ class RewardClient:
 
     addr: str
     timeout_s: float
+    retry: RetryPolicy
 
-    def __init__(self, addr: str, *, timeout_s: float) -> None:
+    def __init__(self, addr: str, *, timeout_s: float, retry: RetryPolicy | None = None) -> None:
         self.addr = addr
         self.timeout_s = timeout_s
+        self.retry = retry or RetryPolicy()
         self._channel: grpc.aio.Channel = channel(addr)
         self._stub = reward_pb2_grpc.RewardServiceStub(self._channel)
 
@@ -34,7 +36,7 @@ class RewardClient:
             job_id=job_id, spec=reward_pb2.RewardSpec(spec_json=spec_json, file_source=file_source), items=items)
         response = await retry(
             lambda: self._stub.Score(request, timeout=self.timeout_s, metadata=telemetry.grpc_metadata()),
-            what="reward Score", attempts=1)
+            what="reward Score", policy=self.retry)
         return list(response.results)
 
     async def close(self) -> None:

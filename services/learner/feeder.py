@@ -24,12 +24,12 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from nats.js import JetStreamContext
 from opentelemetry import context as otel_context
 
 from services.common import bus, seeding, telemetry
 from services.common.config import JobSpec
 from services.common.errors import InvalidArgument
+from services.learner.jobbus import JobBus
 from services.proto.fleetrl.v1 import common_pb2
 
 _TRACER = telemetry.tracer("fleetrl.feeder")
@@ -118,13 +118,13 @@ class Feeder:
     spec: JobSpec
     prompts: list[Prompt]
     cursor: FeederCursor
-    _js: JetStreamContext
+    _bus: JobBus
     _order: tuple[int, list[int]]
 
-    def __init__(self, js: JetStreamContext, job_id: str, spec: JobSpec, prompts: list[Prompt],
+    def __init__(self, job_bus: JobBus, spec: JobSpec, prompts: list[Prompt],
                  cursor: FeederCursor | None = None) -> None:
-        self._js = js
-        self.job_id = job_id
+        self._bus = job_bus
+        self.job_id = job_bus.job_id
         self.spec = spec
         self.prompts = prompts
         self.cursor = cursor or FeederCursor()
@@ -165,7 +165,7 @@ class Feeder:
         with _TRACER.start_as_current_span("feeder.publish", context=otel_context.Context(), attributes={
                 "fleetrl.job_id": self.job_id, "fleetrl.task_id": task.task_id}):
             headers = telemetry.inject_headers({"Nats-Msg-Id": bus.task_msg_id(self.job_id, epoch, index)})
-            await self._js.publish(bus.task_subject(self.job_id), task.SerializeToString(), headers=headers)
+            await self._bus.publish_task(task.SerializeToString(), headers)
         self.cursor.published += 1
         self.cursor.position += 1
         if self.cursor.position == len(self.prompts):

@@ -1,8 +1,9 @@
 """Async client of the ReplayService for actors and the learner.
 
 Every call has a deadline and is retried with bounded backoff on UNAVAILABLE,
-RESOURCE_EXHAUSTED and DEADLINE_EXCEEDED (`grpcutil.retry`); other failures raise
-their domain error (NotFound, InvalidArgument, ...). Retrying is safe: Insert is
+RESOURCE_EXHAUSTED and DEADLINE_EXCEEDED (`grpcutil.retry`; a caller may give its own
+`RetryPolicy`, as the actor does); other failures raise their domain error (NotFound,
+InvalidArgument, ...). Retrying is safe: Insert is
 idempotent (a retried group reports DUPLICATE) and a second Commit is a no-op.
 Each call carries the caller's trace context as gRPC metadata (W3C traceparent).
 """
@@ -17,7 +18,7 @@ import grpc
 
 from services.common import telemetry
 from services.common.config import ReplayConfig
-from services.common.grpcutil import channel, retry
+from services.common.grpcutil import RetryPolicy, channel, retry
 from services.proto.fleetrl.v1 import common_pb2, replay_pb2, replay_pb2_grpc
 from services.replay import wire
 
@@ -33,12 +34,14 @@ class ReplayClient:
 
     addr: str
     timeout_s: float
-    attempts: int
+    retry: RetryPolicy
 
-    def __init__(self, addr: str, *, timeout_s: float = 10.0, attempts: int = 5) -> None:
+    def __init__(self, addr: str, *, timeout_s: float = 10.0, attempts: int = 5,
+                 retry: RetryPolicy | None = None) -> None:
+        """`retry` (default: up to `attempts` tries on the retryable codes) says when a call is tried again."""
         self.addr = addr
         self.timeout_s = timeout_s
-        self.attempts = attempts
+        self.retry = retry or RetryPolicy(attempts=attempts)
         self._channel: grpc.aio.Channel = channel(addr)
         self._stub = replay_pb2_grpc.ReplayServiceStub(self._channel)
         self._insert_raw = self._channel.unary_unary(
@@ -109,4 +112,4 @@ class ReplayClient:
         rpc = rpc or getattr(self._stub, method)
         metadata = telemetry.grpc_metadata()
         return await retry(lambda: rpc(request, timeout=self.timeout_s + extra_s, metadata=metadata),
-                           what=f"replay {method}", attempts=self.attempts)
+                           what=f"replay {method}", policy=self.retry)

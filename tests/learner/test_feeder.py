@@ -19,6 +19,7 @@ from services.learner.feeder import (
     task_min_version,
     tasks_to_publish,
 )
+from services.learner.jobbus import JobBus
 from services.proto.fleetrl.v1 import common_pb2
 
 
@@ -78,11 +79,11 @@ async def test_feeder_publishes_shuffled_dedups_and_crosses_epochs(nats_url: str
     await bus.ensure_streams(js)
     spec = spec_for(max_staleness=1)  # prompts_per_step 2 -> 4 in flight
     prompts = parse_prompts(prompts_jsonl(3))
-    feeder = Feeder(js, "jf", spec, prompts)
+    feeder = Feeder(JobBus(nc, "jf"), spec, prompts)
     assert await feeder.top_up(0) == 4 and await feeder.top_up(0) == 0
     assert feeder.cursor == FeederCursor(epoch=1, position=1, published=4, settled=0)
     feeder.settle(2)
-    again = Feeder(js, "jf", spec, prompts, FeederCursor(epoch=1, position=0, published=3, settled=2))
+    again = Feeder(JobBus(nc, "jf"), spec, prompts, FeederCursor(epoch=1, position=0, published=3, settled=2))
     assert await again.top_up(7) == 3  # re-publishes (1, order[0]): dropped by Nats-Msg-Id dedup
     sub = await js.pull_subscribe(bus.task_subject("jf"), durable="check")
     msgs = await sub.fetch(10, timeout=2)
