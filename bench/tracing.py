@@ -44,6 +44,7 @@ from services.actor.taskqueue import JobQueue
 from services.common import models, telemetry
 from services.common.config import JobSpec
 from services.proto.fleetrl.v1 import common_pb2, replay_pb2, reward_pb2
+from services.reward.client import spec_to_proto
 
 SPEC = JobSpec.model_validate({
     "model": "tiny-llama", "prompts": "p.jsonl", "reward": {"builtin": "numeric_match"},
@@ -108,7 +109,7 @@ class Replay:
 
 
 class Reward:
-    async def score(self, job_id: str, spec_json: str, file_source: bytes, items: Any) -> list[Any]:
+    async def score(self, job_id: str, spec: Any, items: Any) -> list[Any]:
         return [reward_pb2.ScoreResult(reward=1.0, status=common_pb2.REWARD_STATUS_OK) for _ in items]
 
 
@@ -139,7 +140,7 @@ def time_task_loop(backend: FixedBackend) -> Callable[[int], float]:
         settings, activity = ActorSettings(actor_id="bench"), Activity()
         rollout = Rollout(settings, Replay(), Reward(), activity)
         queue = JobQueue("bench", SPEC.train, None, Sub(msgs), settings, activity)  # type: ignore[arg-type]
-        job = ServedJob(JobContext("bench", SPEC, b"", Policy(backend)), queue)  # type: ignore[arg-type]
+        job = ServedJob(JobContext("bench", SPEC, spec_to_proto(SPEC.reward), Policy(backend)), queue)  # type: ignore[arg-type]
 
         async def go() -> float:
             started = time.perf_counter()

@@ -34,7 +34,8 @@ from services.common.jobs import now_ms
 from services.common.seeding import task_seed
 from services.proto.fleetrl.v1 import common_pb2, replay_pb2, reward_pb2
 
-OUTCOMES: dict[int, str] = {replay_pb2.INSERT_OUTCOME_INSERTED: "inserted", replay_pb2.INSERT_OUTCOME_DUPLICATE: "duplicate"}
+OUTCOMES: dict[int, str] = {replay_pb2.INSERT_OUTCOME_INSERTED: "inserted",
+                            replay_pb2.INSERT_OUTCOME_DUPLICATE: "duplicate"}
 
 
 class GroupSink(Protocol):
@@ -44,9 +45,9 @@ class GroupSink(Protocol):
 
 
 class Rewarder(Protocol):
-    """Who scores completions (services.actor.clients.RewardClient)."""
+    """Who scores completions (services.reward.client.RewardClient)."""
 
-    async def score(self, job_id: str, spec_json: str, file_source: bytes,
+    async def score(self, job_id: str, spec: reward_pb2.RewardSpec,
                     items: Sequence[reward_pb2.ScoreItem]) -> list[reward_pb2.ScoreResult]: ...
 
 
@@ -56,7 +57,8 @@ class JobContext:
 
     job_id: str
     spec: JobSpec
-    reward_file: bytes
+    reward_spec: reward_pb2.RewardSpec
+    """The job's reward spec and file on the wire (`services.reward.client.spec_to_proto`)."""
     policy: JobPolicy
 
 
@@ -127,8 +129,7 @@ class Rollout:
         items = [reward_pb2.ScoreItem(completion=c.text, prompt=task.prompt, metadata_json=task.metadata_json or "{}")
                  for c in completions]
         with self._stage("score", "scoring"):
-            results = await self._reward.score(job.job_id, job.spec.reward.model_dump_json(), job.reward_file,
-                                               items)
+            results = await self._reward.score(job.job_id, job.reward_spec, items)
         if len(results) != len(items):
             raise TaskFailed(f"reward service returned {len(results)} results for {len(items)} items")
         return results

@@ -28,7 +28,6 @@ from prometheus_client import start_http_server
 
 from services.actor import metrics
 from services.actor.backends import make_backend
-from services.actor.clients import RewardClient
 from services.actor.config import ActorSettings
 from services.actor.policy import JobPolicy
 from services.actor.rollout import JobContext, Rollout
@@ -39,6 +38,7 @@ from services.common.grpcutil import RetryPolicy
 from services.common.jobs import JobRecord, JobState, JobStore
 from services.common.weights import WeightStore
 from services.replay.client import ReplayClient
+from services.reward.client import RewardClient, spec_to_proto
 
 log = logging.getLogger(__name__)
 
@@ -156,7 +156,7 @@ class Actor:
         sub = await js.pull_subscribe_bind(durable=bus.task_consumer(record.job_id), stream=bus.TASKS_STREAM)
         log.info("serving job %s (model %s)", record.job_id, spec.model)
         queue = JobQueue(record.job_id, spec.train, js, sub, s, self.activity)
-        return ServedJob(JobContext(record.job_id, spec, reward_file or b"", policy), queue)
+        return ServedJob(JobContext(record.job_id, spec, spec_to_proto(spec.reward, reward_file or b""), policy), queue)
 
     async def _beat_loop(self, store: JobStore, activity: metrics.Activity) -> None:
         """Write this actor's heartbeat every heartbeat.INTERVAL_S; a failed write is retried next time."""

@@ -27,12 +27,13 @@ from services.common.grpcutil import map_errors, map_stream_errors
 from services.common.jobs import JobStore
 from services.common.observe import ObservingInterceptor, serve_metrics
 from services.gateway import convert
-from services.gateway.adapters import FleetProbe, JetStreamEvents, JetStreamPurger, RewardValidator
+from services.gateway.adapters import FleetProbe, JetStreamEvents, JetStreamPurger
 from services.gateway.auth import AuthInterceptor, TokenTable, current_tenant
 from services.gateway.checks import Limits
 from services.gateway.config import GatewaySettings
 from services.gateway.service import Gateway
 from services.proto.fleetrl.v1 import gateway_pb2, gateway_pb2_grpc
+from services.reward.client import RewardClient
 
 log = logging.getLogger(__name__)
 SERVICE_NAME = gateway_pb2.DESCRIPTOR.services_by_name["JobService"].full_name
@@ -193,10 +194,10 @@ async def serve(settings: GatewaySettings, stop: asyncio.Event,
         stack.push_async_callback(nc.drain)
         js = bus.jetstream(nc)
         await bus.ensure_streams(js)
-        reward_channel = grpcutil.channel(settings.reward_addr)
-        stack.push_async_callback(reward_channel.close)
+        reward = RewardClient(settings.reward_addr, timeout_s=settings.reward_validate_timeout_s)
+        stack.push_async_callback(reward.close)
         gateway = Gateway(
-            store, RewardValidator(reward_channel, settings.reward_addr, settings.reward_validate_timeout_s),
+            store, reward,
             JetStreamPurger(js), JetStreamEvents(js), FleetProbe(store.redis, js),
             Limits(int(settings.max_prompts_mb * 1024 * 1024), int(settings.max_reward_file_kb * 1024)),
             poll_s=settings.watch_poll_s, chunk_bytes=settings.download_chunk_kb * 1024,
