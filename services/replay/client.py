@@ -21,9 +21,8 @@ from services.common.config import ReplayConfig
 from services.common.grpcutil import RetryPolicy, channel, retry
 from services.proto.fleetrl.v1 import common_pb2, replay_pb2, replay_pb2_grpc
 from services.replay import wire
+from services.replay.table import SAMPLERS
 
-SAMPLERS = {"fifo": replay_pb2.SAMPLER_KIND_FIFO, "uniform": replay_pb2.SAMPLER_KIND_UNIFORM,
-            "prioritized": replay_pb2.SAMPLER_KIND_PRIORITIZED}
 INSERT_METHOD = "/fleetrl.v1.ReplayService/Insert"
 INSERTED = replay_pb2.INSERT_OUTCOME_INSERTED
 DUPLICATE = replay_pb2.INSERT_OUTCOME_DUPLICATE
@@ -50,7 +49,7 @@ class ReplayClient:
     async def configure(self, job_id: str, cfg: ReplayConfig) -> replay_pb2.TableInfo:
         """Create or update the job's table from the JobSpec's replay section."""
         req = replay_pb2.ConfigureTableRequest(
-            job_id=job_id, capacity_groups=cfg.capacity_groups, sampler=SAMPLERS[cfg.sampler],
+            job_id=job_id, capacity_groups=cfg.capacity_groups, sampler=SAMPLERS[cfg.sampler].kind,
             max_reuse=cfg.max_reuse, lease_timeout_s=cfg.lease_timeout_s)
         return await self._call("ConfigureTable", req)
 
