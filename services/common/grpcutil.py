@@ -29,6 +29,7 @@ from grpc_status import rpc_status
 from services.common.errors import (
     RETRYABLE_CODES,
     ConfigError,
+    FieldViolation,
     FleetError,
     InvalidArgument,
     from_grpc,
@@ -114,28 +115,43 @@ def map_stream_errors(method: Callable[..., AsyncIterator[T]]) -> Callable[..., 
     return wrapper
 
 
+def server_options(max_receive_bytes: int | None = None) -> list[tuple[str, int]]:
+    """CHANNEL_OPTIONS, with a smaller limit on received messages if given (the gateway's)."""
+    if max_receive_bytes is None:
+        return CHANNEL_OPTIONS
+    return [*(o for o in CHANNEL_OPTIONS if o[0] != "grpc.max_receive_message_length"),
+            ("grpc.max_receive_message_length", max_receive_bytes)]
+
+
 async def start_server(
     address: str,
     register: Iterable[Callable[[grpc.aio.Server], str]],
     *,
     interceptors: list[grpc.aio.ServerInterceptor] | None = None,
     credentials: grpc.ServerCredentials | None = None,
+    max_receive_bytes: int | None = None,
 ) -> tuple[grpc.aio.Server, int, health.aio.HealthServicer]:
     """Start an aio server on address ("host:port", port 0 = free) with health and reflection.
 
     Each `register(server)` adds one servicer and returns its full service name.
     Returns the server, the bound port and the health servicer (set NOT_SERVING on shutdown).
+    An address it cannot bind is a ConfigError naming the `listen` setting.
     """
-    server = grpc.aio.server(options=CHANNEL_OPTIONS, interceptors=interceptors or [])
+    server = grpc.aio.server(options=server_options(max_receive_bytes), interceptors=interceptors or [])
     names = [add(server) for add in register]
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     for name in [*names, ""]:
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     reflection.enable_server_reflection([*names, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
-    port = server.add_secure_port(address, credentials) if credentials else server.add_insecure_port(address)
+    try:
+        port = server.add_secure_port(address, credentials) if credentials else server.add_insecure_port(address)
+    except RuntimeError:  # grpc's "Failed to bind": the port is taken, the address or the TLS pair is bad
+        port = 0
     if port == 0:
-        raise OSError(f"cannot bind gRPC server to {address}")
+        problem = "cannot listen there (is the port in use, the address valid"
+        problem += ", and tls_cert/tls_key a PEM certificate chain and its key?)" if credentials else "?)"
+        raise ConfigError("settings", [FieldViolation("listen", f"{address}: {problem}")])
     await server.start()
     return server, port, health_servicer
 
