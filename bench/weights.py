@@ -23,8 +23,8 @@ from typing import Any
 from nats.js.object_store import ObjectStore
 
 from services.common import bus
-from services.common.embedded import EmbeddedNats
 from services.common.weights import CHUNK_BYTES, WeightStore
+from services.fleet.embedded import EmbeddedNats
 
 JOB = "bench"
 STOCK_LAYOUT_MB = 50

@@ -19,8 +19,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from services.actor.config import ActorSettings
-from services.common import embedded
 from services.common.errors import Unavailable
+from services.fleet import embedded
 from services.fleet.supervisor import ChildSpec, Supervisor
 
 log = logging.getLogger(__name__)

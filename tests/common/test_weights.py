@@ -15,7 +15,6 @@ from nats.js.object_store import ObjectStore
 
 from services.common import bus, weights
 from services.common.chunk_reader import ChunkReader
-from services.common.embedded import EmbeddedNats
 from services.common.errors import DeadlineExceeded, FailedPrecondition, NotFound
 from services.common.weights import (
     WeightPointer,
@@ -24,6 +23,7 @@ from services.common.weights import (
     decode_safetensors,
     encode_safetensors,
 )
+from services.fleet.embedded import EmbeddedNats
 
 JOB = "job-w"
 
