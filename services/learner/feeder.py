@@ -71,19 +71,9 @@ def tasks_to_publish(cursor: FeederCursor, prompts_per_step: int, max_staleness:
     return max(0, in_flight_limit(prompts_per_step, max_staleness) - in_flight)
 
 
-def task_min_version(current_version: int) -> int:
-    """Tag of a task published while `current_version` is the newest published weights."""
-    return current_version
-
-
 def sample_min_version(learner_version: int, max_staleness: int) -> int:
     """Oldest group version the learner at `learner_version` may train on."""
     return max(0, learner_version - max_staleness)
-
-
-def is_fresh(learner_version: int, group_version: int, max_staleness: int) -> bool:
-    """True when training a group of group_version at learner_version respects the bound."""
-    return learner_version - group_version <= max_staleness
 
 
 # --------------------------------------------------------------------------- prompts and publishing
@@ -145,7 +135,7 @@ class Feeder:
         """Publish as many tasks as the bound allows, tagged for current_version; returns the count."""
         n = tasks_to_publish(self.cursor, self.spec.rollout.prompts_per_step, self.spec.train.max_staleness)
         for _ in range(n):
-            await self._publish_next(task_min_version(current_version))
+            await self._publish_next(current_version)
         return n
 
     def _prompt_index(self) -> int:
