@@ -27,7 +27,7 @@ from typing import Protocol
 from services.actor import metrics
 from services.actor.backends import Completion, prompt_tokens
 from services.actor.config import ActorSettings
-from services.actor.policy import JobPolicy
+from services.actor.job_policy import JobPolicy
 from services.common import telemetry
 from services.common.config import JobSpec
 from services.common.jobs import now_ms

@@ -29,7 +29,7 @@ from prometheus_client import start_http_server
 from services.actor import metrics
 from services.actor.backends import make_backend
 from services.actor.config import ActorSettings
-from services.actor.policy import JobPolicy
+from services.actor.job_policy import JobPolicy
 from services.actor.rollout import JobContext, Rollout
 from services.actor.taskqueue import Delivery, JobQueue
 from services.common import bus, heartbeat, telemetry

@@ -2,7 +2,7 @@
 
 `train_step` is the only place the learning update is written. The distributed trainer and the
 single-process reference loop both call it, which is what makes their losses equal. It reads as the
-single-process algorithm: a data-parallel rank (`policy.Policy.step`) only says which of the
+single-process algorithm: a data-parallel rank (`trained_policy.Policy.step`) only says which of the
 step's trainable groups it trains and how its loss is scaled (`train`, `loss_scale`).
 
 Schedule of one step (documented choice): the batch is built once; `epochs_per_step` passes go
@@ -197,7 +197,7 @@ def train_step(
 
     `train` (default: every trainable group) is what this process trains, normalised by the counts
     of all the trainable groups, its loss multiplied by `loss_scale` (a data-parallel rank's share;
-    see `policy.Policy.step`).
+    see `trained_policy.Policy.step`).
     """
     rewards = torch.cat([group_rewards(group) for group in groups])
     kept = trainable(groups, cfg)

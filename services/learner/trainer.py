@@ -34,9 +34,9 @@ from services.learner.feeder import Feeder, FeederCursor, parse_prompts, sample_
 from services.learner.jobbus import JobBus
 from services.learner.leases import LeaseBook, LeaseRecord
 from services.learner.observe import StepObserver
-from services.learner.policy import Followers, Policy, resolve_device
 from services.learner.publish import WeightPublisher
 from services.learner.status import StatusBoard, StepRecord
+from services.learner.trained_policy import Followers, Policy, resolve_device
 from services.proto.fleetrl.v1 import common_pb2
 from services.replay.client import ReplayClient
 
