@@ -56,9 +56,9 @@ import torch
 
 from services.common import bus, models
 from services.common.config import JobSpec
-from services.common.embedded import EmbeddedNats, EmbeddedValkey, free_port, wait_for_port
 from services.common.jobs import JobState, JobStore
 from services.common.weights import WeightStore, encode_safetensors
+from services.fleet.embedded import EmbeddedNats, EmbeddedValkey, free_port, wait_for_port
 from services.fleet.fleet import Fleet, FleetOptions
 from services.fleet.supervisor import ChildSpec, Supervisor
 from services.gateway.client import Client

@@ -34,8 +34,8 @@ import grpc
 import redis
 
 from services.common.config import ReplayConfig
-from services.common.embedded import EmbeddedValkey, free_port, wait_for_port
 from services.common.grpcutil import CHANNEL_OPTIONS
+from services.fleet.embedded import EmbeddedValkey, free_port, wait_for_port
 from services.proto.fleetrl.v1 import common_pb2
 from services.replay.client import ReplayClient
 

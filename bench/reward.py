@@ -21,8 +21,8 @@ from typing import Any
 from services.common.config import RewardSpec
 from services.common.grpcutil import channel
 from services.proto.fleetrl.v1 import common_pb2, reward_pb2, reward_pb2_grpc
+from services.reward.client import spec_to_proto
 from services.reward.config import RewardSettings
-from services.reward.convert import spec_to_proto
 from services.reward.server import running
 
 SOURCE = """

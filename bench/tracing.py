@@ -11,7 +11,8 @@ with the JSONL file exporter behind a batch processor, in a temp run directory):
 - `spans`: exactly the tracing calls the actor makes for one trajectory: extract the task's
   `traceparent`, open 6 spans (`actor.task`, `actor.fetch` and the four stage spans), inject gRPC
   metadata for the reward and replay calls, read the trace and span ids for the lineage;
-- `task_loop`: the real `TaskLoop.step` (fetch, weights, generate, score, insert, ack) on in-memory
+- `task_loop`: the actor's real `service.take_one` (a `JobQueue` delivery, the `Rollout`'s weights,
+  generate, score, insert, then the ack) on in-memory
   stand-ins that answer at once (a message with headers, a policy that holds weights, `FixedBackend`
   with no latency on tiny-llama's tokenizer, reward and replay fakes), i.e. the loop's own bookkeeping
   without any real work, so tracing's share of it is as large as it can ever be.
@@ -36,10 +37,14 @@ from opentelemetry import context as otel_context
 
 from services.actor.backends import FixedBackend
 from services.actor.config import ActorSettings
-from services.actor.worker import JobContext, TaskLoop
+from services.actor.metrics import Activity
+from services.actor.rollout import JobContext, Rollout
+from services.actor.service import ServedJob, take_one
+from services.actor.taskqueue import JobQueue
 from services.common import models, telemetry
 from services.common.config import JobSpec
 from services.proto.fleetrl.v1 import common_pb2, replay_pb2, reward_pb2
+from services.reward.client import spec_to_proto
 
 SPEC = JobSpec.model_validate({
     "model": "tiny-llama", "prompts": "p.jsonl", "reward": {"builtin": "numeric_match"},
@@ -49,7 +54,7 @@ STAGES = ("actor.ensure_weights", "actor.generate", "actor.score", "actor.insert
 
 
 def actor_spans(headers: dict[str, str], tracer: Any) -> None:
-    """The tracing calls of one trajectory on the actor, in the order TaskLoop makes them."""
+    """The tracing calls of one trajectory on the actor, in the order the actor makes them."""
     with tracer.start_as_current_span("actor.task", context=telemetry.extract(headers)):
         tracer.start_span("actor.fetch").end()
         for name in STAGES:
@@ -104,7 +109,7 @@ class Replay:
 
 
 class Reward:
-    async def score(self, job_id: str, spec_json: str, file_source: bytes, items: Any) -> list[Any]:
+    async def score(self, job_id: str, spec: Any, items: Any) -> list[Any]:
         return [reward_pb2.ScoreResult(reward=1.0, status=common_pb2.REWARD_STATUS_OK) for _ in items]
 
 
@@ -132,13 +137,15 @@ def time_task_loop(backend: FixedBackend) -> Callable[[int], float]:
         tracer = telemetry.tracer("bench")
         task = common_pb2.Task(job_id="bench", task_id="0/0", prompt="What is 2 + 3?", metadata_json='{"answer": "5"}')
         msgs = [Msg(task.SerializeToString(), feeder_headers(tracer)) for _ in range(n)]
-        loop = TaskLoop(ActorSettings(actor_id="bench"), None, Replay(), Reward())  # type: ignore[arg-type]
-        job = JobContext("bench", SPEC, b"", Policy(backend), Sub(msgs))  # type: ignore[arg-type]
+        settings, activity = ActorSettings(actor_id="bench"), Activity()
+        rollout = Rollout(settings, Replay(), Reward(), activity)
+        queue = JobQueue("bench", SPEC.train, None, Sub(msgs), settings, activity)  # type: ignore[arg-type]
+        job = ServedJob(JobContext("bench", SPEC, spec_to_proto(SPEC.reward), Policy(backend)), queue)  # type: ignore[arg-type]
 
         async def go() -> float:
             started = time.perf_counter()
             for _ in range(n):
-                await loop.step(job)
+                await take_one(job, rollout)
             return time.perf_counter() - started
 
         return asyncio.run(go())
@@ -158,7 +165,7 @@ def run(trajectories: int, rounds: int) -> dict[str, Any]:
         spans_written = sum(len(p.read_text().splitlines()) for p in Path(run_dir, "traces").glob("*.jsonl"))
     return {
         "figure": round(on["loop"], 1), "baseline": round(off["loop"], 1), "ratio": round(on["loop"] / off["loop"], 3),
-        "unit": "us per trajectory (actor TaskLoop.step, no-op backend/reward/replay)",
+        "unit": "us per trajectory (actor take_one, no-op backend/reward/replay)",
         "tracing_off_spans_us": round(off["spans"], 2), "tracing_on_spans_us": round(on["spans"], 2),
         "tracing_on_cost_us": round(on["loop"] - off["loop"], 1),
         "trajectories": trajectories, "rounds": rounds, "spans_written": spans_written,

@@ -23,8 +23,8 @@ from typing import Any
 from nats.js.object_store import ObjectStore
 
 from services.common import bus
-from services.common.embedded import EmbeddedNats
 from services.common.weights import CHUNK_BYTES, WeightStore
+from services.fleet.embedded import EmbeddedNats
 
 JOB = "bench"
 STOCK_LAYOUT_MB = 50
@@ -74,7 +74,7 @@ async def measure(url: str, payload: bytes, stock_mb: int | None, repeats: int) 
     if len(stock_payload) != len(payload):
         pointer = await store.publish(JOB, 2, stock_payload, "bfloat16")
     objects = await js.object_store(bus.weights_bucket(JOB))
-    result, stock_s = await timed(objects.get(pointer.object))
+    result, stock_s = await timed(objects.get(pointer.object_name))
     assert result.data == stock_payload
     figures = {
         "payload_mb": len(payload) / 1e6, "chunk_bytes": min(CHUNK_BYTES, nc.max_payload - 4096),

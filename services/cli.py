@@ -48,7 +48,7 @@ def _infra(argv: list[str]) -> int:
     down.add_argument("--dir", type=Path, default=Path("runs/infra"), help="data directory")
     args = parser.parse_args(argv)
 
-    from services.common import embedded
+    from services.fleet import embedded
 
     if args.action == "down":
         if not embedded.read_state(args.dir):

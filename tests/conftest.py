@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 
 from services.common import models
-from services.common.embedded import EmbeddedNats, EmbeddedValkey
+from services.fleet.embedded import EmbeddedNats, EmbeddedValkey
 
 TinyModel = Callable[..., tuple[Any, Any]]
 

@@ -13,23 +13,19 @@ things `generate` does not give cheaply or reproducibly:
   `seeding.task_seed(job_seed, task_id)`, one `torch.multinomial` draw of shape (n, 1) per position.
   The same task under the same weights therefore yields the same completions on any actor, on a
   redelivery, and in the learner's single-process reference loop (services/learner/reference.py
-  follows the same rule step for step; tests/actor/test_backend.py checks they agree token for token,
-  and log-probs to 1e-5: the reference prefills n copies of the prompt, this backend prefills once and
-  shares the KV cache, so float rounding differs. Calling `HFBackend.generate` from the reference
-  loop makes the two bit-identical).
+  samples through `HFBackend.generate` itself; tests/actor/test_backend.py checks they agree).
 - Behaviour log-probs of the sampled distribution: `log_softmax(logits.float() / temperature)` at the
   sampled token, taken before the nucleus filter, the distribution the learner's
   `completion_logprobs` scores too (so on-policy importance ratios are 1 up to float error).
 - The n samples of a prompt in one batch: the prompt is prefilled once (`logits_to_keep=1`) and its
-  KV cache repeated n times, then all n rows decode together (about 1.1x `model.generate`, bench.generate).
+  KV cache repeated n times, then all n rows decode together (`python -m bench.generate` compares it
+  with `model.generate`).
 
-Tolerance between actor and learner log-probs, max |actor - full forward| over every sampled token
-(temperature 0.7, measured on this machine's CPU): float32 about 1e-6 on `tiny-llama` (8 x 24 tokens)
-and 1.6e-5 on SmolLM2-135M (4 x 24); bfloat16 2.8e-3 on `tiny-llama` and 0.21 on SmolLM2-135M (the
-KV-cache decode and the full-sequence forward round their bf16 matmuls differently, and the error
-grows with depth). That is why actors generate in float32 by default (`ActorSettings.dtype`): the
-learner's bf16 weights are upcast on load, and with a float32 learner forward the on-policy
-importance ratio is 1 within 1e-4. `LOGPROB_TOL` holds the bounds tests/actor/test_backend.py checks.
+Actor and learner log-probs differ by float rounding: the KV-cache decode and the full-sequence
+forward round their matmuls differently, far more in bfloat16 than in float32, and the error grows
+with depth (figures measured on one machine, with their command, are in docs/ARCHITECTURE.md). That
+is why actors generate in float32 by default (`ActorSettings.dtype`): the learner's bf16 weights are
+upcast on load. `LOGPROB_TOL` holds the bounds tests/actor/test_backend.py checks.
 Completions end at the first eos id (the tokenizer's and the generation config's), included, with
 finish_reason "eos", or after max_new_tokens with "length".
 """

@@ -19,34 +19,56 @@ import logging
 import time
 from collections.abc import Iterable
 from contextlib import AsyncExitStack
+from dataclasses import dataclass
 
+import grpc
 from nats.aio.client import Client as NATS
 from nats.js import JetStreamContext
 from prometheus_client import start_http_server
 
 from services.actor import metrics
 from services.actor.backends import make_backend
-from services.actor.clients import RewardClient
 from services.actor.config import ActorSettings
-from services.actor.policy import JobPolicy
-from services.actor.worker import JobContext, TaskLoop
+from services.actor.job_policy import JobPolicy
+from services.actor.rollout import JobContext, Rollout
+from services.actor.taskqueue import Delivery, JobQueue
 from services.common import bus, heartbeat, telemetry
+from services.common.errors import RETRYABLE_CODES
+from services.common.grpcutil import RetryPolicy
 from services.common.jobs import JobRecord, JobState, JobStore
 from services.common.weights import WeightStore
 from services.replay.client import ReplayClient
+from services.reward.client import RewardClient, spec_to_proto
 
 log = logging.getLogger(__name__)
+
+
+def rpc_retry(settings: ActorSettings) -> RetryPolicy:
+    """How the actor retries reward and replay calls: the retryable codes, NOT_FOUND (a table the
+    learner has not configured yet) and UNKNOWN, with backoff for rpc_retry_s; then the task is released."""
+    codes = RETRYABLE_CODES | {grpc.StatusCode.NOT_FOUND, grpc.StatusCode.UNKNOWN}
+    return RetryPolicy(attempts=None, deadline_s=settings.rpc_retry_s, codes=codes)
+
+
+@dataclass
+class ServedJob:
+    """A job this actor serves: what its rollouts need, and its share of the task queue."""
+
+    context: JobContext
+    queue: JobQueue
 
 
 class Actor:
     """One actor replica."""
 
     settings: ActorSettings
-    jobs: dict[str, JobContext]
+    jobs: dict[str, ServedJob]
+    activity: metrics.Activity
 
     def __init__(self, settings: ActorSettings) -> None:
         self.settings = settings
         self.jobs = {}
+        self.activity = metrics.Activity()
         self._next_refresh = 0.0
         self._turn = 0
 
@@ -64,15 +86,15 @@ class Actor:
             await bus.ensure_streams(js)
             store = JobStore.from_url(s.redis_url)
             stack.push_async_callback(store.close)
-            replay = ReplayClient(s.replay_addr, timeout_s=s.replay_timeout_s, attempts=1)
+            replay = ReplayClient(s.replay_addr, timeout_s=s.replay_timeout_s, retry=rpc_retry(s))
             stack.push_async_callback(replay.close)
-            reward = RewardClient(s.reward_addr, timeout_s=s.reward_timeout_s)
+            reward = RewardClient(s.reward_addr, timeout_s=s.reward_timeout_s, retry=rpc_retry(s))
             stack.push_async_callback(reward.close)
             stack.push_async_callback(self._close_jobs)
-            loop = TaskLoop(s, js, replay, reward)
+            rollout = Rollout(s, replay, reward, self.activity)
             weights = WeightStore(nc, js)
             stack.push_async_callback(self._clear_beat, store)
-            beats = asyncio.create_task(self._beat_loop(store, loop.activity))
+            beats = asyncio.create_task(self._beat_loop(store, self.activity))
             stack.callback(beats.cancel)
             log.info("actor %s serving (backend %s on %s)", s.actor_id, s.backend, s.device)
             while not stop.is_set():
@@ -80,21 +102,21 @@ class Actor:
                     await self._refresh_jobs(store, js, weights)
                 except Exception as error:  # Redis or a job's model unavailable now: retry next poll
                     log.warning("refreshing the served jobs failed: %s", error)
-                if not await self._serve_round(loop, stop):
+                if not await self._serve_round(rollout, stop):
                     with contextlib.suppress(TimeoutError):
                         await asyncio.wait_for(stop.wait(), s.poll_interval_s if not self.jobs else 0.05)
         log.info("actor %s stopped", s.actor_id)
 
-    async def _serve_round(self, loop: TaskLoop, stop: asyncio.Event) -> bool:
+    async def _serve_round(self, rollout: Rollout, stop: asyncio.Event) -> bool:
         """One task per served job, starting one job later each round; whether any task was taken."""
-        contexts = list(self.jobs.values())
+        served = list(self.jobs.values())
         self._turn += 1
         taken = False
-        for index in range(len(contexts)):
+        for index in range(len(served)):
             if stop.is_set():
                 break
-            job = contexts[(self._turn + index) % len(contexts)]
-            step = asyncio.create_task(loop.step(job))
+            job = served[(self._turn + index) % len(served)]
+            step = asyncio.create_task(take_one(job, rollout))
             waiter = asyncio.create_task(stop.wait())
             done, _ = await asyncio.wait({step, waiter}, return_when=asyncio.FIRST_COMPLETED)
             waiter.cancel()
@@ -123,7 +145,7 @@ class Actor:
                 self.jobs[record.job_id] = await self._open_job(record, store, js, weights)
 
     async def _open_job(self, record: JobRecord, store: JobStore, js: JetStreamContext,
-                        weights: WeightStore) -> JobContext:
+                        weights: WeightStore) -> ServedJob:
         s, spec = self.settings, record.spec
         _, reward_file = await store.files(record.job_id)
         backend = await asyncio.to_thread(make_backend, s.backend, spec.model, dtype=s.dtype, device=s.device,
@@ -133,7 +155,8 @@ class Actor:
         await bus.ensure_job_consumer(js, record.job_id, spec)
         sub = await js.pull_subscribe_bind(durable=bus.task_consumer(record.job_id), stream=bus.TASKS_STREAM)
         log.info("serving job %s (model %s)", record.job_id, spec.model)
-        return JobContext(record.job_id, spec, reward_file or b"", policy, sub)
+        queue = JobQueue(record.job_id, spec.train, js, sub, s, self.activity)
+        return ServedJob(JobContext(record.job_id, spec, spec_to_proto(spec.reward, reward_file or b""), policy), queue)
 
     async def _beat_loop(self, store: JobStore, activity: metrics.Activity) -> None:
         """Write this actor's heartbeat every heartbeat.INTERVAL_S; a failed write is retried next time."""
@@ -147,18 +170,18 @@ class Actor:
     def _beat(self, activity: metrics.Activity) -> heartbeat.Beat:
         busy, tokens_per_s = activity.rates()
         job = self.jobs.get(activity.job_id)
+        version = max(0, job.context.policy.version) if job else 0
         return heartbeat.Beat("actor", self.settings.actor_id, activity.state, activity.job_id if job else "",
-                              max(0, job.policy.version) if job else 0, tokens_per_s, busy, int(time.time() * 1000))
+                              version, tokens_per_s, busy, int(time.time() * 1000))
 
     async def _clear_beat(self, store: JobStore) -> None:
         with contextlib.suppress(Exception):  # best effort: the beat expires anyway
             await heartbeat.clear(store.redis, "actor", self.settings.actor_id)
 
     @staticmethod
-    async def _close_job(job: JobContext) -> None:
-        await job.policy.close()
-        with contextlib.suppress(Exception):
-            await job.sub.unsubscribe()
+    async def _close_job(job: ServedJob) -> None:
+        await job.context.policy.close()
+        await job.queue.close()
 
     async def _close_jobs(self) -> None:
         for job in self.jobs.values():
@@ -169,3 +192,14 @@ class Actor:
     async def _drain(nc: NATS) -> None:
         with contextlib.suppress(Exception):
             await asyncio.wait_for(nc.drain(), bus.REQUEST_TIMEOUT_S)
+
+
+async def take_one(job: ServedJob, rollout: Rollout) -> bool:
+    """Take and finish at most one task of job; whether one was taken. An actor with no weights takes none."""
+    if not await job.context.policy.refresh():
+        return False
+
+    async def produce(delivery: Delivery) -> str:
+        return await rollout.run(job.context, delivery.task, delivery.attempt, delivery.received_ms)
+
+    return await job.queue.take(produce)

@@ -6,8 +6,8 @@
 - `jobs`: the job store in Redis (records, prompt and reward files, events).
 - `weights`: publishing and pulling policy weights through JetStream.
 - `models`: loading policies and tokenizers; export as an HF directory.
-- `embedded`: embedded nats-server and Valkey processes for local runs and tests.
-- `grpcutil`: server start-up (health, reflection, error mapping) and channels.
+- `grpcutil`: server start-up (health, reflection, error mapping), channels and `RetryPolicy`.
+- `entry`: `run_service`, the one process entry of every service (arguments, settings, signals, exit codes).
 - `telemetry`: OpenTelemetry set-up, W3C context over NATS headers and gRPC metadata.
 - `observe`: the gRPC server interceptor that traces and counts every call; /metrics serving.
 - `heartbeat`: members' heartbeats in Redis (what `fleetrl top` lists).

@@ -178,16 +178,25 @@ class TrainConfig(Strict):
         return self
 
 
+MAX_CAPACITY_GROUPS = 10_000_000
+"""The largest replay table (the replay service enforces the same bounds: `replay.table.TableConfig`)."""
+MAX_REUSE = 1000
+"""The most times a group may be trained on."""
+MAX_LEASE_TIMEOUT_S = 86_400
+"""The longest replay lease."""
+DEFAULT_LEASE_TIMEOUT_S = 300.0
+
+
 class ReplayConfig(Strict):
     """The job's replay table."""
 
-    capacity_groups: int = Field(1024, ge=1, le=10_000_000)
+    capacity_groups: int = Field(1024, ge=1, le=MAX_CAPACITY_GROUPS)
     """Groups held at most; the oldest are evicted on overflow."""
     sampler: Literal["fifo", "uniform", "prioritized"] = "fifo"
     """fifo for on-policy training; uniform/prioritized for reuse."""
-    max_reuse: int = Field(1, ge=1, le=1000)
+    max_reuse: int = Field(1, ge=1, le=MAX_REUSE)
     """Times a group may be trained on (fifo: 1)."""
-    lease_timeout_s: float = Field(300.0, gt=0, le=86_400)
+    lease_timeout_s: float = Field(DEFAULT_LEASE_TIMEOUT_S, gt=0, le=MAX_LEASE_TIMEOUT_S)
     """Seconds before an uncommitted lease returns its groups."""
 
 

@@ -4,7 +4,8 @@ Servers are `grpc.aio` servers with the standard health service and server
 reflection. `map_errors` turns domain errors into status codes (through
 `errors.grpc_code`, the only mapping) with `google.rpc.BadRequest` field
 violations attached, so servicers stay thin. Client calls always carry a
-deadline; `retry` retries only retryable codes, a bounded number of times.
+deadline; `retry` retries only the codes its `RetryPolicy` names, for a bounded number of
+tries or a bounded time.
 """
 
 from __future__ import annotations
@@ -13,7 +14,9 @@ import asyncio
 import functools
 import logging
 import random
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import grpc
@@ -26,6 +29,7 @@ from grpc_status import rpc_status
 from services.common.errors import (
     RETRYABLE_CODES,
     ConfigError,
+    FieldViolation,
     FleetError,
     InvalidArgument,
     from_grpc,
@@ -111,28 +115,43 @@ def map_stream_errors(method: Callable[..., AsyncIterator[T]]) -> Callable[..., 
     return wrapper
 
 
+def server_options(max_receive_bytes: int | None = None) -> list[tuple[str, int]]:
+    """CHANNEL_OPTIONS, with a smaller limit on received messages if given (the gateway's)."""
+    if max_receive_bytes is None:
+        return CHANNEL_OPTIONS
+    return [*(o for o in CHANNEL_OPTIONS if o[0] != "grpc.max_receive_message_length"),
+            ("grpc.max_receive_message_length", max_receive_bytes)]
+
+
 async def start_server(
     address: str,
     register: Iterable[Callable[[grpc.aio.Server], str]],
     *,
     interceptors: list[grpc.aio.ServerInterceptor] | None = None,
     credentials: grpc.ServerCredentials | None = None,
+    max_receive_bytes: int | None = None,
 ) -> tuple[grpc.aio.Server, int, health.aio.HealthServicer]:
     """Start an aio server on address ("host:port", port 0 = free) with health and reflection.
 
     Each `register(server)` adds one servicer and returns its full service name.
     Returns the server, the bound port and the health servicer (set NOT_SERVING on shutdown).
+    An address it cannot bind is a ConfigError naming the `listen` setting.
     """
-    server = grpc.aio.server(options=CHANNEL_OPTIONS, interceptors=interceptors or [])
+    server = grpc.aio.server(options=server_options(max_receive_bytes), interceptors=interceptors or [])
     names = [add(server) for add in register]
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     for name in [*names, ""]:
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     reflection.enable_server_reflection([*names, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
-    port = server.add_secure_port(address, credentials) if credentials else server.add_insecure_port(address)
+    try:
+        port = server.add_secure_port(address, credentials) if credentials else server.add_insecure_port(address)
+    except RuntimeError:  # grpc's "Failed to bind": the port is taken, the address or the TLS pair is bad
+        port = 0
     if port == 0:
-        raise OSError(f"cannot bind gRPC server to {address}")
+        problem = "cannot listen there (is the port in use, the address valid"
+        problem += ", and tls_cert/tls_key a PEM certificate chain and its key?)" if credentials else "?)"
+        raise ConfigError("settings", [FieldViolation("listen", f"{address}: {problem}")])
     await server.start()
     return server, port, health_servicer
 
@@ -150,26 +169,35 @@ def channel(address: str, credentials: grpc.ChannelCredentials | None = None) ->
     return grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
 
 
-async def retry(
-    call: Callable[[], Awaitable[T]],
-    *,
-    what: str,
-    attempts: int = 5,
-    base_delay_s: float = 0.2,
-    max_delay_s: float = 5.0,
-) -> T:
-    """Run call() until it succeeds, retrying retryable gRPC codes with jittered exponential backoff.
+@dataclass(frozen=True)
+class RetryPolicy:
+    """When a failed client call is tried again: the codes that may pass, how many tries, until when.
 
-    Non-retryable codes raise their domain error at once; after `attempts` tries the last
-    error is raised as its domain error.
+    A call is retried while its code is in `codes`, fewer than `attempts` tries were made (None: no
+    limit) and the next try would start before `deadline_s` from the first (None: no deadline). The
+    delay doubles from base_delay_s up to max_delay_s, each one jittered by a factor in [0.5, 1.5).
     """
-    for attempt in range(1, attempts + 1):
+
+    attempts: int | None = 5
+    deadline_s: float | None = None
+    codes: frozenset[grpc.StatusCode] = RETRYABLE_CODES
+    base_delay_s: float = 0.2
+    max_delay_s: float = 5.0
+
+
+async def retry(call: Callable[[], Awaitable[T]], *, what: str, policy: RetryPolicy = RetryPolicy()) -> T:
+    """Run call() until it succeeds or `policy` gives up; a failure raises as its domain error."""
+    deadline = None if policy.deadline_s is None else time.monotonic() + policy.deadline_s
+    delay = policy.base_delay_s
+    attempt = 0
+    while True:
+        attempt += 1
         try:
             return await call()
         except grpc.aio.AioRpcError as error:
-            if error.code() not in RETRYABLE_CODES or attempt == attempts:
+            if (error.code() not in policy.codes or (policy.attempts is not None and attempt >= policy.attempts)
+                    or (deadline is not None and time.monotonic() + delay > deadline)):
                 raise from_grpc(error) from error
-            delay = min(max_delay_s, base_delay_s * 2 ** (attempt - 1)) * (0.5 + random.random())
-            log.info("%s failed (%s), retry %d/%d in %.2fs", what, error.code().name, attempt, attempts, delay)
-            await asyncio.sleep(delay)
-    raise AssertionError("unreachable")
+            log.info("%s failed (%s), retry %d in %.2fs", what, error.code().name, attempt, delay)
+            await asyncio.sleep(delay * (0.5 + random.random()))
+            delay = min(policy.max_delay_s, delay * 2)

@@ -14,9 +14,8 @@ Design choices:
   one buffer of anonymous memory mapped up front (nats-py's client copies every payload about five
   times). A worker thread hashes the filled prefix meanwhile, and the verified buffer itself is
   returned (a memoryview), not a bytes copy of it. `ObjectStore.get` concatenates with `bytes +=`,
-  quadratic in the chunk count: on 2 cores shared with other work (load ~4), bench.weights pulls a
-  270 MB object at 380-620 MB/s against get's 10-12.5 MB/s (31-55x), bound by CPU (nats-server
-  ~0.3 s, sha256 ~0.16 s, mapping the buffer ~0.09 s).
+  quadratic in the chunk count (`python -m bench.weights` compares the two; figures measured on
+  the development machine are in docs/ARCHITECTURE.md, "Figures measured on one machine").
 - A publish whose version is not above the pointer's raises FailedPrecondition before anything
   is written: the object `v<version>` may be the one actors are pulling, so it is never
   overwritten. A learner that resumes asks `latest()` and publishes above it.
@@ -26,14 +25,13 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import builtins
 import hashlib
 import json
 import mmap
 import re
 from collections import deque
 from collections.abc import AsyncIterator
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from datetime import UTC, datetime
 
 import nats.aio.client
@@ -71,23 +69,29 @@ class WeightsCorrupt(FleetError, ValueError):
 
 @dataclass(frozen=True)
 class WeightPointer:
-    """The KV value naming one published weight object."""
+    """The KV value naming one published weight object.
+
+    On the wire it is JSON {version, object, sha256, bytes, dtype} (the design's pointer format):
+    `object_name` travels as "object" and `size_bytes` as "bytes"."""
 
     version: int
-    object: str
+    object_name: str
+    """Name of the object in the job's weight bucket (`v<version>`)."""
     sha256: str
-    bytes: int
+    size_bytes: int
+    """Size of the safetensors payload."""
     dtype: str
 
-    def to_json(self) -> builtins.bytes:
-        return json.dumps(asdict(self), sort_keys=True).encode()
+    def to_json(self) -> bytes:
+        return json.dumps({"version": self.version, "object": self.object_name, "sha256": self.sha256,
+                           "bytes": self.size_bytes, "dtype": self.dtype}, sort_keys=True).encode()
 
     @classmethod
-    def from_json(cls, raw: builtins.bytes) -> WeightPointer:
+    def from_json(cls, raw: bytes) -> WeightPointer:
         fields = json.loads(raw)
         return cls(
-            version=int(fields["version"]), object=str(fields["object"]), sha256=str(fields["sha256"]),
-            bytes=int(fields["bytes"]), dtype=str(fields["dtype"]),
+            version=int(fields["version"]), object_name=str(fields["object"]), sha256=str(fields["sha256"]),
+            size_bytes=int(fields["bytes"]), dtype=str(fields["dtype"]),
         )
 
 
@@ -149,7 +153,8 @@ class WeightStore:
         _check_forward(current, version)
         name = f"v{version}"
         sha256_hex = await self._write_object(job_id, name, payload)
-        pointer = WeightPointer(version=version, object=name, sha256=sha256_hex, bytes=len(payload), dtype=dtype)
+        pointer = WeightPointer(version=version, object_name=name, sha256=sha256_hex, size_bytes=len(payload),
+                                dtype=dtype)
         await self._move_pointer(kv, job_id, pointer, revision)
         await self._prune(job_id, keep)
         return pointer
@@ -167,11 +172,11 @@ class WeightStore:
         (default MIN_PULL_TIMEOUT_S plus the payload at MIN_PULL_MB_S).
         """
         if timeout_s is None:
-            timeout_s = MIN_PULL_TIMEOUT_S + pointer.bytes / (MIN_PULL_MB_S * 1e6)
+            timeout_s = MIN_PULL_TIMEOUT_S + pointer.size_bytes / (MIN_PULL_MB_S * 1e6)
         try:
             return await asyncio.wait_for(self._pull(job_id, pointer), timeout_s)
         except TimeoutError as error:
-            raise DeadlineExceeded(f"pull of {job_id}/{pointer.object} took over {timeout_s:.0f}s") from error
+            raise DeadlineExceeded(f"pull of {job_id}/{pointer.object_name} took over {timeout_s:.0f}s") from error
 
     async def watch(self, job_id: str) -> AsyncIterator[WeightPointer]:
         """Pointers with strictly increasing versions as the key moves, the current one first."""
@@ -216,7 +221,8 @@ class WeightStore:
             else:
                 await kv.create(job_id, pointer.to_json())
         except KeyWrongLastSequenceError as error:
-            raise FailedPrecondition(f"weights pointer of {job_id} moved during publish of {pointer.object}") from error
+            raise FailedPrecondition(
+                f"weights pointer of {job_id} moved during publish of {pointer.object_name}") from error
 
     # ---------------------------------------------------------------- objects
 
@@ -273,13 +279,14 @@ class WeightStore:
         return info
 
     async def _pull(self, job_id: str, pointer: WeightPointer) -> memoryview:
-        info = await self._info(job_id, pointer.object)
-        if info.size != pointer.bytes:
-            raise WeightsCorrupt(f"{job_id}/{pointer.object}: object has {info.size} bytes, pointer {pointer.bytes}")
-        buffer = _allocate(pointer.bytes)
-        digest = await self._read_chunks(job_id, info, buffer) if pointer.bytes else hashlib.sha256().hexdigest()
+        info = await self._info(job_id, pointer.object_name)
+        if info.size != pointer.size_bytes:
+            raise WeightsCorrupt(
+                f"{job_id}/{pointer.object_name}: object has {info.size} bytes, pointer {pointer.size_bytes}")
+        buffer = _allocate(pointer.size_bytes)
+        digest = await self._read_chunks(job_id, info, buffer) if pointer.size_bytes else hashlib.sha256().hexdigest()
         if digest != pointer.sha256:
-            raise WeightsCorrupt(f"{job_id}/{pointer.object}: sha256 differs from the pointer's")
+            raise WeightsCorrupt(f"{job_id}/{pointer.object_name}: sha256 differs from the pointer's")
         return buffer
 
     async def _read_chunks(self, job_id: str, info: api.ObjectInfo, buffer: memoryview) -> str:
@@ -321,9 +328,8 @@ class WeightStore:
 
 
 def _allocate(size: int) -> memoryview:
-    """`size` zeroed bytes of anonymous memory with their pages mapped up front: MAP_POPULATE costs
-    about 60% of faulting them in one by one, as `bytearray(size)` does (0.09 s against 0.15 s of
-    CPU for 270 MB)."""
+    """`size` zeroed bytes of anonymous memory with their pages mapped up front (MAP_POPULATE), which
+    costs less than faulting them in one by one, as `bytearray(size)` does."""
     if not size:
         return memoryview(bytearray())
     flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_POPULATE", 0)  # Linux only

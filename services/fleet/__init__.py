@@ -6,6 +6,9 @@
 - `cli`: `fleetrl up`, `fleetrl scale`, `fleetrl demo` (the addition demo and its report).
 - `evaluate`: held-out greedy accuracy / format rate for the demo's report.
 - `top`: `fleetrl top`, a live terminal view over the gateway's API.
+- `embedded`: embedded nats-server and Valkey processes (`fleetrl up`, `fleetrl infra`, tests).
+- `configdoc`: docs/CONFIG.md generated from every service's config models
+  (`python -m services.fleet.configdoc --write docs/CONFIG.md`).
 
 Services are configured only through their environment variables (`FLEETRL_<SERVICE>_<FIELD>`),
 the same interface docker-compose.yml uses, so the two launchers cannot drift apart.

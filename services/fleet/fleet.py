@@ -20,9 +20,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from services.actor.config import ActorSettings
-from services.common import embedded
 from services.common.errors import Unavailable
-from services.fleet import cores
+from services.fleet import cores, embedded
 from services.fleet.supervisor import ChildSpec, Supervisor
 
 log = logging.getLogger(__name__)

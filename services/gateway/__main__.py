@@ -9,49 +9,23 @@ exit 1 for anything else (NATS unreachable, a taken metrics port).
 
 from __future__ import annotations
 
-import argparse
-import asyncio
-import logging
-import signal
 import sys
-from pathlib import Path
 
-from services.common.config import load_settings
-from services.common.errors import ConfigError, FleetError
+from services.common.entry import Flag, ServiceEntry, run_service
 from services.gateway.auth import hash_token
 from services.gateway.config import ENV_PREFIX, GatewaySettings
 from services.gateway.server import serve
 
-
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
-        prog="fleetrl gateway", description="Run the job gateway (or: fleetrl gateway hash-token TOKEN).")
-    parser.add_argument("--listen", help="gRPC address host:port (default 127.0.0.1:50051)")
-    parser.add_argument("--redis-url", help="Redis/Valkey URL")
-    parser.add_argument("--nats-url", help="NATS URL(s), comma-separated")
-    parser.add_argument("--reward-addr", help="RewardService address host:port")
-    parser.add_argument("--open-mode", action="store_true", help="no authentication (single-user machines only)")
-    parser.add_argument("--config", type=Path, help="TOML file of GatewaySettings")
-    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a setting")
-    return parser.parse_args(argv)
-
-
-def settings_from(args: argparse.Namespace) -> GatewaySettings:
-    overrides = list(args.set)
-    for name in ("listen", "redis_url", "nats_url", "reward_addr"):
-        if getattr(args, name):
-            overrides.append(f'{name}="{getattr(args, name)}"')
-    if args.open_mode:
-        overrides.append("open_mode=true")
-    return load_settings(GatewaySettings, env_prefix=ENV_PREFIX, toml_path=args.config, overrides=overrides)
-
-
-async def run(settings: GatewaySettings) -> None:
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    await serve(settings, stop)
+ENTRY = ServiceEntry(
+    "fleetrl gateway", "Run the job gateway (or: fleetrl gateway hash-token TOKEN).", GatewaySettings, ENV_PREFIX,
+    flags=(
+        Flag("--listen", "gRPC address host:port (default 127.0.0.1:50051)"),
+        Flag("--redis-url", "Redis/Valkey URL"),
+        Flag("--nats-url", "NATS URL(s), comma-separated"),
+        Flag("--reward-addr", "RewardService address host:port"),
+        Flag("--open-mode", "no authentication (single-user machines only)", store_true=True),
+    ))
+parse_args, settings_from = ENTRY.parse_args, ENTRY.settings_from
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -62,23 +36,7 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         print(hash_token(argv[1]))
         return 0
-    args = parse_args(argv)
-    try:
-        settings = settings_from(args)
-        settings.token_table()
-    except (FleetError, OSError) as error:
-        print(f"fleetrl gateway: {error}", file=sys.stderr)
-        return 2
-    logging.basicConfig(level=settings.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    try:
-        asyncio.run(run(settings))
-    except ConfigError as error:
-        print(f"fleetrl gateway: {error}", file=sys.stderr)
-        return 2
-    except (FleetError, OSError) as error:  # OSError: e.g. the metrics port is taken
-        print(f"fleetrl gateway: {error}", file=sys.stderr)
-        return 1
-    return 0
+    return run_service(ENTRY, serve, argv, check=GatewaySettings.token_table)
 
 
 if __name__ == "__main__":

@@ -1,5 +1,5 @@
-"""What the gateway core calls outside the job store: the reward service, the task stream, the event
-subject, and the fleet's heartbeats and queues.
+"""What the gateway core calls outside the job store: the task stream, the event subject, and the
+fleet's heartbeats and queues (the reward service is reached through `services.reward.client`).
 
 Each class implements one Protocol of `service` and is the only place its transport appears.
 """
@@ -10,47 +10,15 @@ import json
 import logging
 from typing import Any
 
-import grpc
 import redis.asyncio as aioredis
 from nats.js import JetStreamContext
 from nats.js.errors import NotFoundError
 
 from services.common import bus, heartbeat
-from services.common.config import RewardSpec
 from services.common.errors import Unavailable
 from services.gateway.service import event_payload
-from services.proto.fleetrl.v1 import reward_pb2, reward_pb2_grpc
 
 log = logging.getLogger(__name__)
-UNREACHABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNIMPLEMENTED)
-
-
-class RewardValidator:
-    """RewardService.Validate: the reward spec (and file) loads and exposes `reward`."""
-
-    stub: reward_pb2_grpc.RewardServiceStub
-    address: str
-    timeout_s: float
-
-    def __init__(self, channel: grpc.aio.Channel, address: str, timeout_s: float) -> None:
-        self.stub = reward_pb2_grpc.RewardServiceStub(channel)
-        self.address, self.timeout_s = address, timeout_s
-
-    async def check(self, spec: RewardSpec, source: bytes | None) -> str | None:
-        request = reward_pb2.ValidateRequest(spec=reward_pb2.RewardSpec(
-            spec_json=spec.model_dump_json(), file_source=source or b""))
-        try:
-            response = await self.stub.Validate(request, timeout=self.timeout_s, wait_for_ready=False)
-        except grpc.aio.AioRpcError as error:
-            if error.code() == grpc.StatusCode.INVALID_ARGUMENT:
-                return error.details() or "the reward service rejected the reward spec"
-            what = "reward file" if spec.file is not None else "reward spec"
-            if error.code() in UNREACHABLE:
-                raise Unavailable(f"reward service unreachable at {self.address}, cannot check {what}: "
-                                  f"{error.code().name} {error.details()}") from error
-            raise Unavailable(f"reward service failed checking the {what}: {error.code().name} "
-                              f"{error.details()}") from error
-        return None if response.ok else (response.reason or "the reward service rejected the reward spec")
 
 
 class JetStreamPurger:

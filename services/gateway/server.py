@@ -17,8 +17,6 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
 
 from services.common import bus, grpcutil, telemetry
 from services.common.config import read_bytes
@@ -27,12 +25,13 @@ from services.common.grpcutil import map_errors, map_stream_errors
 from services.common.jobs import JobStore
 from services.common.observe import ObservingInterceptor, serve_metrics
 from services.gateway import convert
-from services.gateway.adapters import FleetProbe, JetStreamEvents, JetStreamPurger, RewardValidator
+from services.gateway.adapters import FleetProbe, JetStreamEvents, JetStreamPurger
 from services.gateway.auth import AuthInterceptor, TokenTable, current_tenant
 from services.gateway.checks import Limits
 from services.gateway.config import GatewaySettings
 from services.gateway.service import Gateway
 from services.proto.fleetrl.v1 import gateway_pb2, gateway_pb2_grpc
+from services.reward.client import RewardClient
 
 log = logging.getLogger(__name__)
 SERVICE_NAME = gateway_pb2.DESCRIPTOR.services_by_name["JobService"].full_name
@@ -132,32 +131,6 @@ def add_job_service(servicer: JobServicer) -> Callable[[grpc.aio.Server], str]:
     return register
 
 
-async def start_grpc(settings: GatewaySettings, register: list[Callable[[grpc.aio.Server], str]],
-                     table: TokenTable) -> tuple[grpc.aio.Server, int, health.aio.HealthServicer]:
-    """Like grpcutil.start_server, with the gateway's own message limit and the auth interceptor."""
-    limit = int(settings.max_message_mb * 1024 * 1024)
-    keep = [(k, v) for k, v in grpcutil.CHANNEL_OPTIONS if not k.startswith("grpc.max_")]
-    options = [*keep, ("grpc.max_receive_message_length", limit),
-               ("grpc.max_send_message_length", grpcutil.MAX_MESSAGE_BYTES)]
-    server = grpc.aio.server(options=options, interceptors=[ObservingInterceptor(), AuthInterceptor(table)])
-    names = [add(server) for add in register]
-    health_servicer = health.aio.HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    for name in [*names, ""]:
-        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
-    reflection.enable_server_reflection([*names, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
-    credentials = server_credentials(settings)
-    try:
-        port = (server.add_secure_port(settings.listen, credentials) if credentials
-                else server.add_insecure_port(settings.listen))
-    except RuntimeError:  # grpc's "Failed to bind": the port is taken, the address or the TLS pair is bad
-        problem = "cannot listen there (is the port in use, the address valid"
-        problem += ", and tls_cert/tls_key a PEM certificate chain and its key?)" if credentials else "?)"
-        raise ConfigError("gateway settings", [FieldViolation("listen", f"{settings.listen}: {problem}")]) from None
-    await server.start()
-    return server, port, health_servicer
-
-
 def server_credentials(settings: GatewaySettings) -> grpc.ServerCredentials | None:
     """TLS credentials from tls_key and tls_cert; ConfigError naming the file that cannot be read."""
     if settings.tls_cert is None or settings.tls_key is None:
@@ -193,16 +166,18 @@ async def serve(settings: GatewaySettings, stop: asyncio.Event,
         stack.push_async_callback(nc.drain)
         js = bus.jetstream(nc)
         await bus.ensure_streams(js)
-        reward_channel = grpcutil.channel(settings.reward_addr)
-        stack.push_async_callback(reward_channel.close)
+        reward = RewardClient(settings.reward_addr, timeout_s=settings.reward_validate_timeout_s)
+        stack.push_async_callback(reward.close)
         gateway = Gateway(
-            store, RewardValidator(reward_channel, settings.reward_addr, settings.reward_validate_timeout_s),
+            store, reward,
             JetStreamPurger(js), JetStreamEvents(js), FleetProbe(store.redis, js),
             Limits(int(settings.max_prompts_mb * 1024 * 1024), int(settings.max_reward_file_kb * 1024)),
             poll_s=settings.watch_poll_s, chunk_bytes=settings.download_chunk_kb * 1024,
         )
-        server, port, health_servicer = await start_grpc(
-            settings, [add_job_service(JobServicer(gateway, settings.max_list_jobs))], table)
+        server, port, health_servicer = await grpcutil.start_server(
+            settings.listen, [add_job_service(JobServicer(gateway, settings.max_list_jobs))],
+            interceptors=[ObservingInterceptor(), AuthInterceptor(table)], credentials=server_credentials(settings),
+            max_receive_bytes=int(settings.max_message_mb * 1024 * 1024))
         log.info("gateway listening on %s (port %d, %s)", settings.listen, port,
                  "TLS" if settings.tls_cert else "plaintext")
         if on_start is not None:

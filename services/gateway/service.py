@@ -41,7 +41,7 @@ CLIP_FIELD, CLIP_DESCRIPTION = 120, 240
 
 
 class RewardChecker(Protocol):
-    async def check(self, spec: RewardSpec, source: bytes | None) -> str | None:
+    async def validate(self, spec: RewardSpec, source: bytes | None) -> str | None:
         """None when the spec can score, else why not; Unavailable when the checker is unreachable."""
 
 
@@ -128,7 +128,7 @@ class Gateway:
     async def _reward_violations(self, spec: RewardSpec, source: bytes) -> list[FieldViolation]:
         if spec.file is not None and not source:
             return []  # already reported as a missing reward_file
-        reason = await self.reward.check(spec, source or None)
+        reason = await self.reward.validate(spec, source or None)
         if reason is None:
             return []
         return [FieldViolation("reward.file" if spec.file is not None else "reward.builtin", reason)]

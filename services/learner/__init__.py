@@ -3,7 +3,10 @@
 Components (none references another; `trainer.JobRun` wires them in `setup()` and drives them
 from `run()`, and `service.serve` owns the process resources and the claim loop):
 - `feeder`: prompt JSONL -> tasks on JetStream, in-flight bound by max_staleness; cursor.
-- `policy`: model, optimizer, scheduler (and DDP replica) of a job; one step = `optim.train_step`.
+- `jobbus`: the learner's only NATS calls for a job (task consumer set-up, task publishing, purge on
+  cancel, dead-letter count, step and state events).
+- `trained_policy`: model, optimizer, scheduler (and DDP replica) of a job; one step = `optim.train_step`
+  (`Policy.step` gives each data-parallel rank its share).
 - `losses`, `batch`, `optim`: the algorithms (pure functions of tensors, one train_step).
 - `reference`: the single-process reference loop (documentation and numerical cross-check).
 - `leases`: replay leases between a step and the checkpoint that makes it durable (exactly-once).

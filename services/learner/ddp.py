@@ -2,9 +2,9 @@
 
 `torchrun --nproc_per_node N -m services.learner ...` starts N processes; each joins the
 default process group (gloo on CPU, NCCL on GPU). Rank 0 alone talks to NATS, Redis and
-replay, runs the feeder, publishes, checkpoints and exports; through `policy.Followers` it sends
+replay, runs the feeder, publishes, checkpoints and exports; through `trained_policy.Followers` it sends
 the other ranks each job, checkpoint restore and step, and every rank trains its share of the
-step's groups in a DDP replica (`policy.Policy.step`). Checkpoints are read by every rank from
+step's groups in a DDP replica (`trained_policy.Policy.step`). Checkpoints are read by every rank from
 the run directory, which must be shared. The process-group timeout is a day, since followers
 wait in a collective while rank 0 waits for data or for a job.
 """
@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from services.learner.config import LearnerSettings
-from services.learner.policy import Followers, follow, resolve_device
+from services.learner.trained_policy import Followers, follow, resolve_device
 
 log = logging.getLogger(__name__)
 

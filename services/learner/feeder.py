@@ -24,12 +24,12 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from nats.js import JetStreamContext
 from opentelemetry import context as otel_context
 
 from services.common import bus, seeding, telemetry
 from services.common.config import JobSpec
 from services.common.errors import InvalidArgument
+from services.learner.jobbus import JobBus
 from services.proto.fleetrl.v1 import common_pb2
 
 _TRACER = telemetry.tracer("fleetrl.feeder")
@@ -71,19 +71,9 @@ def tasks_to_publish(cursor: FeederCursor, prompts_per_step: int, max_staleness:
     return max(0, in_flight_limit(prompts_per_step, max_staleness) - in_flight)
 
 
-def task_min_version(current_version: int) -> int:
-    """Tag of a task published while `current_version` is the newest published weights."""
-    return current_version
-
-
 def sample_min_version(learner_version: int, max_staleness: int) -> int:
     """Oldest group version the learner at `learner_version` may train on."""
     return max(0, learner_version - max_staleness)
-
-
-def is_fresh(learner_version: int, group_version: int, max_staleness: int) -> bool:
-    """True when training a group of group_version at learner_version respects the bound."""
-    return learner_version - group_version <= max_staleness
 
 
 # --------------------------------------------------------------------------- prompts and publishing
@@ -118,13 +108,13 @@ class Feeder:
     spec: JobSpec
     prompts: list[Prompt]
     cursor: FeederCursor
-    _js: JetStreamContext
+    _bus: JobBus
     _order: tuple[int, list[int]]
 
-    def __init__(self, js: JetStreamContext, job_id: str, spec: JobSpec, prompts: list[Prompt],
+    def __init__(self, job_bus: JobBus, spec: JobSpec, prompts: list[Prompt],
                  cursor: FeederCursor | None = None) -> None:
-        self._js = js
-        self.job_id = job_id
+        self._bus = job_bus
+        self.job_id = job_bus.job_id
         self.spec = spec
         self.prompts = prompts
         self.cursor = cursor or FeederCursor()
@@ -145,7 +135,7 @@ class Feeder:
         """Publish as many tasks as the bound allows, tagged for current_version; returns the count."""
         n = tasks_to_publish(self.cursor, self.spec.rollout.prompts_per_step, self.spec.train.max_staleness)
         for _ in range(n):
-            await self._publish_next(task_min_version(current_version))
+            await self._publish_next(current_version)
         return n
 
     def _prompt_index(self) -> int:
@@ -165,7 +155,7 @@ class Feeder:
         with _TRACER.start_as_current_span("feeder.publish", context=otel_context.Context(), attributes={
                 "fleetrl.job_id": self.job_id, "fleetrl.task_id": task.task_id}):
             headers = telemetry.inject_headers({"Nats-Msg-Id": bus.task_msg_id(self.job_id, epoch, index)})
-            await self._js.publish(bus.task_subject(self.job_id), task.SerializeToString(), headers=headers)
+            await self._bus.publish_task(task.SerializeToString(), headers)
         self.cursor.published += 1
         self.cursor.position += 1
         if self.cursor.position == len(self.prompts):

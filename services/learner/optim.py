@@ -1,7 +1,9 @@
 """AdamW, the warmup-then-decay schedule, and `train_step`: one optimizer step on a list of groups.
 
 `train_step` is the only place the learning update is written. The distributed trainer and the
-single-process reference loop both call it, which is what makes their losses equal.
+single-process reference loop both call it, which is what makes their losses equal. It reads as the
+single-process algorithm: a data-parallel rank (`trained_policy.Policy.step`) only says which of the
+step's trainable groups it trains and how its loss is scaled (`train`, `loss_scale`).
 
 Schedule of one step (documented choice): the batch is built once; `epochs_per_step` passes go
 over it, each pass accumulating gradients over micro-batches of `micro_batch_samples` sequences
@@ -51,7 +53,11 @@ BATCH_METRICS = ("reward_mean", "reward_std", "groups", "groups_skipped", "lr", 
 """train_step metrics of the whole step, the same on every rank (grad_norm is taken after DDP's all-reduce)."""
 RANK_TIMINGS = ("forward_backward_s", "optimizer_s")
 """Wall-clock seconds of this rank's passes. Every other train_step metric is a mean over real
-completion tokens (losses.policy_loss's token metrics: kl, entropy, clip_frac, ...)."""
+completion tokens (TOKEN_MEANS)."""
+TOKEN_MEANS = ("ratio_mean", "clip_low_frac", "clip_high_frac", "clip_frac", "tis_frac", "tis_weight_mean",
+               "pg_token_mean", "kl", "entropy")
+"""The token-mean metrics of losses.policy_loss that a step reports (tests/learner/test_losses.py
+checks that a step with nothing to train reports the same keys as one that trained)."""
 
 
 def build_optimizer(model: torch.nn.Module, optim_cfg: OptimConfig) -> torch.optim.AdamW:
@@ -182,8 +188,8 @@ def train_step(
     spec: JobSpec,
     ref_model: torch.nn.Module | None = None,
     *,
-    rank: int = 0,
-    world: int = 1,
+    train: list[common_pb2.Group] | None = None,
+    loss_scale: float = 1.0,
 ) -> dict[str, float]:
     """One optimizer step on `groups` (see the module docstring for the pass/micro-batch schedule).
 
@@ -193,14 +199,9 @@ def train_step(
     metrics and the timings as 0, so every metrics line has the same keys; groups_skipped ==
     groups tells such a step apart.
 
-    Data parallel (`world` > 1, `model` a DDP replica): every rank is given the whole step's
-    groups, so every rank derives the same trainable groups and the same decision to step or not,
-    with no collective. Rank r trains trainable[r::world], normalised by the counts of all the
-    trainable groups, its loss scaled by `world` because DDP averages gradients over ranks while
-    the loss wants their sum. A rank whose share is empty (fewer trainable groups than ranks) runs
-    the same passes on trainable[0] with its loss scaled by 0, so it makes the same DDP collectives
-    and adds nothing to the gradient; its loss, tokens and sequences are reported as 0, so the sums
-    and weighted means over ranks (`policy.reduce_over_ranks`) count each trainable group once.
+    `train` (default: every trainable group) is what this process trains, normalised by the counts
+    of all the trainable groups, its loss multiplied by `loss_scale` (a data-parallel rank's share;
+    see `trained_policy.Policy.step`).
     """
     rewards = torch.cat([group_rewards(group) for group in groups])
     kept = trainable(groups, cfg)
@@ -208,18 +209,13 @@ def train_step(
                "groups": float(len(groups)), "groups_skipped": float(len(groups) - len(kept)),
                "lr": float(optimizer.param_groups[0]["lr"])}
     if not kept:  # no update this step, but the schedule still advances so it stays aligned with max_steps
-        metrics.update(_idle_metrics(cfg))
+        metrics.update(IDLE_METRICS)
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="Detected call of")
             scheduler.step()
         return metrics
-    counts = _counts(kept)
-    share = kept[rank::world]
-    if share:
-        metrics.update(_update(model, optimizer, share, cfg, spec, ref_model, counts, float(world)))
-    else:
-        done = _update(model, optimizer, kept[:1], cfg, spec, ref_model, counts, 0.0)
-        metrics.update({**done, "loss": 0.0, "tokens": 0.0, "sequences": 0.0})
+    metrics.update(_update(model, optimizer, kept if train is None else train, cfg, spec, ref_model, _counts(kept),
+                           loss_scale))
     scheduler.step()
     return metrics
 
@@ -230,15 +226,8 @@ def _counts(groups: list[common_pb2.Group]) -> tuple[float, float]:
     return float(tokens), float(sum(len(group.samples) for group in groups))
 
 
-def _idle_metrics(cfg: LossConfig) -> dict[str, float]:
-    """What a step with nothing to train reports in place of `_update`'s metrics, all 0: the token
-    metrics policy_loss reports (read off a micro-batch with no token, so the two cannot drift
-    apart), then the step's sums, means, grad_norm and timings."""
-    empty = torch.zeros(1, 0)  # (B, T) with no token
-    token_keys = policy_loss(LossInputs(empty, empty, empty, torch.zeros(1), empty, entropy=empty), cfg).metrics
-    names = [k for k in token_keys if k not in _NOT_TOKEN_MEANS]
-    names += [*STEP_SUMS, *SEQUENCE_MEANS, "grad_norm", *RANK_TIMINGS]
-    return dict.fromkeys(names, 0.0)
+IDLE_METRICS = dict.fromkeys([*TOKEN_MEANS, *STEP_SUMS, *SEQUENCE_MEANS, "grad_norm", *RANK_TIMINGS], 0.0)
+"""What a step with nothing to train reports in place of `_update`'s metrics: all 0."""
 
 
 def _update(

@@ -4,16 +4,18 @@ Per step (on-policy, as a fleet with max_staleness = 0 and publish_interval = 1 
 
 1. take the next `prompts_per_step` prompts in the feeder's order: cursor position p is prompt
    `prompt_order(N, seed, p // N)[p % N]` of epoch `p // N` (services/common/seeding.py);
-2. for each, sample `samples_per_prompt` completions with the current weights, seeded by
-   `task_seed(seed, task_id)` through a torch.Generator (the rule an actor must follow);
+2. for each, sample `samples_per_prompt` completions with the current weights through the actor's
+   own sampler (`services.actor.backends.HFBackend`, seeded by `task_seed(seed, task_id)`: the
+   rule every actor follows), so the reference and an actor draw bit-identical groups;
 3. score each completion with `reward_fn(completion, prompt, **metadata)`;
 4. build the same `common_pb2.Group`s an actor inserts into replay, and call `train_step`,
    the function the distributed trainer calls too.
 
-Sampling (`sample_group`) is a plain KV-cache loop: logits / temperature, nucleus filter at top_p,
-one `torch.multinomial` draw per position for the whole group from the task's generator. The
-behaviour log-prob of a token is taken under softmax(logits / temperature) before the nucleus
-filter, the same distribution `completion_logprobs` scores on the learner side.
+The backend's sampler is a KV-cache loop: logits / temperature, nucleus filter at top_p, one
+`torch.multinomial` draw per position for the whole group from the task's generator. The behaviour
+log-prob of a token is taken under softmax(logits / temperature) before the nucleus filter, the same
+distribution `completion_logprobs` scores on the learner side. The sampler is the one piece of
+another service this file imports: a one-process reference must roll out exactly as actors do.
 
     python -m services.learner.reference --job examples/addition/job.toml --steps 20
 prints one JSON line of metrics per step.
@@ -29,13 +31,12 @@ import runpy
 import sys
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
-from torch import Tensor
 
+from services.actor.backends import HFBackend, prompt_tokens
 from services.common.config import JobSpec, apply_overrides, validate
 from services.common.errors import ConfigError, FieldViolation
 from services.common.seeding import prompt_order, task_id, task_seed
@@ -70,73 +71,6 @@ def read_prompts(path: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
 
 
-@dataclass(frozen=True)
-class Completion:
-    """One sampled completion: tokens (with a final eos if generated) and their behaviour log-probs."""
-
-    token_ids: list[int]
-    logprobs: list[float]
-    finish_reason: str
-
-
-def encode_prompt(tokenizer: Any, text: str, spec: JobSpec) -> list[int]:
-    """Prompt tokens as the actor feeds them: chat template when asked and available, left-truncated."""
-    rollout = spec.rollout
-    if rollout.chat_template and getattr(tokenizer, "chat_template", None):
-        messages = [{"role": "system", "content": rollout.system_prompt}] if rollout.system_prompt else []
-        messages.append({"role": "user", "content": text})
-        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
-    else:
-        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-    return list(ids)[-rollout.max_prompt_tokens :]
-
-
-def _nucleus(probs: Tensor, top_p: float) -> Tensor:
-    """probs (G, V) with everything outside the top_p mass zeroed (the top token always kept)."""
-    if top_p >= 1.0:
-        return probs
-    sorted_probs, order = probs.sort(dim=-1, descending=True)
-    outside = sorted_probs.cumsum(-1) - sorted_probs > top_p
-    return probs.scatter(-1, order, sorted_probs.masked_fill(outside, 0.0))
-
-
-@torch.no_grad()
-def sample_group(
-    model: Any, prompt_ids: list[int], spec: JobSpec, eos_ids: set[int], generator: torch.Generator
-) -> list[Completion]:
-    """samples_per_prompt completions of one prompt, drawn from `generator` (see module docstring)."""
-    size, rollout = spec.rollout.samples_per_prompt, spec.rollout
-    out = model(input_ids=torch.tensor([prompt_ids] * size), use_cache=True)
-    tokens_T, logprobs_T = [], []
-    done = torch.zeros(size, dtype=torch.bool)
-    for _ in range(rollout.max_new_tokens):
-        logp = torch.log_softmax(out.logits[:, -1].float() / rollout.temperature, dim=-1)  # (G, V)
-        token = torch.multinomial(_nucleus(logp.exp(), rollout.top_p), 1, generator=generator)  # (G, 1)
-        tokens_T.append(token[:, 0])
-        logprobs_T.append(logp.gather(-1, token)[:, 0])
-        done |= torch.isin(token[:, 0], torch.tensor(sorted(eos_ids)))
-        if bool(done.all()):
-            break
-        out = model(input_ids=token, cache=out.cache, use_cache=True)
-    return [_cut(torch.stack(tokens_T)[:, g].tolist(), torch.stack(logprobs_T)[:, g].tolist(), eos_ids)
-            for g in range(size)]
-
-
-def _cut(tokens: list[int], logprobs: list[float], eos_ids: set[int]) -> Completion:
-    """A row of the group up to and including its first eos."""
-    for position, token in enumerate(tokens):
-        if token in eos_ids:
-            return Completion(tokens[: position + 1], logprobs[: position + 1], "eos")
-    return Completion(tokens, logprobs, "length")
-
-
-def eos_ids_of(model: Any, tokenizer: Any) -> set[int]:
-    """Every id that ends a completion: the tokenizer's eos and the generation config's."""
-    configured = getattr(model.generation_config, "eos_token_id", None)
-    listed = configured if isinstance(configured, list) else [configured]
-    return {i for i in [tokenizer.eos_token_id, *listed] if i is not None}
-
-
 def tasks_of_step(step: int, num_prompts: int, spec: JobSpec) -> Iterator[tuple[int, int]]:
     """(epoch, prompt_index) of each task of a step, following the feeder's cursor order."""
     for position in range(step * spec.rollout.prompts_per_step, (step + 1) * spec.rollout.prompts_per_step):
@@ -150,16 +84,18 @@ def rollout_group(
 ) -> common_pb2.Group:
     """The group an actor would insert for task (epoch, index), generated with the current weights."""
     tid = task_id(epoch, index)
-    prompt_ids = encode_prompt(tokenizer, row["prompt"], spec)
-    generator = torch.Generator().manual_seed(task_seed(spec.seed, tid))
+    rollout = spec.rollout
+    prompt_ids = prompt_tokens(tokenizer, row["prompt"], rollout)
+    completions = HFBackend(model, tokenizer).generate(
+        prompt_ids, rollout.samples_per_prompt, max_new_tokens=rollout.max_new_tokens,
+        temperature=rollout.temperature, top_p=rollout.top_p, seed=task_seed(spec.seed, tid))
     metadata = {k: v for k, v in row.items() if k != "prompt"}
     group = common_pb2.Group(job_id=spec.name, task_id=tid, policy_version=version, prompt=row["prompt"])
-    for completion in sample_group(model, prompt_ids, spec, eos_ids_of(model, tokenizer), generator):
-        text = tokenizer.decode(completion.token_ids, skip_special_tokens=True)
+    for completion in completions:
         group.samples.append(common_pb2.Sample(
             prompt_token_ids=prompt_ids, completion_token_ids=completion.token_ids,
-            behaviour_logprobs=completion.logprobs, completion_text=text,
-            reward=float(reward_fn(text, row["prompt"], **metadata)),
+            behaviour_logprobs=completion.logprobs, completion_text=completion.text,
+            reward=float(reward_fn(completion.text, row["prompt"], **metadata)),
             reward_status=common_pb2.REWARD_STATUS_OK, finish_reason=completion.finish_reason,
         ))
     return group

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import time
 from dataclasses import dataclass, field
@@ -23,7 +22,6 @@ from pathlib import Path
 from nats.aio.client import Client as NATS
 from nats.js import JetStreamContext
 
-from services.common import bus
 from services.common.config import JobSpec
 from services.common.errors import Cancelled, DeadlineExceeded, FleetError, NotFound
 from services.common.jobs import JobRecord, JobState, JobStore
@@ -33,11 +31,12 @@ from services.learner.batch import component_means
 from services.learner.config import LearnerSettings
 from services.learner.export import MetricsLog, export_model, job_dir
 from services.learner.feeder import Feeder, FeederCursor, parse_prompts, sample_min_version
+from services.learner.jobbus import JobBus
 from services.learner.leases import LeaseBook, LeaseRecord
 from services.learner.observe import StepObserver
-from services.learner.policy import Followers, Policy, resolve_device
 from services.learner.publish import WeightPublisher
 from services.learner.status import StatusBoard, StepRecord
+from services.learner.trained_policy import Followers, Policy, resolve_device
 from services.proto.fleetrl.v1 import common_pb2
 from services.replay.client import ReplayClient
 
@@ -82,6 +81,7 @@ class JobRun:
     step: int
     policy: Policy
     feeder: Feeder
+    job_bus: JobBus
     publisher: WeightPublisher
     book: LeaseBook
     metrics: MetricsLog
@@ -97,6 +97,7 @@ class JobRun:
         self.obs = StepObserver(record.job_id)
         self.step = self.checkpoint_step = 0
         self.book = LeaseBook(self.spec.replay.sampler == "fifo")
+        self.job_bus = JobBus(deps.nc, record.job_id)
         self._policy = policy
 
     @property
@@ -140,10 +141,9 @@ class JobRun:
         self.policy = self._policy if self._policy is not None else await asyncio.to_thread(
             Policy, self.spec, device, Followers.if_distributed())
         await self.deps.replay.configure(self.job_id, self.spec.replay)
-        await bus.ensure_streams(self.deps.js)
-        await bus.ensure_job_consumer(self.deps.js, self.job_id, self.spec)
+        await self.job_bus.prepare(self.spec)
         cursor = await self.resume()
-        self.feeder = Feeder(self.deps.js, self.job_id, self.spec, prompts, cursor)
+        self.feeder = Feeder(self.job_bus, self.spec, prompts, cursor)
         self.publisher = WeightPublisher(self.deps.weights, self.job_id, self.spec.train.weights_dtype,
                                          self.spec.train.publish_interval, self.spec.train.keep_weight_versions)
         await self.publisher.sync()
@@ -186,7 +186,7 @@ class JobRun:
         """Raise Cancelled (after purging the job's queued tasks) when the job was cancelled."""
         record = await self.deps.jobs.get(self.job_id)
         if record.state == JobState.CANCELLED:
-            await self.deps.js.purge_stream(bus.TASKS_STREAM, subject=bus.task_subject(self.job_id))
+            await self.job_bus.purge_tasks()
             log.info("job %s cancelled at step %d", self.job_id, self.step)
             raise Cancelled(f"job {self.job_id} was cancelled")
 
@@ -241,10 +241,10 @@ class JobRun:
 
     async def replace_dead_lettered(self) -> None:
         """Tasks dead-lettered by actors will never bring a group: settle them and publish others."""
-        queue = await bus.task_queue(self.deps.js, self.job_id)
-        if self.feeder.settle_dead_lettered(queue.dead_lettered):
+        dead_lettered = await self.job_bus.dead_lettered()
+        if self.feeder.settle_dead_lettered(dead_lettered):
             log.warning("job %s: %d tasks dead-lettered so far; publishing replacements", self.job_id,
-                        queue.dead_lettered)
+                        dead_lettered)
             await self.feeder.top_up(self.publisher.published_version)
 
     async def release(self, data: StepData) -> None:
@@ -312,8 +312,7 @@ class JobRun:
         record = {"step": self.step, "policy_version": self.step, "unix_ms": unix_ms, **values}
         self.metrics.append({**record, "task_ids": [g.task_id for g in data.groups]})
         await self.deps.jobs.append_step(self.job_id, record)
-        await self.deps.nc.publish(bus.events_subject(self.job_id),
-                                   json.dumps({"type": "step", **record}).encode())
+        await self.job_bus.event({"type": "step", **record})
         board = self.deps.board
         board.step, board.policy_version = self.step, self.step
         board.last = StepRecord(self.step, self.step, values, unix_ms)
@@ -328,8 +327,7 @@ class JobRun:
         self.check_lease()
         await self.deps.jobs.set_model_uri(self.job_id, str(path.resolve()))
         await self.deps.jobs.set_state(self.job_id, JobState.SUCCEEDED)
-        await self.deps.nc.publish(bus.events_subject(self.job_id), json.dumps(
-            {"type": "state", "state": "succeeded", "model_uri": str(path.resolve())}).encode())
+        await self.job_bus.event({"type": "state", "state": "succeeded", "model_uri": str(path.resolve())})
         self.phase("done")
 
     def phase(self, name: str) -> None:

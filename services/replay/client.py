@@ -1,8 +1,9 @@
 """Async client of the ReplayService for actors and the learner.
 
 Every call has a deadline and is retried with bounded backoff on UNAVAILABLE,
-RESOURCE_EXHAUSTED and DEADLINE_EXCEEDED (`grpcutil.retry`); other failures raise
-their domain error (NotFound, InvalidArgument, ...). Retrying is safe: Insert is
+RESOURCE_EXHAUSTED and DEADLINE_EXCEEDED (`grpcutil.retry`; a caller may give its own
+`RetryPolicy`, as the actor does); other failures raise their domain error (NotFound,
+InvalidArgument, ...). Retrying is safe: Insert is
 idempotent (a retried group reports DUPLICATE) and a second Commit is a no-op.
 Each call carries the caller's trace context as gRPC metadata (W3C traceparent).
 """
@@ -17,12 +18,11 @@ import grpc
 
 from services.common import telemetry
 from services.common.config import ReplayConfig
-from services.common.grpcutil import channel, retry
+from services.common.grpcutil import RetryPolicy, channel, retry
 from services.proto.fleetrl.v1 import common_pb2, replay_pb2, replay_pb2_grpc
 from services.replay import wire
+from services.replay.table import SAMPLERS
 
-SAMPLERS = {"fifo": replay_pb2.SAMPLER_KIND_FIFO, "uniform": replay_pb2.SAMPLER_KIND_UNIFORM,
-            "prioritized": replay_pb2.SAMPLER_KIND_PRIORITIZED}
 INSERT_METHOD = "/fleetrl.v1.ReplayService/Insert"
 INSERTED = replay_pb2.INSERT_OUTCOME_INSERTED
 DUPLICATE = replay_pb2.INSERT_OUTCOME_DUPLICATE
@@ -33,12 +33,14 @@ class ReplayClient:
 
     addr: str
     timeout_s: float
-    attempts: int
+    retry: RetryPolicy
 
-    def __init__(self, addr: str, *, timeout_s: float = 10.0, attempts: int = 5) -> None:
+    def __init__(self, addr: str, *, timeout_s: float = 10.0, attempts: int = 5,
+                 retry: RetryPolicy | None = None) -> None:
+        """`retry` (default: up to `attempts` tries on the retryable codes) says when a call is tried again."""
         self.addr = addr
         self.timeout_s = timeout_s
-        self.attempts = attempts
+        self.retry = retry or RetryPolicy(attempts=attempts)
         self._channel: grpc.aio.Channel = channel(addr)
         self._stub = replay_pb2_grpc.ReplayServiceStub(self._channel)
         self._insert_raw = self._channel.unary_unary(
@@ -47,7 +49,7 @@ class ReplayClient:
     async def configure(self, job_id: str, cfg: ReplayConfig) -> replay_pb2.TableInfo:
         """Create or update the job's table from the JobSpec's replay section."""
         req = replay_pb2.ConfigureTableRequest(
-            job_id=job_id, capacity_groups=cfg.capacity_groups, sampler=SAMPLERS[cfg.sampler],
+            job_id=job_id, capacity_groups=cfg.capacity_groups, sampler=SAMPLERS[cfg.sampler].kind,
             max_reuse=cfg.max_reuse, lease_timeout_s=cfg.lease_timeout_s)
         return await self._call("ConfigureTable", req)
 
@@ -109,4 +111,4 @@ class ReplayClient:
         rpc = rpc or getattr(self._stub, method)
         metadata = telemetry.grpc_metadata()
         return await retry(lambda: rpc(request, timeout=self.timeout_s + extra_s, metadata=metadata),
-                           what=f"replay {method}", attempts=self.attempts)
+                           what=f"replay {method}", policy=self.retry)

@@ -13,21 +13,11 @@ from google.protobuf.message import DecodeError
 from services.common.errors import FieldViolation, InvalidArgument, ResourceExhausted
 from services.proto.fleetrl.v1 import common_pb2, replay_pb2
 from services.replay import wire
-from services.replay.table import SAMPLERS, GroupRecord, LineageRow, SampleResult, TableConfig, TableStats
+from services.replay.table import SAMPLERS_BY_KIND, GroupRecord, LineageRow, SampleResult, TableConfig, TableStats
 
-DEFAULT_LEASE_TIMEOUT_S = 300.0
 DEFAULT_QUERY_LIMIT = 100
 PRIORITY_EPS = 1e-3
 """Added to mean |advantage| so a zero-variance group keeps a small chance of being sampled."""
-
-_SAMPLER_NAMES = {
-    replay_pb2.SAMPLER_KIND_UNSPECIFIED: "fifo",
-    replay_pb2.SAMPLER_KIND_FIFO: "fifo",
-    replay_pb2.SAMPLER_KIND_UNIFORM: "uniform",
-    replay_pb2.SAMPLER_KIND_PRIORITIZED: "prioritized",
-}
-_SAMPLER_KINDS = {name: kind for kind, name in _SAMPLER_NAMES.items() if kind}
-
 
 def require_job(job_id: str, field: str = "job_id") -> str:
     if not job_id or len(job_id) > 256 or any(c in job_id for c in ":{} \t\n"):
@@ -37,24 +27,16 @@ def require_job(job_id: str, field: str = "job_id") -> str:
 
 
 def to_table_config(req: replay_pb2.ConfigureTableRequest) -> TableConfig:
-    """Table settings; 0 for max_reuse / lease_timeout_s means the defaults (1 / 300 s)."""
+    """Table settings (`TableConfig.of`: 0 for max_reuse / lease_timeout_s means the defaults)."""
     require_job(req.job_id)
-    if req.capacity_groups < 1:
-        raise InvalidArgument("capacity_groups must be at least 1", [FieldViolation("capacity_groups", "must be >= 1")])
-    if req.sampler not in _SAMPLER_NAMES:
+    if req.sampler not in SAMPLERS_BY_KIND:
         raise InvalidArgument(f"unknown sampler {req.sampler}", [FieldViolation("sampler", "unknown SamplerKind")])
-    sampler = SAMPLERS[_SAMPLER_NAMES[req.sampler]]
-    lease_timeout_s = req.lease_timeout_s or DEFAULT_LEASE_TIMEOUT_S
-    if not 0 < lease_timeout_s <= 86_400:
-        raise InvalidArgument("lease_timeout_s out of range",
-                              [FieldViolation("lease_timeout_s", "must be in (0, 86400]")])
-    max_reuse = 1 if not sampler.reuses else max(1, req.max_reuse)
-    return TableConfig(req.capacity_groups, sampler, max_reuse, lease_timeout_s)
+    return TableConfig.of(req.capacity_groups, SAMPLERS_BY_KIND[req.sampler], req.max_reuse, req.lease_timeout_s)
 
 
 def table_info(job_id: str, cfg: TableConfig, size_groups: int) -> replay_pb2.TableInfo:
     config = replay_pb2.ConfigureTableRequest(
-        job_id=job_id, capacity_groups=cfg.capacity_groups, sampler=_SAMPLER_KINDS[cfg.sampler.name],
+        job_id=job_id, capacity_groups=cfg.capacity_groups, sampler=cfg.sampler.kind,
         max_reuse=cfg.max_reuse, lease_timeout_s=cfg.lease_timeout_s)
     return replay_pb2.TableInfo(job_id=job_id, config=config, size_groups=size_groups)
 

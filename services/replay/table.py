@@ -31,7 +31,16 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import OutOfMemoryError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from services.common.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted, Unavailable
+from services.common.config import DEFAULT_LEASE_TIMEOUT_S, MAX_CAPACITY_GROUPS, MAX_LEASE_TIMEOUT_S, MAX_REUSE
+from services.common.errors import (
+    FailedPrecondition,
+    FieldViolation,
+    InvalidArgument,
+    NotFound,
+    ResourceExhausted,
+    Unavailable,
+)
+from services.proto.fleetrl.v1 import replay_pb2
 from services.replay import scripts
 
 log = logging.getLogger(__name__)
@@ -52,6 +61,8 @@ class Sampler:
     """A sampling strategy; its selection runs inside the Sample script, named by `name`."""
 
     name: SamplerName
+    kind: replay_pb2.SamplerKind
+    """Its `SamplerKind` on the wire."""
     drops_stale: bool
     """Groups older than min_policy_version are removed (and counted) instead of skipped."""
     reuses: bool
@@ -59,28 +70,43 @@ class Sampler:
 
 
 SAMPLERS: dict[str, Sampler] = {
-    "fifo": Sampler("fifo", drops_stale=True, reuses=False),
-    "uniform": Sampler("uniform", drops_stale=False, reuses=True),
-    "prioritized": Sampler("prioritized", drops_stale=False, reuses=True),
+    "fifo": Sampler("fifo", replay_pb2.SAMPLER_KIND_FIFO, drops_stale=True, reuses=False),
+    "uniform": Sampler("uniform", replay_pb2.SAMPLER_KIND_UNIFORM, drops_stale=False, reuses=True),
+    "prioritized": Sampler("prioritized", replay_pb2.SAMPLER_KIND_PRIORITIZED, drops_stale=False, reuses=True),
 }
+"""The samplers by name: the one map between names and `SamplerKind`s (UNSPECIFIED means fifo)."""
+SAMPLERS_BY_KIND: dict[int, Sampler] = {
+    replay_pb2.SAMPLER_KIND_UNSPECIFIED: SAMPLERS["fifo"], **{s.kind: s for s in SAMPLERS.values()}}
+
+
+def _out_of_bounds(field: str, why: str) -> InvalidArgument:
+    return InvalidArgument(f"{field} {why}", [FieldViolation(field, why)])
 
 
 @dataclass(frozen=True)
 class TableConfig:
-    """Settings of one job's table."""
+    """Settings of one job's table, within the bounds of a job's `ReplayConfig` (stated there once)."""
 
     capacity_groups: int
     sampler: Sampler
     max_reuse: int = 1
-    lease_timeout_s: float = 300.0
+    lease_timeout_s: float = DEFAULT_LEASE_TIMEOUT_S
 
     def __post_init__(self) -> None:
-        if self.capacity_groups < 1:
-            raise InvalidArgument("capacity_groups must be at least 1")
-        if self.max_reuse < 1:
-            raise InvalidArgument("max_reuse must be at least 1")
-        if not 0 < self.lease_timeout_s <= 86_400:
-            raise InvalidArgument("lease_timeout_s must be in (0, 86400]")
+        if not 1 <= self.capacity_groups <= MAX_CAPACITY_GROUPS:
+            raise _out_of_bounds("capacity_groups", f"must be in [1, {MAX_CAPACITY_GROUPS}]")
+        if not 1 <= self.max_reuse <= MAX_REUSE:
+            raise _out_of_bounds("max_reuse", f"must be in [1, {MAX_REUSE}]")
+        if not 0 < self.lease_timeout_s <= MAX_LEASE_TIMEOUT_S:
+            raise _out_of_bounds("lease_timeout_s", f"must be in (0, {MAX_LEASE_TIMEOUT_S}]")
+
+    @classmethod
+    def of(cls, capacity_groups: int, sampler: Sampler, max_reuse: int = 0,
+           lease_timeout_s: float = 0.0) -> TableConfig:
+        """A table as ConfigureTable asks for it: 0 means the default (max_reuse 1, lease 300 s);
+        a sampler without reuse trains each group once whatever max_reuse says."""
+        max_reuse = max(1, max_reuse) if sampler.reuses else 1
+        return cls(capacity_groups, sampler, max_reuse, lease_timeout_s or DEFAULT_LEASE_TIMEOUT_S)
 
     @classmethod
     def queue(cls, capacity_groups: int, lease_timeout_s: float = 300.0) -> TableConfig:

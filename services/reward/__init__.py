@@ -12,6 +12,7 @@ Components (none references the others' internals; `scorer.Scorer` wires them):
 - `scorer`: validates specs, caches one pool per spec digest (bounded, idle pools reaped), turns
   worker replies into `Result`s and records metrics.
 - `server` + `convert`: the thin gRPC adapter; `__main__`: `python -m services.reward` / `fleetrl reward`.
+- `client`: the published client (actors call Score, the gateway Validate) and `spec_to_proto`.
 
 Every spec, built-in or user file, is scored in sandboxed worker processes, never in the service
 process: built-ins parse untrusted text (sympy can hang) or run untrusted code (`code_tests`).

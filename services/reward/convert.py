@@ -1,7 +1,6 @@
 """Conversions between RewardService protos and the scorer's domain types, in one place.
 
-`spec_to_proto` is for callers (actor, gateway): it builds the RewardSpec message from a job's
-`services.common.config.RewardSpec` and the reward file's bytes.
+The callers' side (a job's `RewardSpec` to the wire) is `services.reward.client.spec_to_proto`.
 """
 
 from __future__ import annotations
@@ -9,7 +8,6 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from services.common.config import RewardSpec
 from services.common.errors import FieldViolation, InvalidArgument
 from services.proto.fleetrl.v1 import common_pb2, reward_pb2
 from services.reward.scorer import Item, Result, SpecInput, Status, parse_spec
@@ -20,11 +18,6 @@ STATUS_TO_PROTO = {
     Status.TIMEOUT: common_pb2.REWARD_STATUS_TIMEOUT,
     Status.KILLED: common_pb2.REWARD_STATUS_KILLED,
 }
-
-
-def spec_to_proto(spec: RewardSpec, file_source: bytes = b"") -> reward_pb2.RewardSpec:
-    """The wire form of a job's reward spec (file_source: the reward file's contents, if any)."""
-    return reward_pb2.RewardSpec(spec_json=spec.model_dump_json(), file_source=file_source)
 
 
 def to_spec(message: reward_pb2.RewardSpec) -> SpecInput:

@@ -24,9 +24,9 @@ from nats.js import JetStreamContext
 
 from services.common import bus, models
 from services.common.config import JobSpec
-from services.common.embedded import wait_for_port
 from services.common.jobs import JobState, JobStore
 from services.common.weights import WeightStore, encode_safetensors
+from services.fleet.embedded import wait_for_port
 from services.proto.fleetrl.v1 import common_pb2
 from services.replay.client import ReplayClient
 

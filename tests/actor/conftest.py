@@ -14,9 +14,9 @@ import pytest_asyncio
 from actor_fleet import Fleet, Services, start_service
 
 from services.common import bus
-from services.common.embedded import EmbeddedNats, EmbeddedValkey, free_port
 from services.common.jobs import JobState, JobStore
 from services.common.weights import WeightStore
+from services.fleet.embedded import EmbeddedNats, EmbeddedValkey, free_port
 from services.replay.client import ReplayClient
 
 

@@ -168,7 +168,8 @@ async def test_weight_update_mid_run_and_corrupt_object(fleet: Fleet) -> None:
     # A pointer whose object does not match its digest: rejected, re-pulled, never loaded.
     good = await fleet.weights.latest(job)
     assert good is not None
-    bad = WeightPointer(version=2, object=good.object, sha256="0" * 64, bytes=good.bytes, dtype=good.dtype)
+    bad = WeightPointer(version=2, object_name=good.object_name, sha256="0" * 64, size_bytes=good.size_bytes,
+                        dtype=good.dtype)
     kv = await fleet.js.key_value(bus.WEIGHTS_KV)
     await kv.put(job, bad.to_json())
     await wait_until(lambda: fleet.log_text("w0").count("rejected weights v2") >= 2, 30, "the corrupt pull rejections")

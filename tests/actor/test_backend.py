@@ -15,6 +15,7 @@ import torch
 from services.actor.backends import LOGPROB_TOL, FixedBackend, HFBackend, make_backend, prompt_tokens
 from services.common import models
 from services.common.config import RolloutConfig
+from services.common.seeding import task_id, task_seed
 from services.learner import reference
 
 ROLLOUT = RolloutConfig(samples_per_prompt=8, max_new_tokens=24, temperature=0.7, top_p=0.9)
@@ -54,12 +55,16 @@ def test_same_seed_same_group_and_reference_loop_agrees() -> None:
     assert [c.token_ids for c in first] != [c.token_ids for c in backend.generate(prompt, 8, seed=6, **kwargs)]
     spec = reference.JobSpec.model_validate({"prompts": "p.jsonl", "reward": {"builtin": "numeric_match"},
                                               "model": "tiny-llama", "rollout": ROLLOUT.model_dump()})
-    ref = reference.sample_group(model, prompt, spec, backend.eos_ids, torch.Generator().manual_seed(5))
-    # Same seed rule, same draws: identical tokens. The backend prefills once and shares the KV cache
-    # (the reference prefills n copies), so log-probs agree to float rounding, not bit for bit.
-    assert [(c.token_ids, c.finish_reason) for c in first] == [(r.token_ids, r.finish_reason) for r in ref]
-    for c, r in zip(first, ref, strict=True):
-        assert torch.allclose(torch.tensor(c.logprobs), torch.tensor(r.logprobs), atol=1e-5, rtol=0)
+    row = {"prompt": "What is 1 + 2?", "answer": "3"}
+    group = reference.rollout_group(model, tokenizer, spec, row, 0, 1, 0, reference.numeric_match)
+    # The reference loop samples through the backend under the same seed rule (task_seed of the
+    # task id): the same group, token for token and log-prob for log-prob.
+    actor = backend.generate(prompt, 8, seed=task_seed(spec.seed, task_id(0, 1)), **kwargs)
+    assert [list(s.prompt_token_ids) for s in group.samples] == [prompt] * 8
+    assert [(c.token_ids, c.finish_reason) for c in actor] == \
+        [(list(s.completion_token_ids), s.finish_reason) for s in group.samples]
+    for c, s in zip(actor, group.samples, strict=True):
+        assert torch.allclose(torch.tensor(c.logprobs), torch.tensor(list(s.behaviour_logprobs)), atol=1e-5, rtol=0)
 
 
 def test_completions_stop_at_eos_or_length() -> None:

@@ -17,7 +17,7 @@ import redis
 
 import services
 from services import cli
-from services.common.embedded import STATE_FILE, process_identity, read_state
+from services.fleet.embedded import STATE_FILE, process_identity, read_state
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -15,7 +15,6 @@ from nats.js.object_store import ObjectStore
 
 from services.common import bus, weights
 from services.common.chunk_reader import ChunkReader
-from services.common.embedded import EmbeddedNats
 from services.common.errors import DeadlineExceeded, FailedPrecondition, NotFound
 from services.common.weights import (
     WeightPointer,
@@ -24,6 +23,7 @@ from services.common.weights import (
     decode_safetensors,
     encode_safetensors,
 )
+from services.fleet.embedded import EmbeddedNats
 
 JOB = "job-w"
 
@@ -83,11 +83,11 @@ async def test_latest_is_none_before_first_publish(store: WeightStore) -> None:
 
 async def test_pointer_with_wrong_sha_raises_corrupt(store: WeightStore) -> None:
     pointer = await store.publish(JOB, 0, os.urandom(300_000), "bfloat16")
-    forged = WeightPointer(0, pointer.object, "0" * 64, pointer.bytes, pointer.dtype)
+    forged = WeightPointer(0, pointer.object_name, "0" * 64, pointer.size_bytes, pointer.dtype)
     with pytest.raises(WeightsCorrupt, match="sha256"):
         await store.pull(JOB, forged)
     with pytest.raises(WeightsCorrupt, match="bytes"):
-        await store.pull(JOB, WeightPointer(0, pointer.object, pointer.sha256, pointer.bytes + 1, "bfloat16"))
+        await store.pull(JOB, WeightPointer(0, pointer.object_name, pointer.sha256, pointer.size_bytes + 1, "bfloat16"))
 
 
 async def test_replaced_chunk_raises_corrupt(store: WeightStore, nc: NATS) -> None:

@@ -23,7 +23,7 @@ from k8s_objects import JOB, K8S, NEEDS_KUBECTL, find, problems, render
 from services.cli import ROUTES
 from services.common import bus
 from services.common.config import load_settings
-from services.common.configdoc import SERVICES
+from services.fleet.configdoc import SERVICES
 
 pytestmark = NEEDS_KUBECTL
 

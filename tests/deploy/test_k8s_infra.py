@@ -25,7 +25,7 @@ import yaml
 from k8s_objects import JOB, K8S, NEEDS_KUBECTL, find, render
 
 from services.common import bus
-from services.common.embedded import free_port, nats_server_binary, valkey_server_binary, wait_for_port
+from services.fleet.embedded import free_port, nats_server_binary, valkey_server_binary, wait_for_port
 from services.replay.table import SAFE_POLICIES
 
 pytestmark = NEEDS_KUBECTL

@@ -19,10 +19,10 @@ import pytest
 from k8s_objects import K8S, NEEDS_KUBECTL, find, render
 
 from services.common.config import RewardSpec
-from services.common.embedded import free_port, wait_for_port
 from services.common.grpcutil import channel
+from services.fleet.embedded import free_port, wait_for_port
 from services.proto.fleetrl.v1 import common_pb2, reward_pb2, reward_pb2_grpc
-from services.reward.convert import spec_to_proto
+from services.reward.client import spec_to_proto
 
 pytestmark = [NEEDS_KUBECTL, pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("setpriv"),
                                                 reason="needs root and setpriv, like the reward pod")]

@@ -71,7 +71,7 @@ def test_compose_config_validates() -> None:
 
 def test_compose_nats_configuration_is_accepted_by_nats_server() -> None:
     """The compose NATS service's command and config file, checked by the real nats-server (`-t`)."""
-    from services.common.embedded import nats_server_binary
+    from services.fleet.embedded import nats_server_binary
 
     nats = _services_of(ROOT / "docker-compose.yml")["nats"]
     command = list(nats["command"])

@@ -19,8 +19,8 @@ from typing import Any, TypeVar
 
 import pytest
 
-from services.common.embedded import EmbeddedNats, EmbeddedValkey, free_port, wait_for_port
 from services.common.jobs import JobStore
+from services.fleet.embedded import EmbeddedNats, EmbeddedValkey, free_port, wait_for_port
 from services.gateway.auth import hash_token
 from services.gateway.client import Client
 

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 from learner_fleet import flat, make_group, spec_for
 
-from services.learner.policy import Policy
+from services.learner.trained_policy import Policy
 from services.proto.fleetrl.v1 import common_pb2
 
 SPEC = dict(max_steps=4, micro_batch_samples=2, epochs_per_step=2)

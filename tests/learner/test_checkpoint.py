@@ -10,7 +10,7 @@ from learner_fleet import make_group, spec_for
 
 from services.learner import checkpoint as ckpt
 from services.learner.leases import LeaseBook, LeaseRecord
-from services.learner.policy import Policy
+from services.learner.trained_policy import Policy
 
 
 def trained_policy() -> Policy:

@@ -19,8 +19,8 @@ import torch
 from ddp_rank import steps
 from learner_fleet import REPO, create_job, insert_groups, learner_process, replay_service, spec_for, started
 
-from services.common.embedded import free_port
 from services.common.jobs import JobState, JobStore
+from services.fleet.embedded import free_port
 from services.learner.optim import BATCH_METRICS, RANK_TIMINGS
 from services.replay.client import ReplayClient
 

@@ -13,12 +13,11 @@ from services.learner.feeder import (
     Feeder,
     FeederCursor,
     in_flight_limit,
-    is_fresh,
     parse_prompts,
     sample_min_version,
-    task_min_version,
     tasks_to_publish,
 )
+from services.learner.jobbus import JobBus
 from services.proto.fleetrl.v1 import common_pb2
 
 
@@ -32,13 +31,14 @@ def test_in_flight_is_bounded() -> None:
 
 @given(st.integers(0, 500), st.integers(0, 20), st.integers(1, 16), st.integers(0, 40))
 def test_sampled_groups_respect_the_bound(version: int, max_staleness: int, pps: int, group_version: int) -> None:
-    """Whatever replay returns at or above sample_min_version is fresh; anything below is not."""
+    """Whatever replay returns at or above sample_min_version is fresh (at most max_staleness
+    versions behind); anything below is not."""
     minimum = sample_min_version(version, max_staleness)
     assert minimum >= 0
     if group_version >= minimum:
-        assert is_fresh(version, group_version, max_staleness)
+        assert version - group_version <= max_staleness
     elif version >= max_staleness:
-        assert not is_fresh(version, group_version, max_staleness)
+        assert not version - group_version <= max_staleness
 
 
 @given(st.integers(0, 20), st.integers(1, 8), st.integers(1, 60))
@@ -48,7 +48,7 @@ def test_simulated_pipeline_never_trains_stale(max_staleness: int, pps: int, ste
     cursor, queue = FeederCursor(), []  # queue: generation versions of the groups in replay
     for version in range(steps):
         for _ in range(tasks_to_publish(cursor, pps, max_staleness)):
-            queue.append(task_min_version(version))  # worst case: generated at exactly the tag
+            queue.append(version)  # the task's tag is the newest version; worst case: generated at it
             cursor.published += 1
         assert cursor.published - cursor.settled <= in_flight_limit(pps, max_staleness)
         trained = 0
@@ -61,8 +61,16 @@ def test_simulated_pipeline_never_trains_stale(max_staleness: int, pps: int, ste
         assert trained == pps  # with prompt generation keeping up, nothing is ever dropped
 
 
-def test_strictly_on_policy_tags_current_version() -> None:
-    assert task_min_version(5) == 5 and sample_min_version(5, 0) == 5 and not is_fresh(5, 4, 0)
+async def test_strictly_on_policy_tags_current_version(nats_url: str) -> None:
+    nc = await bus.connect(nats_url, "test")
+    js = bus.jetstream(nc)
+    await bus.ensure_streams(js)
+    feeder = Feeder(JobBus(nc, "jt"), spec_for(max_staleness=0), parse_prompts(prompts_jsonl(3)))
+    assert await feeder.top_up(5) == 2  # prompts_per_step 2, max_staleness 0
+    sub = await js.pull_subscribe(bus.task_subject("jt"), durable="check")
+    tags = [common_pb2.Task.FromString(m.data).min_policy_version for m in await sub.fetch(2, timeout=2)]
+    await nc.close()
+    assert tags == [5, 5] and sample_min_version(5, 0) == 5 and not 5 - 4 <= 0
 
 
 def test_parse_prompts_keeps_metadata() -> None:
@@ -78,11 +86,11 @@ async def test_feeder_publishes_shuffled_dedups_and_crosses_epochs(nats_url: str
     await bus.ensure_streams(js)
     spec = spec_for(max_staleness=1)  # prompts_per_step 2 -> 4 in flight
     prompts = parse_prompts(prompts_jsonl(3))
-    feeder = Feeder(js, "jf", spec, prompts)
+    feeder = Feeder(JobBus(nc, "jf"), spec, prompts)
     assert await feeder.top_up(0) == 4 and await feeder.top_up(0) == 0
     assert feeder.cursor == FeederCursor(epoch=1, position=1, published=4, settled=0)
     feeder.settle(2)
-    again = Feeder(js, "jf", spec, prompts, FeederCursor(epoch=1, position=0, published=3, settled=2))
+    again = Feeder(JobBus(nc, "jf"), spec, prompts, FeederCursor(epoch=1, position=0, published=3, settled=2))
     assert await again.top_up(7) == 3  # re-publishes (1, order[0]): dropped by Nats-Msg-Id dedup
     sub = await js.pull_subscribe(bus.task_subject("jf"), durable="check")
     msgs = await sub.fetch(10, timeout=2)

@@ -16,8 +16,8 @@ import redis
 import redis.asyncio as aioredis
 from replay_helpers import configure, make_group, settings_for
 
-from services.common.embedded import EmbeddedValkey, free_port, wait_for_port
 from services.common.errors import FailedPrecondition, FleetError, ResourceExhausted
+from services.fleet.embedded import EmbeddedValkey, free_port, wait_for_port
 from services.replay.client import INSERTED, ReplayClient
 from services.replay.server import running
 from services.replay.table import prefix

@@ -29,8 +29,8 @@ from pathlib import Path
 
 import pytest
 
-from services.common.embedded import free_port, wait_for_port
 from services.common.grpcutil import channel
+from services.fleet.embedded import free_port, wait_for_port
 from services.proto.fleetrl.v1 import common_pb2, reward_pb2, reward_pb2_grpc
 from tests.reward.conftest import UID_BASE, file_spec, items, uid_processes, wait_gone
 

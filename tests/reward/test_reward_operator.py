@@ -14,8 +14,8 @@ from pathlib import Path
 import grpc
 import pytest
 
-from services.common.embedded import free_port, wait_for_port
 from services.common.grpcutil import channel
+from services.fleet.embedded import free_port, wait_for_port
 from services.proto.fleetrl.v1 import common_pb2, reward_pb2, reward_pb2_grpc
 from services.reward import jail
 from services.reward.config import RewardSettings
@@ -93,7 +93,7 @@ async def test_a_sigkilled_service_leaves_no_worker_and_its_temp_dirs_are_swept(
 async def test_the_pool_reports_status_ok_in_the_jail_for_a_builtin_that_forks(tmp_path: Path) -> None:
     """code_tests forks a child per test: built-in workers may fork (but not exec) in the jail."""
     from services.common.config import RewardSpec
-    from services.reward.convert import spec_to_proto
+    from services.reward.client import spec_to_proto
 
     spec = spec_to_proto(RewardSpec(builtin="code_tests", params={}, timeout_per_item_s=10))
     async with reward_service(tmp_path) as stub:

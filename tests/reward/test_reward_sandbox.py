@@ -17,8 +17,8 @@ from typing import Any
 
 import pytest
 
-from services.common.embedded import free_port, wait_for_port
 from services.common.grpcutil import channel
+from services.fleet.embedded import free_port, wait_for_port
 from services.proto.fleetrl.v1 import common_pb2, reward_pb2, reward_pb2_grpc
 from services.reward.config import RewardSettings
 from services.reward.pool import describe_isolation

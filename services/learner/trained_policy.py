@@ -2,9 +2,9 @@
 
 `Policy.step(groups)` is one call of `optim.train_step` (the only place the update is written).
 Data parallelism (torch.distributed, gloo on CPU, NCCL on GPU): every rank holds a DDP-wrapped
-replica and is given the whole step's groups; `train_step` trains the rank's whole-group share
-normalised by the whole batch's token and sequence counts, so the summed gradient equals the
-one-rank gradient (see train_step for empty shares). `reduce_over_ranks` then makes the step's
+replica and is given the whole step's groups; `Policy.step` has `train_step` train the rank's
+whole-group share normalised by the whole batch's token and sequence counts, so the summed gradient
+equals the one-rank gradient (see `Policy.step` for empty shares). `reduce_over_ranks` then makes the step's
 metrics those of one rank on the whole batch: sums added, token and sequence means weighted by
 each rank's tokens and sequences. Under torchrun only rank 0 runs the service; it drives
 the other ranks through `Followers` (one `broadcast_object_list` per command: the job's spec,
@@ -33,6 +33,7 @@ from services.learner.optim import (
     build_optimizer,
     build_scheduler,
     train_step,
+    trainable,
 )
 from services.proto.fleetrl.v1 import common_pb2
 
@@ -124,9 +125,28 @@ class Policy:
         """One optimizer step on the whole step's groups (each rank is given all of them)."""
         if self.followers is not None:
             self.followers.send("step", [g.SerializeToString() for g in groups])
+        if self.world == 1:
+            return train_step(self.module, self.optimizer, self.scheduler, groups, self.loss_cfg, self.spec,
+                              self.ref_model)
+        return reduce_over_ranks(self._rank_step(groups), self.device)
+
+    def _rank_step(self, groups: list[common_pb2.Group]) -> dict[str, float]:
+        """This rank's part of a data-parallel step (`module` a DDP replica).
+
+        Every rank is given the whole step's groups, so every rank derives the same trainable groups
+        and the same decision to step or not, with no collective. Rank r trains trainable[r::world],
+        its loss scaled by `world` because DDP averages gradients over ranks while the loss wants
+        their sum. A rank whose share is empty (fewer trainable groups than ranks) runs the same
+        passes on trainable[0] with its loss scaled by 0, so it makes the same DDP collectives and
+        adds nothing to the gradient; its loss, tokens and sequences are reported as 0, so the sums
+        and weighted means over ranks (`reduce_over_ranks`) count each trainable group once."""
+        kept = trainable(groups, self.loss_cfg)
+        share = kept[self.rank::self.world]
         metrics = train_step(self.module, self.optimizer, self.scheduler, groups, self.loss_cfg, self.spec,
-                             self.ref_model, rank=self.rank, world=self.world)
-        return reduce_over_ranks(metrics, self.device) if self.world > 1 else metrics
+                             self.ref_model, train=share or kept[:1], loss_scale=float(self.world) if share else 0.0)
+        if kept and not share:
+            metrics.update(loss=0.0, tokens=0.0, sequences=0.0)
+        return metrics
 
     def state(self, step: int, extra: dict[str, object]) -> ckpt.Checkpoint:
         return ckpt.Checkpoint(

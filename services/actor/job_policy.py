@@ -122,7 +122,7 @@ class JobPolicy:
         self.announced = max(self.announced, pointer.version)
         metrics.WEIGHT_LOADS.labels(self.job_id).inc()
         metrics.POLICY_VERSION.labels(self.job_id).set(pointer.version)
-        log.info("job %s: loaded weights v%d (%d bytes, %s)", self.job_id, pointer.version, pointer.bytes,
+        log.info("job %s: loaded weights v%d (%d bytes, %s)", self.job_id, pointer.version, pointer.size_bytes,
                  pointer.dtype)
 
     async def _watch_pointer(self) -> None:

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from services.actor.backends import HFBackend
-from services.actor.policy import JobPolicy
+from services.actor.job_policy import JobPolicy
 from services.common import bus, models
 from services.common.weights import WeightPointer, WeightStore, encode_safetensors
 
@@ -34,10 +34,10 @@ async def test_weights_move_forward_only_and_corrupt_objects_are_rejected(nats_u
         norm = model.model.norm.weight.detach().clone()
         assert torch.allclose(norm, torch.full_like(norm, 1.5))  # RMSNorm weights start at 1, shifted by 0.5
         kv = await js.key_value(bus.WEIGHTS_KV)
-        await kv.put("jp", WeightPointer(2, good.object, "0" * 64, good.bytes, good.dtype).to_json())
+        await kv.put("jp", WeightPointer(2, good.object_name, "0" * 64, good.size_bytes, good.dtype).to_json())
         assert not await policy.ensure(2, 1.0)  # sha256 mismatch: rejected, re-pulled, rejected again
         assert policy.version == 1 and torch.equal(model.model.norm.weight, norm)
-        await kv.put("jp", WeightPointer(0, "v0", good.sha256, good.bytes, good.dtype).to_json())
+        await kv.put("jp", WeightPointer(0, "v0", good.sha256, good.size_bytes, good.dtype).to_json())
         assert await policy.refresh() and policy.version == 1  # an older pointer never moves us back
         await store.publish("jp", 3, base, "bfloat16")
         assert await policy.ensure(3, 5.0) and policy.version == 3

@@ -11,7 +11,7 @@ from pathlib import Path
 import redis
 
 from services.common import bus
-from services.common.embedded import STATE_FILE, EmbeddedNats, EmbeddedValkey, process_identity, stop_recorded
+from services.fleet.embedded import STATE_FILE, EmbeddedNats, EmbeddedValkey, process_identity, stop_recorded
 
 # Enough single-key writes that replaying the AOF takes Valkey a noticeable time (about 0.3 s here).
 AOF_KEYS = 200_000

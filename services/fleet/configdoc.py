@@ -1,4 +1,4 @@
-"""The configuration reference, generated from the pydantic models: `python -m services.common.configdoc`.
+"""The configuration reference, generated from the pydantic models: `python -m services.fleet.configdoc`.
 
 It prints Markdown tables of every field of the JobSpec (by dotted path), of each service's
 settings model (with its environment prefix) and of each built-in reward's `params`: type,
@@ -6,7 +6,7 @@ default, bounds and the field's docstring. The docstrings are the ones written u
 the models set `use_attribute_docstrings`, so pydantic already holds them as descriptions.
 
 Design choice: docs/CONFIG.md keeps this output between two marker lines, and
-tests/common/test_configdoc.py fails when it is stale, the way the proto stubs are checked, so the
+tests/fleet/test_configdoc.py fails when it is stale, the way the proto stubs are checked, so the
 reference cannot drift from the code. `--write FILE` refreshes the block, `--check FILE` exits 1
 when it differs. Defaults computed at start-up (an actor's id) are described, never evaluated,
 so the output is the same on every machine. Imports only config modules: no torch.
@@ -36,7 +36,7 @@ from services.replay import config as replay_config
 from services.reward import builtins as reward_builtins
 from services.reward import config as reward_config
 
-BEGIN = "<!-- BEGIN GENERATED: python -m services.common.configdoc --write docs/CONFIG.md -->"
+BEGIN = "<!-- BEGIN GENERATED: python -m services.fleet.configdoc --write docs/CONFIG.md -->"
 END = "<!-- END GENERATED -->"
 SERVICES: tuple[tuple[str, type[BaseModel], str], ...] = (
     ("gateway", gateway_config.GatewaySettings, gateway_config.ENV_PREFIX),
@@ -231,7 +231,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.check is not None:
         stale = is_stale(args.check)
         if stale:
-            print(f"stale: {args.check} (run python -m services.common.configdoc --write {args.check})",
+            print(f"stale: {args.check} (run python -m services.fleet.configdoc --write {args.check})",
                   file=sys.stderr)
         return 1 if stale else 0
     if args.write is not None:

@@ -1,0 +1,159 @@
+"""One single-turn rollout: a task's group from the job's policy, scored, stored in replay.
+
+`Rollout.run(job, delivery)` is the named steps of one task: ensure_weights -> generate -> score ->
+build the group -> insert; it returns the replay outcome. It knows models, reward and replay and
+nothing of NATS: the task and its delivery attempt come from `taskqueue.JobQueue`, which acks only
+after this returned (a multi-turn episode loop lives beside it, with the same contract).
+- Reward and replay are reached through two small Protocols (services.reward.client.RewardClient,
+  services.replay.client.ReplayClient). The actor builds both clients with one `RetryPolicy`:
+  UNAVAILABLE, RESOURCE_EXHAUSTED, DEADLINE_EXCEEDED and NOT_FOUND (the table is configured by the
+  learner) are retried with jittered backoff for rpc_retry_s; past that, or on any other failure,
+  the error propagates and the queue releases the delivery.
+- Sampling is seeded by `seeding.task_seed(spec.seed, task_id)`, so a redelivered task gives the
+  same group under the same weights.
+- Each step is a child span of the delivery's `actor.task` span (`actor.ensure_weights`,
+  `actor.generate`, `actor.score`, `actor.insert`); the reward and replay calls carry the context
+  as gRPC metadata, and the group's lineage records the insert span, the parent of the learner's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from services.actor import metrics
+from services.actor.backends import Completion, prompt_tokens
+from services.actor.config import ActorSettings
+from services.actor.job_policy import JobPolicy
+from services.common import telemetry
+from services.common.config import JobSpec
+from services.common.jobs import now_ms
+from services.common.seeding import task_seed
+from services.proto.fleetrl.v1 import common_pb2, replay_pb2, reward_pb2
+
+OUTCOMES: dict[int, str] = {replay_pb2.INSERT_OUTCOME_INSERTED: "inserted",
+                            replay_pb2.INSERT_OUTCOME_DUPLICATE: "duplicate"}
+
+
+class GroupSink(Protocol):
+    """Where groups go (services.replay.client.ReplayClient)."""
+
+    async def insert(self, groups: Sequence[common_pb2.Group]) -> list[int]: ...
+
+
+class Rewarder(Protocol):
+    """Who scores completions (services.reward.client.RewardClient)."""
+
+    async def score(self, job_id: str, spec: reward_pb2.RewardSpec,
+                    items: Sequence[reward_pb2.ScoreItem]) -> list[reward_pb2.ScoreResult]: ...
+
+
+@dataclass
+class JobContext:
+    """What a rollout needs about one job it serves."""
+
+    job_id: str
+    spec: JobSpec
+    reward_spec: reward_pb2.RewardSpec
+    """The job's reward spec and file on the wire (`services.reward.client.spec_to_proto`)."""
+    policy: JobPolicy
+
+
+class TaskFailed(Exception):
+    """A delivery could not produce a stored group; the reason goes to logs and the dead-letter headers."""
+
+
+class Rollout:
+    """Turns one task into one stored group."""
+
+    settings: ActorSettings
+    activity: metrics.Activity
+
+    def __init__(self, settings: ActorSettings, replay: GroupSink, reward: Rewarder,
+                 activity: metrics.Activity) -> None:
+        self.settings = settings
+        self.activity = activity
+        self._replay = replay
+        self._reward = reward
+        self._tracer = telemetry.tracer("fleetrl.actor")
+
+    async def run(self, job: JobContext, task: common_pb2.Task, attempt: int, received_ms: int) -> str:
+        """The named steps of one task (delivery `attempt`, received at received_ms); the replay outcome
+        ("inserted" or "duplicate")."""
+        await self.ensure_weights(job, task)
+        version = job.policy.version
+        prompt_ids, completions = await self.generate(job, task)
+        generated_ms = now_ms()
+        results = await self.score(job, task, completions)
+        lineage = common_pb2.Lineage(
+            actor_id=self.settings.actor_id, delivery_attempt=attempt,
+            trace_id=telemetry.current_trace_id(), received_unix_ms=received_ms,
+            generated_unix_ms=generated_ms, scored_unix_ms=now_ms())
+        group = build_group(job.job_id, task, version, prompt_ids, completions, results, lineage)
+        return OUTCOMES[await self.insert(group)]
+
+    @contextlib.contextmanager
+    def _stage(self, name: str, state: str) -> Iterator[None]:
+        """One named step of a task: a child span, a step_seconds sample and the actor's state."""
+        self.activity.set_state(state)
+        with self._tracer.start_as_current_span(f"actor.{name}"), metrics.STEP_SECONDS.labels(name).time():
+            yield
+
+    async def ensure_weights(self, job: JobContext, task: common_pb2.Task) -> None:
+        with self._stage("ensure_weights", "waiting_for_weights"):
+            if not await job.policy.ensure(int(task.min_policy_version), self.settings.weights_wait_s):
+                raise TaskFailed(f"weights v>={task.min_policy_version} not available "
+                                 f"(holding v{job.policy.version})")
+
+    async def generate(self, job: JobContext, task: common_pb2.Task) -> tuple[list[int], list[Completion]]:
+        rollout = job.spec.rollout
+        backend = job.policy.backend
+        prompt_ids = prompt_tokens(backend.tokenizer, task.prompt, rollout)
+        marker = self.settings.fault_crash_marker
+        if marker and marker in task.prompt:
+            raise TaskFailed(f"fault injection: prompt contains {marker!r}")
+        with self._stage("generate", "generating"):
+            completions = await asyncio.to_thread(
+                backend.generate, prompt_ids, rollout.samples_per_prompt, max_new_tokens=rollout.max_new_tokens,
+                temperature=rollout.temperature, top_p=rollout.top_p, seed=task_seed(job.spec.seed, task.task_id))
+        tokens = sum(len(c.token_ids) for c in completions)
+        metrics.GENERATED_TOKENS.labels(job.job_id).inc(tokens)
+        self.activity.add_tokens(tokens)
+        return prompt_ids, completions
+
+    async def score(self, job: JobContext, task: common_pb2.Task,
+                    completions: list[Completion]) -> list[reward_pb2.ScoreResult]:
+        items = [reward_pb2.ScoreItem(completion=c.text, prompt=task.prompt, metadata_json=task.metadata_json or "{}")
+                 for c in completions]
+        with self._stage("score", "scoring"):
+            results = await self._reward.score(job.job_id, job.reward_spec, items)
+        if len(results) != len(items):
+            raise TaskFailed(f"reward service returned {len(results)} results for {len(items)} items")
+        return results
+
+    async def insert(self, group: common_pb2.Group) -> int:
+        with self._stage("insert", "inserting"):
+            group.lineage.span_id = telemetry.current_span_id()
+            outcomes = await self._replay.insert([group])
+        return int(outcomes[0])
+
+
+def build_group(
+    job_id: str, task: common_pb2.Task, version: int, prompt_ids: list[int], completions: list[Completion],
+    results: list[reward_pb2.ScoreResult], lineage: common_pb2.Lineage,
+) -> common_pb2.Group:
+    """The group replay stores for a task: one Sample per completion with its reward."""
+    group = common_pb2.Group(job_id=job_id, task_id=task.task_id, policy_version=version, prompt=task.prompt,
+                             lineage=lineage)
+    for completion, result in zip(completions, results, strict=True):
+        group.samples.append(common_pb2.Sample(
+            prompt_token_ids=prompt_ids, completion_token_ids=completion.token_ids,
+            behaviour_logprobs=completion.logprobs, completion_text=completion.text,
+            reward=result.reward if result.status == common_pb2.REWARD_STATUS_OK else 0.0,
+            reward_components=dict(result.components), reward_status=result.status,
+            reward_reason=result.reason, finish_reason=completion.finish_reason,
+        ))
+    return group

@@ -1,0 +1,49 @@
+"""The learner's NATS side of one job, in one place: tasks out, dead letters in, events out.
+
+`JobRun` and the `Feeder` call these methods instead of JetStream: ensuring the streams and the
+job's shared task consumer (`prepare`, the same settings actors use), publishing a task with its
+dedup id (`publish_task`), purging queued tasks on cancel (`purge_tasks`), reading the job's
+dead-letter count (`dead_lettered`) and publishing step and state events (`event`).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from nats.aio.client import Client as NATS
+
+from services.common import bus
+from services.common.config import JobSpec
+
+
+class JobBus:
+    """One job's task subject, consumer, dead-letter subject and event subject."""
+
+    job_id: str
+
+    def __init__(self, nc: NATS, job_id: str) -> None:
+        self.job_id = job_id
+        self._nc = nc
+        self._js = bus.jetstream(nc)
+
+    async def prepare(self, spec: JobSpec) -> None:
+        """The fleet's streams and the job's task consumer, created or updated to the spec."""
+        await bus.ensure_streams(self._js)
+        await bus.ensure_job_consumer(self._js, self.job_id, spec)
+
+    async def publish_task(self, data: bytes, headers: dict[str, str]) -> None:
+        """One serialised Task (headers carry its `Nats-Msg-Id`, so a re-publish is dropped)."""
+        await self._js.publish(bus.task_subject(self.job_id), data, headers=headers)
+
+    async def purge_tasks(self) -> None:
+        """Drop the job's queued tasks (the job was cancelled)."""
+        await self._js.purge_stream(bus.TASKS_STREAM, subject=bus.task_subject(self.job_id))
+
+    async def dead_lettered(self) -> int:
+        """Tasks of the job in its dead-letter subject so far."""
+        return (await bus.task_queue(self._js, self.job_id)).dead_lettered
+
+    async def event(self, payload: dict[str, Any]) -> None:
+        """Publish a JSON event to `fleet.jobs.<job>.events`."""
+        await self._nc.publish(bus.events_subject(self.job_id), json.dumps(payload).encode())

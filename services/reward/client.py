@@ -1,0 +1,73 @@
+"""Async client of the RewardService for actors (Score) and the gateway (Validate).
+
+The one place a job's `services.common.config.RewardSpec` and its reward file become the wire's
+`RewardSpec` message (`spec_to_proto`). Every call has a deadline. Score is retried as the caller's
+`grpcutil.RetryPolicy` says (the actor retries for rpc_retry_s); a failure past it raises its domain
+error (Unavailable, ResourceExhausted, NotFound, ...). Validate is tried once: the gateway answers
+its caller at once, and an unreachable service is UNAVAILABLE, never an unchecked accept.
+Each call carries the caller's trace context as gRPC metadata (W3C traceparent).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import grpc
+
+from services.common import telemetry
+from services.common.config import RewardSpec
+from services.common.errors import Unavailable
+from services.common.grpcutil import RetryPolicy, channel, retry
+from services.proto.fleetrl.v1 import reward_pb2, reward_pb2_grpc
+
+UNREACHABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNIMPLEMENTED)
+
+
+def spec_to_proto(spec: RewardSpec, file_source: bytes = b"") -> reward_pb2.RewardSpec:
+    """The wire form of a job's reward spec (file_source: the reward file's contents, if any)."""
+    return reward_pb2.RewardSpec(spec_json=spec.model_dump_json(), file_source=file_source)
+
+
+class RewardClient:
+    """One channel to a reward service."""
+
+    addr: str
+    timeout_s: float
+    retry: RetryPolicy
+
+    def __init__(self, addr: str, *, timeout_s: float, retry: RetryPolicy | None = None) -> None:
+        self.addr = addr
+        self.timeout_s = timeout_s
+        self.retry = retry or RetryPolicy()
+        self._channel: grpc.aio.Channel = channel(addr)
+        self._stub = reward_pb2_grpc.RewardServiceStub(self._channel)
+
+    async def score(self, job_id: str, spec: reward_pb2.RewardSpec,
+                    items: Sequence[reward_pb2.ScoreItem]) -> list[reward_pb2.ScoreResult]:
+        """One result per item, in order (spec: from `spec_to_proto`, built once per job)."""
+        request = reward_pb2.ScoreRequest(job_id=job_id, spec=spec, items=items)
+        response = await retry(
+            lambda: self._stub.Score(request, timeout=self.timeout_s, metadata=telemetry.grpc_metadata()),
+            what="reward Score", policy=self.retry)
+        return list(response.results)
+
+    async def validate(self, spec: RewardSpec, source: bytes | None) -> str | None:
+        """None when the spec (and file) loads and exposes `reward`, else the service's reason.
+
+        Unavailable when the service cannot answer (unreachable, or failing for another reason)."""
+        request = reward_pb2.ValidateRequest(spec=spec_to_proto(spec, source or b""))
+        try:
+            response = await self._stub.Validate(request, timeout=self.timeout_s, wait_for_ready=False)
+        except grpc.aio.AioRpcError as error:
+            if error.code() == grpc.StatusCode.INVALID_ARGUMENT:
+                return error.details() or "the reward service rejected the reward spec"
+            what = "reward file" if spec.file is not None else "reward spec"
+            if error.code() in UNREACHABLE:
+                raise Unavailable(f"reward service unreachable at {self.addr}, cannot check {what}: "
+                                  f"{error.code().name} {error.details()}") from error
+            raise Unavailable(f"reward service failed checking the {what}: {error.code().name} "
+                              f"{error.details()}") from error
+        return None if response.ok else (response.reason or "the reward service rejected the reward spec")
+
+    async def close(self) -> None:
+        await self._channel.close()
