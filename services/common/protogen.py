@@ -46,7 +46,8 @@ def stale_files() -> list[str]:
     """Stub files whose committed text differs from freshly generated text."""
     with tempfile.TemporaryDirectory() as tmp:
         fresh = {p.relative_to(tmp): p.read_text() for p in generate(Path(tmp))}
-    committed = {p.relative_to(OUT_DIR): p.read_text() for p in OUT_DIR.rglob("*_pb2*.py*")}
+    committed = {p.relative_to(OUT_DIR): p.read_text() for p in OUT_DIR.rglob("*_pb2*.py*")
+                 if p.suffix in (".py", ".pyi")}  # not __pycache__'s .pyc (a `python -I` child writes them)
     names = set(fresh) | set(committed)
     return sorted(str(n) for n in names if fresh.get(n) != committed.get(n))
 

@@ -187,8 +187,11 @@ def test_reward_pods_get_what_the_sandbox_needs_and_no_more(rendered: dict[str, 
     context = container["securityContext"]
     assert context["runAsUser"] == 0  # private uids are used only by a root service (sandbox.UidPool)
     assert context["capabilities"]["drop"] == ["ALL"]
-    assert set(context["capabilities"]["add"]) == {"SYS_ADMIN", "SETUID", "SETGID", "CHOWN", "DAC_OVERRIDE", "KILL"}
-    assert context["seccompProfile"] == {"type": "RuntimeDefault"} and not context.get("privileged")
+    assert set(context["capabilities"]["add"]) == {"SYS_ADMIN", "NET_ADMIN", "SETUID", "SETGID", "CHOWN",
+                                                   "DAC_OVERRIDE", "KILL"}
+    # the jail mounts, so the service runs unconfined by the runtime; its workers load their own filter
+    assert context["seccompProfile"] == context["appArmorProfile"] == {"type": "Unconfined"}
+    assert not context.get("privileged")
     assert spec["automountServiceAccountToken"] is False and not spec.get("shareProcessNamespace")
     policy = find(objects, "NetworkPolicy", "reward-no-egress")["spec"]
     assert policy["policyTypes"] == ["Egress"] and policy["egress"] == []
