@@ -10,13 +10,14 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import redis
 import redis.asyncio as aioredis
 from replay_helpers import configure, make_group, settings_for
 
-from services.common.errors import FailedPrecondition, FleetError, ResourceExhausted
+from services.common.errors import FailedPrecondition, FleetError, ResourceExhausted, Unavailable
 from services.fleet.embedded import EmbeddedValkey, free_port, wait_for_port
 from services.replay.client import INSERTED, ReplayClient
 from services.replay.server import running
@@ -35,6 +36,18 @@ async def load_until(client: ReplayClient, stop: asyncio.Event, acked: dict[str,
         with contextlib.suppress(FleetError):
             if await client.insert([make_group("j", task, tokens=64)]) == [INSERTED]:
                 acked[task] = time.monotonic()
+
+
+async def stats_within(client: ReplayClient, job: str, timeout_s: float) -> Any:
+    """The job's stats, asked again every 0.2 s while the service answers UNAVAILABLE, for at most timeout_s."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            return await client.stats(job)
+        except Unavailable:
+            if time.monotonic() > deadline:
+                raise
+            await asyncio.sleep(0.2)
 
 
 @pytest.mark.parametrize("fsync", ["always", "everysec"])
@@ -63,7 +76,9 @@ async def test_acknowledged_inserts_survive_redis_kill9(tmp_path: Path, fsync: s
                 assert present == set(acked)
             else:
                 assert {t for t, at in acked.items() if at < killed_at - EVERYSEC_LOSS_BOUND_S} <= present
-            assert (await client.stats("j")).size_groups >= len(present)  # service serves after the restart
+            # the service serves after the restart, once Valkey has replayed its AOF (bounded wait: a loaded
+            # box can take longer than the 0.5 s above, and this client does not retry)
+            assert (await stats_within(client, "j", 10.0)).size_groups >= len(present)
 
 
 def start_service(port: int, redis_url: str) -> subprocess.Popen[bytes]:
