@@ -36,6 +36,9 @@ def test_top_once_over_the_gateway(fleet: TracedFleet, capsys: pytest.CaptureFix
     job_id = fleet.run.job_id
     wait_for(lambda: any(m.kind == "learner" and m.policy_version >= 1 for m in fleet.client.fleet().members), 10,
              "the learner's heartbeat after its first step")
+    # Beats are periodic: the actor's may still predate its first task when the learner's shows step 1.
+    wait_for(lambda: any(m.member_id == "actor-1" and m.job_id == job_id for m in fleet.client.fleet().members), 10,
+             "the actor's heartbeat naming the job")
     assert cli.main(["top", "--dir", str(fleet.run_dir), "--once", "--json"]) == 0
     frame = json.loads(capsys.readouterr().out)
     members = {m["member_id"]: m for m in frame["members"]}
