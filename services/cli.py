@@ -31,6 +31,7 @@ ROUTES: dict[str, tuple[str, bool, str]] = {
     "cancel": ("services.gateway.cli", True, "cancel a job"),
     "jobs": ("services.gateway.cli", True, "list jobs"),
     "download": ("services.gateway.cli", True, "download a trained model"),
+    "sweep": ("services.gateway.cli", True, "submit a grid of jobs and compare them"),
     "up": ("services.fleet.cli", True, "start the whole fleet locally"),
     "scale": ("services.fleet.cli", True, "change the number of actors of a running fleet"),
     "demo": ("services.fleet.cli", True, "train SmolLM2-135M on two-digit addition, end to end"),

@@ -1,4 +1,4 @@
-"""`fleetrl submit|status|watch|cancel|jobs|download`: the job commands, over the Python client.
+"""`fleetrl submit|status|watch|cancel|jobs|download|sweep`: the job commands, over the Python client.
 
 Human output (rich tables and a live progress bar) by default, `--json` for scripts: `submit`,
 `status JOB`, `cancel` and `download` print one JSON object, `jobs` and `status` without a job one
@@ -7,7 +7,9 @@ JSON array, `watch` one JSON object per line per event; an error is one JSON obj
 unreadable job file or CA file, malformed or unknown job id, a download directory that cannot be
 written: ConfigError / InvalidArgument / NotFound); 1 any other failure (gateway unreachable,
 authentication, ...). `watch` (and `submit --watch`) also exit 1 when the job ends failed or
-cancelled, so a script can chain on it.
+cancelled, so a script can chain on it. `sweep` submits one job per combination of its `--grid`
+axes, waits for all, and prints a comparison (`--json`: one object with every row); it exits 1
+unless every job succeeded, and Ctrl-C cancels the sweep's unfinished jobs.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from services.common.errors import ConfigError, FleetError, InvalidArgument, NotFound, grpc_code
+from services.gateway import sweep
 from services.gateway.client import Client
 from services.gateway.models import JobInfo, StepInfo
 
@@ -55,6 +58,15 @@ def parser() -> argparse.ArgumentParser:
     p = sub.add_parser("cancel", parents=[common], help="cancel a job")
     p.add_argument("job_id")
     p.add_argument("--reason", default="")
+    p = sub.add_parser("sweep", parents=[common], help="submit a grid of jobs and compare them when they end")
+    p.add_argument("job_file", type=Path)
+    p.add_argument("--grid", action="append", required=True, metavar="KEY=[V1,V2,...]",
+                   help="an axis of the grid (repeat for more axes)")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a spec field")
+    p.add_argument("--name", help="name prefix of the sweep's jobs")
+    p.add_argument("--plot", type=Path, help="write reward curves of every combination to this PNG")
+    p.add_argument("--timeout", type=float, default=None, help="give up waiting after this many seconds")
+    p.add_argument("--poll", type=float, default=1.0, help="seconds between status polls")
     p = sub.add_parser("download", parents=[common], help="download a succeeded job's model")
     p.add_argument("job_id")
     p.add_argument("dir", type=Path)
@@ -153,10 +165,56 @@ def cmd_download(client: Client, args: argparse.Namespace, out: Console) -> int:
     return EXIT_OK
 
 
+def cmd_sweep(client: Client, args: argparse.Namespace, out: Console) -> int:
+    """Submit the grid, follow it (a line per change), then print the comparison; Ctrl-C cancels it."""
+    grid = sweep.parse_grid(args.grid)
+    run = client.sweep(grid, args.job_file, overrides=args.set, name=args.name)
+    if not args.json:
+        out.print(f"sweep: {len(run.rows)} jobs submitted: {' '.join(run.job_ids)}", highlight=False)
+    progress = None if args.json else (lambda s: out.print(sweep_progress(s), highlight=False))
+    try:
+        rows = run.wait(args.timeout, args.poll, on_change=progress)
+    except BaseException:
+        run.cancel("sweep interrupted")
+        raise
+    if args.plot is not None:
+        sweep.plot(args.plot, rows)
+    if args.json:
+        print(json.dumps({"grid": grid, "rows": [r.to_dict() for r in rows]}))
+    else:
+        out.print(sweep_table(rows))
+        if args.plot is not None:
+            out.print(f"reward curves: {args.plot}", highlight=False)
+    return EXIT_OK if all(r.state == "succeeded" for r in rows) else EXIT_FAILURE
+
+
 COMMANDS: dict[str, Callable[[Client, argparse.Namespace, Console], int]] = {
     "submit": cmd_submit, "status": cmd_status, "jobs": cmd_jobs, "watch": cmd_watch,
-    "cancel": cmd_cancel, "download": cmd_download,
+    "cancel": cmd_cancel, "download": cmd_download, "sweep": cmd_sweep,
 }
+
+
+def sweep_progress(run: sweep.Sweep) -> str:
+    counts: dict[str, int] = {}
+    for row in run.rows:
+        counts[row.state] = counts.get(row.state, 0) + 1
+    return "sweep: " + ", ".join(f"{n} {state}" for state, n in sorted(counts.items()))
+
+
+def sweep_table(rows: list[sweep.SweepRow]) -> Table:
+    """Best final reward first; a job without steps or eval shows a dash."""
+    table = Table(title=f"sweep of {len(rows)} jobs (final reward: mean of the last {sweep.FINAL_STEPS} steps)")
+    for column in ("params", "job", "state", "steps", "final reward", "held-out pass@1", "wall s"):
+        table.add_column(column, justify="left" if column in ("params", "job", "state") else "right")
+
+    def cell(value: float | None, fmt: str) -> str:
+        return "-" if value is None else format(value, fmt)
+
+    for row in sorted(rows, key=lambda r: (r.final_reward is None, -(r.final_reward or 0.0))):
+        table.add_row(sweep.label(row.params), row.job_id, row.state + (f" ({row.reason})" if row.reason else ""),
+                      str(row.steps), cell(row.final_reward, ".3f"), cell(row.pass_at_1, ".3f"),
+                      cell(row.wall_s, ".0f"))
+    return table
 
 
 # ----------------------------------------------------------------------------- watch

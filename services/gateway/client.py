@@ -34,7 +34,7 @@ import grpc
 from services.common.config import apply_overrides, read_bytes, read_toml, set_dotted
 from services.common.errors import ConfigError, FieldViolation, FleetError, from_grpc
 from services.common.grpcutil import field_violations
-from services.gateway import convert
+from services.gateway import convert, sweep
 from services.gateway.models import FleetInfo, JobEventInfo, JobInfo, StepInfo
 from services.proto.fleetrl.v1 import gateway_pb2, gateway_pb2_grpc
 
@@ -176,6 +176,12 @@ class Client:
         spec, prompts, reward = job_payload(data, Path(spec_file).parent if spec_file else Path.cwd())
         job = self.submit(spec, prompts, reward, spec_format="json", idempotency_key=idempotency_key)
         return Run(self, job.job_id)
+
+    def sweep(self, grid: dict[str, list[Any]], job_file: str | Path | None = None, *,
+              overrides: list[str] | None = None, name: str | None = None, **run_kwargs: Any) -> sweep.Sweep:
+        """One job per combination of the grid's values ({dotted spec key: values}), from job_file with
+        `overrides`, or from create_run's keyword arguments; `.wait()` returns their rows."""
+        return sweep.submit(self, grid, job_file, overrides=overrides or [], name=name, **run_kwargs)
 
     def fleet(self, timeout_s: float | None = None) -> FleetInfo:
         """Live actors and learners and the task queues of your active jobs (what `fleetrl top` shows)."""

@@ -6,7 +6,8 @@
   replay service and the learner are each SIGKILLed once; replay's and the learner's counters
   account for every group: 0 lost, 0 duplicated;
 - thread budget: every child runs with its share of the cores (OMP/MKL/OpenBLAS threads);
-- live scale: an actor is added mid-job and one removed (`fleetrl scale`); nothing is lost.
+- live scale: an actor is added mid-job and one removed (`fleetrl scale`); nothing is lost;
+- sweep: `fleetrl sweep` with a 2x2 grid runs four jobs to the end and prints one row for each.
 """
 
 from __future__ import annotations
@@ -18,11 +19,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from e2e_fleet import FleetUnderTest, wait_for
+from e2e_fleet import FleetUnderTest, job_params, wait_for
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from services.common.jobs import now_ms
 from services.fleet import cores
+from services.gateway.client import FLAT_PARAMS
 
 pytestmark = pytest.mark.slow
 
@@ -169,3 +171,38 @@ def test_live_scale_add_and_remove_an_actor(fleet: FleetUnderTest) -> None:
           + ", ".join(f"{r:.2f}" for r in rates) + f"; groups per actor: { {k: len(v) for k, v in by_actor.items()} }")
     print("live scale accounting:", json.dumps(counts))
     assert rates[1] >= 1.4 * rates[0] and rates[2] <= 0.8 * rates[1], rates
+
+
+def test_sweep_two_by_two_runs_four_jobs_and_leaves_nothing_running(fleet: FleetUnderTest, tmp_path: Path,
+                                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    """`fleetrl sweep` with a 2x2 grid: four jobs through the real services, one row each, none left running."""
+    from services import cli
+
+    job_file = tmp_path / "job.toml"
+    job_file.write_text(f'model = "tiny-llama"\nprompts = "{fleet.prompts}"\n[reward]\nbuiltin = "numeric_match"\n')
+    sets = [arg for key, value in job_params(max_steps=2).items()
+            for arg in ("--set", f"{FLAT_PARAMS.get(key, key)}={json.dumps(value)}")]
+    fleet.scale_actors(0)
+    with fleet.actor_env(FLEETRL_ACTOR_BACKEND="fixed", FLEETRL_ACTOR_FIXED_LATENCY_S="0.1"):
+        fleet.scale_actors(2)
+        code = cli.main(["sweep", str(job_file), "--gateway", fleet.layout.addresses["gateway"], "--json",
+                         "--grid", "optim.learning_rate=[1e-3, 5e-4]", "--grid", "algorithm.clip_eps=[0.2,0.3]",
+                         "--name", "grid", "--poll", "0.3", "--timeout", "240", "--plot", str(tmp_path / "s.png"),
+                         *sets])
+    out = json.loads(capsys.readouterr().out)
+    rows = out["rows"]
+    assert code == 0, rows
+    assert [r["params"] for r in rows] == [
+        {"optim.learning_rate": lr, "algorithm.clip_eps": clip} for lr in (1e-3, 5e-4) for clip in (0.2, 0.3)]
+    assert len({r["job_id"] for r in rows}) == 4
+    for row in rows:
+        assert row["state"] == "succeeded" and row["steps"] == 2 and row["final_reward"] is not None
+        assert row["wall_s"] is not None and row["wall_s"] > 0
+        job = fleet.client.get_job(row["job_id"])
+        assert job.spec["optim"]["learning_rate"] == row["params"]["optim.learning_rate"]
+        assert job.spec["algorithm"]["clip_eps"] == row["params"]["algorithm.clip_eps"]
+        assert job.name.startswith("grid_learning_rate-")
+    assert (tmp_path / "s.png").stat().st_size > 0
+    mine = {r["job_id"] for r in rows}
+    assert all(j.done for j in fleet.client.list_jobs(200) if j.job_id in mine)
+    assert not [q for q in fleet.client.fleet().queues if q.job_id in mine]
