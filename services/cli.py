@@ -36,6 +36,7 @@ ROUTES: dict[str, tuple[str, bool, str]] = {
     "scale": ("services.fleet.cli", True, "change the number of actors of a running fleet"),
     "demo": ("services.fleet.cli", True, "train SmolLM2-135M on two-digit addition, end to end"),
     "top": ("services.fleet.top", True, "live view of a running fleet"),
+    "eval": ("services.fleet.evaljob", True, "pass@1 and pass@k of a model, scored by the reward service"),
 }
 
 

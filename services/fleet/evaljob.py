@@ -1,0 +1,271 @@
+"""`fleetrl eval MODEL_OR_JOB --prompts eval.jsonl`: pass@1 and pass@k of a model, scored by the reward service.
+
+The model is a built-in name (`smollm2-135m`, `tiny-llama`, ...), a local HF directory, or a job id,
+whose exported model is downloaded through the gateway and whose reward spec, rollout settings and
+seed are used. Otherwise the reward comes from `--job JOB.toml` (its reward, rollout and seed) or
+from `--reward-builtin` / `--reward-file` (with `--reward-params`). Completions are scored exactly
+as in training: a `Score` call to the reward service (the same sandbox, the same spec), never in
+this process.
+
+Per problem: one greedy completion (temperature 0) and `--samples` k sampled ones (the job's
+temperature and top-p, problem i drawn with seed + i, by the actor's own sampler). A completion
+*passes* when the reward service scored it OK with a reward >= `--threshold` (default 1.0). Greedy
+pass@1 is the fraction of problems whose greedy completion passes; sampled pass@1 and pass@k are
+the unbiased estimator (`evaluate.pass_at_k`) over the k samples, averaged over problems.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import re
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+from services.common.config import JobSpec, RolloutConfig, read_bytes
+from services.common.errors import ConfigError, FieldViolation, FleetError
+from services.proto.fleetrl.v1 import common_pb2, reward_pb2
+
+EXIT_OK, EXIT_FAILURE, EXIT_BAD_INPUT = 0, 1, 2
+JOB_ID = re.compile(r"^j-[0-9a-f]{12}$")
+DEFAULT_REWARD_ADDR = "127.0.0.1:50053"
+SCORE_BATCH = 64
+SCORE_TIMEOUT_S = 120.0
+
+
+@dataclass(frozen=True)
+class Target:
+    """What to evaluate and how to score it."""
+
+    model: str
+    reward_spec: reward_pb2.RewardSpec
+    rollout: RolloutConfig
+    seed: int
+    label: str
+
+
+@dataclass(frozen=True)
+class EvalReport:
+    model: str
+    problems: int
+    samples: int
+    threshold: float
+    greedy_pass_at_1: float
+    greedy_reward_mean: float
+    sampled_pass_at_1: float | None
+    sampled_pass_at_k: float | None
+    sampled_reward_mean: float | None
+    errors: int
+    wall_s: float
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="fleetrl eval", description=__doc__.split("\n\n")[0])
+    p.add_argument("target", help="a model name or directory, or a job id (its exported model)")
+    p.add_argument("--prompts", type=Path, required=True, help="held-out prompt JSONL (`prompt` + metadata)")
+    p.add_argument("--job", type=Path, help="take reward, rollout and seed from this job TOML")
+    p.add_argument("--reward-builtin", help="a built-in reward (e.g. numeric_match)")
+    p.add_argument("--reward-file", type=Path, help="a reward file (Python)")
+    p.add_argument("--reward-params", default="{}", help="JSON object of the reward's params")
+    p.add_argument("--samples", type=int, default=8, help="k: sampled completions per problem (0: greedy only)")
+    p.add_argument("--problems", type=int, default=0, help="evaluate the first N problems (0: all)")
+    p.add_argument("--max-new-tokens", type=int, default=0, help="default: the rollout's max_new_tokens")
+    p.add_argument("--threshold", type=float, default=1.0, help="reward at or above which a completion passes")
+    p.add_argument("--reward-addr", help="reward service host:port (env FLEETRL_REWARD_ADDR; else the fleet "
+                                          f"recorded in --dir; else {DEFAULT_REWARD_ADDR})")
+    p.add_argument("--dir", type=Path, default=Path("runs/local"), help="run directory of a local fleet")
+    p.add_argument("--gateway", help="gateway host:port, for a job id (env FLEETRL_GATEWAY)")
+    p.add_argument("--token", help="bearer token, for a job id (env FLEETRL_TOKEN)")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    return p
+
+
+def main(argv: list[str]) -> int:
+    args = parser().parse_args(argv[1:] if argv[:1] == ["eval"] else argv)
+    out = Console(soft_wrap=True)
+    try:
+        report = run(args)
+    except (ConfigError, ValueError) as error:
+        _report_error(error, args.json)
+        return EXIT_BAD_INPUT
+    except FleetError as error:
+        _report_error(error, args.json)
+        return EXIT_FAILURE
+    if args.json:
+        print(json.dumps(asdict(report)))
+    else:
+        out.print(table(report))
+    return EXIT_OK
+
+
+def run(args: argparse.Namespace) -> EvalReport:
+    problems = read_problems(args.prompts, args.problems)
+    if args.samples < 0:
+        raise ConfigError("bad --samples", [FieldViolation("samples", "must be >= 0")])
+    with tempfile.TemporaryDirectory(prefix="fleetrl-eval-") as scratch:
+        target = resolve(args, Path(scratch))
+        max_new = args.max_new_tokens or target.rollout.max_new_tokens
+        return evaluate(target, problems, args.samples, max_new, args.threshold, reward_address(args))
+
+
+def read_problems(path: Path, limit: int) -> list[dict[str, Any]]:
+    """The prompt lines (each an object with a string `prompt`), ConfigError naming the bad line."""
+    rows: list[dict[str, Any]] = []
+    for number, line in enumerate(read_bytes(path, "prompts").decode().splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except ValueError as error:
+            raise ConfigError("bad prompt file", [FieldViolation(f"prompts:{number}", str(error))]) from None
+        if not isinstance(row, dict) or not isinstance(row.get("prompt"), str):
+            raise ConfigError("bad prompt file", [FieldViolation(f"prompts:{number}",
+                                                                 "expected an object with a string `prompt`")])
+        rows.append(row)
+    if not rows:
+        raise ConfigError("bad prompt file", [FieldViolation("prompts", f"{path} has no prompt lines")])
+    return rows[:limit] if limit > 0 else rows
+
+
+def resolve(args: argparse.Namespace, scratch: Path) -> Target:
+    """The model to load and the reward spec to score with, from the target and the reward flags."""
+    from services.gateway.client import Client, load_job_file
+    from services.reward.client import spec_to_proto
+
+    explicit = _explicit_reward(args)
+    if JOB_ID.match(args.target):
+        with Client(args.gateway, token=args.token) as client:
+            spec = JobSpec.model_validate(client.get_job(args.target).spec)
+            model_dir = client.download_model(args.target, scratch / "model")
+        if explicit is None and spec.reward.file is not None:
+            raise ConfigError("the job scores with a reward file", [FieldViolation(
+                "reward_file", f"job {args.target} uses {spec.reward.file}; pass it with --reward-file")])
+        reward = explicit or spec_to_proto(spec.reward)
+        return Target(str(model_dir), reward, spec.rollout, spec.seed, args.target)
+    if args.job is not None:
+        spec_json, _, source = load_job_file(args.job)
+        spec = JobSpec.model_validate_json(spec_json)
+        return Target(args.target, explicit or spec_to_proto(spec.reward, source), spec.rollout, spec.seed,
+                      args.target)
+    if explicit is None:
+        raise ConfigError("no reward to score with", [FieldViolation(
+            "reward", "give --job JOB.toml, --reward-builtin NAME or --reward-file FILE")])
+    return Target(args.target, explicit, RolloutConfig(), 0, args.target)
+
+
+def _explicit_reward(args: argparse.Namespace) -> reward_pb2.RewardSpec | None:
+    from services.common.config import RewardSpec
+    from services.reward.client import spec_to_proto
+
+    if args.reward_builtin is None and args.reward_file is None:
+        return None
+    try:
+        params = json.loads(args.reward_params)
+    except ValueError as error:
+        raise ConfigError("bad --reward-params", [FieldViolation("reward_params", str(error))]) from None
+    if not isinstance(params, dict):
+        raise ConfigError("bad --reward-params", [FieldViolation("reward_params", "expected a JSON object")])
+    if args.reward_file is not None:
+        source = read_bytes(args.reward_file, "reward_file")
+        return spec_to_proto(RewardSpec(file=args.reward_file.name, params=params), source)
+    return spec_to_proto(RewardSpec(builtin=args.reward_builtin, params=params))
+
+
+def reward_address(args: argparse.Namespace) -> str:
+    """--reward-addr, else FLEETRL_REWARD_ADDR, else the reward service of the fleet in --dir, else the default."""
+    from services.fleet.fleet import FleetLayout
+
+    if args.reward_addr:
+        return str(args.reward_addr)
+    if os.environ.get("FLEETRL_REWARD_ADDR"):
+        return os.environ["FLEETRL_REWARD_ADDR"]
+    layout = FleetLayout.read(args.dir)
+    return layout.addresses["reward"] if layout is not None else DEFAULT_REWARD_ADDR
+
+
+def evaluate(target: Target, problems: list[dict[str, Any]], samples: int, max_new_tokens: int, threshold: float,
+             reward_addr: str) -> EvalReport:
+    """Generate greedy and sampled completions, score them through the reward service, and sum up."""
+    from services.actor.backends import HFBackend, prompt_tokens
+    from services.common import models
+    from services.fleet.evaluate import greedy_completions, pass_at_k
+
+    started = time.monotonic()
+    model, tokenizer = models.load(target.model)
+    prompt_ids = [prompt_tokens(tokenizer, p["prompt"], target.rollout) for p in problems]
+    greedy = greedy_completions(model, tokenizer, prompt_ids, max_new_tokens)
+    backend = HFBackend(model, tokenizer)
+    sampled = [[c.text for c in backend.generate(ids, samples, max_new_tokens=max_new_tokens,
+                                                  temperature=target.rollout.temperature,
+                                                  top_p=target.rollout.top_p, seed=target.seed + index)]
+               for index, ids in enumerate(prompt_ids)] if samples > 0 else []
+    texts = greedy + [text for group in sampled for text in group]
+    rows = problems + [p for p in problems for _ in range(samples)] if samples > 0 else problems
+    results = asyncio.run(score(reward_addr, target.reward_spec, rows, texts))
+    errors = sum(r.status != common_pb2.REWARD_STATUS_OK for r in results)
+    passed = [r.status == common_pb2.REWARD_STATUS_OK and r.reward >= threshold for r in results]
+    n = len(problems)
+    greedy_rewards = [r.reward for r in results[:n]]
+    report = dict(model=target.label, problems=n, samples=samples, threshold=threshold,
+                  greedy_pass_at_1=sum(passed[:n]) / n, greedy_reward_mean=sum(greedy_rewards) / n,
+                  sampled_pass_at_1=None, sampled_pass_at_k=None, sampled_reward_mean=None, errors=errors)
+    if samples > 0:
+        correct = [sum(passed[n + i * samples:n + (i + 1) * samples]) for i in range(n)]
+        report.update(sampled_pass_at_1=sum(pass_at_k(samples, c, 1) for c in correct) / n,
+                      sampled_pass_at_k=sum(pass_at_k(samples, c, samples) for c in correct) / n,
+                      sampled_reward_mean=sum(r.reward for r in results[n:]) / (n * samples))
+    return EvalReport(**report, wall_s=round(time.monotonic() - started, 1))  # type: ignore[arg-type]
+
+
+async def score(addr: str, spec: reward_pb2.RewardSpec, problems: Sequence[dict[str, Any]],
+                completions: Sequence[str]) -> list[reward_pb2.ScoreResult]:
+    """One ScoreResult per completion (problems[i] is completion i's prompt line), in batches."""
+    from services.common.grpcutil import RetryPolicy
+    from services.reward.client import RewardClient
+
+    client = RewardClient(addr, timeout_s=SCORE_TIMEOUT_S, retry=RetryPolicy(deadline_s=SCORE_TIMEOUT_S))
+    try:
+        results: list[reward_pb2.ScoreResult] = []
+        for start in range(0, len(completions), SCORE_BATCH):
+            items = [reward_pb2.ScoreItem(completion=text, prompt=row["prompt"], metadata_json=json.dumps(
+                {k: v for k, v in row.items() if k != "prompt"})) for row, text in
+                zip(problems[start:start + SCORE_BATCH], completions[start:start + SCORE_BATCH], strict=True)]
+            results += await client.score("eval", spec, items)
+        return results
+    finally:
+        await client.close()
+
+
+def table(report: EvalReport) -> Table:
+    out = Table(title=f"{report.model}: {report.problems} problems, pass = reward >= {report.threshold:g}")
+    out.add_column("")
+    out.add_column("pass@1", justify="right")
+    out.add_column(f"pass@{report.samples}" if report.samples else "pass@k", justify="right")
+    out.add_column("mean reward", justify="right")
+    out.add_row("greedy", f"{report.greedy_pass_at_1:.3f}", "-", f"{report.greedy_reward_mean:.3f}")
+    if report.sampled_pass_at_1 is not None:
+        out.add_row(f"sampled (k={report.samples})", f"{report.sampled_pass_at_1:.3f}",
+                    f"{report.sampled_pass_at_k:.3f}", f"{report.sampled_reward_mean:.3f}")
+    out.caption = f"{report.errors} scoring errors, {report.wall_s:.0f} s"
+    return out
+
+
+def _report_error(error: Exception, as_json: bool) -> None:
+    violations = [(v.field, v.description) for v in getattr(error, "violations", [])]
+    if as_json:
+        print(json.dumps({"error": str(error), "violations": [{"field": f, "description": d}
+                                                             for f, d in violations]}), file=sys.stderr)
+        return
+    print(f"fleetrl eval: {error}", file=sys.stderr)
+    for field, description in violations:
+        print(f"  {field}: {description}", file=sys.stderr)
