@@ -200,6 +200,31 @@ class ReplayConfig(Strict):
     """Seconds before an uncommitted lease returns its groups."""
 
 
+class EvalConfig(Strict):
+    """Held-out evaluation while the job trains: pass@1 and pass@k of the current policy on an eval
+    set, scored by the reward service with the job's reward, reported with the step's metrics."""
+
+    prompts: str | None = None
+    """Path of the eval prompt JSONL (same format as `prompts`); its contents travel with the submission."""
+    interval: int = Field(0, ge=0, le=1_000_000)
+    """Evaluate after every `interval` optimizer steps and after the last one (0: never). The learner
+    evaluates between steps, so each evaluation adds its time to that step."""
+    problems: int = Field(50, ge=1, le=100_000)
+    """Evaluate the first this many eval prompts."""
+    samples: int = Field(4, ge=0, le=256)
+    """k: sampled completions per problem for pass@1 and pass@k (0: greedy only)."""
+    threshold: float = 1.0
+    """A completion passes when the reward service scores it OK with a reward at least this."""
+    max_new_tokens: int | None = Field(None, ge=1, le=131072)
+    """Tokens per eval completion (default: rollout.max_new_tokens)."""
+
+    @model_validator(mode="after")
+    def _prompts_when_on(self) -> EvalConfig:
+        if self.interval > 0 and not self.prompts:
+            raise ValueError("eval.interval needs eval.prompts (the eval set's JSONL)")
+        return self
+
+
 class JobSpec(Strict):
     """Everything that defines a training job. Submitted as TOML or JSON."""
 
@@ -224,6 +249,8 @@ class JobSpec(Strict):
     """The learner's schedule and its fault-tolerance knobs."""
     replay: ReplayConfig = Field(default_factory=ReplayConfig)
     """The job's replay table."""
+    eval: EvalConfig = Field(default_factory=EvalConfig)
+    """Held-out pass@k during training (off unless eval.interval and eval.prompts are set)."""
 
 
 # --------------------------------------------------------------------------- services

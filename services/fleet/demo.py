@@ -100,7 +100,7 @@ def _report_error(error: FleetError, out: Console) -> None:
 def run(args: argparse.Namespace, out: Console) -> int:
     """Check the inputs, train, report; exit 0 only when the job succeeded and the report is written."""
     overrides = job_overrides(args)
-    spec = parse_job_spec(load_job_file(args.job, overrides)[0], "json")  # fail before starting anything
+    spec = parse_job_spec(load_job_file(args.job, overrides).spec, "json")  # fail before starting anything
     problems = eval_problems(args.eval_file, args.eval_problems)
     if args.eval_samples < 0:
         raise ConfigError("bad option", [FieldViolation("--eval-samples", "must be >= 0")])

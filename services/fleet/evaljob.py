@@ -11,7 +11,8 @@ Per problem: one greedy completion (temperature 0) and `--samples` k sampled one
 temperature and top-p, problem i drawn with seed + i, by the actor's own sampler). A completion
 *passes* when the reward service scored it OK with a reward >= `--threshold` (default 1.0). Greedy
 pass@1 is the fraction of problems whose greedy completion passes; sampled pass@1 and pass@k are
-the unbiased estimator (`evaluate.pass_at_k`) over the k samples, averaged over problems.
+the unbiased estimator over the k samples, averaged over problems (services/actor/evaluation.py,
+shared with the learner's `eval.interval`).
 """
 
 from __future__ import annotations
@@ -24,22 +25,23 @@ import re
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rich.console import Console
 from rich.table import Table
 
 from services.common.config import JobSpec, RolloutConfig, read_bytes
 from services.common.errors import ConfigError, FieldViolation, FleetError
-from services.proto.fleetrl.v1 import common_pb2, reward_pb2
+from services.proto.fleetrl.v1 import reward_pb2
+
+if TYPE_CHECKING:
+    from services.actor.evaluation import Completions
 
 EXIT_OK, EXIT_FAILURE, EXIT_BAD_INPUT = 0, 1, 2
 JOB_ID = re.compile(r"^j-[0-9a-f]{12}$")
 DEFAULT_REWARD_ADDR = "127.0.0.1:50053"
-SCORE_BATCH = 64
 SCORE_TIMEOUT_S = 120.0
 
 
@@ -153,10 +155,10 @@ def resolve(args: argparse.Namespace, scratch: Path) -> Target:
         reward = explicit or spec_to_proto(spec.reward)
         return Target(str(model_dir), reward, spec.rollout, spec.seed, args.target)
     if args.job is not None:
-        spec_json, _, source = load_job_file(args.job)
-        spec = JobSpec.model_validate_json(spec_json)
-        return Target(args.target, explicit or spec_to_proto(spec.reward, source), spec.rollout, spec.seed,
-                      args.target)
+        payload = load_job_file(args.job)
+        spec = JobSpec.model_validate_json(payload.spec)
+        return Target(args.target, explicit or spec_to_proto(spec.reward, payload.reward_file), spec.rollout,
+                      spec.seed, args.target)
     if explicit is None:
         raise ConfigError("no reward to score with", [FieldViolation(
             "reward", "give --job JOB.toml, --reward-builtin NAME or --reward-file FILE")])
@@ -196,54 +198,29 @@ def reward_address(args: argparse.Namespace) -> str:
 def evaluate(target: Target, problems: list[dict[str, Any]], samples: int, max_new_tokens: int, threshold: float,
              reward_addr: str) -> EvalReport:
     """Generate greedy and sampled completions, score them through the reward service, and sum up."""
-    from services.actor.backends import HFBackend, prompt_tokens
+    from services.actor import evaluation
     from services.common import models
-    from services.fleet.evaluate import greedy_completions, pass_at_k
 
     started = time.monotonic()
     model, tokenizer = models.load(target.model)
-    prompt_ids = [prompt_tokens(tokenizer, p["prompt"], target.rollout) for p in problems]
-    greedy = greedy_completions(model, tokenizer, prompt_ids, max_new_tokens)
-    backend = HFBackend(model, tokenizer)
-    sampled = [[c.text for c in backend.generate(ids, samples, max_new_tokens=max_new_tokens,
-                                                  temperature=target.rollout.temperature,
-                                                  top_p=target.rollout.top_p, seed=target.seed + index)]
-               for index, ids in enumerate(prompt_ids)] if samples > 0 else []
-    texts = greedy + [text for group in sampled for text in group]
-    rows = problems + [p for p in problems for _ in range(samples)] if samples > 0 else problems
-    results = asyncio.run(score(reward_addr, target.reward_spec, rows, texts))
-    errors = sum(r.status != common_pb2.REWARD_STATUS_OK for r in results)
-    passed = [r.status == common_pb2.REWARD_STATUS_OK and r.reward >= threshold for r in results]
-    n = len(problems)
-    greedy_rewards = [r.reward for r in results[:n]]
-    report = dict(model=target.label, problems=n, samples=samples, threshold=threshold,
-                  greedy_pass_at_1=sum(passed[:n]) / n, greedy_reward_mean=sum(greedy_rewards) / n,
-                  sampled_pass_at_1=None, sampled_pass_at_k=None, sampled_reward_mean=None, errors=errors)
-    if samples > 0:
-        correct = [sum(passed[n + i * samples:n + (i + 1) * samples]) for i in range(n)]
-        report.update(sampled_pass_at_1=sum(pass_at_k(samples, c, 1) for c in correct) / n,
-                      sampled_pass_at_k=sum(pass_at_k(samples, c, samples) for c in correct) / n,
-                      sampled_reward_mean=sum(r.reward for r in results[n:]) / (n * samples))
-    return EvalReport(**report, wall_s=round(time.monotonic() - started, 1))  # type: ignore[arg-type]
+    completions = evaluation.complete(model, tokenizer, problems, rollout=target.rollout, samples=samples,
+                                      max_new_tokens=max_new_tokens, seed=target.seed)
+    results = asyncio.run(_score(reward_addr, target.reward_spec, problems, completions))
+    held_out = evaluation.summarise(results, len(problems), samples, threshold)
+    return EvalReport(target.label, **asdict(held_out), wall_s=round(time.monotonic() - started, 1))
 
 
-async def score(addr: str, spec: reward_pb2.RewardSpec, problems: Sequence[dict[str, Any]],
-                completions: Sequence[str]) -> list[reward_pb2.ScoreResult]:
-    """One ScoreResult per completion (problems[i] is completion i's prompt line), in batches."""
+async def _score(addr: str, spec: reward_pb2.RewardSpec, problems: list[dict[str, Any]],
+                 completions: Completions) -> list[reward_pb2.ScoreResult]:
+    from services.actor import evaluation
     from services.common.grpcutil import RetryPolicy
     from services.reward.client import RewardClient
 
-    client = RewardClient(addr, timeout_s=SCORE_TIMEOUT_S, retry=RetryPolicy(deadline_s=SCORE_TIMEOUT_S))
+    reward = RewardClient(addr, timeout_s=SCORE_TIMEOUT_S, retry=RetryPolicy(deadline_s=SCORE_TIMEOUT_S))
     try:
-        results: list[reward_pb2.ScoreResult] = []
-        for start in range(0, len(completions), SCORE_BATCH):
-            items = [reward_pb2.ScoreItem(completion=text, prompt=row["prompt"], metadata_json=json.dumps(
-                {k: v for k, v in row.items() if k != "prompt"})) for row, text in
-                zip(problems[start:start + SCORE_BATCH], completions[start:start + SCORE_BATCH], strict=True)]
-            results += await client.score("eval", spec, items)
-        return results
+        return await evaluation.score(reward, "eval", spec, problems, completions)
     finally:
-        await client.close()
+        await reward.close()
 
 
 def table(report: EvalReport) -> Table:

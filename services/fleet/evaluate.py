@@ -5,22 +5,22 @@ A completion is *correct* when the last integer in it equals a + b, and
 batched with left padding; prompts go through the same chat formatting the actors use,
 so base and trained models see what training saw. Sampled generation uses the actor's own
 sampler (`HFBackend.generate`, the job's temperature and top-p), k completions a problem,
-and pass@k is the unbiased estimator of Chen et al. (2021) over those k samples.
+and pass@k is the unbiased estimator of Chen et al. (2021) over those k samples
+(`services.actor.evaluation.pass_at_k`, which `fleetrl eval` and the learner's eval use too).
 """
 
 from __future__ import annotations
 
 import json
-import math
 import re
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Protocol, cast
+from typing import Protocol
 
-import torch
-from transformers import GenerationMixin, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from services.actor.backends import Completion
+from services.actor.evaluation import greedy_completions, pass_at_k
 
 _LAST_INT = re.compile(r"-?\d+")
 _ONLY_INT = re.compile(r"^\s*-?\d+\s*$")
@@ -62,42 +62,9 @@ def score(completion: str, answer: str) -> tuple[bool, bool]:
     return correct, bool(_ONLY_INT.match(completion)) and correct
 
 
-def pass_at_k(n: int, c: int, k: int) -> float:
-    """Unbiased pass@k from n samples of which c are correct: 1 - C(n - c, k) / C(n, k).
-
-    The chance that k samples drawn without replacement from the n include a correct one, written
-    as a product (1 - k / i for i in n - c + 1 .. n) so large n needs no big binomials.
-    """
-    if not 0 <= c <= n or not 1 <= k <= n:
-        raise ValueError(f"pass@k needs 0 <= c <= n and 1 <= k <= n, got n={n}, c={c}, k={k}")
-    if n - c < k:
-        return 1.0
-    return 1.0 - math.prod(1.0 - k / i for i in range(n - c + 1, n + 1))
-
-
 def read_problems(path: Path, limit: int) -> list[dict[str, str]]:
     rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
     return rows[:limit]
-
-
-@torch.no_grad()
-def greedy_completions(
-    model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, prompts: list[list[int]], max_new_tokens: int,
-    batch_size: int = 32,
-) -> list[str]:
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    out: list[str] = []
-    model.eval()
-    for start in range(0, len(prompts), batch_size):
-        chunk = prompts[start:start + batch_size]
-        width = max(len(p) for p in chunk)
-        ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in chunk])
-        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in chunk])
-        generated = cast(GenerationMixin, model).generate(  # causal LMs mix generation in
-            input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=max_new_tokens, pad_token_id=pad_id,
-        )
-        out.extend(tokenizer.batch_decode(generated[:, width:], skip_special_tokens=True))
-    return out
 
 
 def evaluate(

@@ -41,7 +41,10 @@ PLOTTED = (("mean reward of the training samples", ("reward_mean",)),
            ("reward components of the training samples (correct = accuracy)", (COMPONENTS,)),
            ("KL(policy || base model)", ("kl",)))
 """Panels: title and metric keys; COMPONENTS stands for every `reward/<name>` key."""
-LABELS = {"reward_mean": "reward", "kl": "KL"}
+HELD_OUT = ("held-out pass@k (eval.interval)", ("eval_pass_at_1", "eval_pass_at_k", "eval_greedy_pass_at_1"))
+"""A panel drawn only when the job evaluated on its eval set."""
+LABELS = {"reward_mean": "reward", "kl": "KL", "eval_pass_at_1": "pass@1", "eval_pass_at_k": "pass@k",
+          "eval_greedy_pass_at_1": "greedy pass@1"}
 
 
 def write(run_dir: Path, spec: JobSpec, job: JobInfo, steps: list[StepInfo], model_dir: Path | None,
@@ -76,8 +79,9 @@ def plot(path: Path, steps: list[StepInfo]) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(len(PLOTTED), 1, figsize=(7, 8), sharex=True)
-    for ax, (title, keys) in zip(axes, PLOTTED, strict=True):
+    panels = PLOTTED + ((HELD_OUT,) if any(k in s.values for s in steps for k in HELD_OUT[1]) else ())
+    fig, axes = plt.subplots(len(panels), 1, figsize=(7, 2.7 * len(panels)), sharex=True)
+    for ax, (title, keys) in zip(axes, panels, strict=True):
         for key in _expand(keys, steps):
             points = [(s.step, s.values[key]) for s in steps if key in s.values]
             if points:

@@ -28,6 +28,7 @@ class Submission:
     prompts: bytes
     reward_file: bytes
     idempotency_key: str = ""
+    eval_prompts: bytes = b""
 
 
 @dataclass(frozen=True)
@@ -52,9 +53,10 @@ def check_sizes(sub: Submission, limits: Limits) -> None:
     spec_bytes = len(sub.spec_text.encode())
     if spec_bytes > MAX_SPEC_BYTES:
         raise ResourceExhausted(f"spec is {spec_bytes} bytes, more than the limit of {MAX_SPEC_BYTES}")
-    if len(sub.prompts) > limits.max_prompts_bytes:
-        raise ResourceExhausted(
-            f"prompt file is {len(sub.prompts)} bytes, more than the limit of {limits.max_prompts_bytes}")
+    for what, data in (("prompt file", sub.prompts), ("eval prompt file", sub.eval_prompts)):
+        if len(data) > limits.max_prompts_bytes:
+            raise ResourceExhausted(
+                f"{what} is {len(data)} bytes, more than the limit of {limits.max_prompts_bytes}")
     if len(sub.reward_file) > limits.max_reward_file_bytes:
         raise ResourceExhausted(
             f"reward file is {len(sub.reward_file)} bytes, more than the limit of {limits.max_reward_file_bytes}")
@@ -68,6 +70,7 @@ def check_submission(sub: Submission) -> Checked:
     violations += prompt_violations(sub.prompts)
     if reward is not None:
         violations += _pairing(reward, sub.reward_file)
+    violations += _eval_violations(spec, sub.eval_prompts)
     if len(sub.idempotency_key) > MAX_IDEMPOTENCY_KEY:
         violations.append(FieldViolation("idempotency_key", f"longer than {MAX_IDEMPOTENCY_KEY} characters"))
     return Checked(spec, reward, violations)
@@ -112,19 +115,30 @@ def _pairing(reward: RewardSpec, source: bytes) -> list[FieldViolation]:
     return []
 
 
-def prompt_violations(data: bytes) -> list[FieldViolation]:
+def _eval_violations(spec: JobSpec | None, data: bytes) -> list[FieldViolation]:
+    """The eval file's pairing with the spec's eval.prompts, and its bad lines."""
+    named = spec is not None and spec.eval.prompts is not None
+    if spec is not None and not named and data:
+        return [FieldViolation("eval_prompts", "an eval prompt file was sent but the spec sets no eval.prompts")]
+    if named and not data:
+        return [FieldViolation("eval_prompts", f"the spec names eval.prompts {spec.eval.prompts!r} "  # type: ignore[union-attr]
+                                               "but no file contents were sent")]
+    return prompt_violations(data, "eval.prompts") if named else []
+
+
+def prompt_violations(data: bytes, field: str = "prompts") -> list[FieldViolation]:
     """Every bad line of a prompt JSONL (`prompts[line N]`, 1-based), at most MAX_REPORTED_LINES."""
     if not data.strip():
-        return [FieldViolation("prompts", "the prompt file is empty")]
+        return [FieldViolation(field, "the prompt file is empty")]
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError as error:
-        return [FieldViolation("prompts", f"not UTF-8: {error}")]
-    bad = [FieldViolation(f"prompts[line {n}]", problem)
+        return [FieldViolation(field, f"not UTF-8: {error}")]
+    bad = [FieldViolation(f"{field}[line {n}]", problem)
            for n, line in enumerate(text.splitlines(), 1) if (problem := line_problem(line))]
     if len(bad) > MAX_REPORTED_LINES:
         more = len(bad) - MAX_REPORTED_LINES
-        bad = [*bad[:MAX_REPORTED_LINES], FieldViolation("prompts", f"{more} more bad lines not shown")]
+        bad = [*bad[:MAX_REPORTED_LINES], FieldViolation(field, f"{more} more bad lines not shown")]
     return bad
 
 

@@ -26,6 +26,7 @@ import os
 import random
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import Any
 
@@ -40,7 +41,7 @@ from services.proto.fleetrl.v1 import gateway_pb2, gateway_pb2_grpc
 
 DEFAULT_ADDRESS = "127.0.0.1:50051"
 ENV_ADDRESS, ENV_TOKEN, ENV_CA_FILE, ENV_TLS = "FLEETRL_GATEWAY", "FLEETRL_TOKEN", "FLEETRL_CA_FILE", "FLEETRL_TLS"
-SECTIONS = ("reward", "algorithm", "optim", "rollout", "train", "replay")
+SECTIONS = ("reward", "algorithm", "optim", "rollout", "train", "replay", "eval")
 FLAT_PARAMS = {
     "learning_rate": "optim.learning_rate", "warmup_steps": "optim.warmup_steps",
     "clip_eps": "algorithm.clip_eps", "clip_eps_high": "algorithm.clip_eps_high",
@@ -83,21 +84,34 @@ def spec_from_params(params: dict[str, Any]) -> dict[str, Any]:
     return data
 
 
-def load_job_file(path: Path, overrides: list[str] | None = None) -> tuple[str, bytes, bytes]:
-    """(spec JSON, prompts, reward file) of a job TOML; its file paths are relative to the TOML's directory."""
+@dataclass(frozen=True)
+class JobPayload:
+    """A spec as JSON text and the contents of the files it names."""
+
+    spec: str
+    prompts: bytes
+    reward_file: bytes = b""
+    eval_prompts: bytes = b""
+
+
+def load_job_file(path: Path, overrides: list[str] | None = None) -> JobPayload:
+    """The spec and files of a job TOML; its file paths are relative to the TOML's directory."""
     data = read_toml(Path(path), "spec")
     apply_overrides(data, overrides or [])
     return job_payload(data, Path(path).parent)
 
 
-def job_payload(data: dict[str, Any], base: Path) -> tuple[str, bytes, bytes]:
+def job_payload(data: dict[str, Any], base: Path) -> JobPayload:
     """Read the files a spec table names (relative to base) and encode the spec as JSON."""
-    prompts = data.get("prompts")
-    reward_file = data.get("reward", {}).get("file") if isinstance(data.get("reward"), dict) else None
-    prompt_bytes = read_bytes(base / prompts, "prompts") if isinstance(prompts, str) and prompts else b""
-    reward_bytes = (read_bytes(base / reward_file, "reward.file") if isinstance(reward_file, str) and reward_file
-                    else b"")
-    return json.dumps(data, default=str), prompt_bytes, reward_bytes
+
+    def named(section: str, key: str) -> bytes:
+        table = data.get(section) if section else data
+        name = table.get(key) if isinstance(table, dict) else None
+        field = f"{section}.{key}" if section else key
+        return read_bytes(base / name, field) if isinstance(name, str) and name else b""
+
+    return JobPayload(json.dumps(data, default=str), named("", "prompts"), named("reward", "file"),
+                      named("eval", "prompts"))
 
 
 class Client:
@@ -145,17 +159,21 @@ class Client:
     # ------------------------------------------------------------------ jobs
 
     def submit(self, spec: str, prompts: bytes, reward_file: bytes = b"", *, spec_format: str = "toml",
-               idempotency_key: str = "") -> JobInfo:
+               idempotency_key: str = "", eval_prompts: bytes = b"") -> JobInfo:
         """Submit a spec text with the contents of its files."""
         request = gateway_pb2.SubmitJobRequest(spec=spec, spec_format=spec_format, prompts=prompts,
-                                               reward_file=reward_file, idempotency_key=idempotency_key)
+                                               reward_file=reward_file, idempotency_key=idempotency_key,
+                                               eval_prompts=eval_prompts)
         return convert.job_info(self._call(self._stub.SubmitJob, request))
+
+    def submit_payload(self, payload: JobPayload, idempotency_key: str = "") -> JobInfo:
+        return self.submit(payload.spec, payload.prompts, payload.reward_file, spec_format="json",
+                           idempotency_key=idempotency_key, eval_prompts=payload.eval_prompts)
 
     def submit_file(self, path: str | Path, overrides: list[str] | None = None, *,
                     idempotency_key: str = "") -> JobInfo:
-        """Submit a job TOML (with `key=value` overrides); its prompts and reward file travel with it."""
-        spec, prompts, reward = load_job_file(Path(path), overrides)
-        return self.submit(spec, prompts, reward, spec_format="json", idempotency_key=idempotency_key)
+        """Submit a job TOML (with `key=value` overrides); its prompts, reward and eval files travel with it."""
+        return self.submit_payload(load_job_file(Path(path), overrides), idempotency_key)
 
     def create_run(self, model: str, prompt_file: str | Path, reward_file: str | Path | None = None, *,
                    reward_builtin: str | None = None, reward_params: dict[str, Any] | None = None,
@@ -173,9 +191,8 @@ class Client:
                                   else {"builtin": reward_builtin})
         if reward_params is not None:
             data.setdefault("reward", {})["params"] = reward_params
-        spec, prompts, reward = job_payload(data, Path(spec_file).parent if spec_file else Path.cwd())
-        job = self.submit(spec, prompts, reward, spec_format="json", idempotency_key=idempotency_key)
-        return Run(self, job.job_id)
+        payload = job_payload(data, Path(spec_file).parent if spec_file else Path.cwd())
+        return Run(self, self.submit_payload(payload, idempotency_key).job_id)
 
     def sweep(self, grid: dict[str, list[Any]], job_file: str | Path | None = None, *,
               overrides: list[str] | None = None, name: str | None = None, **run_kwargs: Any) -> sweep.Sweep:

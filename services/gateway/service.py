@@ -120,7 +120,7 @@ class Gateway:
         if violations or checked.spec is None:
             raise ConfigError("invalid job submission", reported(violations))
         record = await self.store.create(tenant, checked.spec, sub.prompts, sub.reward_file or None,
-                                         sub.idempotency_key)
+                                         sub.idempotency_key, eval_prompts=sub.eval_prompts or None)
         log.info("job %s (%s) submitted by %s", record.job_id, record.name, tenant)
         await self.events.publish(record.job_id, {"type": "submitted", "state": record.state.value})
         return record

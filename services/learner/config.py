@@ -28,6 +28,8 @@ class LearnerSettings(InfraSettings):
 
     replay_addr: str = "127.0.0.1:50052"
     """ReplayService address host:port."""
+    reward_addr: str = "127.0.0.1:50053"
+    """RewardService address host:port: scores the held-out evaluation of jobs that set eval.interval."""
     listen: str = "127.0.0.1:50054"
     """gRPC listen address of LearnerService (status); port 0: a free port."""
     learner_id: str = Field(default_factory=default_learner_id)

@@ -20,7 +20,7 @@ import time
 
 from services.common import bus, telemetry
 from services.common.errors import Cancelled, FailedPrecondition
-from services.common.grpcutil import stop_server
+from services.common.grpcutil import RetryPolicy, stop_server
 from services.common.jobs import JobRecord, JobState, JobStore
 from services.common.observe import serve_metrics
 from services.common.weights import WeightStore
@@ -31,6 +31,7 @@ from services.learner.observe import clear_beat, observe_loop
 from services.learner.status import StatusBoard
 from services.learner.trainer import Deps, JobRun, LeaseLost
 from services.replay.client import ReplayClient
+from services.reward.client import RewardClient
 
 log = logging.getLogger(__name__)
 
@@ -103,7 +104,10 @@ async def serve(settings: LearnerSettings, stop: asyncio.Event, *, once: bool = 
         grpc_server, port, health = await server.start(board, settings.listen)
         stack.push_async_callback(stop_server, grpc_server, health, settings.grace_s)
         log.info("learner %s: status on port %d", settings.learner_id, port)
-        deps = Deps(settings, jobs, nc, js, replay, WeightStore(nc, js), board, stop)
+        reward = RewardClient(settings.reward_addr, timeout_s=settings.rpc_timeout_s,
+                              retry=RetryPolicy(deadline_s=settings.rpc_timeout_s * 4))
+        stack.push_async_callback(reward.close)
+        deps = Deps(settings, jobs, nc, js, replay, WeightStore(nc, js), board, stop, reward=reward)
         while not stop.is_set():
             record = await jobs.claim(settings.learner_id, settings.lease_s)
             if record is None:

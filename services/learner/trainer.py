@@ -23,7 +23,7 @@ from nats.aio.client import Client as NATS
 from nats.js import JetStreamContext
 
 from services.common.config import JobSpec
-from services.common.errors import Cancelled, DeadlineExceeded, FleetError, NotFound
+from services.common.errors import Cancelled, DeadlineExceeded, FailedPrecondition, FleetError, NotFound
 from services.common.jobs import JobRecord, JobState, JobStore
 from services.common.weights import WeightStore
 from services.learner import checkpoint as ckpt
@@ -31,6 +31,7 @@ from services.learner.batch import component_means
 from services.learner.config import LearnerSettings
 from services.learner.export import MetricsLog, export_model, job_dir
 from services.learner.feeder import Feeder, FeederCursor, parse_prompts, sample_min_version
+from services.learner.heldout import HeldOutEval, parse_eval_prompts
 from services.learner.jobbus import JobBus
 from services.learner.leases import LeaseBook, LeaseRecord
 from services.learner.observe import StepObserver
@@ -39,6 +40,7 @@ from services.learner.status import StatusBoard, StepRecord
 from services.learner.trained_policy import Followers, Policy, resolve_device
 from services.proto.fleetrl.v1 import common_pb2
 from services.replay.client import ReplayClient
+from services.reward.client import RewardClient
 
 log = logging.getLogger(__name__)
 
@@ -61,6 +63,8 @@ class Deps:
     stop: asyncio.Event
     """Set by SIGTERM: finish the step, checkpoint, hand the job back."""
     lease_lost: asyncio.Event = field(default_factory=asyncio.Event)
+    reward: RewardClient | None = None
+    """Scores held-out evaluations (eval.interval); None: jobs that ask for one fail at setup."""
 
 
 @dataclass
@@ -86,6 +90,7 @@ class JobRun:
     book: LeaseBook
     metrics: MetricsLog
     obs: StepObserver
+    held_out: HeldOutEval | None
     checkpoint_step: int
 
     def __init__(self, deps: Deps, record: JobRecord, policy: Policy | None = None) -> None:
@@ -96,6 +101,7 @@ class JobRun:
         self.metrics = MetricsLog(job_dir(deps.settings.run_dir, record.job_id) / "metrics.jsonl")
         self.obs = StepObserver(record.job_id)
         self.step = self.checkpoint_step = 0
+        self.held_out = None
         self.book = LeaseBook(self.spec.replay.sampler == "fifo")
         self.job_bus = JobBus(deps.nc, record.job_id)
         self._policy = policy
@@ -125,6 +131,8 @@ class JobRun:
             return False
         values = await self.obs.timed("train", self.train(data))
         self.obs.consumed(data.groups, self.step, values)
+        if self.held_out is not None and self.held_out.due(self.step):
+            values.update(await self.obs.timed("eval", self.held_out.run(self.policy)))
         await self.obs.timed("publish", self.publish())
         await self.feed()
         await self.obs.timed("checkpoint", self.checkpoint_if_due())
@@ -135,8 +143,9 @@ class JobRun:
 
     async def setup(self) -> None:
         self.phase("starting")
-        prompts_bytes, _ = await self.deps.jobs.files(self.job_id)
+        prompts_bytes, reward_file = await self.deps.jobs.files(self.job_id)
         prompts = parse_prompts(prompts_bytes)
+        self.held_out = await self.held_out_eval(reward_file)
         device = resolve_device(self.deps.settings.device)
         self.policy = self._policy if self._policy is not None else await asyncio.to_thread(
             Policy, self.spec, device, Followers.if_distributed())
@@ -149,6 +158,18 @@ class JobRun:
         await self.publisher.sync()
         await self.publisher.publish(self.policy.model, self.step)
         await self.feeder.top_up(self.publisher.published_version)
+
+    async def held_out_eval(self, reward_file: bytes | None) -> HeldOutEval | None:
+        """The job's periodic evaluation, when its spec asks for one."""
+        if self.spec.eval.interval == 0:
+            return None
+        data = await self.deps.jobs.eval_prompts(self.job_id)
+        if data is None:
+            raise NotFound(f"job {self.job_id} sets eval.interval but has no eval prompts stored")
+        if self.deps.reward is None:
+            raise FailedPrecondition("this learner has no reward service to score eval.interval with")
+        problems = parse_eval_prompts(data, self.spec.eval.problems)
+        return HeldOutEval(self.job_id, self.spec, problems, reward_file, self.deps.reward)
 
     async def resume(self) -> FeederCursor:
         """Restore the newest complete checkpoint (if any) and commit the leases it recorded."""

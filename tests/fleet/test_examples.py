@@ -31,7 +31,8 @@ BEST_REWARD = {"addition": 1.5, "gsm8k": 1.1, "custom_reward": 1.5}
 
 
 def _load(path: Path) -> tuple[JobSpec, bytes, bytes]:
-    spec_json, prompts, reward_file = load_job_file(path)
+    payload = load_job_file(path)
+    spec_json, prompts, reward_file = payload.spec, payload.prompts, payload.reward_file
     return parse_job_spec(spec_json, "json"), prompts, reward_file
 
 

@@ -7,7 +7,8 @@
   account for every group: 0 lost, 0 duplicated;
 - thread budget: every child runs with its share of the cores (OMP/MKL/OpenBLAS threads);
 - live scale: an actor is added mid-job and one removed (`fleetrl scale`); nothing is lost;
-- sweep: `fleetrl sweep` with a 2x2 grid runs four jobs to the end and prints one row for each.
+- sweep: `fleetrl sweep` with a 2x2 grid runs four jobs to the end and prints one row for each,
+  with the held-out pass@1 each job's learner measured on its eval set (`eval.interval`).
 """
 
 from __future__ import annotations
@@ -179,7 +180,9 @@ def test_sweep_two_by_two_runs_four_jobs_and_leaves_nothing_running(fleet: Fleet
     from services import cli
 
     job_file = tmp_path / "job.toml"
-    job_file.write_text(f'model = "tiny-llama"\nprompts = "{fleet.prompts}"\n[reward]\nbuiltin = "numeric_match"\n')
+    job_file.write_text(f'model = "tiny-llama"\nprompts = "{fleet.prompts}"\n[reward]\nbuiltin = "numeric_match"\n'
+                        f'[eval]\nprompts = "{fleet.prompts}"\ninterval = 2\nproblems = 3\nsamples = 2\n'
+                        'max_new_tokens = 4\n')  # held-out pass@k after step 2, by the learner
     sets = [arg for key, value in job_params(max_steps=2).items()
             for arg in ("--set", f"{FLAT_PARAMS.get(key, key)}={json.dumps(value)}")]
     fleet.scale_actors(0)
@@ -198,6 +201,9 @@ def test_sweep_two_by_two_runs_four_jobs_and_leaves_nothing_running(fleet: Fleet
     for row in rows:
         assert row["state"] == "succeeded" and row["steps"] == 2 and row["final_reward"] is not None
         assert row["wall_s"] is not None and row["wall_s"] > 0
+        assert row["pass_at_1"] is not None and 0 <= row["pass_at_1"] <= 1
+        [last] = [m for m in fleet.metrics(row["job_id"]) if m["step"] == 2]
+        assert last["eval_errors"] == 0 and last["eval_pass_at_1"] <= last["eval_pass_at_k"] and last["eval_s"] > 0
         job = fleet.client.get_job(row["job_id"])
         assert job.spec["optim"]["learning_rate"] == row["params"]["optim.learning_rate"]
         assert job.spec["algorithm"]["clip_eps"] == row["params"]["algorithm.clip_eps"]

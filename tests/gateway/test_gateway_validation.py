@@ -5,6 +5,7 @@ answered INTERNAL or UNKNOWN, and the gateway keeps serving."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import random
@@ -109,6 +110,34 @@ def test_prompt_lines_reward_pairing_and_spec_errors_come_together(alice: Client
     assert {"<root>", "prompts"} <= {v.field for v in caught.value.violations}
     with pytest.raises(ConfigError, match="builtin"):
         alice.submit(json.dumps(VALID), PROMPTS, b"def reward(c, p): return 1", spec_format="json")
+
+
+def test_eval_prompts_pair_with_the_spec_and_their_bad_lines_are_named(alice: Client, infra: Infra) -> None:
+    with_eval = dict(VALID, eval={"prompts": "eval.jsonl", "interval": 2})
+    with pytest.raises(ConfigError) as caught:
+        alice.submit(json.dumps(with_eval), PROMPTS, spec_format="json")
+    assert [v.field for v in caught.value.violations] == ["eval_prompts"]
+    with pytest.raises(ConfigError) as caught:
+        alice.submit(json.dumps(VALID), PROMPTS, spec_format="json", eval_prompts=PROMPTS)
+    assert [v.field for v in caught.value.violations] == ["eval_prompts"]
+    with pytest.raises(ConfigError) as caught:
+        alice.submit(json.dumps(with_eval), PROMPTS, spec_format="json", eval_prompts=b'{"prompt": 1}\n')
+    assert [v.field for v in caught.value.violations] == ["eval.prompts[line 1]"]
+    with pytest.raises(ConfigError) as caught:
+        alice.submit(json.dumps(dict(VALID, eval={"interval": 2})), PROMPTS, spec_format="json")
+    assert [v.field for v in caught.value.violations] == ["eval"]
+    job = alice.submit(json.dumps(with_eval), PROMPTS, spec_format="json", eval_prompts=PROMPTS + PROMPTS)
+    assert job.spec["eval"]["interval"] == 2 and job.spec["eval"]["samples"] == 4
+
+    async def stored() -> bytes | None:
+        store = JobStore.from_url(infra.redis_url)
+        try:
+            return await store.eval_prompts(job.job_id)
+        finally:
+            await store.close()
+
+    assert asyncio.run(stored()) == PROMPTS + PROMPTS
+    alice.cancel_job(job.job_id)
 
 
 def test_reward_service_checks_files_and_builtins(alice: Client) -> None:
