@@ -7,7 +7,11 @@
 - hostile_mix_items_per_s: benign items per second while 10% of items hang until their timeout,
   with the pool's default burst workers; hostile_mix_no_burst_items_per_s: the same with
   burst_workers_per_pool=0 (each hanging item holds a worker until its timeout, nothing replaces it);
-- items_per_s_by_workers: items_per_s for each worker count tried.
+- items_per_s_by_workers: items_per_s for each worker count tried;
+- benign_latency_isolation: the p50 latency of one job's benign batches while another job's callers
+  send batches whose every item hangs until its timeout, divided by the same p50 with no hanging
+  batches, in one service (goal <= 1.5: one job's slow reward code must not slow another's);
+  benign_p50_ms_alone / benign_p50_ms_beside_hanging are its two halves.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import statistics
 import time
 from typing import Any
 
@@ -75,6 +80,47 @@ async def service_rate(workers: int, seconds: float, callers: int, hang_every: i
         return ok / (time.perf_counter() - start)
 
 
+async def benign_p50_ms(stub: reward_pb2_grpc.RewardServiceStub, request: reward_pb2.ScoreRequest,
+                        seconds: float) -> float:
+    """p50 wall time of one caller's back-to-back Score calls, in ms."""
+    latencies: list[float] = []
+    start = time.perf_counter()
+    while time.perf_counter() - start < seconds or len(latencies) < 5:
+        began = time.perf_counter()
+        await stub.Score(request, timeout=120)
+        latencies.append(time.perf_counter() - began)
+    return 1000 * statistics.median(latencies)
+
+
+async def isolation(workers: int, seconds: float, hang_timeout_s: float, hostile_callers: int) -> dict[str, float]:
+    """Benign p50 alone, then beside another job whose callers keep every one of their items hanging."""
+    settings = RewardSettings(listen="127.0.0.1:0", workers_per_pool=workers, grace_s=0.5)
+    benign = spec_to_proto(RewardSpec(file="reward.py", timeout_per_item_s=5.0), SOURCE.encode())
+    hanging = spec_to_proto(RewardSpec(file="reward.py", timeout_per_item_s=hang_timeout_s),
+                            (SOURCE + "\n# another job's file\n").encode())
+    async with running(settings) as service, channel(f"127.0.0.1:{service.port}") as chan:
+        stub = reward_pb2_grpc.RewardServiceStub(chan)
+        benign_request = reward_pb2.ScoreRequest(job_id="benign", spec=benign, items=batch())
+        hanging_request = reward_pb2.ScoreRequest(job_id="hanging", spec=hanging, items=batch(hang_every=1)[:8])
+        await stub.Score(benign_request, timeout=120)  # the benign pool's workers up
+        alone = await benign_p50_ms(stub, benign_request, seconds)
+        stop = asyncio.Event()
+
+        async def hang_forever() -> None:
+            while not stop.is_set():
+                await stub.Score(hanging_request, timeout=120)
+
+        hostile = [asyncio.create_task(hang_forever()) for _ in range(hostile_callers)]
+        await asyncio.sleep(min(1.0, hang_timeout_s / 2))  # the hanging pool busy before measuring
+        beside = await benign_p50_ms(stub, benign_request, max(seconds, 2 * hang_timeout_s))
+        stop.set()
+        for task in hostile:
+            task.cancel()
+        await asyncio.gather(*hostile, return_exceptions=True)
+    return {"benign_latency_isolation": round(beside / alone, 2), "benign_p50_ms_alone": round(alone, 1),
+            "benign_p50_ms_beside_hanging": round(beside, 1)}
+
+
 async def run(args: argparse.Namespace) -> dict[str, Any]:
     by_workers = {w: await service_rate(w, args.seconds, args.callers, 0, 5.0) for w in args.workers}
     hostile_s = max(args.seconds, 4 * args.hang_timeout_s)
@@ -86,6 +132,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         "hostile_mix_items_per_s": round(hostile, 1),
         "hostile_mix_no_burst_items_per_s": round(no_burst, 1),
         "items_per_s_by_workers": {str(w): round(r, 1) for w, r in by_workers.items()},
+        **await isolation(max(args.workers), args.seconds, args.hang_timeout_s, args.callers),
         "batch": BATCH, "callers": args.callers, "hang_timeout_s": args.hang_timeout_s,
     }
 
