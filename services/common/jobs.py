@@ -59,6 +59,8 @@ class JobRecord:
     updated_ms: int
     model_uri: str
     last_step: dict[str, Any] | None
+    sandbox: str = ""
+    """The reward sandbox the job's reward was checked in at submission (the reward service's summary)."""
 
     @classmethod
     def from_hash(cls, fields: Mapping[bytes | str, bytes | str]) -> JobRecord:
@@ -68,6 +70,7 @@ class JobRecord:
             reason=f.get("reason", ""), spec=JobSpec.model_validate_json(f["spec_json"]),
             created_ms=int(f["created_ms"]), updated_ms=int(f["updated_ms"]),
             model_uri=f.get("model_uri", ""), last_step=json.loads(f["last_step"]) if f.get("last_step") else None,
+            sandbox=f.get("sandbox", ""),
         )
 
 
@@ -149,7 +152,7 @@ class JobStore:
 
     async def create(
         self, tenant: str, spec: JobSpec, prompts: bytes, reward_file: bytes | None, idempotency_key: str = "",
-        *, eval_prompts: bytes | None = None,
+        *, eval_prompts: bytes | None = None, sandbox: str = "",
     ) -> JobRecord:
         """Store a new queued job with its files, all in one transaction; same key, same job."""
         if idempotency_key:
@@ -161,6 +164,7 @@ class JobStore:
         record: dict[Any, Any] = {
             "job_id": job_id, "tenant": tenant, "name": spec.name, "state": JobState.QUEUED.value, "reason": "",
             "spec_json": spec.model_dump_json(), "created_ms": ms, "updated_ms": ms, "model_uri": "",
+            "sandbox": sandbox,
         }
         async with self.redis.pipeline(transaction=True) as pipe:
             pipe.hset(_key(job_id), mapping=record)

@@ -92,7 +92,10 @@ def render(frame: Frame) -> Group:
     tokens = sum(m.tokens_per_s for m in actors)
     head = Text(f"fleetrl top - gateway {frame.gateway} - {when} - {len(actors)} actors, "
                 f"{len(learners)} learners, {tokens:.1f} generated tok/s", style="bold")
-    return Group(head, actors_table(actors), learners_table(learners), jobs_table(frame.jobs, frame.fleet.queues))
+    sandbox = Text(f"reward sandbox: {frame.fleet.reward_sandbox or 'unknown'}",
+                   style="bold red" if not frame.fleet.reward_sandbox.startswith("mode jail") else "")
+    return Group(head, sandbox, actors_table(actors), learners_table(learners),
+                 jobs_table(frame.jobs, frame.fleet.queues))
 
 
 def actors_table(actors: list[MemberInfo]) -> Table:

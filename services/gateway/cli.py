@@ -270,6 +270,8 @@ def job_detail(job: JobInfo) -> Table:
         ("model", job.spec.get("model", "")), ("step", f"{job.last.step if job.last else 0}/{job.max_steps}"),
         ("created", _when(job.created_unix_ms)), ("updated", _when(job.updated_unix_ms)),
         ("model_uri", job.model_uri),
+        ("sandbox", job.sandbox + (" (the operator's weaker legacy mode)" if job.sandbox.startswith("mode legacy")
+                                   else "")),
     ]
     if job.last is not None:
         rows.append(("last metrics", step_line(job.last)))

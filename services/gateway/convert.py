@@ -42,7 +42,7 @@ def job_to_proto(record: JobRecord) -> gateway_pb2.Job:
     job = gateway_pb2.Job(
         job_id=record.job_id, tenant=record.tenant, name=record.name, state=_STATES[record.state],
         reason=record.reason, spec_json=record.spec.model_dump_json(), created_unix_ms=record.created_ms,
-        updated_unix_ms=record.updated_ms, model_uri=record.model_uri,
+        updated_unix_ms=record.updated_ms, model_uri=record.model_uri, sandbox=record.sandbox,
     )
     if record.last_step is not None:
         job.last.CopyFrom(step_to_proto(record.last_step))
@@ -68,7 +68,8 @@ def fleet_to_proto(view: FleetView) -> gateway_pb2.FleetStatus:
         tokens_per_s=m.tokens_per_s, busy_fraction=m.busy_fraction, seen_unix_ms=m.unix_ms) for m in view.members]
     queues = [gateway_pb2.TaskQueue(job_id=q.job_id, pending=q.pending, in_flight=q.in_flight,
                                     redelivered=q.redelivered, dead_lettered=q.dead_lettered) for q in view.queues]
-    return gateway_pb2.FleetStatus(members=members, queues=queues, unix_ms=view.unix_ms)
+    return gateway_pb2.FleetStatus(members=members, queues=queues, unix_ms=view.unix_ms,
+                                   reward_sandbox=view.reward_sandbox)
 
 
 # ----------------------------------------------------------------------------- client side
@@ -83,7 +84,7 @@ def job_info(job: gateway_pb2.Job) -> JobInfo:
         job_id=job.job_id, tenant=job.tenant, name=job.name, state=_NAMES.get(job.state, "unspecified"),
         reason=job.reason, spec=json.loads(job.spec_json) if job.spec_json else {},
         created_unix_ms=job.created_unix_ms, updated_unix_ms=job.updated_unix_ms,
-        last=step_info(job.last) if job.HasField("last") else None, model_uri=job.model_uri,
+        last=step_info(job.last) if job.HasField("last") else None, model_uri=job.model_uri, sandbox=job.sandbox,
     )
 
 
@@ -100,4 +101,4 @@ def fleet_info(status: gateway_pb2.FleetStatus) -> FleetInfo:
     members = [MemberInfo(m.kind, m.member_id, m.state, m.job_id, m.policy_version, m.tokens_per_s,
                           m.busy_fraction, m.seen_unix_ms) for m in status.members]
     queues = [QueueInfo(q.job_id, q.pending, q.in_flight, q.redelivered, q.dead_lettered) for q in status.queues]
-    return FleetInfo(members, queues, status.unix_ms)
+    return FleetInfo(members, queues, status.unix_ms, status.reward_sandbox)

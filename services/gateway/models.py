@@ -36,6 +36,9 @@ class JobInfo:
     updated_unix_ms: int
     last: StepInfo | None
     model_uri: str
+    sandbox: str = ""
+    """The reward sandbox the job's reward was checked in at submission: "mode jail: ..." or, in the
+    operator's weaker mode, "mode legacy: ..."."""
 
     @property
     def done(self) -> bool:
@@ -90,6 +93,8 @@ class FleetInfo:
     members: list[MemberInfo]
     queues: list[QueueInfo]
     unix_ms: int
+    reward_sandbox: str = ""
+    """The reward service's sandbox: "mode jail: ... hold; missing: ...", or why it did not answer."""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

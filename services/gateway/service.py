@@ -25,14 +25,26 @@ import logging
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol, cast
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
 from services.common.bus import TaskQueue, check_job_id
 from services.common.config import RewardSpec
-from services.common.errors import ConfigError, FailedPrecondition, FieldViolation, InvalidArgument, NotFound, clip
+from services.common.errors import (
+    ConfigError,
+    FailedPrecondition,
+    FieldViolation,
+    FleetError,
+    InvalidArgument,
+    NotFound,
+    clip,
+)
 from services.common.heartbeat import Beat
 from services.common.jobs import ACTIVE, JobRecord, JobState, JobStore, now_ms
 from services.gateway.checks import Limits, Submission, check_sizes, check_submission
+
+if TYPE_CHECKING:
+    from services.proto.fleetrl.v1 import reward_pb2
+    from services.reward.client import Validation
 
 log = logging.getLogger(__name__)
 MAX_REASON_CHARS = 1000
@@ -41,8 +53,11 @@ CLIP_FIELD, CLIP_DESCRIPTION = 120, 240
 
 
 class RewardChecker(Protocol):
-    async def validate(self, spec: RewardSpec, source: bytes | None) -> str | None:
-        """None when the spec can score, else why not; Unavailable when the checker is unreachable."""
+    async def validate(self, spec: RewardSpec, source: bytes | None) -> Validation:
+        """Whether the spec can score (reason None) and the sandbox summary; Unavailable when unreachable."""
+
+    async def describe(self) -> reward_pb2.SandboxReport:
+        """The reward service's sandbox; a FleetError when it cannot be asked."""
 
 
 class TaskPurger(Protocol):
@@ -70,6 +85,7 @@ class FleetView:
     members: list[Beat]
     queues: list[TaskQueue]
     unix_ms: int
+    reward_sandbox: str = ""
 
 
 @dataclass(frozen=True)
@@ -115,23 +131,27 @@ class Gateway:
         check_sizes(sub, self.limits)
         checked = await asyncio.to_thread(check_submission, sub)
         violations = list(checked.violations)
+        sandbox = ""
         if checked.reward is not None:
-            violations += await self._reward_violations(checked.reward, sub.reward_file)
+            bad, sandbox = await self._reward_violations(checked.reward, sub.reward_file)
+            violations += bad
         if violations or checked.spec is None:
             raise ConfigError("invalid job submission", reported(violations))
         record = await self.store.create(tenant, checked.spec, sub.prompts, sub.reward_file or None,
-                                         sub.idempotency_key, eval_prompts=sub.eval_prompts or None)
+                                         sub.idempotency_key, eval_prompts=sub.eval_prompts or None, sandbox=sandbox)
         log.info("job %s (%s) submitted by %s", record.job_id, record.name, tenant)
         await self.events.publish(record.job_id, {"type": "submitted", "state": record.state.value})
         return record
 
-    async def _reward_violations(self, spec: RewardSpec, source: bytes) -> list[FieldViolation]:
+    async def _reward_violations(self, spec: RewardSpec, source: bytes) -> tuple[list[FieldViolation], str]:
+        """The reward service's objections to the spec, and the sandbox summary it reported."""
         if spec.file is not None and not source:
-            return []  # already reported as a missing reward_file
-        reason = await self.reward.validate(spec, source or None)
-        if reason is None:
-            return []
-        return [FieldViolation("reward.file" if spec.file is not None else "reward.builtin", reason)]
+            return [], ""  # already reported as a missing reward_file
+        verdict = await self.reward.validate(spec, source or None)
+        if verdict.reason is None:
+            return [], verdict.sandbox
+        return [FieldViolation("reward.file" if spec.file is not None else "reward.builtin", verdict.reason)], \
+            verdict.sandbox
 
     async def get(self, tenant: str, job_id: str) -> JobRecord:
         """The tenant's job; NotFound for an unknown job or another tenant's."""
@@ -192,7 +212,13 @@ class Gateway:
                    for m in members]
         active = sorted((r for r in await self.store.active_jobs() if r.tenant == tenant), key=lambda r: r.job_id)
         queues = [await self.fleet_source.queue(record.job_id) for record in active]
-        return FleetView(visible, queues, now_ms())
+        return FleetView(visible, queues, now_ms(), await self._reward_sandbox())
+
+    async def _reward_sandbox(self) -> str:
+        try:
+            return (await self.reward.describe()).summary
+        except FleetError as error:
+            return f"reward service not answering: {error}"
 
     async def _owner(self, job_id: str) -> str | None:
         try:

@@ -3,14 +3,15 @@
 The one place a job's `services.common.config.RewardSpec` and its reward file become the wire's
 `RewardSpec` message (`spec_to_proto`). Every call has a deadline. Score is retried as the caller's
 `grpcutil.RetryPolicy` says (the actor retries for rpc_retry_s); a failure past it raises its domain
-error (Unavailable, ResourceExhausted, NotFound, ...). Validate is tried once: the gateway answers
-its caller at once, and an unreachable service is UNAVAILABLE, never an unchecked accept.
+error (Unavailable, ResourceExhausted, NotFound, ...). Validate (and Describe) is tried once: the gateway
+answers its caller at once, and an unreachable service is UNAVAILABLE, never an unchecked accept.
 Each call carries the caller's trace context as gRPC metadata (W3C traceparent).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import grpc
 
@@ -21,6 +22,14 @@ from services.common.grpcutil import RetryPolicy, channel, retry
 from services.proto.fleetrl.v1 import reward_pb2, reward_pb2_grpc
 
 UNREACHABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNIMPLEMENTED)
+
+
+@dataclass(frozen=True)
+class Validation:
+    """The reward service's verdict on a spec: `reason` None when it can score; the sandbox summary."""
+
+    reason: str | None
+    sandbox: str = ""
 
 
 def spec_to_proto(spec: RewardSpec, file_source: bytes = b"") -> reward_pb2.RewardSpec:
@@ -51,8 +60,9 @@ class RewardClient:
             what="reward Score", policy=self.retry)
         return list(response.results)
 
-    async def validate(self, spec: RewardSpec, source: bytes | None) -> str | None:
-        """None when the spec (and file) loads and exposes `reward`, else the service's reason.
+    async def validate(self, spec: RewardSpec, source: bytes | None) -> Validation:
+        """Whether the spec (and file) loads and exposes `reward` (else the service's reason), and the
+        sandbox it would run in.
 
         Unavailable when the service cannot answer (unreachable, or failing for another reason)."""
         request = reward_pb2.ValidateRequest(spec=spec_to_proto(spec, source or b""))
@@ -60,14 +70,20 @@ class RewardClient:
             response = await self._stub.Validate(request, timeout=self.timeout_s, wait_for_ready=False)
         except grpc.aio.AioRpcError as error:
             if error.code() == grpc.StatusCode.INVALID_ARGUMENT:
-                return error.details() or "the reward service rejected the reward spec"
+                return Validation(error.details() or "the reward service rejected the reward spec")
             what = "reward file" if spec.file is not None else "reward spec"
             if error.code() in UNREACHABLE:
                 raise Unavailable(f"reward service unreachable at {self.addr}, cannot check {what}: "
                                   f"{error.code().name} {error.details()}") from error
             raise Unavailable(f"reward service failed checking the {what}: {error.code().name} "
                               f"{error.details()}") from error
-        return None if response.ok else (response.reason or "the reward service rejected the reward spec")
+        reason = None if response.ok else (response.reason or "the reward service rejected the reward spec")
+        return Validation(reason, response.sandbox.summary)
+
+    async def describe(self) -> reward_pb2.SandboxReport:
+        """The sandbox the service runs user code in (one try, within timeout_s)."""
+        return await retry(lambda: self._stub.Describe(reward_pb2.DescribeRequest(), timeout=self.timeout_s),
+                           what="reward Describe", policy=RetryPolicy(attempts=1))
 
     async def close(self) -> None:
         await self._channel.close()

@@ -10,7 +10,7 @@ from typing import Any
 
 from services.common.errors import FieldViolation, InvalidArgument
 from services.proto.fleetrl.v1 import common_pb2, reward_pb2
-from services.reward.scorer import Item, Result, SpecInput, Status, parse_spec
+from services.reward.scorer import Item, Result, SandboxState, SpecInput, Status, parse_spec
 
 STATUS_TO_PROTO = {
     Status.OK: common_pb2.REWARD_STATUS_OK,
@@ -55,3 +55,8 @@ def to_proto(result: Result) -> reward_pb2.ScoreResult:
 
 def score_response(results: list[Result]) -> reward_pb2.ScoreResponse:
     return reward_pb2.ScoreResponse(results=[to_proto(r) for r in results])
+
+
+def sandbox_report(state: SandboxState) -> reward_pb2.SandboxReport:
+    return reward_pb2.SandboxReport(mode=state.mode, layers=state.layers, problem=state.problem,
+                                    summary=state.describe())

@@ -1,9 +1,10 @@
 """The gRPC RewardService: a thin adapter over `Scorer`, plus the process lifecycle.
 
-Score and Validate convert the request (`convert`), call the scorer and convert back; `map_errors`
-maps domain errors to status codes. `running` owns the scorer (all worker processes), the gRPC
-server, the idle-pool reaper and the metrics endpoint; a failure of the reaper stops the service
-instead of dying silently. Spans and per-RPC metrics come from `observe.ObservingInterceptor`.
+Score, Validate and Describe (the sandbox found at start-up) convert the request (`convert`), call
+the scorer and convert back; `map_errors` maps domain errors to status codes. `running` owns the
+scorer (all worker processes), the gRPC server, the idle-pool reaper and the metrics endpoint; a
+failure of the reaper stops the service instead of dying silently. Spans and per-RPC metrics come
+from `observe.ObservingInterceptor`.
 """
 
 from __future__ import annotations
@@ -46,11 +47,17 @@ class RewardServicer(reward_pb2_grpc.RewardServiceServicer):
     @map_errors
     async def Validate(self, request: reward_pb2.ValidateRequest,
                        context: grpc.aio.ServicerContext) -> reward_pb2.ValidateResponse:
+        sandbox = convert.sandbox_report(self.scorer.sandbox)
         try:
             await self.scorer.validate(convert.to_spec(request.spec))
         except ConfigError as error:
-            return reward_pb2.ValidateResponse(ok=False, reason=str(error))
-        return reward_pb2.ValidateResponse(ok=True)
+            return reward_pb2.ValidateResponse(ok=False, reason=str(error), sandbox=sandbox)
+        return reward_pb2.ValidateResponse(ok=True, sandbox=sandbox)
+
+    @map_errors
+    async def Describe(self, request: reward_pb2.DescribeRequest,
+                       context: grpc.aio.ServicerContext) -> reward_pb2.SandboxReport:
+        return convert.sandbox_report(self.scorer.sandbox)
 
 
 @dataclass

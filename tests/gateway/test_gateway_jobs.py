@@ -45,6 +45,17 @@ def test_submit_get_list_cancel(client_for: Callable[..., Client], job_dir: Path
     assert [v.field for v in bad.value.violations] == ["learnig_rate"]
 
 
+def test_the_reward_sandbox_is_named_in_the_job_and_the_fleet(
+        client_for: Callable[..., Client], job_dir: Path, gateway: Proc, capsys: pytest.CaptureFixture[str]) -> None:
+    client = client_for("alice")
+    job = builtin_run(client, job_dir / "prompts.jsonl").status()
+    assert job.sandbox.startswith("mode jail: ") and "missing: none" in job.sandbox, job.sandbox
+    assert client.fleet().reward_sandbox == job.sandbox
+    assert cli.main(cli_run(gateway, "status", job.job_id)) == 0
+    assert "mode jail" in capsys.readouterr().out
+    client.cancel_job(job.job_id)
+
+
 def test_idempotency_key_returns_the_same_job(client_for: Callable[..., Client], job_dir: Path) -> None:
     client = client_for("carol")
     first = client.submit_file(job_dir / "job.toml", idempotency_key="same")

@@ -18,7 +18,7 @@ from prometheus_client import CollectorRegistry
 from services.actor.metrics import Activity
 from services.common import bus, heartbeat, telemetry
 from services.common.config import JobSpec
-from services.common.errors import ConfigError, NotFound
+from services.common.errors import ConfigError, NotFound, Unavailable
 from services.common.heartbeat import Beat
 from services.common.jobs import JobState, JobStore
 from services.fleet import top
@@ -74,6 +74,13 @@ class Members:
         return bus.TaskQueue(job_id, pending=7)
 
 
+class Unreachable:
+    """A reward checker whose service does not answer."""
+
+    async def describe(self) -> Any:
+        raise Unavailable("reward service unreachable at 127.0.0.1:1")
+
+
 async def test_fleet_view_hides_other_tenants_jobs(redis_url: str) -> None:
     store = JobStore.from_url(redis_url)
     mine = await store.create("alice", SPEC, b'{"prompt": "x"}\n', None)
@@ -82,8 +89,9 @@ async def test_fleet_view_hides_other_tenants_jobs(redis_url: str) -> None:
     await store.set_state(done.job_id, JobState.CANCELLED, "test")
     beats = [Beat("actor", "a1", "generating", mine.job_id, 4), Beat("actor", "a2", "scoring", theirs.job_id, 9),
              Beat("actor", "a3", "idle", "j-gone", 1)]
-    gateway = Gateway(store, _unused(), _unused(), _unused(), Members(beats), Limits(1 << 20, 1 << 20))
+    gateway = Gateway(store, Unreachable(), _unused(), _unused(), Members(beats), Limits(1 << 20, 1 << 20))  # type: ignore[arg-type]
     view = await gateway.fleet("alice")
+    assert view.reward_sandbox == "reward service not answering: reward service unreachable at 127.0.0.1:1"
     assert [(m.member_id, m.job_id, m.policy_version) for m in view.members] == [
         ("a1", mine.job_id, 4), ("a2", "", 0), ("a3", "", 0)]
     assert view.queues == [bus.TaskQueue(mine.job_id, pending=7)]

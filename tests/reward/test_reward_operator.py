@@ -54,6 +54,19 @@ async def test_without_the_jail_reward_code_is_refused_unless_legacy_is_chosen(
 
 
 @pytest.mark.parametrize("mode", ["jail", "legacy"])
+async def test_the_sandbox_in_use_is_described_and_named_in_every_validation(mode: str, tmp_path: Path) -> None:
+    async with reward_service(tmp_path, sandbox_mode=mode) as stub:
+        report = await stub.Describe(reward_pb2.DescribeRequest(), timeout=10)
+        verdict = await stub.Validate(reward_pb2.ValidateRequest(spec=file_spec(BENIGN)), timeout=30)
+    assert report.mode == mode and report.problem == "" and report.summary.startswith(f"mode {mode}: ")
+    assert verdict.ok and verdict.sandbox == report
+    if mode == "jail":
+        assert all(report.layers.values()) and {"bwrap", "seccomp"} <= set(report.layers)
+    else:
+        assert not any(report.layers.values())
+
+
+@pytest.mark.parametrize("mode", ["jail", "legacy"])
 async def test_a_sigkilled_service_leaves_no_worker_and_its_temp_dirs_are_swept(mode: str, tmp_path: Path) -> None:
     port = free_port()
     argv = [sys.executable, "-m", "services.reward", "--listen", f"127.0.0.1:{port}", "--workers", "2",

@@ -40,7 +40,7 @@ class SubmitJobRequest(_message.Message):
     def __init__(self, spec: _Optional[str] = ..., spec_format: _Optional[str] = ..., prompts: _Optional[bytes] = ..., reward_file: _Optional[bytes] = ..., idempotency_key: _Optional[str] = ..., eval_prompts: _Optional[bytes] = ...) -> None: ...
 
 class Job(_message.Message):
-    __slots__ = ("job_id", "tenant", "name", "state", "reason", "spec_json", "created_unix_ms", "updated_unix_ms", "last", "model_uri")
+    __slots__ = ("job_id", "tenant", "name", "state", "reason", "spec_json", "created_unix_ms", "updated_unix_ms", "last", "model_uri", "sandbox")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     TENANT_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
@@ -51,6 +51,7 @@ class Job(_message.Message):
     UPDATED_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
     LAST_FIELD_NUMBER: _ClassVar[int]
     MODEL_URI_FIELD_NUMBER: _ClassVar[int]
+    SANDBOX_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     tenant: str
     name: str
@@ -61,7 +62,8 @@ class Job(_message.Message):
     updated_unix_ms: int
     last: _learner_pb2.StepMetrics
     model_uri: str
-    def __init__(self, job_id: _Optional[str] = ..., tenant: _Optional[str] = ..., name: _Optional[str] = ..., state: _Optional[_Union[JobState, str]] = ..., reason: _Optional[str] = ..., spec_json: _Optional[str] = ..., created_unix_ms: _Optional[int] = ..., updated_unix_ms: _Optional[int] = ..., last: _Optional[_Union[_learner_pb2.StepMetrics, _Mapping]] = ..., model_uri: _Optional[str] = ...) -> None: ...
+    sandbox: str
+    def __init__(self, job_id: _Optional[str] = ..., tenant: _Optional[str] = ..., name: _Optional[str] = ..., state: _Optional[_Union[JobState, str]] = ..., reason: _Optional[str] = ..., spec_json: _Optional[str] = ..., created_unix_ms: _Optional[int] = ..., updated_unix_ms: _Optional[int] = ..., last: _Optional[_Union[_learner_pb2.StepMetrics, _Mapping]] = ..., model_uri: _Optional[str] = ..., sandbox: _Optional[str] = ...) -> None: ...
 
 class GetJobRequest(_message.Message):
     __slots__ = ("job_id",)
@@ -164,11 +166,13 @@ class TaskQueue(_message.Message):
     def __init__(self, job_id: _Optional[str] = ..., pending: _Optional[int] = ..., in_flight: _Optional[int] = ..., redelivered: _Optional[int] = ..., dead_lettered: _Optional[int] = ...) -> None: ...
 
 class FleetStatus(_message.Message):
-    __slots__ = ("members", "queues", "unix_ms")
+    __slots__ = ("members", "queues", "unix_ms", "reward_sandbox")
     MEMBERS_FIELD_NUMBER: _ClassVar[int]
     QUEUES_FIELD_NUMBER: _ClassVar[int]
     UNIX_MS_FIELD_NUMBER: _ClassVar[int]
+    REWARD_SANDBOX_FIELD_NUMBER: _ClassVar[int]
     members: _containers.RepeatedCompositeFieldContainer[FleetMember]
     queues: _containers.RepeatedCompositeFieldContainer[TaskQueue]
     unix_ms: int
-    def __init__(self, members: _Optional[_Iterable[_Union[FleetMember, _Mapping]]] = ..., queues: _Optional[_Iterable[_Union[TaskQueue, _Mapping]]] = ..., unix_ms: _Optional[int] = ...) -> None: ...
+    reward_sandbox: str
+    def __init__(self, members: _Optional[_Iterable[_Union[FleetMember, _Mapping]]] = ..., queues: _Optional[_Iterable[_Union[TaskQueue, _Mapping]]] = ..., unix_ms: _Optional[int] = ..., reward_sandbox: _Optional[str] = ...) -> None: ...

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from services.proto.fleetrl.v1 import common_pb2 as fleetrl_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17\x66leetrl/v1/reward.proto\x12\nfleetrl.v1\x1a\x17\x66leetrl/v1/common.proto\"4\n\nRewardSpec\x12\x11\n\tspec_json\x18\x01 \x01(\t\x12\x13\n\x0b\x66ile_source\x18\x02 \x01(\x0c\"F\n\tScoreItem\x12\x12\n\ncompletion\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x01(\t\x12\x15\n\rmetadata_json\x18\x03 \x01(\t\"j\n\x0cScoreRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12$\n\x04spec\x18\x02 \x01(\x0b\x32\x16.fleetrl.v1.RewardSpec\x12$\n\x05items\x18\x03 \x03(\x0b\x32\x15.fleetrl.v1.ScoreItem\"\xda\x01\n\x0bScoreResult\x12\x0e\n\x06reward\x18\x01 \x01(\x01\x12;\n\ncomponents\x18\x02 \x03(\x0b\x32\'.fleetrl.v1.ScoreResult.ComponentsEntry\x12(\n\x06status\x18\x03 \x01(\x0e\x32\x18.fleetrl.v1.RewardStatus\x12\x0e\n\x06reason\x18\x04 \x01(\t\x12\x11\n\tlatency_s\x18\x05 \x01(\x01\x1a\x31\n\x0f\x43omponentsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"9\n\rScoreResponse\x12(\n\x07results\x18\x01 \x03(\x0b\x32\x17.fleetrl.v1.ScoreResult\"7\n\x0fValidateRequest\x12$\n\x04spec\x18\x01 \x01(\x0b\x32\x16.fleetrl.v1.RewardSpec\".\n\x10ValidateResponse\x12\n\n\x02ok\x18\x01 \x01(\x08\x12\x0e\n\x06reason\x18\x02 \x01(\t2\x94\x01\n\rRewardService\x12<\n\x05Score\x12\x18.fleetrl.v1.ScoreRequest\x1a\x19.fleetrl.v1.ScoreResponse\x12\x45\n\x08Validate\x12\x1b.fleetrl.v1.ValidateRequest\x1a\x1c.fleetrl.v1.ValidateResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17\x66leetrl/v1/reward.proto\x12\nfleetrl.v1\x1a\x17\x66leetrl/v1/common.proto\"4\n\nRewardSpec\x12\x11\n\tspec_json\x18\x01 \x01(\t\x12\x13\n\x0b\x66ile_source\x18\x02 \x01(\x0c\"F\n\tScoreItem\x12\x12\n\ncompletion\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x01(\t\x12\x15\n\rmetadata_json\x18\x03 \x01(\t\"j\n\x0cScoreRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12$\n\x04spec\x18\x02 \x01(\x0b\x32\x16.fleetrl.v1.RewardSpec\x12$\n\x05items\x18\x03 \x03(\x0b\x32\x15.fleetrl.v1.ScoreItem\"\xda\x01\n\x0bScoreResult\x12\x0e\n\x06reward\x18\x01 \x01(\x01\x12;\n\ncomponents\x18\x02 \x03(\x0b\x32\'.fleetrl.v1.ScoreResult.ComponentsEntry\x12(\n\x06status\x18\x03 \x01(\x0e\x32\x18.fleetrl.v1.RewardStatus\x12\x0e\n\x06reason\x18\x04 \x01(\t\x12\x11\n\tlatency_s\x18\x05 \x01(\x01\x1a\x31\n\x0f\x43omponentsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"9\n\rScoreResponse\x12(\n\x07results\x18\x01 \x03(\x0b\x32\x17.fleetrl.v1.ScoreResult\"7\n\x0fValidateRequest\x12$\n\x04spec\x18\x01 \x01(\x0b\x32\x16.fleetrl.v1.RewardSpec\"Z\n\x10ValidateResponse\x12\n\n\x02ok\x18\x01 \x01(\x08\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12*\n\x07sandbox\x18\x03 \x01(\x0b\x32\x19.fleetrl.v1.SandboxReport\"\x11\n\x0f\x44\x65scribeRequest\"\xa5\x01\n\rSandboxReport\x12\x0c\n\x04mode\x18\x01 \x01(\t\x12\x35\n\x06layers\x18\x02 \x03(\x0b\x32%.fleetrl.v1.SandboxReport.LayersEntry\x12\x0f\n\x07problem\x18\x03 \x01(\t\x12\x0f\n\x07summary\x18\x04 \x01(\t\x1a-\n\x0bLayersEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x08:\x02\x38\x01\x32\xd8\x01\n\rRewardService\x12<\n\x05Score\x12\x18.fleetrl.v1.ScoreRequest\x1a\x19.fleetrl.v1.ScoreResponse\x12\x45\n\x08Validate\x12\x1b.fleetrl.v1.ValidateRequest\x1a\x1c.fleetrl.v1.ValidateResponse\x12\x42\n\x08\x44\x65scribe\x12\x1b.fleetrl.v1.DescribeRequest\x1a\x19.fleetrl.v1.SandboxReportb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,6 +34,8 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_SCORERESULT_COMPONENTSENTRY']._loaded_options = None
   _globals['_SCORERESULT_COMPONENTSENTRY']._serialized_options = b'8\001'
+  _globals['_SANDBOXREPORT_LAYERSENTRY']._loaded_options = None
+  _globals['_SANDBOXREPORT_LAYERSENTRY']._serialized_options = b'8\001'
   _globals['_REWARDSPEC']._serialized_start=64
   _globals['_REWARDSPEC']._serialized_end=116
   _globals['_SCOREITEM']._serialized_start=118
@@ -49,7 +51,13 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_VALIDATEREQUEST']._serialized_start=578
   _globals['_VALIDATEREQUEST']._serialized_end=633
   _globals['_VALIDATERESPONSE']._serialized_start=635
-  _globals['_VALIDATERESPONSE']._serialized_end=681
-  _globals['_REWARDSERVICE']._serialized_start=684
-  _globals['_REWARDSERVICE']._serialized_end=832
+  _globals['_VALIDATERESPONSE']._serialized_end=725
+  _globals['_DESCRIBEREQUEST']._serialized_start=727
+  _globals['_DESCRIBEREQUEST']._serialized_end=744
+  _globals['_SANDBOXREPORT']._serialized_start=747
+  _globals['_SANDBOXREPORT']._serialized_end=912
+  _globals['_SANDBOXREPORT_LAYERSENTRY']._serialized_start=867
+  _globals['_SANDBOXREPORT_LAYERSENTRY']._serialized_end=912
+  _globals['_REWARDSERVICE']._serialized_start=915
+  _globals['_REWARDSERVICE']._serialized_end=1131
 # @@protoc_insertion_point(module_scope)

@@ -69,9 +69,34 @@ class ValidateRequest(_message.Message):
     def __init__(self, spec: _Optional[_Union[RewardSpec, _Mapping]] = ...) -> None: ...
 
 class ValidateResponse(_message.Message):
-    __slots__ = ("ok", "reason")
+    __slots__ = ("ok", "reason", "sandbox")
     OK_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
+    SANDBOX_FIELD_NUMBER: _ClassVar[int]
     ok: bool
     reason: str
-    def __init__(self, ok: _Optional[bool] = ..., reason: _Optional[str] = ...) -> None: ...
+    sandbox: SandboxReport
+    def __init__(self, ok: _Optional[bool] = ..., reason: _Optional[str] = ..., sandbox: _Optional[_Union[SandboxReport, _Mapping]] = ...) -> None: ...
+
+class DescribeRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class SandboxReport(_message.Message):
+    __slots__ = ("mode", "layers", "problem", "summary")
+    class LayersEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: bool
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[bool] = ...) -> None: ...
+    MODE_FIELD_NUMBER: _ClassVar[int]
+    LAYERS_FIELD_NUMBER: _ClassVar[int]
+    PROBLEM_FIELD_NUMBER: _ClassVar[int]
+    SUMMARY_FIELD_NUMBER: _ClassVar[int]
+    mode: str
+    layers: _containers.ScalarMap[str, bool]
+    problem: str
+    summary: str
+    def __init__(self, mode: _Optional[str] = ..., layers: _Optional[_Mapping[str, bool]] = ..., problem: _Optional[str] = ..., summary: _Optional[str] = ...) -> None: ...

@@ -45,6 +45,11 @@ class RewardServiceStub:
                 request_serializer=fleetrl_dot_v1_dot_reward__pb2.ValidateRequest.SerializeToString,
                 response_deserializer=fleetrl_dot_v1_dot_reward__pb2.ValidateResponse.FromString,
                 _registered_method=True)
+        self.Describe = channel.unary_unary(
+                '/fleetrl.v1.RewardService/Describe',
+                request_serializer=fleetrl_dot_v1_dot_reward__pb2.DescribeRequest.SerializeToString,
+                response_deserializer=fleetrl_dot_v1_dot_reward__pb2.SandboxReport.FromString,
+                _registered_method=True)
 
 
 class RewardServiceServicer:
@@ -69,6 +74,13 @@ class RewardServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Describe(self, request, context):
+        """The sandbox this service runs user code in, as found at start-up.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_RewardServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -81,6 +93,11 @@ def add_RewardServiceServicer_to_server(servicer, server):
                     servicer.Validate,
                     request_deserializer=fleetrl_dot_v1_dot_reward__pb2.ValidateRequest.FromString,
                     response_serializer=fleetrl_dot_v1_dot_reward__pb2.ValidateResponse.SerializeToString,
+            ),
+            'Describe': grpc.unary_unary_rpc_method_handler(
+                    servicer.Describe,
+                    request_deserializer=fleetrl_dot_v1_dot_reward__pb2.DescribeRequest.FromString,
+                    response_serializer=fleetrl_dot_v1_dot_reward__pb2.SandboxReport.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -138,6 +155,33 @@ class RewardService:
             '/fleetrl.v1.RewardService/Validate',
             fleetrl_dot_v1_dot_reward__pb2.ValidateRequest.SerializeToString,
             fleetrl_dot_v1_dot_reward__pb2.ValidateResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Describe(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/fleetrl.v1.RewardService/Describe',
+            fleetrl_dot_v1_dot_reward__pb2.DescribeRequest.SerializeToString,
+            fleetrl_dot_v1_dot_reward__pb2.SandboxReport.FromString,
             options,
             channel_credentials,
             insecure,
