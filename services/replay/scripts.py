@@ -1,7 +1,9 @@
 """Lua scripts that make every replay operation one atomic step inside Redis.
 
 Keys of a job (prefix P = `fleetrl:replay:<job>:`):
-  P..cfg      hash   capacity, sampler, max_reuse, lease_timeout_ms
+  P..cfg      hash   capacity, sampler (its name, for ConfigureTable's answers), selection
+                     (oldest|uniform|priority), drops_stale (1|0), max_reuse (1 without reuse),
+                     lease_timeout_ms: the scripts follow selection, drops_stale and max_reuse
   P..ctr      hash   counters (inserted, duplicates, sampled, committed, expired_leases,
                      evicted, stale_dropped) and `seq`, the insertion sequence
   P..seen     set    every task id ever inserted: dedup holds after consumption too
@@ -132,7 +134,7 @@ return out
 # ARGV: prefix, now_ms, max_groups, min_policy_version, seed, lease_id
 # returns {-1} no table, or {stale_dropped, expires_ms, payload...}
 SAMPLE = "#!lua flags=allow-oom\n" + _COMMON + r"""
-local cfg = redis.call('HMGET', P..'cfg', 'sampler', 'lease_timeout_ms')
+local cfg = redis.call('HMGET', P..'cfg', 'selection', 'lease_timeout_ms', 'drops_stale')
 if not cfg[1] then return {-1} end
 local now = tonumber(ARGV[2])
 local k = tonumber(ARGV[3])
@@ -140,11 +142,14 @@ local min_pv = ARGV[4]
 reclaim(now)
 local stale = 0
 local chosen = {}
-if cfg[1] == 'fifo' then
+if cfg[3] == '1' then
   local old = redis.call('ZRANGEBYSCORE', P..'pv', '-inf', '(' .. min_pv)
   for _, t in ipairs(old) do delete_group(t) end
   stale = #old
   if stale > 0 then redis.call('HINCRBY', P..'ctr', 'stale_dropped', stale) end
+end
+if cfg[1] == 'oldest' then
+  -- avail is in insertion order; with stale groups dropped above, every one of them is fresh
   chosen = redis.call('ZRANGE', P..'avail', 0, k - 1)
 else
   math.randomseed(tonumber(ARGV[5]))
@@ -184,15 +189,14 @@ return out
 
 # ARGV: prefix, now_ms, lease_id; returns committed groups, or -1 unknown/expired, -2 no table
 COMMIT = "#!lua flags=allow-oom\n" + _COMMON + r"""
-local cfg = redis.call('HMGET', P..'cfg', 'sampler', 'max_reuse')
-if not cfg[1] then return -2 end
+local max_reuse = redis.call('HGET', P..'cfg', 'max_reuse')
+if not max_reuse then return -2 end
 local now = tonumber(ARGV[2])
 local id = ARGV[3]
 if redis.call('ZSCORE', P..'done', id) then return 0 end
 reclaim(now)
 if not redis.call('ZSCORE', P..'leases', id) then return -1 end
-local max_reuse = tonumber(cfg[2])
-if cfg[1] == 'fifo' then max_reuse = 1 end
+max_reuse = tonumber(max_reuse)
 local n = 0
 for _, t in ipairs(redis.call('SMEMBERS', P..'lease:'..id)) do
   if redis.call('ZSCORE', P..'stored', t) then

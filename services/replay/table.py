@@ -56,23 +56,31 @@ def prefix(job_id: str) -> str:
     return f"fleetrl:replay:{job_id}:"
 
 
+Selection = Literal["oldest", "uniform", "priority"]
+
+
 @dataclass(frozen=True)
 class Sampler:
-    """A sampling strategy; its selection runs inside the Sample script, named by `name`."""
+    """A sampling strategy, Reverb-like: which groups a Sample picks (`selection`), what happens to
+    groups too old to train on (`drops_stale`: removed and counted, else skipped until evicted), and
+    whether a group returns after its commit (`reuses`, up to max_reuse). The scripts read these
+    properties from the table's config hash, never the sampler's name."""
 
     name: SamplerName
     kind: replay_pb2.SamplerKind
     """Its `SamplerKind` on the wire."""
+    selection: Selection
+    """oldest first (insertion order), uniformly at random, or proportional to priority; the
+    random ones draw without replacement from a per-call seed."""
     drops_stale: bool
-    """Groups older than min_policy_version are removed (and counted) instead of skipped."""
     reuses: bool
-    """Groups may be committed up to max_reuse times before removal."""
 
 
 SAMPLERS: dict[str, Sampler] = {
-    "fifo": Sampler("fifo", replay_pb2.SAMPLER_KIND_FIFO, drops_stale=True, reuses=False),
-    "uniform": Sampler("uniform", replay_pb2.SAMPLER_KIND_UNIFORM, drops_stale=False, reuses=True),
-    "prioritized": Sampler("prioritized", replay_pb2.SAMPLER_KIND_PRIORITIZED, drops_stale=False, reuses=True),
+    "fifo": Sampler("fifo", replay_pb2.SAMPLER_KIND_FIFO, "oldest", drops_stale=True, reuses=False),
+    "uniform": Sampler("uniform", replay_pb2.SAMPLER_KIND_UNIFORM, "uniform", drops_stale=False, reuses=True),
+    "prioritized": Sampler("prioritized", replay_pb2.SAMPLER_KIND_PRIORITIZED, "priority", drops_stale=False,
+                           reuses=True),
 }
 """The samplers by name: the one map between names and `SamplerKind`s (UNSPECIFIED means fifo)."""
 SAMPLERS_BY_KIND: dict[int, Sampler] = {
@@ -97,6 +105,8 @@ class TableConfig:
             raise _out_of_bounds("capacity_groups", f"must be in [1, {MAX_CAPACITY_GROUPS}]")
         if not 1 <= self.max_reuse <= MAX_REUSE:
             raise _out_of_bounds("max_reuse", f"must be in [1, {MAX_REUSE}]")
+        if not self.sampler.reuses and self.max_reuse != 1:
+            raise _out_of_bounds("max_reuse", f"must be 1 with the {self.sampler.name} sampler (it never reuses)")
         if not 0 < self.lease_timeout_s <= MAX_LEASE_TIMEOUT_S:
             raise _out_of_bounds("lease_timeout_s", f"must be in (0, {MAX_LEASE_TIMEOUT_S}]")
 
@@ -207,8 +217,10 @@ class ReplayTables:
     async def configure(self, job_id: str, cfg: TableConfig) -> int:
         """Create or update a job's table; returns the groups it holds."""
         p = prefix(job_id)
-        mapping: dict[str | bytes, str | int] = {"capacity": cfg.capacity_groups, "sampler": cfg.sampler.name,
-                   "max_reuse": cfg.max_reuse, "lease_timeout_ms": int(cfg.lease_timeout_s * 1000)}
+        mapping: dict[str | bytes, str | int] = {
+            "capacity": cfg.capacity_groups, "sampler": cfg.sampler.name, "selection": cfg.sampler.selection,
+            "drops_stale": int(cfg.sampler.drops_stale), "max_reuse": cfg.max_reuse,
+            "lease_timeout_ms": int(cfg.lease_timeout_s * 1000)}
         async with self.redis.pipeline(transaction=True) as pipe:
             pipe.hset(p + "cfg", mapping=mapping)  # type: ignore[arg-type]
             pipe.sadd(JOBS_KEY, job_id)
