@@ -9,7 +9,7 @@ import sys
 import threading
 from pathlib import Path
 
-from services.fleet import cores
+from services.fleet import cores, devices
 from services.fleet.fleet import Fleet, FleetLayout, FleetOptions, request_scale
 
 
@@ -20,17 +20,26 @@ def _up_parser(prog: str) -> argparse.ArgumentParser:
     parser.add_argument("--nats-url", help="use this NATS instead of an embedded one")
     parser.add_argument("--redis-url", help="use this Redis instead of an embedded Valkey")
     parser.add_argument("--tracing", action="store_true", help="write traces to RUN_DIR/traces (or OTLP)")
-    add_thread_flags(parser)
+    add_placement_flags(parser)
     return parser
 
 
-def add_thread_flags(parser: argparse.ArgumentParser) -> None:
-    """The thread budget's overrides (see services.fleet.cores)."""
+def add_placement_flags(parser: argparse.ArgumentParser) -> None:
+    """Overrides of the thread budget (services.fleet.cores) and the GPU placement (services.fleet.devices)."""
     parser.add_argument("--cores", type=_positive, help="cores the compute threads divide (default: this machine's)")
     parser.add_argument("--learner-threads", type=_positive, help="the learner's compute threads (default: the rest)")
     share = round(cores.ACTOR_SHARE * 100)
     parser.add_argument("--actor-threads", type=_positive,
                         help=f"each actor's compute threads (default: {share}%% of the cores, shared)")
+    parser.add_argument("--gpus", type=_gpus, help="GPU ids for the learner (the first) and the actors (the "
+                                                   "others, in turn), e.g. 0,1, or none (default: the machine's)")
+
+
+def _gpus(text: str) -> list[str]:
+    try:
+        return devices.parse_gpus(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
 
 
 def _positive(text: str) -> int:
@@ -45,7 +54,7 @@ def options_from(args: argparse.Namespace) -> FleetOptions:
         raise SystemExit("--actors must be >= 0")
     return FleetOptions(run_dir=args.dir, actors=args.actors, nats_url=args.nats_url, redis_url=args.redis_url,
                         tracing=args.tracing, cores=args.cores, learner_threads=args.learner_threads,
-                        actor_threads=args.actor_threads)
+                        actor_threads=args.actor_threads, gpus=args.gpus)
 
 
 def print_layout(layout: FleetLayout, actors: int) -> None:

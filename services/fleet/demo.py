@@ -28,7 +28,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from services.common.config import parse_job_spec
 from services.common.errors import ConfigError, FieldViolation, FleetError, InvalidArgument, NotFound
-from services.fleet.cli import add_thread_flags
+from services.fleet.cli import add_placement_flags
 from services.fleet.fleet import Fleet, FleetLayout, FleetOptions
 from services.fleet.report import EVAL_SAMPLES
 from services.gateway.client import Client, Run, load_job_file
@@ -68,7 +68,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--eval-file", type=Path, default=DEFAULT_EVAL, help="held-out prompts JSONL with answers")
     p.add_argument("--gateway", help="use the fleet behind this gateway address instead of a local one")
     p.add_argument("--token", help="bearer token for --gateway (env FLEETRL_TOKEN)")
-    add_thread_flags(p)
+    add_placement_flags(p)
     return p
 
 
@@ -166,7 +166,7 @@ def fleet_address(args: argparse.Namespace, run_dir: Path, out: Console) -> Iter
     if args.actors < 1:
         raise ConfigError("bad option", [FieldViolation("--actors", "must be >= 1")])
     options = FleetOptions(run_dir=run_dir, actors=args.actors, cores=args.cores,
-                           learner_threads=args.learner_threads, actor_threads=args.actor_threads)
+                           learner_threads=args.learner_threads, actor_threads=args.actor_threads, gpus=args.gpus)
     with started_fleet(options, out) as layout:
         yield layout.addresses["gateway"]
 

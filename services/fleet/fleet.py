@@ -21,7 +21,7 @@ from pathlib import Path
 
 from services.actor.config import ActorSettings
 from services.common.errors import Unavailable
-from services.fleet import cores, embedded
+from services.fleet import cores, devices, embedded
 from services.fleet.supervisor import ChildSpec, Supervisor
 
 log = logging.getLogger(__name__)
@@ -54,6 +54,8 @@ class FleetOptions:
     """The learner's compute threads (None: the budget's rule, see `cores`)."""
     actor_threads: int | None = None
     """Each actor's compute threads (None: the budget's rule)."""
+    gpus: list[str] | None = None
+    """GPU ids to place the learner and actors on (None: the machine's, see `devices`; []: none)."""
 
 
 @dataclass
@@ -68,6 +70,8 @@ class FleetLayout:
     pid: int
     threads: dict[str, int] = field(default_factory=dict)
     """Compute threads per service at start ("actor": each actor started with the initial count)."""
+    gpus: list[str] = field(default_factory=list)
+    """GPU ids the learner and actors are placed on (empty: CPU only)."""
 
     def to_json(self) -> str:
         data = {**self.__dict__, "log_dir": str(self.log_dir)}
@@ -96,6 +100,7 @@ class Fleet:
         self._rescale = threading.Event()
         self.cores = options.cores or cores.machine_cores()
         self.threads = cores.budget(self.cores, options.actors, options.learner_threads, options.actor_threads)
+        self.gpus = options.gpus if options.gpus is not None else devices.visible_gpus()
 
     def start(self) -> FleetLayout:
         nats_url, redis_url = self._start_infra()
@@ -103,7 +108,7 @@ class Fleet:
         addresses = {name: f"{host}:{embedded.free_port(host)}" for name in SERVICES}
         metrics = {name: embedded.free_port(host) if self.options.metrics else 0 for name in SERVICES}
         self.layout = FleetLayout(nats_url, redis_url, addresses, metrics, self.supervisor.log_dir, os.getpid(),
-                                  dict(self.threads))
+                                  dict(self.threads), list(self.gpus))
         self._log_threads()
         for name in SERVICES:
             self.supervisor.add(ChildSpec(name, _module_argv(name), self._env(name, threads=self.threads[name])))
@@ -166,7 +171,8 @@ class Fleet:
         out = {prefix + key: value for key, value in env.items()}
         out["FLEETRL_TRACING"] = "1" if self.options.tracing else "0"
         out["TOKENIZERS_PARALLELISM"] = "false"
-        return {**out, **cores.thread_env(service, threads), **self.options.extra_env}
+        return {**out, **cores.thread_env(service, threads), **devices.device_env(service, self.gpus, actor_index),
+                **self.options.extra_env}
 
     def actor_names(self) -> list[str]:
         return sorted((n for n in self.supervisor.children if n.startswith("actor-")), key=lambda n: int(n[6:]))
