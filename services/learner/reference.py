@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import copy
 import json
-import re
 import runpy
 import sys
 import time
@@ -43,27 +42,22 @@ from services.common.seeding import prompt_order, task_id, task_seed
 from services.learner.losses import loss_config_for
 from services.learner.optim import build_optimizer, build_scheduler, train_step
 from services.proto.fleetrl.v1 import common_pb2
+from services.reward import builtins
 
 RewardFn = Callable[..., float]
 """reward(completion, prompt, **metadata) -> float, as a reward file defines it."""
 
-_NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
-
-
-def numeric_match(completion: str, prompt: str, answer: str | float | None = None, **_: Any) -> float:
-    """1.0 when the last number in the completion equals `answer`, else 0.0 (the addition task)."""
-    numbers = _NUMBER.findall(completion)
-    return float(bool(numbers) and answer is not None and float(numbers[-1]) == float(answer))
-
-
 def reward_of(spec: JobSpec) -> RewardFn:
-    """The job's reward, run in-process: its reward file's `reward` function, or the numeric_match built-in."""
+    """The job's reward, run in this process (no sandbox: the reference loop is for trusted code): its
+    reward file's `reward` function, or the built-in the reward service runs (`reward/builtins.py`)."""
     if spec.reward.file is not None:
         return runpy.run_path(spec.reward.file)["reward"]  # type: ignore[no-any-return]
-    if spec.reward.builtin == "numeric_match":
-        return numeric_match
-    raise ConfigError("the reference loop only runs reward files and numeric_match",
-                      [FieldViolation("reward.builtin", f"{spec.reward.builtin!r} is not available here")])
+    assert spec.reward.builtin is not None  # RewardSpec holds exactly one of file and builtin
+    try:
+        builtin = builtins.resolve(spec.reward.builtin, spec.reward.params)
+    except (KeyError, ValueError) as error:
+        raise ConfigError("bad reward for the reference loop", [FieldViolation("reward.builtin", str(error))]) from None
+    return lambda completion, prompt, **metadata: builtins.scalar(builtin(completion, prompt, **metadata))
 
 
 def read_prompts(path: Path) -> list[dict[str, Any]]:

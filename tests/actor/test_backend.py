@@ -56,7 +56,7 @@ def test_same_seed_same_group_and_reference_loop_agrees() -> None:
     spec = reference.JobSpec.model_validate({"prompts": "p.jsonl", "reward": {"builtin": "numeric_match"},
                                               "model": "tiny-llama", "rollout": ROLLOUT.model_dump()})
     row = {"prompt": "What is 1 + 2?", "answer": "3"}
-    group = reference.rollout_group(model, tokenizer, spec, row, 0, 1, 0, reference.numeric_match)
+    group = reference.rollout_group(model, tokenizer, spec, row, 0, 1, 0, reference.reward_of(spec))
     # The reference loop samples through the backend under the same seed rule (task_seed of the
     # task id): the same group, token for token and log-prob for log-prob.
     actor = backend.generate(prompt, 8, seed=task_seed(spec.seed, task_id(0, 1)), **kwargs)

@@ -14,9 +14,10 @@ import torch
 from learner_fleet import first_word_is_seven, tiny_policy
 
 from services.common.config import JobSpec
+from services.common.errors import ConfigError
 from services.learner.batch import build_batch, completion_logprobs, group_advantages
 from services.learner.losses import loss_config_for
-from services.learner.reference import numeric_match, rollout_group, run, tasks_of_step
+from services.learner.reference import reward_of, rollout_group, run, tasks_of_step
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -52,6 +53,7 @@ def test_rollout_follows_seeding_rules(tmp_path: Path) -> None:
     tasks = list(tasks_of_step(0, 6, spec)) + list(tasks_of_step(1, 6, spec))
     assert sorted(index for epoch, index in tasks[:6]) == list(range(6)) and {e for e, _ in tasks[6:]} == {1}
     row = {"prompt": "3 + 4 =", "answer": "7"}
+    numeric_match = reward_of(spec)
     first = rollout_group(model, tokenizer, spec, row, 0, 1, 0, numeric_match)
     again = rollout_group(model, tokenizer, spec, row, 0, 1, 0, numeric_match)
     other = rollout_group(model, tokenizer, spec, row, 0, 2, 0, numeric_match)
@@ -71,10 +73,20 @@ def test_rollout_follows_seeding_rules(tmp_path: Path) -> None:
     torch.testing.assert_close(learner[mask], batch.behaviour_logprobs[mask], atol=1e-5, rtol=0)
 
 
-def test_numeric_match() -> None:
+def test_the_reward_is_the_reward_services_builtin_run_in_process() -> None:
+    spec = JobSpec(prompts="p.jsonl", reward={"builtin": "numeric_match"})  # type: ignore[arg-type]
+    numeric_match = reward_of(spec)
     assert numeric_match("The answer is 126.", "q", answer="126") == 1.0
     assert numeric_match("12 then 125", "q", answer="126") == 0.0
     assert numeric_match("no digits", "q", answer="1") == 0.0
+    summed = reward_of(JobSpec(prompts="p.jsonl", reward={  # type: ignore[arg-type]
+        "builtin": "weighted_sum", "params": {"terms": [
+            {"builtin": "numeric_match", "weight": 1.0}, {"builtin": "regex", "weight": 0.5,
+                                                          "params": {"pattern": "\\d+", "mode": "fullmatch"}}]}}))
+    assert summed("126", "q", answer="126") == 1.5 and summed("it is 126", "q", answer="126") == 1.0
+    with pytest.raises(ConfigError) as bad:
+        reward_of(JobSpec(prompts="p.jsonl", reward={"builtin": "no_such"}))  # type: ignore[arg-type]
+    assert [v.field for v in bad.value.violations] == ["reward.builtin"]
 
 
 def test_cli_prints_one_json_line_per_step(tmp_path: Path) -> None:
