@@ -14,6 +14,13 @@ Fleet vs reference (tiny-llama, the same job: spec, seed, prompts, steps):
   cores a second thread mostly spins), steady state likewise;
 - ratio: fleet / reference.
 
+With `--job FILE` (`python -m bench.pipeline --job examples/addition/job.toml --steps 6 --actors 1`), only
+this instead: the job file's job (the demo's: SmolLM2-135M) cut to --steps steps, on the whole local
+fleet with the launcher's thread budget, against the reference loop with every core, in the same
+run: fleet_groups_per_s, reference_groups_per_s, ratio (goal >= 1.2 on 2 cores), both mean step
+times, the fleet's threads per process, each process's share of the CPU seconds the fleet spent
+(`fleet_cpu_share`, from /proc) and how busy the cores were (`fleet_cpu_busy_fraction`).
+
 Orchestration scaling, with the fixed backend (`FLEETRL_ACTOR_BACKEND=fixed`: every group's
 generation sleeps `--latency-s` and costs no CPU, so what is left is the fleet's own cost: fetch,
 weights check, reward call, replay insert, ack). Real NATS, Valkey, replay and reward processes and
@@ -61,7 +68,7 @@ from services.common.weights import WeightStore, encode_safetensors
 from services.fleet.embedded import EmbeddedNats, EmbeddedValkey, free_port, wait_for_port
 from services.fleet.fleet import Fleet, FleetOptions
 from services.fleet.supervisor import ChildSpec, Supervisor
-from services.gateway.client import Client
+from services.gateway.client import Client, load_job_file
 from services.learner import reference
 from services.proto.fleetrl.v1 import common_pb2, replay_pb2
 from services.replay.client import ReplayClient
@@ -94,39 +101,64 @@ def steady_rate(step_ends_s: list[float], groups_per_step: int) -> float:
 # --------------------------------------------------------------------------- fleet vs reference
 
 
-def reference_rate(spec: JobSpec, threads: int) -> float:
+def demo_spec(job_file: Path, steps: int) -> JobSpec:
+    """A job file's spec (the demo's: examples/addition/job.toml) cut to `steps` steps."""
+    payload = load_job_file(job_file, [f"train.max_steps={steps}", f"train.checkpoint_interval={steps}"])
+    spec = JobSpec.model_validate_json(payload.spec)
+    return spec.model_copy(update={"prompts": str((job_file.parent / spec.prompts).resolve())})
+
+
+def reference_rate(spec: JobSpec, threads: int) -> tuple[float, float]:
+    """(steady groups/s, mean step seconds) of the single-process loop in this process."""
     if threads:
         torch.set_num_threads(threads)
     torch.manual_seed(spec.seed)
     model, tokenizer = models.load(spec.model)
-    history = reference.run(spec, model, tokenizer, reference.numeric_match, spec.train.max_steps)
+    history = reference.run(spec, model, tokenizer, reference.reward_of(spec), spec.train.max_steps)
     ends, total = [], 0.0
     for metrics in history:
         total += metrics["step_s"]
         ends.append(total)
-    return steady_rate(ends, spec.rollout.prompts_per_step)
+    return steady_rate(ends, spec.rollout.prompts_per_step), total / len(history)
 
 
-def fleet_rate(spec: JobSpec, run_dir: Path, actors: int) -> tuple[float, float]:
-    """(steady groups/s, wall seconds from submission to success) of the job on a whole local fleet."""
-    env = {**QUIET, "FLEETRL_ACTOR_TORCH_THREADS": "1", "FLEETRL_LEARNER_TORCH_THREADS": "1",
-           "FLEETRL_ACTOR_POLL_INTERVAL_S": "0.3", "FLEETRL_LEARNER_CLAIM_POLL_S": "0.3",
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of a live process (and of its waited-for children), from /proc."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return sum(int(v) for v in fields[11:15]) / os.sysconf("SC_CLK_TCK")
+
+
+def fleet_rate(spec: JobSpec, run_dir: Path, actors: int, one_thread: bool) -> dict[str, Any]:
+    """Steady groups/s, wall seconds from submission to success, mean step seconds and each process's
+    share of the CPU time the fleet spent, for the job on a whole local fleet. one_thread: every
+    process one torch thread (the tiny job); else the launcher's thread budget (the demo's)."""
+    env = {**QUIET, "FLEETRL_ACTOR_POLL_INTERVAL_S": "0.3", "FLEETRL_LEARNER_CLAIM_POLL_S": "0.3",
            "FLEETRL_LEARNER_SAMPLE_WAIT_S": "0.5", "FLEETRL_ACTOR_GRACE_S": "5"}
+    if one_thread:
+        env.update({"FLEETRL_ACTOR_TORCH_THREADS": "1", "FLEETRL_LEARNER_TORCH_THREADS": "1"})
     fleet = Fleet(FleetOptions(run_dir=run_dir, actors=actors, metrics=False, extra_env=env))
     try:
         layout = fleet.start()
+        pids = {name: child.pid for name, child in fleet.supervisor.children.items() if child.pid}
+        cpu_before = {name: cpu_seconds(pid) for name, pid in pids.items()}
         with Client(layout.addresses["gateway"]) as client:
             started = time.monotonic()
             job = client.submit(spec.model_dump_json(), Path(spec.prompts).read_bytes(), spec_format="json")
-            info = client.run(job.job_id).wait(timeout_s=1800)
+            info = client.run(job.job_id).wait(timeout_s=3600)
             wall_s = time.monotonic() - started
+        cpu = {name: cpu_seconds(pid) - cpu_before[name] for name, pid in pids.items()}
         if info.state != "succeeded":
             raise RuntimeError(f"bench job {info.job_id} ended {info.state}: {info.reason}")
-        lines = (run_dir / "jobs" / job.job_id / "metrics.jsonl").read_text().splitlines()
-        ends = [json.loads(line)["unix_ms"] / 1000 for line in lines]
+        metrics = [json.loads(line) for line in
+                   (run_dir / "jobs" / job.job_id / "metrics.jsonl").read_text().splitlines()]
     finally:
         fleet.stop()
-    return steady_rate(ends, spec.rollout.prompts_per_step), wall_s
+    ends = [m["unix_ms"] / 1000 for m in metrics]
+    total_cpu = sum(cpu.values()) or 1.0
+    return {"groups_per_s": steady_rate(ends, spec.rollout.prompts_per_step), "wall_s": wall_s,
+            "step_s": (ends[-1] - ends[0]) / (len(ends) - 1), "threads": dict(fleet.threads),
+            "cpu_share": {name: round(seconds / total_cpu, 3) for name, seconds in sorted(cpu.items())},
+            "cpu_busy_fraction": round(total_cpu / (wall_s * fleet.cores), 3)}
 
 
 # --------------------------------------------------------------------------- orchestration scaling
@@ -302,13 +334,36 @@ async def tracing_rounds(tmp: Path, actors: int, latency_s: float, tasks: int, r
 # --------------------------------------------------------------------------- report
 
 
+def run_demo(args: argparse.Namespace) -> dict[str, Any]:
+    """The demo's job (SmolLM2-135M) on the whole local fleet, with the launcher's thread budget,
+    against the reference loop with every core, in the same run."""
+    spec = demo_spec(Path(args.job), args.steps)
+    with tempfile.TemporaryDirectory(prefix="bench-pipeline-") as tmp_dir:
+        fleet = fleet_rate(spec, Path(tmp_dir) / "fleet", args.actors, one_thread=False)
+    threads = len(os.sched_getaffinity(0)) if args.threads is None else args.threads
+    reference_gps, reference_step_s = reference_rate(spec, threads)
+    return {
+        "job": args.job, "model": spec.model, "steps": args.steps, "groups_per_step": spec.rollout.prompts_per_step,
+        "samples_per_group": spec.rollout.samples_per_prompt, "max_new_tokens": spec.rollout.max_new_tokens,
+        "fleet_actors": args.actors, "fleet_groups_per_s": round(fleet["groups_per_s"], 4),
+        "fleet_step_s": round(fleet["step_s"], 1), "fleet_wall_s": round(fleet["wall_s"], 1),
+        "fleet_threads": fleet["threads"], "fleet_cpu_share": fleet["cpu_share"],
+        "fleet_cpu_busy_fraction": fleet["cpu_busy_fraction"],
+        "reference_groups_per_s": round(reference_gps, 4), "reference_step_s": round(reference_step_s, 1),
+        "reference_threads": torch.get_num_threads(), "ratio": round(fleet["groups_per_s"] / reference_gps, 3),
+    }
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
+    if args.job:
+        return run_demo(args)
     counts = [int(k) for k in args.scale.split(",")]
     with tempfile.TemporaryDirectory(prefix="bench-pipeline-") as tmp_dir:
         tmp = Path(tmp_dir)
         spec = job_spec(args.steps, Path(args.prompts).resolve())
-        reference_gps = reference_rate(spec, args.threads)
-        fleet_gps, fleet_wall_s = fleet_rate(spec, tmp / "fleet", args.actors)
+        reference_gps, _ = reference_rate(spec, 1 if args.threads is None else args.threads)
+        fleet = fleet_rate(spec, tmp / "fleet", args.actors, one_thread=True)
+        fleet_gps, fleet_wall_s = fleet["groups_per_s"], fleet["wall_s"]
         rates = asyncio.run(scaling(tmp / "scaling", counts, args.latency_s, args.tasks_per_actor))
         tracing = asyncio.run(tracing_rounds(tmp / "tracing", args.tracing_actors, args.tracing_latency_s,
                                              args.tracing_tasks, args.tracing_rounds))
@@ -335,8 +390,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=6, help="steps of the fleet-vs-reference job (default 6)")
     parser.add_argument("--actors", type=int, default=2, help="HF actors of the fleet run (default 2)")
     parser.add_argument("--prompts", default=str(PROMPTS), help="prompt JSONL (default the addition examples)")
-    parser.add_argument("--threads", type=int, default=1,
-                        help="torch threads of the reference loop (default 1, as each fleet process; 0: torch's)")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch threads of the reference loop (default 1, as each fleet process of the tiny "
+                             "job; with --job, every core; 0: torch's default)")
+    parser.add_argument("--job", help="instead: this job file (e.g. examples/addition/job.toml, the demo's) on the "
+                                      "fleet with its thread budget vs the reference loop, --steps steps, nothing else")
     parser.add_argument("--scale", default="1,2,4,8", help="actor counts of the fixed-backend runs")
     parser.add_argument("--latency-s", type=float, default=0.5, help="fixed backend seconds per group")
     parser.add_argument("--tasks-per-actor", type=int, default=10, help="tasks per actor in each scaling run")
