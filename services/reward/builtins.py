@@ -365,6 +365,21 @@ def resolve(name: str, params: dict[str, Any]) -> Callable[..., Value]:
     return lambda completion, prompt, **metadata: entry.fn(completion, prompt, parsed, **metadata)
 
 
+RUNS_SUBMITTED_CODE = frozenset({"code_tests"})
+"""Built-ins that execute text from outside the service (a completion as a program)."""
+
+
+def runs_submitted_code(name: str, params: dict[str, Any]) -> bool:
+    """Whether a built-in (or one of weighted_sum's terms, at any depth) executes submitted text as code."""
+    if name in RUNS_SUBMITTED_CODE:
+        return True
+    if name == "weighted_sum":
+        terms = params.get("terms", [])
+        return any(runs_submitted_code(t.get("builtin", ""), t.get("params", {})) for t in terms
+                   if isinstance(t, dict))
+    return False
+
+
 def needed_modules(name: str, params: dict[str, Any]) -> set[str]:
     """Modules a built-in (and its terms) imports lazily, to load before the uid drop."""
     entry = REGISTRY[name]

@@ -151,11 +151,20 @@ class SandboxState:
     problem: str = ""
     """Why reward code is refused ("" when it runs)."""
     bwrap: str | None = None
+    note: str = ""
+    """Why this mode was chosen, when it was not the operator's setting."""
 
     def describe(self) -> str:
         held = [name for name, ok in self.layers.items() if ok]
         missing = [name for name, ok in self.layers.items() if not ok]
-        return f"mode {self.mode}: {' '.join(held) or 'none'} hold; missing: {' '.join(missing) or 'none'}"
+        line = f"mode {self.mode}: {' '.join(held) or 'none'} hold; missing: {' '.join(missing) or 'none'}"
+        return line + (f" ({self.note})" if self.note else "")
+
+    def for_trusted_builtins(self) -> SandboxState:
+        """The legacy sandbox, for built-ins that run no submitted code when the jail is unavailable."""
+        return SandboxState("legacy", self.layers, "", None,
+                            note=f"the jail is unavailable ({self.problem}); built-ins that run no submitted code "
+                                 "are scored in the legacy sandbox")
 
 
 def find_sandbox(settings: RewardSettings) -> SandboxState:
@@ -192,13 +201,22 @@ class Scorer:
             log.log(logging.INFO if self.sandbox.mode == "jail" else logging.WARNING, "reward sandbox %s",
                     self.sandbox.describe())
 
-    def _pool_config(self, spec: RewardSpec) -> PoolConfig:
+    def sandbox_for(self, spec: RewardSpec) -> SandboxState:
+        """Where this spec's code runs: the service's sandbox; when the jail is unavailable, the legacy
+        sandbox for a built-in that runs no submitted code (trusted code parsing untrusted text, still
+        under rlimits, timeouts and a private uid), while reward files and `code_tests` stay refused."""
+        if self.sandbox.problem and spec.builtin is not None and \
+                not builtins.runs_submitted_code(spec.builtin, spec.params):
+            return self.sandbox.for_trusted_builtins()
+        return self.sandbox
+
+    def _pool_config(self, spec: RewardSpec, sandbox: SandboxState) -> PoolConfig:
         s = self.settings
         limits = Limits(spec.memory_limit_mb, s.worker_cpu_limit_s, s.worker_max_file_mb,
                         s.worker_max_open_files, s.worker_max_processes)
         return PoolConfig(s.workers_per_pool, limits, s.worker_start_timeout_s, s.max_items_per_worker,
                           s.max_reply_bytes, s.sandbox_dir, s.worker_namespaces, s.burst_workers_per_pool,
-                          self.sandbox.bwrap, s.worker_tmp_mb)
+                          sandbox.bwrap, s.worker_tmp_mb)
 
     def check_caps(self, spec: RewardSpec) -> None:
         """ConfigError naming each field of spec above the operator's cap."""
@@ -211,11 +229,16 @@ class Scorer:
             raise ConfigError("reward spec asks for more than the reward service allows", violations)
 
     async def _new_pool(self, spec: SpecInput) -> WorkerPool:
-        if self.sandbox.problem:
+        sandbox = self.sandbox_for(spec.spec)
+        if sandbox.problem:
             raise FailedPrecondition(
-                f"the reward sandbox is not available: {self.sandbox.problem}; an operator may accept the weaker "
-                "legacy sandbox with the reward setting sandbox_mode=legacy (FLEETRL_REWARD_SANDBOX_MODE=legacy)")
-        pool = WorkerPool(boot_message(spec), self._pool_config(spec.spec), self._uids, self.metrics.worker_replaced)
+                f"the reward sandbox is not available: {self.sandbox.problem}; reward files and code_tests need it "
+                "(built-ins that run no submitted code do not); an operator may accept the weaker legacy sandbox "
+                "with the reward setting sandbox_mode=legacy (FLEETRL_REWARD_SANDBOX_MODE=legacy)")
+        if sandbox is not self.sandbox:
+            log.warning("reward sandbox for built-in %s: %s", spec.spec.builtin, sandbox.describe())
+        pool = WorkerPool(boot_message(spec), self._pool_config(spec.spec, sandbox), self._uids,
+                          self.metrics.worker_replaced)
         try:
             await pool.start()
         except BaseException:

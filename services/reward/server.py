@@ -47,9 +47,10 @@ class RewardServicer(reward_pb2_grpc.RewardServiceServicer):
     @map_errors
     async def Validate(self, request: reward_pb2.ValidateRequest,
                        context: grpc.aio.ServicerContext) -> reward_pb2.ValidateResponse:
-        sandbox = convert.sandbox_report(self.scorer.sandbox)
+        spec = convert.to_spec(request.spec)
+        sandbox = convert.sandbox_report(self.scorer.sandbox_for(spec.spec))
         try:
-            await self.scorer.validate(convert.to_spec(request.spec))
+            await self.scorer.validate(spec)
         except ConfigError as error:
             return reward_pb2.ValidateResponse(ok=False, reason=str(error), sandbox=sandbox)
         return reward_pb2.ValidateResponse(ok=True, sandbox=sandbox)

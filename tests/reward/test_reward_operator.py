@@ -20,7 +20,16 @@ from services.proto.fleetrl.v1 import common_pb2, reward_pb2, reward_pb2_grpc
 from services.reward import jail
 from services.reward.config import RewardSettings
 from services.reward.scorer import Scorer
-from tests.reward.conftest import UID_BASE, descendants, file_spec, items, reward_service, uid_processes, wait_gone
+from tests.reward.conftest import (
+    UID_BASE,
+    builtin_spec,
+    descendants,
+    file_spec,
+    items,
+    reward_service,
+    uid_processes,
+    wait_gone,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 BENIGN = "def reward(completion, prompt, **meta):\n    return 1.0\n"
@@ -47,6 +56,21 @@ async def test_without_the_jail_reward_code_is_refused_unless_legacy_is_chosen(
                              timeout=10)
         assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION
         assert "no bwrap binary" in str(refused.value.details())
+        # a built-in that runs no submitted code is scored in the legacy sandbox, and says so
+        verdict = await stub.Validate(reward_pb2.ValidateRequest(spec=builtin_spec("numeric_match")), timeout=30)
+        assert verdict.ok and verdict.sandbox.mode == "legacy" and "jail is unavailable" in verdict.sandbox.summary
+        scored = await stub.Score(reward_pb2.ScoreRequest(job_id="j", spec=builtin_spec("numeric_match"), items=items(
+            ("it is 5", {"answer": "5"}), ("6", {"answer": "5"}))), timeout=30)
+        assert [(r.status, r.reward) for r in scored.results] == [(common_pb2.REWARD_STATUS_OK, 1.0),
+                                                                  (common_pb2.REWARD_STATUS_OK, 0.0)]
+        # code_tests runs the completion as a program, alone or as a term of a sum: refused
+        code = {"builtin": "code_tests", "params": {}}
+        for spec in (builtin_spec("code_tests"), builtin_spec("weighted_sum", {"terms": [
+                {"builtin": "numeric_match"}, code]})):
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await stub.Score(reward_pb2.ScoreRequest(job_id="j", spec=spec, items=items(("x", {}))), timeout=10)
+            assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+            assert (await stub.Describe(reward_pb2.DescribeRequest(), timeout=10)).problem
     scorer = Scorer(RewardSettings(sandbox_mode="legacy", sandbox_dir=tmp_path))
     assert scorer.sandbox.problem == "" and scorer.sandbox.describe().startswith("mode legacy")
     held = scorer.metrics.registry.get_sample_value("fleetrl_reward_sandbox_layer", {"layer": "seccomp"})
