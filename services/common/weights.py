@@ -2,7 +2,7 @@
 
 Layout (docs/ARCHITECTURE.md, data flow step 9): one object store bucket per job (`bus.weights_bucket`),
 objects `v<version>` holding safetensors bytes (full snapshots) and `d<version>` holding deltas
-(`weight_delta`: the XOR of two payloads, zstd-compressed); a pointer in KV bucket `bus.WEIGHTS_KV`,
+(`weight_delta`: the changed words and their positions, zstd-compressed); a pointer in KV bucket `bus.WEIGHTS_KV`,
 key `<job>`, JSON {version, object, sha256, bytes, dtype, kind[, chain]}, moved only forward by
 compare-and-swap. Key `<job>.resync` is where a reader reports a chain it cannot apply.
 
@@ -242,7 +242,7 @@ class WeightStore:
         """The pointer's version, reached from `held` by deltas when `held` is a version of the
         pointer's chain, else from the chain's full snapshot (then `Pulled.fallback` says why).
 
-        `held.payload` is XORed in place: after the call it belongs to the result, or, when the call
+        `held.payload` is updated in place: after the call it belongs to the result, or, when the call
         raises, to nobody. A delta missing or failing its checks while applied to `held` makes the
         update start again from the full snapshot. When the full snapshot's own chain is broken the
         reader asks the publisher for a full snapshot (`request_full`) and raises WeightsCorrupt or

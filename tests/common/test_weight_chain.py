@@ -94,7 +94,7 @@ async def test_chain_rebuilds_every_full_payload_of_real_training_steps(
             assert joined.pulled_bytes == len(payloads[12]) + sum(delta_bytes[-5:])
         if version == 3:
             late = HeldWeights(pointer, memoryview(bytearray(payload)))
-    assert max(delta_bytes) < len(payloads[0]) / 4
+    assert max(delta_bytes) < len(payloads[0]) / 2  # SmolLM2 at this rate: under 5% (bench.weights)
     assert late is not None
     behind = await store.update(JOB, pointer, late)  # v3's chain is gone: the snapshot v18, d19 and d20
     assert bytes(behind.payload) == payloads[20] and behind.fallback == "behind"
@@ -103,12 +103,13 @@ async def test_chain_rebuilds_every_full_payload_of_real_training_steps(
 
 
 async def test_corrupt_held_weights_fall_back_to_the_full_snapshot(store: WeightStore) -> None:
-    v0, v1, v2 = os.urandom(300_000), os.urandom(300_000), os.urandom(300_000)
+    v0, v1 = os.urandom(300_000), os.urandom(300_000)
+    v2 = v1[:5000] + os.urandom(1000) + v1[6000:]
     p0 = await store.publish(JOB, 0, v0, "bfloat16", full_interval=4)
     p1 = await store.publish(JOB, 1, v1, "bfloat16", base=HeldWeights(p0, memoryview(v0)), full_interval=4)
     p2 = await store.publish(JOB, 2, v2, "bfloat16", base=HeldWeights(p1, memoryview(v1)), full_interval=4)
     flipped = bytearray(v1)
-    flipped[1000] ^= 1  # a reader's copy damaged in memory: the delta applies, the digest catches it
+    flipped[1000] ^= 1  # a reader's copy damaged where d2 writes nothing: it applies, the digest catches it
     pulled = await store.update(JOB, p2, HeldWeights(p1, memoryview(flipped)))
     assert bytes(pulled.payload) == v2 and pulled.fallback == "delta_corrupt"
     assert pulled.pulled_bytes > len(v0)  # the snapshot v0, then d1 and d2
