@@ -5,6 +5,11 @@ dir, publishes one payload of random bytes (the size of SmolLM2-135M in bf16 by 
 WeightStore, pulls it back, reads the same object with stock `ObjectStore.get`, copies the same
 bytes over a 127.0.0.1 socket, and prints one JSON object with the timings and ratios. For
 context it also times stock put + get (128 KiB chunks) of the first STOCK_LAYOUT_MB MB.
+
+Then (`--delta-steps`, 0 to skip) full snapshots against deltas on weights from real learner steps
+of the demo job (`bench.weight_deltas`): bytes per version, the fraction of bf16 values changed per
+step, and a reader's pull+apply seconds for each; skipped, with the reason in `delta_skipped`,
+when the model (`--delta-model`) is not available here.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ from typing import Any
 
 from nats.js.object_store import ObjectStore
 
+from bench import weight_deltas
 from services.common import bus
 from services.common.weights import CHUNK_BYTES, WeightStore
 from services.fleet.embedded import EmbeddedNats
@@ -106,10 +112,22 @@ def main() -> None:
         help="read a separate object of this many MB with stock ObjectStore.get (default: the same object)",
     )
     parser.add_argument("--repeats", type=int, default=3, help="pulls; pull_s is the fastest")
+    parser.add_argument("--delta-steps", type=int, default=3,
+                        help="learner steps whose weights compare full and delta publishing (0: skip)")
+    parser.add_argument("--delta-model", default="smollm2-135m", help="model of those steps")
     args = parser.parse_args()
+    skipped = weight_deltas.model_available(args.delta_model) if args.delta_steps else "--delta-steps 0"
+    trained: tuple[list[bytes], dict[str, Any]] | None = None
+    if skipped is None:
+        trained = weight_deltas.train_payloads(args.delta_model, args.delta_steps)
     payload = os.urandom(args.payload_mb * 10**6)
     with tempfile.TemporaryDirectory() as tmp, EmbeddedNats(data_dir=Path(tmp)) as server:
         figures = asyncio.run(measure(server.url, payload, args.stock_mb, args.repeats))
+        if trained is not None:
+            figures.update(trained[1])
+            figures.update(asyncio.run(weight_deltas.measure_deltas(server.url, trained[0], args.repeats)))
+        else:
+            figures["delta_skipped"] = skipped
     loopback = min(loopback_s(payload) for _ in range(args.repeats))
     figures["loopback_mb_s"] = len(payload) / 1e6 / loopback
     figures["ratio_vs_stock"] = figures["pull_mb_s"] / figures["nats_py_get_mb_s"]

@@ -5,6 +5,10 @@ applies it between tasks (`refresh`), never while a generation runs, so a genera
 version, the one recorded in its group. Pulls use the weight store's fast chunk reader and its sha256
 check; a corrupt or vanished object is rejected, counted, and the pointer re-read and pulled again,
 a bounded number of times. The held version never decreases.
+
+For a job that publishes deltas (`train.full_publish_interval` > 1) the policy keeps the payload of
+the version it loaded, in the published dtype, so the next pull reads only the deltas after it
+(`WeightStore.update`); each pull that fell back to the full snapshot is counted by its reason.
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ from services.actor import metrics
 from services.actor.backends import Backend
 from services.common import telemetry
 from services.common.errors import DeadlineExceeded, NotFound, Unavailable
-from services.common.weights import WeightPointer, WeightsCorrupt, decode_safetensors
+from services.common.weights import HeldWeights, Pulled, WeightPointer, WeightsCorrupt, decode_safetensors
 
 log = logging.getLogger(__name__)
 RETRY_DELAY_S = 0.5
@@ -33,7 +37,7 @@ class WeightSource(Protocol):
 
     async def latest(self, job_id: str) -> WeightPointer | None: ...
 
-    async def pull(self, job_id: str, pointer: WeightPointer) -> memoryview: ...
+    async def update(self, job_id: str, pointer: WeightPointer, held: HeldWeights | None) -> Pulled: ...
 
     def watch(self, job_id: str) -> AsyncIterator[WeightPointer]: ...
 
@@ -46,9 +50,15 @@ class JobPolicy:
     version: int
     announced: int
     pull_attempts: int
+    keep_payload: bool
+    _held: HeldWeights | None
 
-    def __init__(self, job_id: str, backend: Backend, source: WeightSource, *, pull_attempts: int = 5) -> None:
+    def __init__(self, job_id: str, backend: Backend, source: WeightSource, *, pull_attempts: int = 5,
+                 keep_payload: bool = False) -> None:
+        """`keep_payload`: hold the loaded version's payload, the base of the job's deltas."""
         self.job_id = job_id
+        self.keep_payload = keep_payload
+        self._held = None
         self.backend = backend
         self.version = -1
         self.announced = -1
@@ -110,10 +120,15 @@ class JobPolicy:
         with _TRACER.start_as_current_span("actor.weights_pull", attributes={
                 "fleetrl.job_id": self.job_id, "fleetrl.policy_version": pointer.version}):
             started = time.monotonic()
-            payload = await self._source.pull(self.job_id, pointer)
+            held, self._held = self._held, None  # an update that raises leaves it half-applied
+            pulled = await self._source.update(self.job_id, pointer, held)
             metrics.WEIGHT_PULL_SECONDS.labels(self.job_id).observe(time.monotonic() - started)
-            metrics.WEIGHT_PULL_BYTES.labels(self.job_id).inc(len(payload))
-            await self._load(pointer, payload)
+            metrics.WEIGHT_PULL_BYTES.labels(self.job_id).inc(pulled.pulled_bytes)
+            if pulled.fallback is not None:
+                metrics.WEIGHTS_FULL_FALLBACKS.labels(self.job_id, pulled.fallback).inc()
+            await self._load(pointer, pulled.payload)
+            if self.keep_payload:
+                self._held = HeldWeights(pointer, pulled.payload)
 
     async def _load(self, pointer: WeightPointer, payload: memoryview) -> None:
         tensors = await asyncio.to_thread(decode_safetensors, payload)
@@ -122,8 +137,8 @@ class JobPolicy:
         self.announced = max(self.announced, pointer.version)
         metrics.WEIGHT_LOADS.labels(self.job_id).inc()
         metrics.POLICY_VERSION.labels(self.job_id).set(pointer.version)
-        log.info("job %s: loaded weights v%d (%d bytes, %s)", self.job_id, pointer.version, pointer.size_bytes,
-                 pointer.dtype)
+        log.info("job %s: loaded weights v%d (%d bytes, %s, %s)", self.job_id, pointer.version, pointer.size_bytes,
+                 pointer.dtype, pointer.kind)
 
     async def _watch_pointer(self) -> None:
         """Record announced versions; a broken watch (NATS reconnect) is restarted."""

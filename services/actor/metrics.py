@@ -28,6 +28,11 @@ WEIGHTS_CORRUPT = Counter("fleetrl_actor_weights_corrupt_total", "Pulled weight 
                           ["job"])
 WEIGHT_PULL_SECONDS = Histogram("fleetrl_actor_weight_pull_seconds", "Seconds to pull and verify one weight version",
                                 ["job"], buckets=PULL_BUCKETS_S)
+WEIGHTS_FULL_FALLBACKS = Counter(
+    "fleetrl_actor_weights_full_fallbacks_total",
+    "Pulls of a delta version that read the full snapshot instead of deltas only, by reason "
+    "(behind: no held version in the chain; delta_missing; delta_corrupt: a delta failed its checks or "
+    "the rebuilt weights' sha256 differed from the pointer's)", ["job", "reason"])
 WEIGHT_PULL_BYTES = Counter("fleetrl_actor_weight_pull_bytes_total", "Bytes of weights pulled", ["job"])
 POLICY_VERSION = Gauge("fleetrl_actor_policy_version", "Policy version held", ["job"])
 GENERATED_TOKENS = Counter("fleetrl_actor_generated_tokens_total", "Completion tokens generated", ["job"])

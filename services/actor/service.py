@@ -150,7 +150,8 @@ class Actor:
         _, reward_file = await store.files(record.job_id)
         backend = await asyncio.to_thread(make_backend, s.backend, spec.model, dtype=s.dtype, device=s.device,
                                           fixed_latency_s=s.fixed_latency_s)
-        policy = JobPolicy(record.job_id, backend, weights, pull_attempts=s.weights_pull_attempts)
+        policy = JobPolicy(record.job_id, backend, weights, pull_attempts=s.weights_pull_attempts,
+                           keep_payload=spec.train.full_publish_interval > 1)
         policy.start()
         await bus.ensure_job_consumer(js, record.job_id, spec)
         sub = await js.pull_subscribe_bind(durable=bus.task_consumer(record.job_id), stream=bus.TASKS_STREAM)

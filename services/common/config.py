@@ -158,7 +158,11 @@ class TrainConfig(Strict):
     keep_checkpoints: int = Field(2, ge=1, le=100)
     """Complete checkpoints kept on disk."""
     keep_weight_versions: int = Field(3, ge=1, le=100)
-    """Published weight versions kept in the object store."""
+    """Full weight snapshots kept in the object store (with the deltas after the oldest of them)."""
+    full_publish_interval: int = Field(1, ge=1, le=1000)
+    """Every this many published versions one is a full snapshot; the others are deltas against the
+    version before (a few percent of the bytes; actors keep one more copy of the weights, in
+    weights_dtype, to apply them). 1: every version is a full snapshot."""
     weights_dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
     """dtype the learner publishes weights in (the learner trains in float32; each actor casts the
     pulled weights to its own compute dtype, `ActorSettings.dtype`, float32 by default)."""

@@ -89,6 +89,12 @@ class Cancelled(FleetError):
     """The operation was cancelled (e.g. its job was cancelled)."""
 
 
+class WeightsCorrupt(FleetError, ValueError):
+    """Pulled weights differ from what their publisher recorded: an object's size or sha256, a delta
+    that does not apply to the weights it is applied to, or a reconstruction whose sha256 differs from
+    the pointer's."""
+
+
 _CODES: dict[type[FleetError], grpc.StatusCode] = {
     ConfigError: grpc.StatusCode.INVALID_ARGUMENT,
     InvalidArgument: grpc.StatusCode.INVALID_ARGUMENT,

@@ -5,6 +5,12 @@ version s. The weight store only moves its pointer forward; a learner that resum
 checkpoint at step c while the store already holds versions above c (published by the
 incarnation that died) does not publish those versions again: fixed seeds make the resumed
 run reproduce them, and actors keep the ones they hold. Publishing resumes above the pointer.
+
+With `full_interval` > 1 the publisher keeps the payload it published last, the base of its next
+delta; after a restart it holds none, so its first version is a full snapshot. While it waits for
+data it rewrites its newest version as a full snapshot when an actor reported that version's chain
+broken (`repair_if_requested`), so a job whose actors cannot apply a delta does not wait for the
+next publish, which would need their groups.
 """
 
 from __future__ import annotations
@@ -14,7 +20,7 @@ import logging
 import torch
 
 from services.common import models
-from services.common.weights import WeightPointer, WeightStore, encode_safetensors
+from services.common.weights import HeldWeights, WeightPointer, WeightStore, encode_safetensors
 
 log = logging.getLogger(__name__)
 
@@ -26,12 +32,18 @@ class WeightPublisher:
     dtype: str
     interval: int
     keep: int
+    full_interval: int
     published_version: int
     """Newest version in the store (by us or a previous incarnation); -1 before any."""
     _store: WeightStore
+    _base: HeldWeights | None
+    """The newest version this publisher wrote, kept when deltas are on."""
 
-    def __init__(self, store: WeightStore, job_id: str, dtype: str, interval: int, keep: int) -> None:
+    def __init__(self, store: WeightStore, job_id: str, dtype: str, interval: int, keep: int,
+                 full_interval: int = 1) -> None:
         self._store = store
+        self.full_interval = full_interval
+        self._base = None
         self.job_id = job_id
         self.dtype = dtype
         self.interval = interval
@@ -54,6 +66,15 @@ class WeightPublisher:
                      self.published_version)
             return None
         payload = encode_safetensors(models.state_dict_for_publish(model, self.dtype))
-        pointer = await self._store.publish(self.job_id, version, payload, self.dtype, keep=self.keep)
+        pointer = await self._store.publish(self.job_id, version, payload, self.dtype, keep=self.keep,
+                                            base=self._base, full_interval=self.full_interval)
         self.published_version = version
+        self._base = HeldWeights(pointer, memoryview(payload)) if self.full_interval > 1 else None
         return pointer
+
+    async def repair_if_requested(self) -> None:
+        """Rewrite the newest version as a full snapshot if an actor reported its chain broken."""
+        if self._base is not None and self._base.pointer.chain:
+            repaired = await self._store.repair(self.job_id, self._base)
+            if repaired is not None:
+                self._base = HeldWeights(repaired, self._base.payload)

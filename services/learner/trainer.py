@@ -154,7 +154,8 @@ class JobRun:
         cursor = await self.resume()
         self.feeder = Feeder(self.job_bus, self.spec, prompts, cursor)
         self.publisher = WeightPublisher(self.deps.weights, self.job_id, self.spec.train.weights_dtype,
-                                         self.spec.train.publish_interval, self.spec.train.keep_weight_versions)
+                                         self.spec.train.publish_interval, self.spec.train.keep_weight_versions,
+                                         self.spec.train.full_publish_interval)
         await self.publisher.sync()
         await self.publisher.publish(self.policy.model, self.step)
         await self.feeder.top_up(self.publisher.published_version)
@@ -236,6 +237,7 @@ class JobRun:
             await self.sample_once(data, need - len(data.groups), min_version, wait_s)
             if len(data.groups) < need:
                 await self.replace_dead_lettered()
+                await self.publisher.repair_if_requested()
                 try:
                     await self.check_cancelled()
                 except Cancelled:

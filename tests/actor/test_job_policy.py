@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from prometheus_client import REGISTRY
 
 from services.actor.backends import HFBackend
 from services.actor.job_policy import JobPolicy
 from services.common import bus, models
 from services.common.weights import WeightPointer, WeightStore, encode_safetensors
+from services.learner.publish import WeightPublisher
 
 
 def _payload(model: torch.nn.Module, shift: float) -> bytes:
@@ -58,6 +60,55 @@ async def test_watch_announces_new_versions(nats_url: str, version: int) -> None
     try:
         await store.publish("jw", version, _payload(model, 0.0), "bfloat16")
         assert await policy.ensure(version, 5.0) and policy.announced == version == policy.version
+    finally:
+        await policy.close()
+        await nc.close()
+
+
+def _fallbacks(job: str, reason: str) -> float:
+    labels = {"job": job, "reason": reason}
+    return REGISTRY.get_sample_value("fleetrl_actor_weights_full_fallbacks_total", labels) or 0.0
+
+
+async def test_delta_job_follows_chains_falls_back_and_is_repaired(nats_url: str) -> None:
+    """An actor of a delta job (full_interval 3) reads deltas only while it follows, the snapshot when
+    it fell behind (counted), and, after a delta vanished, the version the learner rewrote in full."""
+    nc = await bus.connect(nats_url, "policy-deltas")
+    store = WeightStore(nc, bus.jetstream(nc))
+    learner_model, _ = models.load("tiny-llama")
+    actor_model, tokenizer = models.load("tiny-llama")
+    publisher = WeightPublisher(store, "jd", "bfloat16", interval=1, keep=2, full_interval=3)
+    policy = JobPolicy("jd", HFBackend(actor_model, tokenizer), store, pull_attempts=2, keep_payload=True)
+    generator = torch.Generator().manual_seed(0)
+
+    async def publish(version: int) -> None:
+        with torch.no_grad():
+            for parameter in learner_model.parameters():
+                parameter.add_(torch.randn(parameter.shape, generator=generator), alpha=1e-5)
+        await publisher.publish(learner_model, version)
+
+    def same_weights() -> bool:
+        published = models.state_dict_for_publish(learner_model, "bfloat16")
+        return all(torch.equal(t.float(), actor_model.state_dict()[k]) for k, t in published.items())
+
+    pulled = REGISTRY.get_sample_value("fleetrl_actor_weight_pull_bytes_total", {"job": "jd"}) or 0.0
+    policy.start()
+    try:
+        await publisher.publish(learner_model, 0)
+        assert await policy.ensure(0, 5.0)
+        full = REGISTRY.get_sample_value("fleetrl_actor_weight_pull_bytes_total", {"job": "jd"}) - pulled
+        await publish(1)
+        assert await policy.ensure(1, 5.0) and same_weights()
+        delta = REGISTRY.get_sample_value("fleetrl_actor_weight_pull_bytes_total", {"job": "jd"}) - pulled - full
+        assert 0 < delta < full / 4 and _fallbacks("jd", "behind") == 0
+        for version in (2, 3, 4):  # v3 starts a new chain; the actor holds v1
+            await publish(version)
+        assert await policy.ensure(4, 5.0) and same_weights() and _fallbacks("jd", "behind") == 1
+        await publish(5)
+        await (await bus.jetstream(nc).object_store(bus.weights_bucket("jd"))).delete("d5")
+        assert not await policy.ensure(5, 1.0) and policy.version == 4  # d5 is gone, v4 still loaded
+        await publisher.repair_if_requested()  # the learner does this while it waits for groups
+        assert await policy.ensure(5, 10.0) and same_weights()
     finally:
         await policy.close()
         await nc.close()

@@ -11,9 +11,9 @@ import nats.errors
 from learner_fleet import create_job, insert_groups, make_group, replay_service, spec_for
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from services.common import bus
+from services.common import bus, models
 from services.common.jobs import JobRecord, JobState, JobStore
-from services.common.weights import WeightStore
+from services.common.weights import WeightStore, encode_safetensors
 from services.learner import checkpoint as ckpt
 from services.learner.config import LearnerSettings
 from services.learner.feeder import in_flight_limit, task_ids_in_order
@@ -62,6 +62,33 @@ async def test_job_runs_to_export(nats_url: str, redis_url: str, tmp_path: Path)
     # No actor takes a task, so the stream holds every task the feeder published. The 8 trained groups
     # settled 8 of them; the others are in flight at the end: exactly the bound, not one more.
     assert info.state.messages - 8 == in_flight_limit(2, spec.train.max_staleness) == 102
+
+
+async def test_delta_job_publishes_chains_that_rebuild_the_exported_weights(
+        nats_url: str, redis_url: str, tmp_path: Path) -> None:
+    """full_publish_interval 3: v0 full, d1, d2, v3 full, d4; a reader starting from nothing rebuilds
+    v4 bit for bit as the exported model's bf16 payload, the learner's own full publish."""
+    jobs = JobStore.from_url(redis_url)
+    spec = spec_for(max_steps=4, checkpoint_interval=4, weights_dtype="bfloat16", full_publish_interval=3,
+                    keep_weight_versions=2)
+    record = await create_job(jobs, spec)
+    async with replay_service(redis_url) as addr, ReplayClient(addr) as replay:
+        await insert_groups(replay, record, 8)
+        await asyncio.wait_for(serve(settings(nats_url, redis_url, addr, tmp_path), asyncio.Event(), once=True), 120)
+    done = await jobs.get(record.job_id)
+    await jobs.close()
+    assert done.state == JobState.SUCCEEDED, done.reason
+    nc = await bus.connect(nats_url, "test")
+    js = bus.jetstream(nc)
+    store = WeightStore(nc, js)
+    pointer = await store.latest(record.job_id)
+    assert pointer is not None and pointer.version == 4 and pointer.chain == (3, 4)
+    objects = await (await js.object_store(bus.weights_bucket(record.job_id))).list(ignore_deletes=True)
+    assert sorted(o.name for o in objects) == ["d1", "d2", "d4", "v0", "v3"]
+    rebuilt = await store.pull(record.job_id, pointer)
+    await nc.close()
+    exported = AutoModelForCausalLM.from_pretrained(done.model_uri)
+    assert bytes(rebuilt) == encode_safetensors(models.state_dict_for_publish(exported, "bfloat16"))
 
 
 async def test_staleness_drops_old_groups(nats_url: str, redis_url: str, tmp_path: Path) -> None:
