@@ -109,7 +109,7 @@ class AlgorithmConfig(Strict):
     optim.learning_rate. A zero-initialised head at a policy's 1e-6 learns slowly; 1e-5 to 1e-4 is usual."""
     normalize_advantages: bool = True
     """ppo: whiten the step's token advantages (subtract their mean, divide by their std) over the real
-    completion tokens each process trains."""
+    completion tokens of the step's trainable groups."""
 
     @model_validator(mode="after")
     def _ppo_advantages_are_gae(self) -> AlgorithmConfig:

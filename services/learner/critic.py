@@ -17,9 +17,9 @@ skipped, so a multi-turn row whose mask has gaps is one trajectory):
     A_t     = delta_t + gamma * lam * A_(t+1)
     R_t     = A_t + V_old(t)                               (the value target)
 
-then, if `normalize_advantages`, A is whitened over the real tokens of the micro-batches this
-process trains. The loss of every pass (`actor_critic_loss`) is the policy loss on the token
-advantages plus
+then, if `normalize_advantages`, A is whitened over the real tokens of the step's trainable groups
+(under data parallelism the ranks add their sums in one all_reduce, so every rank whitens alike).
+The loss of every pass (`actor_critic_loss`) is the policy loss on the token advantages plus
 
     value_coef * agg( 0.5 * max((V - R)^2, (V_old + clip(V - V_old, -value_clip_eps, value_clip_eps) - R)^2) )
 
@@ -31,7 +31,9 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 import torch
+import torch.distributed as dist
 from torch import Tensor, nn
+from torch.nn.parallel import DistributedDataParallel
 from transformers import PreTrainedModel
 from transformers.utils import ModelOutput
 
@@ -123,11 +125,19 @@ def gae(rewards: Tensor, values: Tensor, mask: Tensor, gamma: float, lam: float)
     return advantages, returns
 
 
-def whiten(advantages: list[Tensor], masks: list[Tensor]) -> list[Tensor]:
-    """Each (B_i, T_i) tensor minus the mean, over the std, of the masked entries of all of them."""
-    values = torch.cat([a[m > 0] for a, m in zip(advantages, masks, strict=True)])
-    mean, var = values.mean(), values.var(correction=0)
-    scale = torch.rsqrt(var + WHITEN_EPS)
+def whiten(advantages: list[Tensor], masks: list[Tensor], *, counted: bool = True) -> list[Tensor]:
+    """Each (B_i, T_i) tensor minus the mean, over the (population) std, of the masked entries of all
+    of them; under data parallelism, of every rank's (one all_reduce). A rank with `counted` False
+    (an empty share training a stand-in at loss scale 0) adds nothing to the statistics."""
+    values = torch.cat([a[m > 0] for a, m in zip(advantages, masks, strict=True)]).double()
+    stats = torch.stack([values.sum(), values.square().sum(), torch.tensor(float(values.numel()))])
+    stats = stats * float(counted)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(stats)
+    total, squares, count = stats.tolist()
+    mean = total / max(count, 1.0)
+    var = max(squares / max(count, 1.0) - mean * mean, 0.0)
+    scale = (var + WHITEN_EPS) ** -0.5
     return [(a - mean) * scale * (m > 0) for a, m in zip(advantages, masks, strict=True)]
 
 
@@ -141,11 +151,14 @@ class ValueTargets:
 
 
 def gae_micro_batches(
-    module: nn.Module, micros: list[TrainBatch], cfg: LossConfig
+    module: nn.Module, micros: list[TrainBatch], cfg: LossConfig, *, counted: bool = True
 ) -> tuple[list[TrainBatch], list[ValueTargets]]:
     """The micro-batches with token advantages (B, T) in place of their rewards, and their value targets.
 
-    The rows' `advantages` on entry are ignored; their `rewards` are placed at the last real token."""
+    The rows' `advantages` on entry are ignored; their `rewards` are placed at the last real token.
+    The values come from the module itself, not its DDP wrapper (a no-grad pass needs no collective);
+    `counted`: see `whiten`."""
+    module = module.module if isinstance(module, DistributedDataParallel) else module
     old_values, raw, returns = [], [], []
     with torch.no_grad():
         for micro in micros:
@@ -156,7 +169,7 @@ def gae_micro_batches(
             raw.append(adv)
             returns.append(ret)
     masks = [micro.completion_mask for micro in micros]
-    advantages = whiten(raw, masks) if cfg.normalize_advantages else raw
+    advantages = whiten(raw, masks, counted=counted) if cfg.normalize_advantages else raw
     trained = [replace(micro, advantages=adv) for micro, adv in zip(micros, advantages, strict=True)]
     return trained, [ValueTargets(v, r, a) for v, r, a in zip(old_values, returns, raw, strict=True)]
 

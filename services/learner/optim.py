@@ -24,7 +24,6 @@ import time
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 from torch import Tensor
@@ -167,9 +166,8 @@ def _one_pass(
     totals = _Totals()
     for index, micro in enumerate(micros):
         with _sync_context(model, last=index == len(micros) - 1):
-            out = completion_forward(model, micro)
-            logprobs, entropy = target_logprobs(out.logits, micro, temperature, entropy=first or train_entropy,
-                                                entropy_grad=train_entropy)
+            logprobs, entropy, values = _forward(model, micro, temperature, entropy=first or train_entropy,
+                                                 entropy_grad=train_entropy, critic=value_targets is not None)
             if first:
                 cached.old_logprobs.append(logprobs.detach())
                 cached.ref_logprobs.append(_ref_logprobs(ref_model, micro, cfg, temperature))
@@ -184,16 +182,29 @@ def _one_pass(
                 num_tokens=counts[0],
                 num_sequences=counts[1],
             )
-            loss = _loss(inputs, out, value_targets[index] if value_targets else None, cfg)
+            loss = _loss(inputs, values, value_targets[index] if value_targets else None, cfg)
             (loss.loss * loss_scale).backward()
         totals.add(loss.metrics, loss.metrics["loss"])
     return totals
 
 
-def _loss(inputs: LossInputs, out: Any, value_targets: ValueTargets | None, cfg: LossConfig) -> LossOutputs:
-    """The policy loss, plus the critic's value loss on the forward's `values` when the job has a critic."""
-    return policy_loss(inputs, cfg) if value_targets is None else actor_critic_loss(inputs, out.state_values,
-                                                                                    value_targets, cfg)
+def _forward(
+    model: torch.nn.Module, micro: TrainBatch, temperature: float, *, entropy: bool, entropy_grad: bool, critic: bool
+) -> tuple[Tensor, Tensor | None, Tensor | None]:
+    """(log-probs (B, T), entropy (B, T) or None, values (B, T) from the ActorCritic's head or None)."""
+    if not critic:
+        return (*completion_logprobs(model, micro, temperature, entropy=entropy, entropy_grad=entropy_grad), None)
+    out = completion_forward(model, micro)
+    logprobs, ent = target_logprobs(out.logits, micro, temperature, entropy=entropy, entropy_grad=entropy_grad)
+    return logprobs, ent, out.state_values
+
+
+def _loss(inputs: LossInputs, values: Tensor | None, value_targets: ValueTargets | None,
+          cfg: LossConfig) -> LossOutputs:
+    """The policy loss, plus the critic's value loss on the forward's values when the job has a critic."""
+    if value_targets is None or values is None:
+        return policy_loss(inputs, cfg)
+    return actor_critic_loss(inputs, values, value_targets, cfg)
 
 
 def trainable(groups: list[common_pb2.Group], cfg: LossConfig) -> list[common_pb2.Group]:
@@ -256,7 +267,7 @@ IDLE_METRICS = dict.fromkeys([*TOKEN_MEANS, *STEP_SUMS, *SEQUENCE_MEANS, "grad_n
 
 
 def _advantaged_micro_batches(
-    model: torch.nn.Module, groups: list[common_pb2.Group], cfg: LossConfig, spec: JobSpec
+    model: torch.nn.Module, groups: list[common_pb2.Group], cfg: LossConfig, spec: JobSpec, *, counted: bool
 ) -> tuple[list[TrainBatch], TrainBatch, list[ValueTargets] | None]:
     """(micro-batches with their advantages, the whole batch, the critic's value targets or None).
 
@@ -266,7 +277,8 @@ def _advantaged_micro_batches(
         batch = build_batch(groups, group_advantages(groups, cfg), PAD_ID)
         return micro_batches(batch, spec.train.micro_batch_samples), batch, None
     batch = build_batch(groups, [group_rewards(group) for group in groups], PAD_ID)
-    micros, targets = gae_micro_batches(model, micro_batches(batch, spec.train.micro_batch_samples), cfg)
+    micros, targets = gae_micro_batches(model, micro_batches(batch, spec.train.micro_batch_samples), cfg,
+                                        counted=counted)
     return micros, batch, targets
 
 
@@ -284,7 +296,7 @@ def _update(
 
     `counts`: (tokens, sequences) that normalise the loss; `loss_scale` multiplies it before backward.
     """
-    micros, batch, value_targets = _advantaged_micro_batches(model, groups, cfg, spec)
+    micros, batch, value_targets = _advantaged_micro_batches(model, groups, cfg, spec, counted=loss_scale != 0)
     cached = _Cached()
     model.train()
     first: _Totals | None = None
