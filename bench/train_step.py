@@ -9,10 +9,13 @@ step is `services.learner.optim.train_step` with the job's algorithm, micro-batc
 reference (when `kl_coef` > 0), as the learner runs it. After one warm-up step (it allocates the
 AdamW state), `steps` timed steps run on the learner's log-prob path, then `steps` on the path it
 replaced (logits at T + 1 positions, full-vocabulary log_softmax, entropy always, also for the
-reference; swapped in for `optim.completion_logprobs`), on the same model.
+reference; swapped in for `optim.completion_logprobs`), on the same model. A job with a critic
+(ppo) trains the policy and its value head (`critic.ActorCritic`) as the learner does; its policy
+passes read logits and values from one forward, so the naive path changes only its reference pass.
 
 - model_flops_per_step = 6 * N_body * padded_tokens + 6 * d * V * scored_positions
-  (+ 2 * N_body * padded_tokens + 2 * d * V * scored_positions for the reference's forward),
+  (+ 2 * N_body * padded_tokens + 2 * d * V * scored_positions for the reference's forward, and
+  as much again for a critic's no-grad value pass; the value head's own FLOPs are left out),
   with N_body the parameters without the token embedding, padded_tokens the tokens the
   micro-batches hold (padding included: it is computed), scored_positions the B * T positions
   whose logits are taken, d x V the output projection. Attention scores are left out (under 1%
@@ -46,7 +49,8 @@ from services.actor.backends import prompt_tokens
 from services.common import models
 from services.common.config import JobSpec, parse_job_spec
 from services.learner import optim
-from services.learner.batch import TrainBatch, build_batch, group_advantages, micro_batches
+from services.learner.batch import TrainBatch, build_batch, group_rewards, micro_batches
+from services.learner.critic import with_critic
 from services.learner.logprobs import naive_token_logprobs
 from services.learner.losses import loss_config_for
 from services.proto.fleetrl.v1 import common_pb2
@@ -125,7 +129,7 @@ def step_flops(
 ) -> dict[str, float]:
     """Padded tokens and scored positions of the step's micro-batches, and its model FLOPs (see above)."""
     cfg = loss_config_for(spec)
-    batch = build_batch(groups, group_advantages(groups, cfg), optim.PAD_ID)
+    batch = build_batch(groups, [group_rewards(group) for group in groups], optim.PAD_ID)
     micros = micro_batches(batch, spec.train.micro_batch_samples)
     padded = sum(m.input_ids.numel() for m in micros)
     scored = sum(m.completion_mask.numel() for m in micros)
@@ -133,7 +137,7 @@ def step_flops(
     n_total = sum(p.numel() for p in model.parameters())  # a tied weight counts once
     n_body = n_total - head * (1 if model.config.tie_word_embeddings else 2)
     forward = 2 * n_body * padded + 2 * head * scored
-    flops = 3 * forward * spec.train.epochs_per_step + (forward if reference else 0)
+    flops = 3 * forward * spec.train.epochs_per_step + forward * (int(reference) + int(cfg.uses_critic))
     return {"params": n_total, "params_body": n_body, "padded_tokens": padded, "scored_positions": scored,
             "completion_tokens": batch.num_tokens, "model_flops_per_step": flops}
 
@@ -158,6 +162,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     spec = parse_job_spec(args.job.read_text())
     if args.model:
         spec = spec.model_copy(update={"model": args.model})
+    if args.algorithm:
+        spec = spec.model_copy(update={"algorithm": spec.algorithm.model_copy(update={"name": args.algorithm})})
     prompts_file = args.job.parent / spec.prompts
     prompts = [json.loads(line)["prompt"] for line in prompts_file.read_text().splitlines()[:64] if line.strip()]
     model, tokenizer = models.load(spec.model)
@@ -165,14 +171,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if spec.algorithm.kl_coef > 0:
         reference, _ = models.load(spec.model)
         reference.requires_grad_(False)
-    optimizer = optim.build_optimizer(model, spec.optim)
-    scheduler = optim.build_scheduler(optimizer, spec.optim, spec.train.max_steps)
     cfg = loss_config_for(spec)
+    module, critic = with_critic(model, cfg)
+    optimizer = optim.build_optimizer(model, spec.optim, critic, spec.algorithm.value_learning_rate)
+    scheduler = optim.build_scheduler(optimizer, spec.optim, spec.train.max_steps)
     groups = job_groups(spec, prompts, tokenizer, seed=0)
     last: dict[str, float] = {}
 
     def train() -> None:
-        last.update(optim.train_step(model, optimizer, scheduler, groups, cfg, spec, reference))
+        last.update(optim.train_step(module, optimizer, scheduler, groups, cfg, spec, reference))
 
     gflops = matmul_gflops(args.matmul_repeats)
     timed_steps(train, 1, "warm-up")  # AdamW state, allocator
@@ -191,7 +198,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "load_avg_1m": round(os.getloadavg()[0], 2), "steps": args.steps,
         "prompts_per_step": spec.rollout.prompts_per_step, "samples_per_prompt": spec.rollout.samples_per_prompt,
         "max_new_tokens": spec.rollout.max_new_tokens, "micro_batch_samples": spec.train.micro_batch_samples,
-        "kl_coef": spec.algorithm.kl_coef, "entropy_coef": spec.algorithm.entropy_coef,
+        "algorithm": spec.algorithm.name, "kl_coef": spec.algorithm.kl_coef,
+        "entropy_coef": spec.algorithm.entropy_coef,
         **figures,
         "step_s": round(step_s, 3), "step_s_all": [round(t, 3) for t in new_times],
         "forward_backward_s": round(new_fb, 3),
@@ -211,6 +219,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument("--job", type=Path, default=DEFAULT_JOB, help="job TOML (default examples/addition/job.toml)")
     parser.add_argument("--model", help="model instead of the job's (e.g. tiny-llama for a quick check)")
+    parser.add_argument("--algorithm", help="algorithm.name instead of the job's (e.g. ppo, ppo_rloo)")
     parser.add_argument("--steps", type=int, default=1, help="timed steps per path (default 1; best counts)")
     parser.add_argument("--matmul-repeats", type=int, default=5, help="timed 2048^3 products (best counts)")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")

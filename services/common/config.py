@@ -60,17 +60,21 @@ class RewardSpec(Strict):
 class AlgorithmConfig(Strict):
     """The RL objective. Presets per `name` are applied by the learner's loss registry."""
 
-    name: Literal["grpo", "dr_grpo", "dapo", "ppo", "gspo", "cispo"] = "grpo"
+    name: Literal["grpo", "dr_grpo", "dapo", "ppo", "ppo_rloo", "gspo", "cispo"] = "grpo"
     """grpo: group-normalised advantages, clipped surrogate; dr_grpo: mean-only baseline, no length
     normalisation; dapo: clip-higher, token-level aggregation, and groups whose rewards are all equal
     dropped from the step without replacement (DAPO's dynamic sampling would refill the batch; here
-    the step trains on fewer groups); ppo: clipped surrogate with RLOO baseline (a value head is not
-    implemented yet); gspo: GRPO advantages with a sequence-level importance ratio (the geometric mean
-    of the token ratios) clipped per sequence, default clip 3e-4 / 4e-4 as in the GSPO paper; cispo:
+    the step trains on fewer groups); ppo: clipped surrogate with a learned critic (a linear value head
+    on the policy's final hidden state, trained with value_coef and value_clip_eps) and token-level GAE
+    advantages (gamma, lam); ppo_rloo: clipped surrogate with an RLOO group baseline and no critic (what
+    `ppo` meant before the critic existed: a job started under that meaning fails on resume with a
+    message naming ppo_rloo); gspo: GRPO advantages with a sequence-level importance ratio (the geometric
+    mean of the token ratios) clipped per sequence, default clip 3e-4 / 4e-4 as in the GSPO paper; cispo:
     token-level REINFORCE whose importance weight is clipped and detached, so clipped tokens keep their
     gradient (MiniMax-M1), default weights clipped to [0, 5]."""
     advantage: Literal["grpo", "dr_grpo", "rloo"] | None = None
-    """Advantage estimator; None takes the algorithm's default."""
+    """Group advantage estimator; None takes the algorithm's default. ppo's advantages are GAE from its
+    critic, so ppo refuses this field."""
     clip_eps: float | None = Field(None, gt=0, le=1)
     """Lower clip range of the importance ratio: ratios below 1 - clip_eps are clipped. None takes the
     algorithm's default: 0.2; gspo 3e-4 (a sequence ratio); cispo 1.0 (no lower clip of the weight)."""
@@ -91,6 +95,28 @@ class AlgorithmConfig(Strict):
     skip_zero_variance_groups: bool = False
     """Drop groups whose rewards are all equal (they carry no GRPO signal) from the step, without
     replacing them; a step left with none applies no update. dapo turns it on."""
+    gamma: float = Field(1.0, ge=0, le=1)
+    """ppo: discount per completion token in GAE (the reward comes at the last token)."""
+    lam: float = Field(0.95, ge=0, le=1)
+    """ppo: GAE's lambda; 1 gives Monte-Carlo returns minus the value, 0 one-step TD errors."""
+    value_coef: float = Field(0.1, gt=0, le=10)
+    """ppo: weight of the value loss added to the policy loss (its gradient reaches the shared trunk)."""
+    value_clip_eps: float | None = Field(0.2, gt=0, le=100)
+    """ppo: the new value is clipped to within value_clip_eps of the step's old value in the value
+    loss (the max of the clipped and unclipped squared errors, as PPO2); None: no clipping."""
+    value_learning_rate: float | None = Field(None, gt=0, le=1)
+    """ppo: peak learning rate of the value head (same schedule as the policy); None:
+    optim.learning_rate. A zero-initialised head at a policy's 1e-6 learns slowly; 1e-5 to 1e-4 is usual."""
+    normalize_advantages: bool = True
+    """ppo: whiten the step's token advantages (subtract their mean, divide by their std) over the real
+    completion tokens of the step's trainable groups."""
+
+    @model_validator(mode="after")
+    def _ppo_advantages_are_gae(self) -> AlgorithmConfig:
+        if self.name == "ppo" and self.advantage is not None:
+            raise ValueError(f"algorithm.advantage={self.advantage!r} does not apply to ppo, whose token "
+                             "advantages are GAE from its critic (for a group baseline use ppo_rloo)")
+        return self
 
 
 class OptimConfig(Strict):

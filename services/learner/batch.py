@@ -13,6 +13,7 @@ as positions), which keeps the (B, T, vocab) tensor as small as the completions,
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -124,6 +125,15 @@ def micro_batches(batch: TrainBatch, micro_batch_samples: int) -> list[TrainBatc
     return [select_rows(batch, slice(i, min(i + step, size))) for i in range(0, size, step)]
 
 
+def completion_forward(model: torch.nn.Module, batch: TrainBatch) -> Any:
+    """The model's output at the batch's T predicting positions: `logits` (B, T, V), and
+    `state_values` (B, T) when the model is a `critic.ActorCritic`."""
+    width = batch.input_ids.shape[1]
+    positions = torch.arange(batch.start, width - 1, device=batch.input_ids.device)  # (T,)
+    return model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, logits_to_keep=positions,
+                 use_cache=False)
+
+
 def completion_logprobs(
     model: torch.nn.Module, batch: TrainBatch, temperature: float = 1.0, *, entropy: bool = False,
     entropy_grad: bool = False,
@@ -136,9 +146,13 @@ def completion_logprobs(
     `logprobs.token_logprobs` reduces them in chunks; the entropy is computed when `entropy` is
     set and is differentiable only with `entropy_grad`.
     """
-    width = batch.input_ids.shape[1]
-    positions = torch.arange(batch.start, width - 1, device=batch.input_ids.device)  # (T,)
-    out = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, logits_to_keep=positions,
-                use_cache=False)
+    out = completion_forward(model, batch)
+    return target_logprobs(out.logits, batch, temperature, entropy=entropy, entropy_grad=entropy_grad)
+
+
+def target_logprobs(
+    logits: Tensor, batch: TrainBatch, temperature: float, *, entropy: bool, entropy_grad: bool,
+) -> tuple[Tensor, Tensor | None]:
+    """`token_logprobs` of the batch's targets (B, T) under the logits (B, T, V) of `completion_forward`."""
     targets = batch.input_ids[:, batch.start + 1 :]  # (B, T)
-    return token_logprobs(out.logits, targets, temperature, entropy=entropy, entropy_grad=entropy_grad)
+    return token_logprobs(logits, targets, temperature, entropy=entropy, entropy_grad=entropy_grad)

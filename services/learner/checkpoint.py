@@ -1,8 +1,9 @@
 """Durable checkpoints of a job: model, optimizer, scheduler, RNG, step, feeder cursor, leases.
 
 Layout: `{run_dir}/jobs/{job}/checkpoints/step-{N:08d}/` holding `model.safetensors`,
-`optimizer.pt`, `extra.pt` (scheduler and RNG states) and `state.json` (step, version, feeder
-cursor, replay leases to commit, counters), then a `COMPLETE` marker.
+`optimizer.pt`, `extra.pt` (scheduler and RNG states), `state.json` (step, version, feeder
+cursor, replay leases to commit, counters) and, for a job with a critic (ppo), `critic.safetensors`
+(the value head; its optimizer state is in optimizer.pt), then a `COMPLETE` marker.
 
 Design choice: a checkpoint is written into `step-N.tmp`, every file and the directory are
 fsynced, the directory is renamed to `step-N`, and only then is `COMPLETE` written (and fsynced).
@@ -26,6 +27,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 MARKER = "COMPLETE"
+CRITIC_FILE = "critic.safetensors"
 _NAME_RE = re.compile(r"^step-(\d{8})$")
 
 
@@ -40,6 +42,8 @@ class Checkpoint:
     rng: dict[str, Any]
     state: dict[str, Any]
     """JSON-able: version, feeder cursor, pending leases, counters."""
+    critic: dict[str, torch.Tensor] | None = None
+    """The value head's tensors (ppo); None for a job without a critic."""
 
 
 def checkpoint_root(run_dir: Path, job_id: str) -> Path:
@@ -78,6 +82,8 @@ def save(root: Path, ckpt: Checkpoint, *, delay_s: float = 0.0) -> Path:
         shutil.rmtree(stale, ignore_errors=True)
     tmp.mkdir()
     save_file(ckpt.model, str(tmp / "model.safetensors"))
+    if ckpt.critic is not None:
+        save_file(ckpt.critic, str(tmp / CRITIC_FILE))
     torch.save(ckpt.optimizer, tmp / "optimizer.pt")
     torch.save({"scheduler": ckpt.scheduler, "rng": ckpt.rng}, tmp / "extra.pt")
     (tmp / "state.json").write_text(json.dumps({"step": ckpt.step, **ckpt.state}, sort_keys=True))
@@ -114,6 +120,7 @@ def load(root: Path, step: int) -> Checkpoint:
         step=int(state.pop("step")), model=load_file(str(path / "model.safetensors")),
         optimizer=torch.load(path / "optimizer.pt", weights_only=False),
         scheduler=extra["scheduler"], rng=extra["rng"], state=state,
+        critic=load_file(str(path / CRITIC_FILE)) if (path / CRITIC_FILE).is_file() else None,
     )
 
 

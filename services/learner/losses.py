@@ -49,6 +49,20 @@ class LossConfig:
     advantage: str
     skip_zero_variance_groups: bool
     surrogate: str = "clip"
+    gamma: float = 1.0
+    lam: float = 1.0
+    value_coef: float = 0.0
+    value_clip_eps: float | None = None
+    normalize_advantages: bool = False
+
+    @property
+    def uses_critic(self) -> bool:
+        """True when advantages are GAE from a learned critic (services/learner/critic.py)."""
+        return self.advantage == GAE
+
+
+GAE = "gae"
+"""LossConfig.advantage of ppo: token-level GAE from the critic, not a group estimator of ADVANTAGES."""
 
 
 @dataclass(frozen=True)
@@ -65,7 +79,8 @@ PRESETS: dict[str, _Preset] = {
     "grpo": _Preset("grpo", "seq_mean_token_mean", None, False),
     "dr_grpo": _Preset("dr_grpo", "seq_mean_token_sum_norm", None, False),
     "dapo": _Preset("grpo", "token_mean", 0.28, True),
-    "ppo": _Preset("rloo", "token_mean", None, False),
+    "ppo": _Preset(GAE, "token_mean", None, False),
+    "ppo_rloo": _Preset("rloo", "token_mean", None, False),
     # GSPO paper (arXiv 2507.18071): sequence ratios stay near 1, so the clip range is 3e-4 / 4e-4
     "gspo": _Preset("grpo", "seq_mean_token_mean", 4e-4, False, surrogate="gspo", clip_eps=3e-4),
     # MiniMax-M1 (arXiv 2506.13585) clips only the upper side of the detached weight
@@ -92,6 +107,11 @@ def loss_config_for(spec: JobSpec) -> LossConfig:
         max_new_tokens=spec.rollout.max_new_tokens,
         advantage=algo.advantage or preset.advantage,
         skip_zero_variance_groups=algo.skip_zero_variance_groups or preset.skip_zero_variance_groups,
+        gamma=algo.gamma,
+        lam=algo.lam,
+        value_coef=algo.value_coef,
+        value_clip_eps=algo.value_clip_eps,
+        normalize_advantages=algo.normalize_advantages,
     )
 
 

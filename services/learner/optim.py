@@ -33,13 +33,21 @@ from services.common.config import JobSpec, OptimConfig
 from services.learner.batch import (
     TrainBatch,
     build_batch,
+    completion_forward,
     completion_logprobs,
     group_advantages,
     group_rewards,
     has_signal,
     micro_batches,
+    target_logprobs,
 )
-from services.learner.losses import LossConfig, LossInputs, policy_loss
+from services.learner.critic import (
+    CRITIC_TOKEN_MEANS,
+    ValueTargets,
+    actor_critic_loss,
+    gae_micro_batches,
+)
+from services.learner.losses import LossConfig, LossInputs, LossOutputs, policy_loss
 from services.proto.fleetrl.v1 import common_pb2
 
 PAD_ID = 0
@@ -60,11 +68,17 @@ TOKEN_MEANS = ("ratio_mean", "clip_low_frac", "clip_high_frac", "clip_frac", "ti
 checks that a step with nothing to train reports the same keys as one that trained)."""
 
 
-def build_optimizer(model: torch.nn.Module, optim_cfg: OptimConfig) -> torch.optim.AdamW:
-    """AdamW over the model's trainable parameters."""
-    params = [p for p in model.parameters() if p.requires_grad]
+def build_optimizer(
+    model: torch.nn.Module, optim_cfg: OptimConfig, critic: torch.nn.Module | None = None,
+    critic_lr: float | None = None,
+) -> torch.optim.AdamW:
+    """AdamW over the model's trainable parameters, and the critic's (ppo) as a second parameter group
+    at `critic_lr` (None: the policy's learning rate); the schedule scales both alike."""
+    groups: list[dict[str, object]] = [{"params": [p for p in model.parameters() if p.requires_grad]}]
+    if critic is not None:
+        groups.append({"params": list(critic.parameters()), "lr": critic_lr or optim_cfg.learning_rate})
     return torch.optim.AdamW(
-        params, lr=optim_cfg.learning_rate, betas=optim_cfg.betas, weight_decay=optim_cfg.weight_decay
+        groups, lr=optim_cfg.learning_rate, betas=optim_cfg.betas, weight_decay=optim_cfg.weight_decay
     )
 
 
@@ -138,6 +152,7 @@ def _sync_context(model: torch.nn.Module, last: bool) -> contextlib.AbstractCont
 def _one_pass(
     model: torch.nn.Module,
     micros: list[TrainBatch],
+    value_targets: list[ValueTargets] | None,
     cached: _Cached,
     cfg: LossConfig,
     counts: tuple[float, float],
@@ -151,8 +166,8 @@ def _one_pass(
     totals = _Totals()
     for index, micro in enumerate(micros):
         with _sync_context(model, last=index == len(micros) - 1):
-            logprobs, entropy = completion_logprobs(model, micro, temperature, entropy=first or train_entropy,
-                                                    entropy_grad=train_entropy)
+            logprobs, entropy, values = _forward(model, micro, temperature, entropy=first or train_entropy,
+                                                 entropy_grad=train_entropy, critic=value_targets is not None)
             if first:
                 cached.old_logprobs.append(logprobs.detach())
                 cached.ref_logprobs.append(_ref_logprobs(ref_model, micro, cfg, temperature))
@@ -167,10 +182,29 @@ def _one_pass(
                 num_tokens=counts[0],
                 num_sequences=counts[1],
             )
-            out = policy_loss(inputs, cfg)
-            (out.loss * loss_scale).backward()
-        totals.add(out.metrics, out.metrics["loss"])
+            loss = _loss(inputs, values, value_targets[index] if value_targets else None, cfg)
+            (loss.loss * loss_scale).backward()
+        totals.add(loss.metrics, loss.metrics["loss"])
     return totals
+
+
+def _forward(
+    model: torch.nn.Module, micro: TrainBatch, temperature: float, *, entropy: bool, entropy_grad: bool, critic: bool
+) -> tuple[Tensor, Tensor | None, Tensor | None]:
+    """(log-probs (B, T), entropy (B, T) or None, values (B, T) from the ActorCritic's head or None)."""
+    if not critic:
+        return (*completion_logprobs(model, micro, temperature, entropy=entropy, entropy_grad=entropy_grad), None)
+    out = completion_forward(model, micro)
+    logprobs, ent = target_logprobs(out.logits, micro, temperature, entropy=entropy, entropy_grad=entropy_grad)
+    return logprobs, ent, out.state_values
+
+
+def _loss(inputs: LossInputs, values: Tensor | None, value_targets: ValueTargets | None,
+          cfg: LossConfig) -> LossOutputs:
+    """The policy loss, plus the critic's value loss on the forward's values when the job has a critic."""
+    if value_targets is None or values is None:
+        return policy_loss(inputs, cfg)
+    return actor_critic_loss(inputs, values, value_targets, cfg)
 
 
 def trainable(groups: list[common_pb2.Group], cfg: LossConfig) -> list[common_pb2.Group]:
@@ -210,6 +244,8 @@ def train_step(
                "lr": float(optimizer.param_groups[0]["lr"])}
     if not kept:  # no update this step, but the schedule still advances so it stays aligned with max_steps
         metrics.update(IDLE_METRICS)
+        if cfg.uses_critic:
+            metrics.update(dict.fromkeys(CRITIC_TOKEN_MEANS, 0.0))
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="Detected call of")
             scheduler.step()
@@ -230,6 +266,22 @@ IDLE_METRICS = dict.fromkeys([*TOKEN_MEANS, *STEP_SUMS, *SEQUENCE_MEANS, "grad_n
 """What a step with nothing to train reports in place of `_update`'s metrics: all 0."""
 
 
+def _advantaged_micro_batches(
+    model: torch.nn.Module, groups: list[common_pb2.Group], cfg: LossConfig, spec: JobSpec, *, counted: bool
+) -> tuple[list[TrainBatch], TrainBatch, list[ValueTargets] | None]:
+    """(micro-batches with their advantages, the whole batch, the critic's value targets or None).
+
+    Group estimators give each sequence one advantage; ppo's critic gives token-level GAE from a
+    no-grad pass over the micro-batches (services/learner/critic.py)."""
+    if not cfg.uses_critic:
+        batch = build_batch(groups, group_advantages(groups, cfg), PAD_ID)
+        return micro_batches(batch, spec.train.micro_batch_samples), batch, None
+    batch = build_batch(groups, [group_rewards(group) for group in groups], PAD_ID)
+    micros, targets = gae_micro_batches(model, micro_batches(batch, spec.train.micro_batch_samples), cfg,
+                                        counted=counted)
+    return micros, batch, targets
+
+
 def _update(
     model: torch.nn.Module,
     optimizer: torch.optim.Optimizer,
@@ -244,8 +296,7 @@ def _update(
 
     `counts`: (tokens, sequences) that normalise the loss; `loss_scale` multiplies it before backward.
     """
-    batch = build_batch(groups, group_advantages(groups, cfg), PAD_ID)
-    micros = micro_batches(batch, spec.train.micro_batch_samples)
+    micros, batch, value_targets = _advantaged_micro_batches(model, groups, cfg, spec, counted=loss_scale != 0)
     cached = _Cached()
     model.train()
     first: _Totals | None = None
@@ -254,7 +305,8 @@ def _update(
     for _ in range(spec.train.epochs_per_step):
         optimizer.zero_grad(set_to_none=True)
         started = time.perf_counter()
-        totals = _one_pass(model, micros, cached, cfg, counts, spec.rollout.temperature, ref_model, loss_scale)
+        totals = _one_pass(model, micros, value_targets, cached, cfg, counts, spec.rollout.temperature, ref_model,
+                           loss_scale)
         first = first or totals
         between = time.perf_counter()
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), spec.optim.max_grad_norm)

@@ -9,7 +9,8 @@ Per step (on-policy, as a fleet with max_staleness = 0 and publish_interval = 1 
    rule every actor follows), so the reference and an actor draw bit-identical groups;
 3. score each completion with `reward_fn(completion, prompt, **metadata)`;
 4. build the same `common_pb2.Group`s an actor inserts into replay, and call `train_step`,
-   the function the distributed trainer calls too.
+   the function the distributed trainer calls too (for ppo on the policy and its value head,
+   `critic.ActorCritic`, as the learner's `Policy` does).
 
 The backend's sampler is a KV-cache loop: logits / temperature, nucleus filter at top_p, one
 `torch.multinomial` draw per position for the whole group from the task's generator. The behaviour
@@ -39,6 +40,7 @@ from services.actor.backends import HFBackend, prompt_tokens
 from services.common.config import JobSpec, apply_overrides, validate
 from services.common.errors import ConfigError, FieldViolation
 from services.common.seeding import prompt_order, task_id, task_seed
+from services.learner.critic import with_critic
 from services.learner.losses import loss_config_for
 from services.learner.optim import build_optimizer, build_scheduler, train_step
 from services.proto.fleetrl.v1 import common_pb2
@@ -103,7 +105,8 @@ def run(
     prompts = read_prompts(Path(spec.prompts))
     cfg = loss_config_for(spec)
     ref_model = copy.deepcopy(model).eval().requires_grad_(False) if cfg.kl_coef > 0 else None
-    optimizer = build_optimizer(model, spec.optim)
+    module, critic = with_critic(model, cfg)
+    optimizer = build_optimizer(model, spec.optim, critic, spec.algorithm.value_learning_rate)
     scheduler = build_scheduler(optimizer, spec.optim, spec.train.max_steps)
     history = []
     for step in range(steps):
@@ -112,7 +115,7 @@ def run(
         groups = [rollout_group(model, tokenizer, spec, prompts[index], epoch, index, step, reward_fn)
                   for epoch, index in tasks_of_step(step, len(prompts), spec)]
         rollout_s = time.perf_counter() - started
-        metrics = train_step(model, optimizer, scheduler, groups, cfg, spec, ref_model)
+        metrics = train_step(module, optimizer, scheduler, groups, cfg, spec, ref_model)
         metrics.update(step=float(step), rollout_s=rollout_s, step_s=time.perf_counter() - started)
         history.append(metrics)
         if log is not None:

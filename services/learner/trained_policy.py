@@ -23,7 +23,9 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from services.common import models
 from services.common.config import JobSpec
+from services.common.errors import FailedPrecondition
 from services.learner import checkpoint as ckpt
+from services.learner.critic import with_critic
 from services.learner.losses import LossConfig, loss_config_for
 from services.learner.optim import (
     BATCH_METRICS,
@@ -85,13 +87,16 @@ def receive() -> tuple[Any, ...]:
 
 
 class Policy:
-    """Model + optimizer + scheduler (+ frozen reference) of a job, on one rank."""
+    """Model + optimizer + scheduler (+ frozen reference, + critic) of a job, on one rank."""
 
     spec: JobSpec
     model: PreTrainedModel
+    """The policy: what is published, exported and checkpointed as model.safetensors."""
     tokenizer: PreTrainedTokenizerBase
+    critic: torch.nn.Linear | None
+    """ppo's value head (services/learner/critic.py), never published; None without a critic."""
     module: torch.nn.Module
-    """What train_step drives: the model, or its DDP wrapper."""
+    """What train_step drives: the model (or, with a critic, an ActorCritic of both), or its DDP wrapper."""
     ref_model: PreTrainedModel | None
     optimizer: torch.optim.AdamW
     scheduler: torch.optim.lr_scheduler.LambdaLR
@@ -113,13 +118,13 @@ class Policy:
             self.ref_model, _ = models.load(spec.model, device=device)
             self.ref_model.requires_grad_(False)
         self.rank, self.world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
-        self.module = self.model
+        self.loss_cfg = loss_config_for(spec)
+        self.module, self.critic = with_critic(self.model, self.loss_cfg)
         if self.world > 1:
             device_ids = None if device == "cpu" else [torch.cuda.current_device()]
-            self.module = DistributedDataParallel(self.model, device_ids=device_ids)
-        self.optimizer = build_optimizer(self.model, spec.optim)
+            self.module = DistributedDataParallel(self.module, device_ids=device_ids)
+        self.optimizer = build_optimizer(self.model, spec.optim, self.critic, spec.algorithm.value_learning_rate)
         self.scheduler = build_scheduler(self.optimizer, spec.optim, spec.train.max_steps)
-        self.loss_cfg = loss_config_for(spec)
 
     def step(self, groups: list[common_pb2.Group]) -> dict[str, float]:
         """One optimizer step on the whole step's groups (each rank is given all of them)."""
@@ -152,14 +157,22 @@ class Policy:
         return ckpt.Checkpoint(
             step=step, model=models.state_dict_for_publish(self.model, torch.float32),
             optimizer=self.optimizer.state_dict(), scheduler=self.scheduler.state_dict(), rng=ckpt.rng_state(),
-            state=dict(extra),
+            state=dict(extra), critic=None if self.critic is None else models.state_dict_for_publish(
+                self.critic, torch.float32),
         )
 
     def restore(self, saved: ckpt.Checkpoint, root: Path | None = None) -> None:
         """Load a checkpoint (followers load the same one from `root`, a shared filesystem)."""
         if self.followers is not None:
             self.followers.send("restore", str(root), saved.step)
+        if self.critic is not None and saved.critic is None:
+            raise FailedPrecondition(
+                f"checkpoint step {saved.step} has no critic: the job was started when algorithm.name='ppo' "
+                "meant the RLOO-baseline variant without one, now called 'ppo_rloo'; resubmit it with "
+                "algorithm.name = \"ppo_rloo\" (or as a new ppo job)")
         models.load_state_dict_inplace(self.model, saved.model)
+        if self.critic is not None and saved.critic is not None:
+            models.load_state_dict_inplace(self.critic, saved.critic)
         self.optimizer.load_state_dict(saved.optimizer)
         self.scheduler.load_state_dict(saved.scheduler)
         ckpt.set_rng_state(saved.rng)

@@ -20,6 +20,8 @@ from services.proto.fleetrl.v1 import common_pb2
 SPEC = dict(max_steps=4, micro_batch_samples=2, epochs_per_step=2)
 GRPO_KL = dict(**SPEC, algorithm={"name": "grpo", "kl_coef": 0.05})
 DAPO = dict(**SPEC, algorithm={"name": "dapo"})
+PPO = dict(**SPEC, algorithm={"name": "ppo"})
+"""ppo whitens its token advantages over the whole step: the ranks all-reduce the statistics."""
 
 
 def group(index: int) -> common_pb2.Group:
@@ -43,10 +45,13 @@ def dapo_steps() -> list[list[common_pb2.Group]]:
 def steps() -> dict[str, Any]:
     """Each job's per-step metrics and final parameters."""
     out: dict[str, Any] = {}
-    for name, spec, batches in (("grpo_kl", GRPO_KL, grpo_steps()), ("dapo", DAPO, dapo_steps())):
+    for name, spec, batches in (("grpo_kl", GRPO_KL, grpo_steps()), ("dapo", DAPO, dapo_steps()),
+                                ("ppo", PPO, grpo_steps())):
         policy = Policy(spec_for(**spec))
         metrics = [policy.step(batch) for batch in batches]
-        out[name] = {"metrics": metrics, "params": {k: v.clone() for k, v in policy.model.state_dict().items()}}
+        critic = policy.critic.state_dict() if policy.critic is not None else {}
+        params = {**policy.model.state_dict(), **{f"critic.{k}": v for k, v in critic.items()}}
+        out[name] = {"metrics": metrics, "params": {k: v.clone() for k, v in params.items()}}
     return out
 
 

@@ -3,7 +3,7 @@
 Each rank is a real process (torchrun, tests/learner/ddp_rank.py) with a DDP replica; both are given the
 whole batch and train their whole-group share of it, exactly as the learner's ranks do. The steps
 include shares that are uneven, empty (fewer groups than ranks) and, under dapo, a batch where only one
-group or none is trainable.
+group or none is trainable; ppo's critic and its whitened advantages match too.
 """
 
 from __future__ import annotations
@@ -47,6 +47,8 @@ def test_two_ranks_match_one(tmp_path: Path) -> None:
     assert all(m["loss"] != 0.0 and m["entropy"] > 0 for m in grpo) and grpo[1]["kl"] > 0
     assert [m["groups_skipped"] for m in dapo] == [2.0, 2.0, 2.0] and dapo[1]["sequences"] == 3.0
     assert dapo[2]["tokens"] == dapo[2]["loss"] == dapo[2]["kl"] == 0.0  # nothing trainable: no update, 0s
+    assert all(m["value_loss"] > 0 for m in expected["ppo"]["metrics"])
+    assert expected["ppo"]["params"]["critic.weight"].abs().sum() > 0
 
 
 async def test_torchrun_service_matches_one_rank(nats_url: str, redis_url: str, tmp_path: Path) -> None:

@@ -71,7 +71,7 @@ def test_presets_fill_only_unset_fields() -> None:
     assert (grpo.clip_eps_high, grpo.loss_agg, grpo.advantage) == (0.1, "seq_mean_token_mean", "grpo")
     dr = loss_config_for(spec(name="dr_grpo"))
     assert (dr.loss_agg, dr.advantage, dr.max_new_tokens) == ("seq_mean_token_sum_norm", "dr_grpo", 128)
-    ppo = loss_config_for(spec(name="ppo", loss_agg="seq_mean_token_mean", clip_eps_high=0.5))
+    ppo = loss_config_for(spec(name="ppo_rloo", loss_agg="seq_mean_token_mean", clip_eps_high=0.5))
     assert (ppo.advantage, ppo.loss_agg, ppo.clip_eps_high) == ("rloo", "seq_mean_token_mean", 0.5)
     assert (grpo.surrogate, dapo.surrogate, ppo.surrogate, ppo.clip_eps) == ("clip", "clip", "clip", 0.2)
     gspo = loss_config_for(spec(name="gspo"))
