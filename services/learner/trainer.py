@@ -22,9 +22,11 @@ from pathlib import Path
 from nats.aio.client import Client as NATS
 from nats.js import JetStreamContext
 
+from services.common import ledger
 from services.common.config import JobSpec
 from services.common.errors import Cancelled, DeadlineExceeded, FleetError, NotFound
 from services.common.jobs import JobRecord, JobState, JobStore
+from services.common.ledger import Ledger
 from services.common.weights import WeightStore
 from services.learner import checkpoint as ckpt
 from services.learner.batch import component_means
@@ -82,6 +84,7 @@ class JobRun:
     policy: Policy
     feeder: Feeder
     job_bus: JobBus
+    ledger: Ledger
     publisher: WeightPublisher
     book: LeaseBook
     metrics: MetricsLog
@@ -98,6 +101,7 @@ class JobRun:
         self.step = self.checkpoint_step = 0
         self.book = LeaseBook(self.spec.replay.sampler == "fifo")
         self.job_bus = JobBus(deps.nc, record.job_id)
+        self.ledger = Ledger(deps.jobs.redis)
         self._policy = policy
 
     @property
@@ -143,7 +147,7 @@ class JobRun:
         await self.deps.replay.configure(self.job_id, self.spec.replay)
         await self.job_bus.prepare(self.spec)
         cursor = await self.resume()
-        self.feeder = Feeder(self.job_bus, self.spec, prompts, cursor)
+        self.feeder = Feeder(self.job_bus, self.ledger, self.spec, prompts, cursor)
         self.publisher = WeightPublisher(self.deps.weights, self.job_id, self.spec.train.weights_dtype,
                                          self.spec.train.publish_interval, self.spec.train.keep_weight_versions)
         await self.publisher.sync()
@@ -155,11 +159,13 @@ class JobRun:
         saved = await asyncio.to_thread(ckpt.load_latest, self.root)
         if saved is None:
             self.metrics.truncate_after(0)
+            await self.ledger.forget_steps_after(self.job_id, 0)
             return FeederCursor()
         self.policy.restore(saved, self.root)
         self.step = self.checkpoint_step = saved.step
         self.deps.board.checkpoint_step = saved.step
         self.metrics.truncate_after(saved.step)
+        await self.ledger.forget_steps_after(self.job_id, saved.step)
         self.book.restore(saved.state["leases"])
         await self.commit(self.book)
         log.info("job %s resumed from step %d", self.job_id, saved.step)
@@ -262,6 +268,7 @@ class JobRun:
         self.check_lease()
         staleness = [self.step - g.policy_version for g in data.groups]
         self.step += 1
+        await self.ledger.trained(self.job_id, self.step, [g.task_id for g in data.groups])
         self.book.add(data.leases)
         self.feeder.settle(len(data.groups))
         values.update({
@@ -328,7 +335,20 @@ class JobRun:
         await self.deps.jobs.set_model_uri(self.job_id, str(path.resolve()))
         await self.deps.jobs.set_state(self.job_id, JobState.SUCCEEDED)
         await self.job_bus.event({"type": "state", "state": "succeeded", "model_uri": str(path.resolve())})
+        await self.report_ledger()
         self.phase("done")
+
+    async def report_ledger(self) -> None:
+        """The job's end-to-end accounting, logged and published as a `ledger` event. The job has
+        succeeded already: a failure here is logged (`fleetrl jobs account` reads the ledger later)."""
+        try:
+            accounting = await self.ledger.account(self.deps.js, self.job_id, ledger.max_trainings(self.spec))
+        except Exception as error:  # NATS or Redis unreachable at the very end: the ledger stays stored
+            log.warning("job %s: no end-of-job accounting: %r", self.job_id, error)
+            return
+        log.log(logging.INFO if accounting.balanced else logging.ERROR, "job %s ledger: %s", self.job_id,
+                accounting.counts)
+        await self.job_bus.event({"type": "ledger", **accounting.counts})
 
     def phase(self, name: str) -> None:
         self.deps.board.phase = name

@@ -31,6 +31,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import OutOfMemoryError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from services.common import ledger
 from services.common.config import DEFAULT_LEASE_TIMEOUT_S, MAX_CAPACITY_GROUPS, MAX_LEASE_TIMEOUT_S, MAX_REUSE
 from services.common.errors import (
     FailedPrecondition,
@@ -237,7 +238,7 @@ class ReplayTables:
                 lineage = {**r.lineage, "policy_version": r.policy_version, "mean_reward": r.mean_reward}
                 args += [r.task_id, r.payload, r.policy_version, repr(r.priority),
                          json.dumps(lineage, separators=(",", ":"))]
-            result = await _run(self._insert(args=args))
+            result = await _run(self._insert(keys=[ledger.key(job_id, "fate")], args=args))
             if result[0] == -1:
                 raise _no_table(job_id)
             for i, outcome in zip(indices, result[:-1], strict=True):
@@ -258,7 +259,7 @@ class ReplayTables:
         lease_id = uuid.uuid4().hex
         seed = seed or random.getrandbits(31)
         args: list[str | int] = [prefix(job_id), now_ms(), max_groups, min_policy_version, seed, lease_id]
-        out = await _run(self._sample(args=args))
+        out = await _run(self._sample(keys=[ledger.key(job_id, "fate")], args=args))
         if out[0] == -1:
             raise _no_table(job_id)
         payloads = list(out[2:])
@@ -266,7 +267,7 @@ class ReplayTables:
 
     async def commit(self, job_id: str, lease_id: str) -> int:
         """Consume a lease's groups; 0 if it was committed before."""
-        n = int(await _run(self._commit(args=[prefix(job_id), now_ms(), lease_id])))
+        n = int(await _run(self._commit(keys=[ledger.key(job_id, "fate")], args=[prefix(job_id), now_ms(), lease_id])))
         if n == -2:
             raise _no_table(job_id)
         if n == -1:
