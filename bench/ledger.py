@@ -54,7 +54,7 @@ async def ledger_writes(book: Ledger, redis: aioredis.Redis, n: int, batch: int,
     fate = ledger.key(JOB, "fate")
     started = time.perf_counter()
     for start in range(0, n, batch):
-        await book.published(JOB, ids[start:start + batch])
+        await book.published(JOB, ids[start:start + batch], lease_epoch=0)
     feeder_s, started = time.perf_counter() - started, time.perf_counter()
     for code in (ledger.STORED, ledger.CONSUMED):  # the last batch stays in flight
         for start in range(0, n - batch, batch):
@@ -64,7 +64,7 @@ async def ledger_writes(book: Ledger, redis: aioredis.Redis, n: int, batch: int,
                 await pipe.execute()
     replay_s, started = time.perf_counter() - started, time.perf_counter()
     for step, start in enumerate(range(0, n - batch, steps_of), start=1):
-        await book.trained(JOB, step, ids[start:start + steps_of])
+        await book.trained(JOB, step, ids[start:start + steps_of], lease_epoch=0)
     learner_s = time.perf_counter() - started
     return {"feeder_s": feeder_s, "replay_fate_s": replay_s, "learner_s": learner_s}
 

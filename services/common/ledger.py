@@ -18,6 +18,9 @@ Reads go upstream first (published, stream, dead letters, replay, steps), so a t
 while the accounting runs is still seen in one place: a lost task is one seen nowhere. Duplicated
 counts tasks trained in more steps than the table's reuse allows (fifo: one).
 Cost per task: one set member and one hash field in Redis (`bench.ledger` measures it).
+The learner's writes (published, trained, forgotten steps) carry its job-lease epoch and are refused
+(`Fenced`) when the job was claimed again since (`jobs.FENCE_LUA`): a stale learner can neither publish
+tasks (the record comes first) nor record a step.
 """
 
 from __future__ import annotations
@@ -25,11 +28,12 @@ from __future__ import annotations
 import enum
 from collections import Counter
 from dataclasses import dataclass, field
+from typing import Any
 
 import redis.asyncio as aioredis
 from nats.js import JetStreamContext
 
-from services.common import bus, seeding
+from services.common import bus, jobs, seeding
 from services.common.config import JobSpec
 
 PREFIX = "fleetrl:ledger:"
@@ -94,6 +98,26 @@ class Accounting:
         return self.counts[Fate.LOST] == 0 and self.duplicated == 0 and self.unpublished == 0
 
 
+# Each: KEYS job hash, ledger key; ARGV[1] lease epoch. Returns -1 when fenced.
+_PUBLISHED = jobs.FENCE_LUA + """
+if fenced(KEYS[1], ARGV[1]) then return -1 end
+for i = 2, #ARGV do redis.call('SADD', KEYS[2], ARGV[i]) end
+return 1
+"""
+_TRAINED = jobs.FENCE_LUA + """
+if fenced(KEYS[1], ARGV[1]) then return -1 end
+redis.call('HSET', KEYS[2], ARGV[2], ARGV[3])
+return 1
+"""
+_FORGET = jobs.FENCE_LUA + """
+if fenced(KEYS[1], ARGV[1]) then return -1 end
+for _, s in ipairs(redis.call('HKEYS', KEYS[2])) do
+  if tonumber(s) > tonumber(ARGV[2]) then redis.call('HDEL', KEYS[2], s) end
+end
+return 1
+"""
+
+
 class Ledger:
     """Writes of the feeder and the learner, and the accounting (replay writes `fate` in its scripts)."""
 
@@ -101,22 +125,28 @@ class Ledger:
 
     def __init__(self, client: aioredis.Redis) -> None:
         self.redis = client
+        self._published = client.register_script(_PUBLISHED)
+        self._trained = client.register_script(_TRAINED)
+        self._forget = client.register_script(_FORGET)
 
-    async def published(self, job_id: str, task_ids: list[str]) -> None:
+    async def published(self, job_id: str, task_ids: list[str], *, lease_epoch: int) -> None:
         """Record tasks about to be published (before the publish: a crash in between shows as lost,
         never as a task that went out unrecorded)."""
         if task_ids:
-            await self.redis.sadd(key(job_id, "pub"), *task_ids)
+            await self._fenced(self._published, job_id, "pub", [lease_epoch, *task_ids], "task publishes")
 
-    async def trained(self, job_id: str, step: int, task_ids: list[str]) -> None:
+    async def trained(self, job_id: str, step: int, task_ids: list[str], *, lease_epoch: int) -> None:
         """Record the task ids trained in step (a re-trained step after a resume overwrites its record)."""
-        await self.redis.hset(key(job_id, "steps"), str(step), " ".join(task_ids))
+        await self._fenced(self._trained, job_id, "steps", [lease_epoch, step, " ".join(task_ids)],
+                           f"step {step}'s training record")
 
-    async def forget_steps_after(self, job_id: str, step: int) -> None:
+    async def forget_steps_after(self, job_id: str, step: int, *, lease_epoch: int) -> None:
         """A learner resumed from the checkpoint of `step`: later steps will be trained again."""
-        later = [s for s in await self.redis.hkeys(key(job_id, "steps")) if int(s) > step]
-        if later:
-            await self.redis.hdel(key(job_id, "steps"), *later)
+        await self._fenced(self._forget, job_id, "steps", [lease_epoch, step], "forgetting later steps")
+
+    async def _fenced(self, script: Any, job_id: str, name: str, args: list[Any], what: str) -> None:
+        if int(await script(keys=[jobs.job_key(job_id), key(job_id, name)], args=args)) == -1:
+            raise jobs.fenced(job_id, int(args[0]), what)
 
     async def account(self, js: JetStreamContext, job_id: str, max_trainings: int = 1) -> Accounting:
         """Every published task's fate now; `max_trainings`: steps a task may be trained in (table reuse)."""

@@ -31,7 +31,7 @@ import mmap
 import re
 from collections import deque
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 
 import nats.aio.client
@@ -44,7 +44,7 @@ from safetensors.torch import save as st_save
 
 from services.common import bus
 from services.common.chunk_reader import chunk_reader
-from services.common.errors import DeadlineExceeded, FailedPrecondition, FleetError, NotFound
+from services.common.errors import DeadlineExceeded, FailedPrecondition, Fenced, FleetError, NotFound
 
 CHUNK_BYTES = 1024 * 1024
 """Default chunk size (measured best in bench.weights); NATS' default max_payload is also 1 MiB."""
@@ -71,8 +71,9 @@ class WeightsCorrupt(FleetError, ValueError):
 class WeightPointer:
     """The KV value naming one published weight object.
 
-    On the wire it is JSON {version, object, sha256, bytes, dtype} (the design's pointer format):
-    `object_name` travels as "object" and `size_bytes` as "bytes"."""
+    On the wire it is JSON {version, object, sha256, bytes, dtype, epoch} (the design's pointer
+    format plus the fencing token): `object_name` travels as "object" and `size_bytes` as "bytes";
+    a pointer without "epoch" reads as epoch 0."""
 
     version: int
     object_name: str
@@ -81,17 +82,20 @@ class WeightPointer:
     size_bytes: int
     """Size of the safetensors payload."""
     dtype: str
+    epoch: int = 0
+    """Job-lease epoch of the learner that moved the pointer here: a lower epoch may not move it."""
 
     def to_json(self) -> bytes:
         return json.dumps({"version": self.version, "object": self.object_name, "sha256": self.sha256,
-                           "bytes": self.size_bytes, "dtype": self.dtype}, sort_keys=True).encode()
+                           "bytes": self.size_bytes, "dtype": self.dtype, "epoch": self.epoch},
+                          sort_keys=True).encode()
 
     @classmethod
     def from_json(cls, raw: bytes) -> WeightPointer:
         fields = json.loads(raw)
         return cls(
             version=int(fields["version"]), object_name=str(fields["object"]), sha256=str(fields["sha256"]),
-            size_bytes=int(fields["bytes"]), dtype=str(fields["dtype"]),
+            size_bytes=int(fields["bytes"]), dtype=str(fields["dtype"]), epoch=int(fields.get("epoch", 0)),
         )
 
 
@@ -143,21 +147,36 @@ class WeightStore:
         self._kv = None
         self._stores = {}
 
-    async def publish(self, job_id: str, version: int, payload: bytes, dtype: str, *, keep: int = 3) -> WeightPointer:
+    async def publish(self, job_id: str, version: int, payload: bytes, dtype: str, *, keep: int = 3,
+                      lease_epoch: int = 0) -> WeightPointer:
         """Write `v<version>`, move the pointer to it, delete all but the newest `keep` objects.
 
-        Raises FailedPrecondition if the pointer is already at `version` or above.
+        Raises FailedPrecondition if the pointer is already at `version` or above, and Fenced (before
+        writing anything) if it was moved under a newer job-lease epoch than lease_epoch.
         """
         kv = await self._pointer_kv()
         current, revision = await self._pointer_entry(kv, job_id)
+        _check_epoch(job_id, current, lease_epoch)
         _check_forward(current, version)
         name = f"v{version}"
         sha256_hex = await self._write_object(job_id, name, payload)
         pointer = WeightPointer(version=version, object_name=name, sha256=sha256_hex, size_bytes=len(payload),
-                                dtype=dtype)
+                                dtype=dtype, epoch=lease_epoch)
         await self._move_pointer(kv, job_id, pointer, revision)
         await self._prune(job_id, keep)
         return pointer
+
+    async def fence(self, job_id: str, lease_epoch: int) -> WeightPointer | None:
+        """Stamp the current pointer (same version and object) with lease_epoch, so no learner of an
+        older epoch can move it any more; Fenced if a newer epoch stamped it. Returns the pointer."""
+        kv = await self._pointer_kv()
+        current, revision = await self._pointer_entry(kv, job_id)
+        _check_epoch(job_id, current, lease_epoch)
+        if current is None or current.epoch == lease_epoch:
+            return current
+        stamped = replace(current, epoch=lease_epoch)
+        await self._move_pointer(kv, job_id, stamped, revision)
+        return stamped
 
     async def latest(self, job_id: str) -> WeightPointer | None:
         """The job's current pointer, or None before its first publish."""
@@ -344,6 +363,12 @@ def _chunk_consumer(subject: str, inbox: str) -> api.ConsumerConfig:
         ack_policy=api.AckPolicy.NONE, max_deliver=1, flow_control=True, idle_heartbeat=STALL_CHECK_S,
         mem_storage=True, num_replicas=1,
     )
+
+
+def _check_epoch(job_id: str, current: WeightPointer | None, lease_epoch: int) -> None:
+    if current is not None and current.epoch > lease_epoch:
+        raise Fenced(f"job {job_id}: weights under lease epoch {lease_epoch} refused: the pointer was moved "
+                     f"under epoch {current.epoch} (another learner holds the job)")
 
 
 def _check_forward(current: WeightPointer | None, version: int) -> None:

@@ -112,12 +112,15 @@ class Feeder:
     cursor: FeederCursor
     _bus: JobBus
     _ledger: Ledger
+    lease_epoch: int
+    """The job lease's epoch: the ledger refuses the record (and so the publish) of a stale learner."""
     _order: tuple[int, list[int]]
 
-    def __init__(self, job_bus: JobBus, task_ledger: Ledger, spec: JobSpec, prompts: list[Prompt],
+    def __init__(self, job_bus: JobBus, task_ledger: Ledger, lease_epoch: int, spec: JobSpec, prompts: list[Prompt],
                  cursor: FeederCursor | None = None) -> None:
         self._bus = job_bus
         self._ledger = task_ledger
+        self.lease_epoch = lease_epoch
         self.job_id = job_bus.job_id
         self.spec = spec
         self.prompts = prompts
@@ -140,7 +143,7 @@ class Feeder:
         They are recorded in the ledger first, in one call."""
         n = tasks_to_publish(self.cursor, self.spec.rollout.prompts_per_step, self.spec.train.max_staleness)
         if n:
-            await self._ledger.published(self.job_id, self._next_task_ids(n))
+            await self._ledger.published(self.job_id, self._next_task_ids(n), lease_epoch=self.lease_epoch)
         for _ in range(n):
             await self._publish_next(current_version)
         return n

@@ -5,6 +5,8 @@ version s. The weight store only moves its pointer forward; a learner that resum
 checkpoint at step c while the store already holds versions above c (published by the
 incarnation that died) does not publish those versions again: fixed seeds make the resumed
 run reproduce them, and actors keep the ones they hold. Publishing resumes above the pointer.
+Every publish carries the job-lease epoch, and `sync` stamps the pointer with it first, so a learner
+of an older epoch (stopped past its lease) can no longer move the pointer (`Fenced`).
 """
 
 from __future__ import annotations
@@ -28,10 +30,13 @@ class WeightPublisher:
     keep: int
     published_version: int
     """Newest version in the store (by us or a previous incarnation); -1 before any."""
+    lease_epoch: int
     _store: WeightStore
 
-    def __init__(self, store: WeightStore, job_id: str, dtype: str, interval: int, keep: int) -> None:
+    def __init__(self, store: WeightStore, job_id: str, dtype: str, interval: int, keep: int,
+                 lease_epoch: int) -> None:
         self._store = store
+        self.lease_epoch = lease_epoch
         self.job_id = job_id
         self.dtype = dtype
         self.interval = interval
@@ -39,8 +44,8 @@ class WeightPublisher:
         self.published_version = -1
 
     async def sync(self) -> int:
-        """Read the store's newest version (after a resume); returns it (-1: none)."""
-        latest = await self._store.latest(self.job_id)
+        """Fence the pointer with our epoch and read its version (after a resume); returns it (-1: none)."""
+        latest = await self._store.fence(self.job_id, self.lease_epoch)
         self.published_version = latest.version if latest else -1
         return self.published_version
 
@@ -54,6 +59,7 @@ class WeightPublisher:
                      self.published_version)
             return None
         payload = encode_safetensors(models.state_dict_for_publish(model, self.dtype))
-        pointer = await self._store.publish(self.job_id, version, payload, self.dtype, keep=self.keep)
+        pointer = await self._store.publish(self.job_id, version, payload, self.dtype, keep=self.keep,
+                                            lease_epoch=self.lease_epoch)
         self.published_version = version
         return pointer

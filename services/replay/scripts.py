@@ -1,7 +1,8 @@
 """Lua scripts that make every replay operation one atomic step inside Redis.
 
 Keys of a job (prefix P = `fleetrl:replay:<job>:`):
-  P..cfg      hash   capacity, sampler, max_reuse, lease_timeout_ms
+  P..cfg      hash   capacity, sampler, max_reuse, lease_timeout_ms, fence (the newest job-lease
+                     epoch seen: ConfigureTable raises it, Commit below it is refused)
   P..ctr      hash   counters (inserted, duplicates, sampled, committed, expired_leases,
                      evicted, stale_dropped) and `seq`, the insertion sequence
   P..seen     set    every task id ever inserted: dedup holds after consumption too
@@ -188,10 +189,12 @@ for i = 1, #payloads do out[i + 2] = payloads[i] end
 return out
 """
 
-# KEYS: ledger fate hash; ARGV: prefix, now_ms, lease_id; returns committed groups, or -1 unknown/expired, -2 no table
+# KEYS: ledger fate hash; ARGV: prefix, now_ms, lease_id, lease_epoch; returns committed groups, or -1
+# unknown/expired, -2 no table, -3 fenced (a newer job-lease epoch configured the table)
 COMMIT = "#!lua flags=allow-oom\n" + _COMMON + r"""
-local cfg = redis.call('HMGET', P..'cfg', 'sampler', 'max_reuse')
+local cfg = redis.call('HMGET', P..'cfg', 'sampler', 'max_reuse', 'fence')
 if not cfg[1] then return -2 end
+if tonumber(ARGV[4]) < tonumber(cfg[3] or '0') then return -3 end
 local now = tonumber(ARGV[2])
 local id = ARGV[3]
 if redis.call('ZSCORE', P..'done', id) then return 0 end
@@ -239,6 +242,16 @@ for i = 3, #ARGV do
   end
 end
 return out
+"""
+
+# ARGV: prefix, lease_epoch; returns the fence after the call, or -1 when lease_epoch is below it
+RAISE_FENCE = "#!lua\n" + r"""
+local P = ARGV[1]
+local fence = tonumber(redis.call('HGET', P..'cfg', 'fence') or '0')
+local epoch = tonumber(ARGV[2])
+if epoch < fence then return -1 end
+redis.call('HSET', P..'cfg', 'fence', epoch)
+return epoch
 """
 
 # ARGV: prefix, now_ms, min_policy_version; returns {stored, sampleable, eligible, expired now} or {-1}

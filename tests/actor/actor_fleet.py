@@ -105,7 +105,7 @@ class Fleet:
 
     async def publish_task(self, job_id: str, index: int, prompt: str, answer: str, min_version: int = 0) -> None:
         """As the feeder does: recorded in the job's ledger, then published with its dedup id."""
-        await self.ledger.published(job_id, [f"0/{index}"])
+        await self.ledger.published(job_id, [f"0/{index}"], lease_epoch=0)
         task = common_pb2.Task(job_id=job_id, task_id=f"0/{index}", epoch=0, prompt_index=index, prompt=prompt,
                                metadata_json=json.dumps({"answer": answer}), min_policy_version=min_version,
                                published_unix_ms=int(time.time() * 1000))

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import pytest
 import redis.asyncio as aioredis
 
-from services.common import bus
+from services.common import bus, jobs
+from services.common.errors import Fenced
 from services.common.ledger import Fate, Ledger
 from services.replay.table import GroupRecord, ReplayTables, TableConfig
 
@@ -22,11 +24,11 @@ async def test_every_fate_and_duplicates(nats_url: str, redis_url: str) -> None:
     await bus.ensure_streams(js)
     ledger, tables = Ledger(redis), ReplayTables(redis)
     await tables.configure(JOB, TableConfig.queue(capacity_groups=2))
-    await ledger.published(JOB, [f"0/{i}" for i in range(7)])
+    await ledger.published(JOB, [f"0/{i}" for i in range(7)], lease_epoch=0)
     await tables.insert([record("0/0", 1), record("0/1", 0)])
     sampled = await tables.sample(JOB, 1, min_policy_version=1)  # 0/1 dropped stale, 0/0 leased
     assert sampled.stale_dropped == 1
-    await ledger.trained(JOB, 1, ["0/0"])
+    await ledger.trained(JOB, 1, ["0/0"], lease_epoch=0)
     await tables.commit(JOB, sampled.lease_id)
     await tables.insert([record("0/2", 1), record("0/5", 1), record("0/6", 1)])  # capacity 2: 0/2 evicted
     await js.publish(bus.task_subject(JOB), b"task", headers={"Nats-Msg-Id": bus.task_msg_id(JOB, 0, 3)})
@@ -44,10 +46,17 @@ async def test_every_fate_and_duplicates(nats_url: str, redis_url: str) -> None:
     assert (fates["0/6"].epoch, fates["0/6"].prompt_index) == (0, 6)
     assert accounting.counts["lost"] == 1 and accounting.counts["published"] == 7 and not accounting.balanced
 
-    await ledger.trained(JOB, 2, ["0/0", "7/0"])  # 0/0 trained twice; 7/0 never published
+    await ledger.trained(JOB, 2, ["0/0", "7/0"], lease_epoch=0)  # 0/0 trained twice; 7/0 never published
     again = await ledger.account(js, JOB)
     assert (again.duplicated, again.unpublished) == (1, 1)
-    await ledger.forget_steps_after(JOB, 1)  # a learner resumed from step 1 will train step 2 again
+    await ledger.forget_steps_after(JOB, 1, lease_epoch=0)  # a learner resumed from step 1 trains step 2 again
     assert (await ledger.account(js, JOB)).duplicated == 0
+    await redis.hset(jobs.job_key(JOB), "lease_epoch", 2)  # the job was claimed twice: epoch 1 is stale
+    for stale_write in (ledger.published(JOB, ["0/9"], lease_epoch=1), ledger.trained(JOB, 2, ["0/5"], lease_epoch=1),
+                        ledger.forget_steps_after(JOB, 0, lease_epoch=1)):
+        with pytest.raises(Fenced, match="lease epoch 1"):
+            await stale_write
+    after = await ledger.account(js, JOB)
+    assert after.counts == again.counts | {"duplicated": 0, "unpublished": 0}  # nothing of epoch 1 landed
     await nc.close()
     await redis.aclose()

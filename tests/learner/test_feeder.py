@@ -68,7 +68,7 @@ async def test_strictly_on_policy_tags_current_version(nats_url: str, redis_url:
     js = bus.jetstream(nc)
     await bus.ensure_streams(js)
     redis = aioredis.Redis.from_url(redis_url)
-    feeder = Feeder(JobBus(nc, "jt"), Ledger(redis), spec_for(max_staleness=0), parse_prompts(prompts_jsonl(3)))
+    feeder = Feeder(JobBus(nc, "jt"), Ledger(redis), 0, spec_for(max_staleness=0), parse_prompts(prompts_jsonl(3)))
     assert await feeder.top_up(5) == 2  # prompts_per_step 2, max_staleness 0
     sub = await js.pull_subscribe(bus.task_subject("jt"), durable="check")
     tags = [common_pb2.Task.FromString(m.data).min_policy_version for m in await sub.fetch(2, timeout=2)]
@@ -91,12 +91,12 @@ async def test_feeder_publishes_shuffled_dedups_and_crosses_epochs(nats_url: str
     spec = spec_for(max_staleness=1)  # prompts_per_step 2 -> 4 in flight
     prompts = parse_prompts(prompts_jsonl(3))
     redis = aioredis.Redis.from_url(redis_url)
-    feeder = Feeder(JobBus(nc, "jf"), Ledger(redis), spec, prompts)
+    feeder = Feeder(JobBus(nc, "jf"), Ledger(redis), 0, spec, prompts)
     assert await feeder.top_up(0) == 4 and await feeder.top_up(0) == 0
     assert feeder.cursor == FeederCursor(epoch=1, position=1, published=4, settled=0)
     feeder.settle(2)
     cursor = FeederCursor(epoch=1, position=0, published=3, settled=2)
-    again = Feeder(JobBus(nc, "jf"), Ledger(redis), spec, prompts, cursor)
+    again = Feeder(JobBus(nc, "jf"), Ledger(redis), 0, spec, prompts, cursor)
     assert await again.top_up(7) == 3  # re-publishes (1, order[0]): dropped by Nats-Msg-Id dedup
     sub = await js.pull_subscribe(bus.task_subject("jf"), durable="check")
     msgs = await sub.fetch(10, timeout=2)
