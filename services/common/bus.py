@@ -200,3 +200,49 @@ async def ensure_job_consumer(js: JetStreamContext, job_id: str, spec: JobSpec) 
         js, job_id, ack_wait_s=float(limits["ack_wait_s"]), max_deliver=int(limits["max_deliver"]),
         max_ack_pending=int(limits["max_ack_pending"]),
     )
+
+
+@dataclass(frozen=True)
+class DeadLetter:
+    """One task in a job's dead-letter subject."""
+
+    task_id: str
+    reason: str
+    deliveries: int
+
+
+async def _subject_messages(js: JetStreamContext, stream: str, subject: str) -> list[api.RawStreamMsg]:
+    """Every message of one subject still in the stream, oldest first (one request per message)."""
+    out: list[api.RawStreamMsg] = []
+    seq = 1
+    while True:
+        try:
+            msg = await js.get_msg(stream, seq=seq, subject=subject, next=True)
+        except NotFoundError:  # no message at or after seq on the subject (or no stream)
+            return out
+        out.append(msg)
+        seq = int(msg.seq or 0) + 1
+
+
+def _task_id_of_msg_id(msg_id: str) -> str:
+    """`<job>/<epoch>/<index>` (task_msg_id) -> `<epoch>/<index>` (the task id)."""
+    return msg_id.split("/", 1)[1] if "/" in msg_id else ""
+
+
+async def job_tasks_in_stream(js: JetStreamContext, job_id: str) -> list[str]:
+    """Task ids of the job's tasks still in FLEET_TASKS (queued, or held unacked by an actor).
+
+    Work-queue retention refuses a second consumer on the subject, so this reads by sequence; the
+    feeder's in-flight bound keeps it to a few hundred requests."""
+    msgs = await _subject_messages(js, TASKS_STREAM, task_subject(job_id))
+    return [_task_id_of_msg_id((m.headers or {}).get("Nats-Msg-Id", "")) for m in msgs]
+
+
+async def dead_letters(js: JetStreamContext, job_id: str) -> list[DeadLetter]:
+    """Every task in the job's dead-letter subject, with its reason."""
+    out = []
+    for m in await _subject_messages(js, DLQ_STREAM, dlq_subject(job_id)):
+        headers = m.headers or {}
+        out.append(DeadLetter(_task_id_of_msg_id(headers.get("Fleet-Original-Msg-Id", "")),
+                              headers.get("Fleet-Reason", ""), int(headers.get("Fleet-Deliveries", "0") or 0)))
+    return out

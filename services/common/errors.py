@@ -65,6 +65,10 @@ class FailedPrecondition(FleetError, RuntimeError):
     """The system is not in a state that allows the call (e.g. unsafe Redis policy)."""
 
 
+class Fenced(FailedPrecondition):
+    """A write carried a job-lease epoch older than the job's newest: another learner holds the job."""
+
+
 class ResourceExhausted(FleetError, RuntimeError):
     """A size or memory limit was hit; the caller may retry later or send less."""
 

@@ -9,6 +9,11 @@ out of a terminal state. Keys (all under `fleetrl:`):
 - `jobs:index` zset job_id -> created ms;  `jobs:idem` hash tenant/key -> job_id
 - `job:<id>` hash (record fields);  `job:<id>:prompts`, `job:<id>:reward_file`, `job:<id>:eval_prompts` bytes
 - `job:<id>:lease` learner id with TTL;  `job:<id>:steps` list of step-metric JSON
+
+Fencing: every claim increments the record's `lease_epoch`, and the claimant carries that epoch
+on every write it makes for the job. `FENCE_LUA` is the one rule, used by the scripts here and by
+the ledger's: a write whose epoch is below the record's is refused (`Fenced`), so a learner that
+was stopped past its lease cannot write over the learner that took the job over.
 """
 
 from __future__ import annotations
@@ -25,7 +30,7 @@ from typing import Any, cast
 import redis.asyncio as aioredis
 
 from services.common.config import JobSpec
-from services.common.errors import FailedPrecondition, NotFound
+from services.common.errors import FailedPrecondition, Fenced, NotFound
 
 PREFIX = "fleetrl:"
 
@@ -61,6 +66,8 @@ class JobRecord:
     last_step: dict[str, Any] | None
     sandbox: str = ""
     """The reward sandbox the job's reward was checked in at submission (the reward service's summary)."""
+    lease_epoch: int = 0
+    """How many times the job was claimed: the fencing token of its current learner."""
 
     @classmethod
     def from_hash(cls, fields: Mapping[bytes | str, bytes | str]) -> JobRecord:
@@ -71,6 +78,7 @@ class JobRecord:
             created_ms=int(f["created_ms"]), updated_ms=int(f["updated_ms"]),
             model_uri=f.get("model_uri", ""), last_step=json.loads(f["last_step"]) if f.get("last_step") else None,
             sandbox=f.get("sandbox", ""),
+            lease_epoch=int(f.get("lease_epoch", 0)),
         )
 
 
@@ -85,6 +93,28 @@ def now_ms() -> int:
 
 def _key(job_id: str, suffix: str = "") -> str:
     return f"{PREFIX}job:{job_id}{suffix}"
+
+
+def job_key(job_id: str) -> str:
+    """The job's record hash (its `lease_epoch` field is what FENCE_LUA compares)."""
+    return _key(job_id)
+
+
+FENCE_LUA = """
+local function fenced(job_key, epoch)
+  return tonumber(redis.call('HGET', job_key, 'lease_epoch') or '0') > tonumber(epoch)
+end
+"""
+"""Lua: `fenced(job_key, epoch)` is true when a newer claim of the job exists."""
+
+# KEYS: job hash, steps list; ARGV: lease epoch, step, payload, now ms. Returns -1 fenced, 0 known, 1 added.
+_APPEND_STEP = FENCE_LUA + """
+if fenced(KEYS[1], ARGV[1]) then return -1 end
+if tonumber(ARGV[2]) <= redis.call('LLEN', KEYS[2]) then return 0 end
+redis.call('RPUSH', KEYS[2], ARGV[3])
+redis.call('HSET', KEYS[1], 'last_step', ARGV[3], 'updated_ms', ARGV[4])
+return 1
+"""
 
 
 # KEYS[1]=job hash; ARGV: new state, reason, now ms, allowed-from states...
@@ -109,6 +139,7 @@ for _, id in ipairs(ids) do
   local st = redis.call('HGET', h, 'state')
   if st == 'queued' or st == 'running' then
     if redis.call('SET', h .. ':lease', ARGV[1], 'NX', 'PX', ARGV[2]) then
+      redis.call('HINCRBY', h, 'lease_epoch', 1)
       redis.call('HSET', h, 'state', 'running', 'updated_ms', ARGV[3], 'learner_id', ARGV[1])
       return id
     end
@@ -142,6 +173,8 @@ class JobStore:
         self._claim = client.register_script(_CLAIM)
         self._renew = client.register_script(_RENEW)
         self._release = client.register_script(_RELEASE)
+        self._append_step = client.register_script(_APPEND_STEP)
+        self._fence = client.register_script(FENCE_LUA + "return fenced(KEYS[1], ARGV[1]) and 1 or 0")
 
     @classmethod
     def from_url(cls, url: str) -> JobStore:
@@ -240,17 +273,18 @@ class JobStore:
         holder = await self.redis.get(_key(job_id, ":lease"))
         return _text(holder) if holder else None
 
-    async def append_step(self, job_id: str, metrics: dict[str, Any]) -> None:
-        """Record one step's metrics (must contain "step"); idempotent per step number."""
-        step = int(metrics["step"])
-        length = await self.redis.llen(_key(job_id, ":steps"))
-        if step <= length:  # a resumed learner re-reporting a step it already reported
-            return
-        payload = json.dumps(metrics)
-        async with self.redis.pipeline(transaction=True) as pipe:
-            pipe.rpush(_key(job_id, ":steps"), payload)
-            pipe.hset(_key(job_id), mapping={"last_step": payload, "updated_ms": now_ms()})
-            await pipe.execute()
+    async def append_step(self, job_id: str, metrics: dict[str, Any], *, lease_epoch: int) -> None:
+        """Record one step's metrics (must contain "step"); idempotent per step number (a resumed
+        learner re-reporting a step adds nothing). Fenced when a newer claim than lease_epoch exists."""
+        done = await self._append_step(keys=[_key(job_id), _key(job_id, ":steps")],
+                                       args=[lease_epoch, int(metrics["step"]), json.dumps(metrics), now_ms()])
+        if int(done) == -1:
+            raise fenced(job_id, lease_epoch, f"step {metrics['step']}'s metrics")
+
+    async def check_fence(self, job_id: str, lease_epoch: int, what: str) -> None:
+        """Fenced when the job was claimed again after the claim of lease_epoch (before writing `what`)."""
+        if int(await self._fence(keys=[_key(job_id)], args=[lease_epoch])):
+            raise fenced(job_id, lease_epoch, what)
 
     async def steps(self, job_id: str, from_step: int = 0) -> builtins.list[dict[str, Any]]:
         """Step metrics from from_step on (steps are 1-based)."""
@@ -265,6 +299,11 @@ class JobStore:
         ids = await self.redis.zrange(f"{PREFIX}jobs:index", 0, -1)
         records = [await self.get(_text(raw)) for raw in ids]
         return [r for r in records if r.state in ACTIVE]
+
+
+def fenced(job_id: str, lease_epoch: int, what: str) -> Fenced:
+    return Fenced(f"job {job_id}: {what} refused: written under lease epoch {lease_epoch}, "
+                  "and another learner has claimed the job since")
 
 
 def require_state(record: JobRecord, *states: JobState) -> None:

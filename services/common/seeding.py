@@ -27,3 +27,11 @@ def prompt_order(num_prompts: int, seed: int, epoch: int) -> list[int]:
 def task_id(epoch: int, prompt_index: int) -> str:
     """The task id of a prompt in an epoch (the replay dedup key within a job)."""
     return f"{epoch}/{prompt_index}"
+
+
+def parse_task_id(task_id: str) -> tuple[int, int]:
+    """(epoch, prompt_index) of a task id made by `task_id`; ValueError for anything else."""
+    epoch, sep, index = task_id.partition("/")
+    if not sep or not epoch.isdigit() or not index.isdigit():
+        raise ValueError(f"task id {task_id!r} is not <epoch>/<prompt_index>")
+    return int(epoch), int(index)

@@ -57,7 +57,7 @@ from safetensors.torch import save as st_save
 
 from services.common import bus, weight_delta
 from services.common.chunk_reader import chunk_reader
-from services.common.errors import DeadlineExceeded, FailedPrecondition, NotFound, WeightsCorrupt
+from services.common.errors import DeadlineExceeded, FailedPrecondition, Fenced, NotFound, WeightsCorrupt
 
 log = logging.getLogger(__name__)
 
@@ -83,10 +83,11 @@ _DTYPES = {
 class WeightPointer:
     """The KV value naming one published weight version.
 
-    On the wire it is JSON {version, object, sha256, bytes, dtype, kind} (the design's pointer format
-    plus `kind`), and `chain` for a delta: `object_name` travels as "object" and `size_bytes` as
-    "bytes". `sha256` and `size_bytes` are always those of the version's full payload, the weights a
-    reader ends up with, whichever object carries them."""
+    On the wire it is JSON {version, object, sha256, bytes, dtype, kind, epoch} (the design's pointer
+    format plus `kind` and the fencing token), and `chain` for a delta: `object_name` travels as
+    "object" and `size_bytes` as "bytes"; a pointer without "epoch" reads as epoch 0. `sha256` and
+    `size_bytes` are always those of the version's full payload, the weights a reader ends up with,
+    whichever object carries them."""
 
     version: int
     object_name: str
@@ -98,6 +99,8 @@ class WeightPointer:
     chain: tuple[int, ...] = ()
     """For a delta: the versions from the full snapshot it builds on (first) up to this one (last);
     each object `d<n>` turns the version before it in the chain into n. () for a full snapshot."""
+    epoch: int = 0
+    """Job-lease epoch of the learner that moved the pointer here: a lower epoch may not move it."""
 
     @property
     def kind(self) -> str:
@@ -110,7 +113,8 @@ class WeightPointer:
 
     def to_json(self) -> bytes:
         fields: dict[str, object] = {"version": self.version, "object": self.object_name, "sha256": self.sha256,
-                                     "bytes": self.size_bytes, "dtype": self.dtype, "kind": self.kind}
+                                     "bytes": self.size_bytes, "dtype": self.dtype, "kind": self.kind,
+                                     "epoch": self.epoch}
         if self.chain:
             fields["chain"] = list(self.chain)
         return json.dumps(fields, sort_keys=True).encode()
@@ -121,7 +125,7 @@ class WeightPointer:
         return cls(
             version=int(fields["version"]), object_name=str(fields["object"]), sha256=str(fields["sha256"]),
             size_bytes=int(fields["bytes"]), dtype=str(fields["dtype"]),
-            chain=tuple(int(v) for v in fields.get("chain", ())),
+            chain=tuple(int(v) for v in fields.get("chain", ())), epoch=int(fields.get("epoch", 0)),
         )
 
 
@@ -197,17 +201,19 @@ class WeightStore:
         self._stores = {}
 
     async def publish(self, job_id: str, version: int, payload: bytes, dtype: str, *, keep: int = 3,
-                      base: HeldWeights | None = None, full_interval: int = 1) -> WeightPointer:
+                      base: HeldWeights | None = None, full_interval: int = 1, lease_epoch: int = 0) -> WeightPointer:
         """Write `version` as a full snapshot `v<version>` or as a delta `d<version>` against `base`,
         move the pointer to it, prune (`_prune`).
 
         A delta is written when `base` is the version the pointer names, the pointer's chain holds
         fewer than `full_interval` versions, and no reader has reported that chain broken
         (`request_full`); otherwise a full snapshot. Raises FailedPrecondition if the pointer is
-        already at `version` or above, or moves meanwhile.
+        already at `version` or above, or moves meanwhile, and Fenced (before writing anything) if it
+        was moved under a newer job-lease epoch than lease_epoch.
         """
         kv = await self._pointer_kv()
         current, revision = await self._pointer_entry(kv, job_id)
+        _check_epoch(job_id, current, lease_epoch)
         _check_forward(current, version)
         chain = await self._next_chain(kv, job_id, current, base, version, full_interval, len(payload))
         await self._delete_unreferenced(job_id, f"v{version}", f"d{version}")
@@ -222,10 +228,22 @@ class WeightStore:
             name = f"v{version}"
             sha256_hex = await self._write_object(job_id, name, payload)
         pointer = WeightPointer(version=version, object_name=name, sha256=sha256_hex, size_bytes=len(payload),
-                                dtype=dtype, chain=chain)
+                                dtype=dtype, chain=chain, epoch=lease_epoch)
         await self._move_pointer(kv, job_id, pointer, revision)
         await self._prune(job_id, keep, pointer)
         return pointer
+
+    async def fence(self, job_id: str, lease_epoch: int) -> WeightPointer | None:
+        """Stamp the current pointer (same version and object) with lease_epoch, so no learner of an
+        older epoch can move it any more; Fenced if a newer epoch stamped it. Returns the pointer."""
+        kv = await self._pointer_kv()
+        current, revision = await self._pointer_entry(kv, job_id)
+        _check_epoch(job_id, current, lease_epoch)
+        if current is None or current.epoch == lease_epoch:
+            return current
+        stamped = dataclasses.replace(current, epoch=lease_epoch)
+        await self._move_pointer(kv, job_id, stamped, revision)
+        return stamped
 
     async def latest(self, job_id: str) -> WeightPointer | None:
         """The job's current pointer, or None before its first publish."""
@@ -261,12 +279,14 @@ class WeightStore:
         next `publish` (or `repair`) writes a full snapshot."""
         await (await self._pointer_kv()).put(_resync_key(job_id), str(full_version).encode())
 
-    async def repair(self, job_id: str, held: HeldWeights) -> WeightPointer | None:
+    async def repair(self, job_id: str, held: HeldWeights, lease_epoch: int = 0) -> WeightPointer | None:
         """When a reader reported the current chain broken and `held` is the pointer's version, write
         that version again as a full snapshot and point at it (same version, same sha256: readers
-        holding it lose nothing); the new pointer, or None when there is nothing to repair."""
+        holding it lose nothing); the new pointer, or None when there is nothing to repair. Fenced
+        (before writing anything) when a newer job-lease epoch moved the pointer."""
         kv = await self._pointer_kv()
         current, revision = await self._pointer_entry(kv, job_id)
+        _check_epoch(job_id, current, lease_epoch)
         if current is None or not current.chain or current != held.pointer:
             return None
         if await self._full_wanted(kv, job_id) != current.full_version:
@@ -537,6 +557,12 @@ def _sha256(payload: bytes | memoryview) -> str:
 def _resync_key(job_id: str) -> str:
     """KV key (next to the job's pointer) where readers report a broken chain."""
     return f"{bus.check_job_id(job_id)}.resync"
+
+
+def _check_epoch(job_id: str, current: WeightPointer | None, lease_epoch: int) -> None:
+    if current is not None and current.epoch > lease_epoch:
+        raise Fenced(f"job {job_id}: weights under lease epoch {lease_epoch} refused: the pointer was moved "
+                     f"under epoch {current.epoch} (another learner holds the job)")
 
 
 def _check_forward(current: WeightPointer | None, version: int) -> None:

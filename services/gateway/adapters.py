@@ -16,6 +16,7 @@ from nats.js.errors import NotFoundError
 
 from services.common import bus, heartbeat
 from services.common.errors import Unavailable
+from services.common.ledger import Accounting, Ledger
 from services.gateway.service import event_payload
 
 log = logging.getLogger(__name__)
@@ -55,13 +56,16 @@ class JetStreamEvents:
 
 
 class FleetProbe:
-    """Members from their heartbeats in Redis, queues from JetStream consumer and stream info."""
+    """Members from their heartbeats in Redis, queues from JetStream consumer and stream info, and
+    a job's task ledger from both."""
 
     redis: aioredis.Redis
     js: JetStreamContext
+    ledger: Ledger
 
     def __init__(self, client: aioredis.Redis, js: JetStreamContext) -> None:
         self.redis, self.js = client, js
+        self.ledger = Ledger(client)
 
     async def members(self) -> list[heartbeat.Beat]:
         return await heartbeat.read_all(self.redis)
@@ -71,3 +75,9 @@ class FleetProbe:
             return await bus.task_queue(self.js, job_id)
         except Exception as error:  # nats-py raises timeouts and connection errors of several kinds
             raise Unavailable(f"cannot read the task queue of job {job_id}: {error!r}") from error
+
+    async def account(self, job_id: str, max_trainings: int) -> Accounting:
+        try:
+            return await self.ledger.account(self.js, job_id, max_trainings)
+        except Exception as error:  # nats-py and redis-py raise timeouts and connection errors of several kinds
+            raise Unavailable(f"cannot read the ledger of job {job_id}: {error!r}") from error

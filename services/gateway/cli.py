@@ -1,5 +1,8 @@
 """`fleetrl submit|status|watch|cancel|jobs|download|sweep`: the job commands, over the Python client.
 
+`fleetrl jobs account JOB [--tasks]` prints a job's end-to-end ledger (GetJobAccounting) and exits
+1 unless it balances.
+
 Human output (rich tables and a live progress bar) by default, `--json` for scripts: `submit`,
 `status JOB`, `cancel` and `download` print one JSON object, `jobs` and `status` without a job one
 JSON array, `watch` one JSON object per line per event; an error is one JSON object on stderr,
@@ -30,7 +33,7 @@ from rich.table import Table
 from services.common.errors import ConfigError, FleetError, InvalidArgument, NotFound, grpc_code
 from services.gateway import sweep
 from services.gateway.client import Client
-from services.gateway.models import JobInfo, StepInfo
+from services.gateway.models import AccountingInfo, JobInfo, StepInfo
 
 EXIT_OK, EXIT_FAILURE, EXIT_BAD_INPUT = 0, 1, 2
 BAD_INPUT = (ConfigError, InvalidArgument, NotFound)
@@ -53,7 +56,12 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--watch", action="store_true", help="watch the job after submitting it")
     p = sub.add_parser("status", parents=[common], help="one job, or a table of your jobs")
     p.add_argument("job_id", nargs="?")
-    sub.add_parser("jobs", parents=[common], help="table of your jobs").add_argument("--limit", type=int, default=50)
+    p = sub.add_parser("jobs", parents=[common], help="table of your jobs, or `jobs account JOB`: a job's ledger")
+    p.add_argument("--limit", type=int, default=50)
+    p.add_argument("action", nargs="?", choices=["account"],
+                   help="account: what became of every task the job published")
+    p.add_argument("job_id", nargs="?")
+    p.add_argument("--tasks", action="store_true", help="with account: list every task, not only the counts")
     sub.add_parser("watch", parents=[common], help="follow a job until it ends").add_argument("job_id")
     p = sub.add_parser("cancel", parents=[common], help="cancel a job")
     p.add_argument("job_id")
@@ -133,12 +141,26 @@ def cmd_status(client: Client, args: argparse.Namespace, out: Console) -> int:
 
 
 def cmd_jobs(client: Client, args: argparse.Namespace, out: Console) -> int:
+    if getattr(args, "action", None) == "account":
+        return cmd_account(client, args, out)
     jobs = client.list_jobs(getattr(args, "limit", 50))
     if args.json:
         print(json.dumps([asdict(j) for j in jobs]))
     else:
         out.print(jobs_table(jobs))
     return EXIT_OK
+
+
+def cmd_account(client: Client, args: argparse.Namespace, out: Console) -> int:
+    """`fleetrl jobs account JOB`: exit 0 when the ledger balances (nothing lost or trained twice), else 1."""
+    if not args.job_id:
+        raise InvalidArgument("jobs account: which job? (fleetrl jobs account JOB)")
+    accounting = client.accounting(args.job_id, include_tasks=args.tasks)
+    if args.json:
+        print(json.dumps(accounting.to_dict()))
+    else:
+        out.print(accounting_table(accounting))
+    return EXIT_OK if accounting.balanced else EXIT_FAILURE
 
 
 def cmd_watch(client: Client, args: argparse.Namespace, out: Console) -> int:
@@ -260,6 +282,18 @@ def summary_table(job: JobInfo, steps: list[StepInfo], elapsed_s: float) -> Tabl
         table.add_row(key, *(f"{v:.4g}" for v in (series[0], series[-1], min(series), max(series))))
     table.caption = f"{len(steps)} steps watched in {elapsed_s:.1f}s" + (
         f"; model at {job.model_uri}" if job.model_uri else "")
+    return table
+
+
+def accounting_table(accounting: AccountingInfo) -> Table:
+    """Counts, then (when asked for) one row per task that was not simply trained once."""
+    table = Table(title=f"ledger of {accounting.job_id}: " + ("balanced" if accounting.balanced else "NOT balanced"))
+    for column in ("task", "fate", "steps", "reason"):
+        table.add_column(column)
+    for task in accounting.tasks:
+        if task.fate != "trained" or len(task.steps) > 1:
+            table.add_row(task.task_id, task.fate, ",".join(map(str, task.steps)), task.reason)
+    table.caption = "  ".join(f"{name} {count}" for name, count in accounting.counts.items())
     return table
 
 

@@ -36,7 +36,7 @@ from services.common.config import apply_overrides, read_bytes, read_toml, set_d
 from services.common.errors import ConfigError, FieldViolation, FleetError, from_grpc
 from services.common.grpcutil import field_violations
 from services.gateway import convert, sweep
-from services.gateway.models import FleetInfo, JobEventInfo, JobInfo, StepInfo
+from services.gateway.models import AccountingInfo, FleetInfo, JobEventInfo, JobInfo, StepInfo
 from services.proto.fleetrl.v1 import gateway_pb2, gateway_pb2_grpc
 
 DEFAULT_ADDRESS = "127.0.0.1:50051"
@@ -199,6 +199,11 @@ class Client:
         """One job per combination of the grid's values ({dotted spec key: values}), from job_file with
         `overrides`, or from create_run's keyword arguments; `.wait()` returns their rows."""
         return sweep.submit(self, grid, job_file, overrides=overrides or [], name=name, **run_kwargs)
+
+    def accounting(self, job_id: str, include_tasks: bool = False, timeout_s: float | None = None) -> AccountingInfo:
+        """What became of every task the job published (the end-to-end ledger), counts and optionally each task."""
+        request = gateway_pb2.GetJobAccountingRequest(job_id=job_id, include_tasks=include_tasks)
+        return convert.accounting_info(self._call(self._stub.GetJobAccounting, request, timeout_s))
 
     def fleet(self, timeout_s: float | None = None) -> FleetInfo:
         """Live actors and learners and the task queues of your active jobs (what `fleetrl top` shows)."""

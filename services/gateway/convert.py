@@ -11,14 +11,26 @@ import json
 import math
 from typing import Any
 
-from services.common.jobs import JobRecord, JobState
+from services.common.jobs import JobRecord, JobState, now_ms
+from services.common.ledger import Accounting, Fate
 from services.gateway.checks import Submission
-from services.gateway.models import FleetInfo, JobEventInfo, JobInfo, MemberInfo, QueueInfo, StepInfo
+from services.gateway.models import (
+    AccountingInfo,
+    FleetInfo,
+    JobEventInfo,
+    JobInfo,
+    MemberInfo,
+    QueueInfo,
+    StepInfo,
+    TaskAccountInfo,
+)
 from services.gateway.service import FleetView, ModelChunk, WatchEvent
 from services.proto.fleetrl.v1 import gateway_pb2, learner_pb2
 
 _STATES = {state: getattr(gateway_pb2, f"JOB_STATE_{state.name}") for state in JobState}
 _NAMES = {number: state.value for state, number in _STATES.items()}
+_FATES = {fate: getattr(gateway_pb2, f"TASK_FATE_{fate.name}") for fate in Fate}
+_FATE_NAMES = {number: fate.value for fate, number in _FATES.items()}
 STRUCTURAL = ("step", "policy_version", "unix_ms")
 
 
@@ -72,6 +84,16 @@ def fleet_to_proto(view: FleetView) -> gateway_pb2.FleetStatus:
                                    reward_sandbox=view.reward_sandbox)
 
 
+def accounting_to_proto(accounting: Accounting, include_tasks: bool) -> gateway_pb2.JobAccounting:
+    out = gateway_pb2.JobAccounting(job_id=accounting.job_id, counts=accounting.counts,
+                                    balanced=accounting.balanced, unix_ms=now_ms())
+    if include_tasks:
+        out.tasks.extend(gateway_pb2.TaskAccount(
+            task_id=t.task_id, epoch=t.epoch, prompt_index=t.prompt_index, fate=_FATES[t.fate], steps=t.steps,
+            reason=t.reason) for t in accounting.tasks)
+    return out
+
+
 # ----------------------------------------------------------------------------- client side
 
 def step_info(step: learner_pb2.StepMetrics) -> StepInfo:
@@ -102,3 +124,9 @@ def fleet_info(status: gateway_pb2.FleetStatus) -> FleetInfo:
                           m.busy_fraction, m.seen_unix_ms) for m in status.members]
     queues = [QueueInfo(q.job_id, q.pending, q.in_flight, q.redelivered, q.dead_lettered) for q in status.queues]
     return FleetInfo(members, queues, status.unix_ms, status.reward_sandbox)
+
+
+def accounting_info(accounting: gateway_pb2.JobAccounting) -> AccountingInfo:
+    tasks = [TaskAccountInfo(t.task_id, t.epoch, t.prompt_index, _FATE_NAMES.get(t.fate, "unspecified"),
+                             list(t.steps), t.reason) for t in accounting.tasks]
+    return AccountingInfo(accounting.job_id, dict(accounting.counts), accounting.balanced, tasks, accounting.unix_ms)

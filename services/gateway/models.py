@@ -98,3 +98,29 @@ class FleetInfo:
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+
+@dataclass(frozen=True)
+class TaskAccountInfo:
+    """What became of one published task (see TaskAccount in gateway.proto)."""
+
+    task_id: str
+    epoch: int
+    prompt_index: int
+    fate: str
+    steps: list[int]
+    reason: str
+
+
+@dataclass(frozen=True)
+class AccountingInfo:
+    """GetJobAccounting's answer: the job's ledger counts, and each task when asked for."""
+
+    job_id: str
+    counts: dict[str, int]
+    balanced: bool
+    tasks: list[TaskAccountInfo]
+    unix_ms: int
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)

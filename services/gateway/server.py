@@ -93,6 +93,13 @@ class JobServicer(gateway_pb2_grpc.JobServiceServicer):
         _require(request)
         return convert.fleet_to_proto(await self.gateway.fleet(current_tenant()))
 
+    @map_errors
+    async def GetJobAccounting(self, request: gateway_pb2.GetJobAccountingRequest,
+                               context: Any) -> gateway_pb2.JobAccounting:
+        _require(request)
+        accounting = await self.gateway.accounting(current_tenant(), request.job_id)
+        return convert.accounting_to_proto(accounting, request.include_tasks)
+
     @map_stream_errors
     async def DownloadModel(self, request: gateway_pb2.DownloadModelRequest,
                             context: Any) -> AsyncIterator[gateway_pb2.FileChunk]:

@@ -13,6 +13,7 @@ Design choices:
   clamped to max_steps + 1, so `Run.wait` (from_step 2**62) and any uint64 work.
 - Cancel is idempotent: cancelling a cancelled job purges its queued tasks again (a retry after a
   failed purge completes it); cancelling a succeeded or failed job is a no-op.
+- The ledger of a job (GetJobAccounting) is computed on demand from Redis and NATS, never cached.
 - The fleet view lists every live member (capacity is shared), but a member working on another
   tenant's job is shown without that job, and only the caller's own queues are listed.
 """
@@ -27,6 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, cast
 
+from services.common import ledger
 from services.common.bus import TaskQueue, check_job_id
 from services.common.config import RewardSpec
 from services.common.errors import (
@@ -40,6 +42,7 @@ from services.common.errors import (
 )
 from services.common.heartbeat import Beat
 from services.common.jobs import ACTIVE, JobRecord, JobState, JobStore, now_ms
+from services.common.ledger import Accounting
 from services.gateway.checks import Limits, Submission, check_sizes, check_submission
 
 if TYPE_CHECKING:
@@ -76,6 +79,9 @@ class FleetSource(Protocol):
 
     async def queue(self, job_id: str) -> TaskQueue:
         """The job's task queue now."""
+
+    async def account(self, job_id: str, max_trainings: int) -> Accounting:
+        """The job's end-to-end task ledger now (see services.common.ledger)."""
 
 
 @dataclass(frozen=True)
@@ -219,6 +225,11 @@ class Gateway:
             return (await self.reward.describe()).summary
         except FleetError as error:
             return f"reward service not answering: {error}"
+
+    async def accounting(self, tenant: str, job_id: str) -> Accounting:
+        """What became of every task the tenant's job published."""
+        record = await self.get(tenant, job_id)
+        return await self.fleet_source.account(job_id, ledger.max_trainings(record.spec))
 
     async def _owner(self, job_id: str) -> str | None:
         try:

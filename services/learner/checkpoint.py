@@ -8,7 +8,8 @@ cursor, replay leases to commit, counters) and, for a job with a critic (ppo), `
 Design choice: a checkpoint is written into `step-N.tmp`, every file and the directory are
 fsynced, the directory is renamed to `step-N`, and only then is `COMPLETE` written (and fsynced).
 A reader trusts only directories with the marker, so a learner killed at any moment leaves
-either the previous complete checkpoint or a new complete one, never a half-read state.
+either the previous complete checkpoint or a new complete one, never a half-read state. `write` and
+`complete` are the two halves, so the learner can check its fencing token between them.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from safetensors.torch import load_file, save_file
 MARKER = "COMPLETE"
 CRITIC_FILE = "critic.safetensors"
 _NAME_RE = re.compile(r"^step-(\d{8})$")
+_TMP_RE = re.compile(r"^step-(\d{8})(?:\.e\d+)?\.tmp$")
 
 
 @dataclass
@@ -75,11 +77,16 @@ def _fsync(path: Path) -> None:
 
 def save(root: Path, ckpt: Checkpoint, *, delay_s: float = 0.0) -> Path:
     """Write ckpt durably (temp dir, fsync, rename, marker); returns the final directory."""
+    return complete(root, write(root, ckpt, delay_s=delay_s))
+
+
+def write(root: Path, ckpt: Checkpoint, *, delay_s: float = 0.0, lease_epoch: int | None = None) -> Path:
+    """The first half of `save`: every file in `step-N.tmp` (`step-N.e<lease_epoch>.tmp` when given, so
+    two learners of one job never write into one directory), fsynced; returns that directory."""
     root.mkdir(parents=True, exist_ok=True)
-    final = root / f"step-{ckpt.step:08d}"
-    tmp = root / f"step-{ckpt.step:08d}.tmp"
-    for stale in (tmp, final):  # a previous incarnation's partial attempt at this step
-        shutil.rmtree(stale, ignore_errors=True)
+    owner = "" if lease_epoch is None else f".e{lease_epoch}"
+    tmp = root / f"step-{ckpt.step:08d}{owner}.tmp"
+    shutil.rmtree(tmp, ignore_errors=True)  # a previous incarnation's partial attempt at this step
     tmp.mkdir()
     save_file(ckpt.model, str(tmp / "model.safetensors"))
     if ckpt.critic is not None:
@@ -92,9 +99,18 @@ def save(root: Path, ckpt: Checkpoint, *, delay_s: float = 0.0) -> Path:
     _fsync(tmp)
     if delay_s:
         time.sleep(delay_s)
+    return tmp
+
+
+def complete(root: Path, tmp: Path) -> Path:
+    """The second half of `save`: rename `step-N.tmp` to `step-N` (replacing an older one), then the marker."""
+    match = _TMP_RE.match(tmp.name)
+    assert match is not None, tmp
+    final = root / f"step-{match.group(1)}"
+    shutil.rmtree(final, ignore_errors=True)
     os.rename(tmp, final)
     _fsync(root)
-    (final / MARKER).write_text(str(ckpt.step))
+    (final / MARKER).write_text(str(int(final.name.removeprefix("step-"))))
     _fsync(final / MARKER)
     _fsync(final)
     return final
@@ -131,15 +147,15 @@ def load_latest(root: Path) -> Checkpoint | None:
 
 
 def prune(root: Path, keep: int) -> None:
-    """Delete all but the newest `keep` complete checkpoints, and any partial ones older than them."""
+    """Delete all but the newest `keep` complete checkpoints, and any partial one not newer than the newest."""
     steps = complete_steps(root)
     kept = set(steps[-keep:])
     newest = steps[-1] if steps else -1
     for item in root.iterdir():
-        name = item.name.removesuffix(".tmp")
-        match = _NAME_RE.match(name)
+        partial = _TMP_RE.match(item.name)
+        match = partial or _NAME_RE.match(item.name)
         if not match:
             continue
         step = int(match.group(1))
-        if step not in kept and step <= newest:
+        if step <= newest and (partial or step not in kept):
             shutil.rmtree(item, ignore_errors=True)

@@ -12,7 +12,8 @@ count while it waits for data and settles the new ones (`settle_dead_lettered`),
 holding places in the bound (with max_staleness 0, one such task would stall every later step).
 Prompts are shuffled per epoch with `seeding.prompt_order(n, seed, epoch)`; each task carries
 `Nats-Msg-Id = bus.task_msg_id(job, epoch, index)`, so re-publishing after a resume is a no-op.
-The cursor (epoch, position, counters) is saved in every checkpoint.
+The cursor (epoch, position, counters) is saved in every checkpoint. Every task is recorded in
+the job's ledger (`services.common.ledger`) before it is published.
 Each task starts its trajectory's trace: a root span `feeder.publish` whose W3C context rides in
 the message headers (`traceparent`) to the actor that takes it.
 """
@@ -29,6 +30,7 @@ from opentelemetry import context as otel_context
 from services.common import bus, seeding, telemetry
 from services.common.config import JobSpec
 from services.common.errors import InvalidArgument
+from services.common.ledger import Ledger
 from services.learner.jobbus import JobBus
 from services.proto.fleetrl.v1 import common_pb2
 
@@ -109,11 +111,16 @@ class Feeder:
     prompts: list[Prompt]
     cursor: FeederCursor
     _bus: JobBus
+    _ledger: Ledger
+    lease_epoch: int
+    """The job lease's epoch: the ledger refuses the record (and so the publish) of a stale learner."""
     _order: tuple[int, list[int]]
 
-    def __init__(self, job_bus: JobBus, spec: JobSpec, prompts: list[Prompt],
+    def __init__(self, job_bus: JobBus, task_ledger: Ledger, lease_epoch: int, spec: JobSpec, prompts: list[Prompt],
                  cursor: FeederCursor | None = None) -> None:
         self._bus = job_bus
+        self._ledger = task_ledger
+        self.lease_epoch = lease_epoch
         self.job_id = job_bus.job_id
         self.spec = spec
         self.prompts = prompts
@@ -132,20 +139,33 @@ class Feeder:
         return new
 
     async def top_up(self, current_version: int) -> int:
-        """Publish as many tasks as the bound allows, tagged for current_version; returns the count."""
+        """Publish as many tasks as the bound allows, tagged for current_version; returns the count.
+        They are recorded in the ledger first, in one call."""
         n = tasks_to_publish(self.cursor, self.spec.rollout.prompts_per_step, self.spec.train.max_staleness)
+        if n:
+            await self._ledger.published(self.job_id, self._next_task_ids(n), lease_epoch=self.lease_epoch)
         for _ in range(n):
             await self._publish_next(current_version)
         return n
 
-    def _prompt_index(self) -> int:
-        epoch = self.cursor.epoch
+    def _next_task_ids(self, n: int) -> list[str]:
+        """The ids of the next n tasks, without moving the cursor."""
+        epoch, position, out = self.cursor.epoch, self.cursor.position, []
+        for _ in range(n):
+            out.append(seeding.task_id(epoch, self._order_of(epoch)[position]))
+            position += 1
+            if position == len(self.prompts):
+                epoch, position = epoch + 1, 0
+        return out
+
+    def _order_of(self, epoch: int) -> list[int]:
         if self._order[0] != epoch:
             self._order = (epoch, seeding.prompt_order(len(self.prompts), self.spec.seed, epoch))
-        return self._order[1][self.cursor.position]
+        return self._order[1]
 
     async def _publish_next(self, min_version: int) -> None:
-        epoch, index = self.cursor.epoch, self._prompt_index()
+        epoch = self.cursor.epoch
+        index = self._order_of(epoch)[self.cursor.position]
         prompt = self.prompts[index]
         task = common_pb2.Task(
             job_id=self.job_id, task_id=seeding.task_id(epoch, index), epoch=epoch, prompt_index=index,

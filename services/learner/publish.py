@@ -5,12 +5,14 @@ version s. The weight store only moves its pointer forward; a learner that resum
 checkpoint at step c while the store already holds versions above c (published by the
 incarnation that died) does not publish those versions again: fixed seeds make the resumed
 run reproduce them, and actors keep the ones they hold. Publishing resumes above the pointer.
+Every publish carries the job-lease epoch, and `sync` stamps the pointer with it first, so a learner
+of an older epoch (stopped past its lease) can no longer move the pointer (`Fenced`).
 
 With `full_interval` > 1 the publisher keeps the payload it published last, the base of its next
 delta; after a restart it holds none, so its first version is a full snapshot. While it waits for
 data it rewrites its newest version as a full snapshot when an actor reported that version's chain
-broken (`repair_if_requested`), so a job whose actors cannot apply a delta does not wait for the
-next publish, which would need their groups.
+broken (`repair_if_requested`, fenced like a publish), so a job whose actors cannot apply a delta
+does not wait for the next publish, which would need their groups.
 """
 
 from __future__ import annotations
@@ -35,13 +37,15 @@ class WeightPublisher:
     full_interval: int
     published_version: int
     """Newest version in the store (by us or a previous incarnation); -1 before any."""
+    lease_epoch: int
     _store: WeightStore
     _base: HeldWeights | None
     """The newest version this publisher wrote, kept when deltas are on."""
 
     def __init__(self, store: WeightStore, job_id: str, dtype: str, interval: int, keep: int,
-                 full_interval: int = 1) -> None:
+                 lease_epoch: int, full_interval: int = 1) -> None:
         self._store = store
+        self.lease_epoch = lease_epoch
         self.full_interval = full_interval
         self._base = None
         self.job_id = job_id
@@ -51,8 +55,8 @@ class WeightPublisher:
         self.published_version = -1
 
     async def sync(self) -> int:
-        """Read the store's newest version (after a resume); returns it (-1: none)."""
-        latest = await self._store.latest(self.job_id)
+        """Fence the pointer with our epoch and read its version (after a resume); returns it (-1: none)."""
+        latest = await self._store.fence(self.job_id, self.lease_epoch)
         self.published_version = latest.version if latest else -1
         return self.published_version
 
@@ -67,7 +71,8 @@ class WeightPublisher:
             return None
         payload = encode_safetensors(models.state_dict_for_publish(model, self.dtype))
         pointer = await self._store.publish(self.job_id, version, payload, self.dtype, keep=self.keep,
-                                            base=self._base, full_interval=self.full_interval)
+                                            base=self._base, full_interval=self.full_interval,
+                                            lease_epoch=self.lease_epoch)
         self.published_version = version
         self._base = HeldWeights(pointer, memoryview(payload)) if self.full_interval > 1 else None
         return pointer
@@ -75,6 +80,6 @@ class WeightPublisher:
     async def repair_if_requested(self) -> None:
         """Rewrite the newest version as a full snapshot if an actor reported its chain broken."""
         if self._base is not None and self._base.pointer.chain:
-            repaired = await self._store.repair(self.job_id, self._base)
+            repaired = await self._store.repair(self.job_id, self._base, self.lease_epoch)
             if repaired is not None:
                 self._base = HeldWeights(repaired, self._base.payload)

@@ -3,7 +3,9 @@
 Lifecycle (nats.py's graceful-shutdown pattern): an AsyncExitStack owns the NATS connection,
 the job store, the replay client and the status gRPC server. A job is claimed with a lease in
 Redis (`JobStore.claim`), renewed every lease_s / 3 by a background task; a lease that cannot be
-renewed sets `lease_lost` and the run stops at once without committing anything. A second
+renewed sets `lease_lost` and the run stops at once without committing anything; a write refused
+by the fencing token (`Fenced`: the learner was stopped past its lease and another claimed the job)
+ends the run the same way. A second
 background task keeps the run's replay leases open (`leases.keep_alive`) until that moment. A job that
 raises is marked FAILED with the reason and the learner goes on to the next one. SIGTERM lets
 the current step finish, checkpoints, hands the job back (lease released, state RUNNING, so any
@@ -19,7 +21,7 @@ import logging
 import time
 
 from services.common import bus, telemetry
-from services.common.errors import Cancelled, FailedPrecondition
+from services.common.errors import Cancelled, FailedPrecondition, Fenced
 from services.common.grpcutil import RetryPolicy, stop_server
 from services.common.jobs import JobRecord, JobState, JobStore
 from services.common.observe import serve_metrics
@@ -64,6 +66,9 @@ async def run_claimed(deps: Deps, record: JobRecord) -> None:
                                             record.spec.replay.lease_timeout_s / 3, deps.lease_lost))
     try:
         await run.run()
+    except Fenced as error:  # another learner claimed the job: write nothing more, release nothing
+        deps.lease_lost.set()
+        log.warning("job %s stopped, fenced: %s", record.job_id, error)
     except (LeaseLost, Cancelled) as error:
         log.warning("job %s stopped: %s", record.job_id, error)
     except Exception as error:  # deliberate: a failing job must not take the learner down

@@ -8,6 +8,10 @@ MetricsLog, StepObserver) do not know each other; JobRun wires them. Replay leas
 the checkpoint that includes their steps is complete (see `leases` for the exactly-once
 argument). Policy version == optimizer steps applied: step s trains at version s - 1 on groups
 of version >= s - 1 - max_staleness and produces version s.
+Fencing: every write for the job carries the claim's `lease_epoch` (ledger records, hence task
+publishes; the weights pointer; replay's ConfigureTable and Commit; step metrics; the final state),
+and checkpoints check it in Redis before they are written and again before they are made complete.
+A refused write raises `Fenced`: another learner claimed the job after this one stopped renewing.
 """
 
 from __future__ import annotations
@@ -16,15 +20,19 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections.abc import Awaitable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TypeVar
 
 from nats.aio.client import Client as NATS
 from nats.js import JetStreamContext
 
+from services.common import ledger
 from services.common.config import JobSpec
-from services.common.errors import Cancelled, DeadlineExceeded, FailedPrecondition, FleetError, NotFound
+from services.common.errors import Cancelled, DeadlineExceeded, FailedPrecondition, Fenced, FleetError, NotFound
 from services.common.jobs import JobRecord, JobState, JobStore
+from services.common.ledger import Ledger
 from services.common.weights import WeightStore
 from services.learner import checkpoint as ckpt
 from services.learner.batch import component_means
@@ -43,6 +51,7 @@ from services.replay.client import ReplayClient
 from services.reward.client import RewardClient
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 class LeaseLost(FleetError):
@@ -86,6 +95,9 @@ class JobRun:
     policy: Policy
     feeder: Feeder
     job_bus: JobBus
+    ledger: Ledger
+    epoch: int
+    """The job lease's epoch (fencing token) of this run's claim."""
     publisher: WeightPublisher
     book: LeaseBook
     metrics: MetricsLog
@@ -104,6 +116,8 @@ class JobRun:
         self.held_out = None
         self.book = LeaseBook(self.spec.replay.sampler == "fifo")
         self.job_bus = JobBus(deps.nc, record.job_id)
+        self.ledger = Ledger(deps.jobs.redis)
+        self.epoch = record.lease_epoch
         self._policy = policy
 
     @property
@@ -149,13 +163,13 @@ class JobRun:
         device = resolve_device(self.deps.settings.device)
         self.policy = self._policy if self._policy is not None else await asyncio.to_thread(
             Policy, self.spec, device, Followers.if_distributed())
-        await self.deps.replay.configure(self.job_id, self.spec.replay)
+        await self.fenced_replay(self.deps.replay.configure(self.job_id, self.spec.replay, self.epoch))
         await self.job_bus.prepare(self.spec)
         cursor = await self.resume()
-        self.feeder = Feeder(self.job_bus, self.spec, prompts, cursor)
+        self.feeder = Feeder(self.job_bus, self.ledger, self.epoch, self.spec, prompts, cursor)
         self.publisher = WeightPublisher(self.deps.weights, self.job_id, self.spec.train.weights_dtype,
                                          self.spec.train.publish_interval, self.spec.train.keep_weight_versions,
-                                         self.spec.train.full_publish_interval)
+                                         self.epoch, self.spec.train.full_publish_interval)
         await self.publisher.sync()
         await self.publisher.publish(self.policy.model, self.step)
         await self.feeder.top_up(self.publisher.published_version)
@@ -177,11 +191,13 @@ class JobRun:
         saved = await asyncio.to_thread(ckpt.load_latest, self.root)
         if saved is None:
             self.metrics.truncate_after(0)
+            await self.ledger.forget_steps_after(self.job_id, 0, lease_epoch=self.epoch)
             return FeederCursor()
         self.policy.restore(saved, self.root)
         self.step = self.checkpoint_step = saved.step
         self.deps.board.checkpoint_step = saved.step
         self.metrics.truncate_after(saved.step)
+        await self.ledger.forget_steps_after(self.job_id, saved.step, lease_epoch=self.epoch)
         self.book.restore(saved.state["leases"])
         await self.commit(self.book)
         log.info("job %s resumed from step %d", self.job_id, saved.step)
@@ -285,6 +301,7 @@ class JobRun:
         self.check_lease()
         staleness = [self.step - g.policy_version for g in data.groups]
         self.step += 1
+        await self.ledger.trained(self.job_id, self.step, [g.task_id for g in data.groups], lease_epoch=self.epoch)
         self.book.add(data.leases)
         self.feeder.settle(len(data.groups))
         values.update({
@@ -313,9 +330,16 @@ class JobRun:
             return
         self.check_lease()
         self.phase("checkpointing")
-        extra = {"version": self.step, "cursor": self.feeder.cursor.to_dict(), "leases": self.book.to_state()}
+        extra = {"version": self.step, "cursor": self.feeder.cursor.to_dict(), "leases": self.book.to_state(),
+                 "lease_epoch": self.epoch}
         saved = self.policy.state(self.step, extra)
-        await asyncio.to_thread(ckpt.save, self.root, saved, delay_s=self.deps.settings.checkpoint_delay_s)
+        what = f"checkpoint {self.step}"
+        await self.deps.jobs.check_fence(self.job_id, self.epoch, what)
+        tmp = await asyncio.to_thread(ckpt.write, self.root, saved, delay_s=self.deps.settings.checkpoint_delay_s,
+                                      lease_epoch=self.epoch)
+        self.check_lease()
+        await self.deps.jobs.check_fence(self.job_id, self.epoch, what)
+        await asyncio.to_thread(ckpt.complete, self.root, tmp)
         self.checkpoint_step = self.deps.board.checkpoint_step = self.step
         await asyncio.to_thread(ckpt.prune, self.root, self.spec.train.keep_checkpoints)
         self.check_lease()
@@ -324,7 +348,7 @@ class JobRun:
     async def commit(self, book: LeaseBook) -> None:
         for record in book.take_pending():
             try:
-                await self.deps.replay.commit(self.job_id, record.lease_id)
+                await self.fenced_replay(self.deps.replay.commit(self.job_id, record.lease_id, self.epoch))
             except NotFound:
                 log.warning("job %s: lease %s expired before its commit; its %d groups will be skipped",
                             self.job_id, record.lease_id, len(record.task_ids))
@@ -333,8 +357,8 @@ class JobRun:
     async def report(self, values: dict[str, float], data: StepData) -> None:
         unix_ms = int(time.time() * 1000)
         record = {"step": self.step, "policy_version": self.step, "unix_ms": unix_ms, **values}
+        await self.deps.jobs.append_step(self.job_id, record, lease_epoch=self.epoch)
         self.metrics.append({**record, "task_ids": [g.task_id for g in data.groups]})
-        await self.deps.jobs.append_step(self.job_id, record)
         await self.job_bus.event({"type": "step", **record})
         board = self.deps.board
         board.step, board.policy_version = self.step, self.step
@@ -348,10 +372,31 @@ class JobRun:
         path = await asyncio.to_thread(export_model, self.policy.model, self.policy.tokenizer,
                                        self.deps.settings.run_dir, self.job_id)
         self.check_lease()
+        await self.deps.jobs.check_fence(self.job_id, self.epoch, "the job's end")
         await self.deps.jobs.set_model_uri(self.job_id, str(path.resolve()))
         await self.deps.jobs.set_state(self.job_id, JobState.SUCCEEDED)
         await self.job_bus.event({"type": "state", "state": "succeeded", "model_uri": str(path.resolve())})
+        await self.report_ledger()
         self.phase("done")
+
+    async def report_ledger(self) -> None:
+        """The job's end-to-end accounting, logged and published as a `ledger` event. The job has
+        succeeded already: a failure here is logged (`fleetrl jobs account` reads the ledger later)."""
+        try:
+            accounting = await self.ledger.account(self.deps.js, self.job_id, ledger.max_trainings(self.spec))
+        except Exception as error:  # NATS or Redis unreachable at the very end: the ledger stays stored
+            log.warning("job %s: no end-of-job accounting: %r", self.job_id, error)
+            return
+        log.log(logging.INFO if accounting.balanced else logging.ERROR, "job %s ledger: %s", self.job_id,
+                accounting.counts)
+        await self.job_bus.event({"type": "ledger", **accounting.counts})
+
+    async def fenced_replay(self, call: Awaitable[T]) -> T:
+        """A replay call that carries our epoch: its FAILED_PRECONDITION is a fencing refusal."""
+        try:
+            return await call
+        except FailedPrecondition as error:
+            raise Fenced(str(error)) from error
 
     def phase(self, name: str) -> None:
         self.deps.board.phase = name

@@ -46,11 +46,12 @@ class ReplayClient:
         self._insert_raw = self._channel.unary_unary(
             INSERT_METHOD, request_serializer=None, response_deserializer=replay_pb2.InsertResponse.FromString)
 
-    async def configure(self, job_id: str, cfg: ReplayConfig) -> replay_pb2.TableInfo:
-        """Create or update the job's table from the JobSpec's replay section."""
+    async def configure(self, job_id: str, cfg: ReplayConfig, lease_epoch: int = 0) -> replay_pb2.TableInfo:
+        """Create or update the job's table from the JobSpec's replay section, raising its fence to
+        lease_epoch (FailedPrecondition below it)."""
         req = replay_pb2.ConfigureTableRequest(
             job_id=job_id, capacity_groups=cfg.capacity_groups, sampler=SAMPLERS[cfg.sampler].kind,
-            max_reuse=cfg.max_reuse, lease_timeout_s=cfg.lease_timeout_s)
+            max_reuse=cfg.max_reuse, lease_timeout_s=cfg.lease_timeout_s, lease_epoch=lease_epoch)
         return await self._call("ConfigureTable", req)
 
     async def insert(self, groups: Sequence[common_pb2.Group]) -> list[int]:
@@ -70,9 +71,11 @@ class ReplayClient:
         resp = await self._call("Sample", req, extra_s=wait_s)
         return resp.lease_id, list(resp.groups), resp.stale_dropped
 
-    async def commit(self, job_id: str, lease_id: str) -> int:
-        """Consume a lease's groups; 0 if committed before. NotFound if unknown or expired."""
-        resp = await self._call("Commit", replay_pb2.CommitRequest(job_id=job_id, lease_id=lease_id))
+    async def commit(self, job_id: str, lease_id: str, lease_epoch: int = 0) -> int:
+        """Consume a lease's groups; 0 if committed before. NotFound if unknown or expired;
+        FailedPrecondition when lease_epoch is below the table's fence."""
+        resp = await self._call("Commit", replay_pb2.CommitRequest(job_id=job_id, lease_id=lease_id,
+                                                                   lease_epoch=lease_epoch))
         return int(resp.committed_groups)
 
     async def release(self, job_id: str, lease_id: str) -> int:

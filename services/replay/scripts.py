@@ -3,7 +3,8 @@
 Keys of a job (prefix P = `fleetrl:replay:<job>:`):
   P..cfg      hash   capacity, sampler (its name, for ConfigureTable's answers), selection
                      (oldest|uniform|priority), drops_stale (1|0), max_reuse (1 without reuse),
-                     lease_timeout_ms: the scripts follow selection, drops_stale and max_reuse
+                     lease_timeout_ms: the scripts follow selection, drops_stale and max_reuse; fence
+                     (the newest job-lease epoch seen: ConfigureTable raises it, Commit below it is refused)
   P..ctr      hash   counters (inserted, duplicates, sampled, committed, expired_leases,
                      evicted, stale_dropped) and `seq`, the insertion sequence
   P..seen     set    every task id ever inserted: dedup holds after consumption too
@@ -20,18 +21,22 @@ Keys of a job (prefix P = `fleetrl:replay:<job>:`):
   P..lease:<id> set  task ids of one open lease
   P..done     zset   lease id -> commit time of committed leases (commit twice is a no-op)
 
+INSERT, SAMPLE and COMMIT also take KEYS[1], the job's ledger `fate` hash (`services.common.ledger`):
+a group's arrival and its removal (consumed, stale, evicted) are recorded there in the same step.
 Leased groups leave `avail`/`pv` and come back on release or expiry (Renew pushes a lease's
 expiry back while its holder lives). Insert carries no `allow-oom` flag, so Redis refuses it
 whole when out of memory (backpressure); Sample/Commit/Release/Renew may run out of memory
 because they free it or change nothing in size. The scripts build key names from the prefix,
-so the table of a job must live on one Redis node.
+so the table of a job (and its ledger) must live on one Redis node.
 """
 
 from __future__ import annotations
 
 _COMMON = r"""
 local P = ARGV[1]
-local function delete_group(t)
+local F = KEYS[1]
+local function delete_group(t, fate)
+  redis.call('HSET', F, t, fate)
   redis.call('HDEL', P..'data', t)
   redis.call('ZREM', P..'stored', t)
   redis.call('ZREM', P..'avail', t)
@@ -72,7 +77,8 @@ local function reclaim(now)
 end
 """
 
-# ARGV: prefix, max_lineage, then per group: task, payload, policy_version, priority, lineage_json
+# KEYS: ledger fate hash; ARGV: prefix, max_lineage, then per group: task, payload, policy_version,
+# priority, lineage_json
 # returns {-1} no table, or {outcome per group (1 inserted | 0 duplicate)..., evicted}
 INSERT = "#!lua\n" + _COMMON + r"""
 if redis.call('EXISTS', P..'cfg') == 0 then return {-1} end
@@ -93,6 +99,7 @@ for i = 3, #ARGV, 5 do
     duplicates = duplicates + 1
     out[#out + 1] = 0
   else
+    redis.call('HSET', F, t, 'r')
     redis.call('HSET', P..'data', t, ARGV[i + 1])
     redis.call('ZADD', P..'stored', seq, t)
     redis.call('ZADD', P..'avail', seq, t)
@@ -118,7 +125,7 @@ for i = 3, #ARGV, 5 do
         if v ~= t and victim == nil then victim = v end
       end
       if victim == nil then break end
-      delete_group(victim)
+      delete_group(victim, 'e')
       stored = stored - 1
       evicted = evicted + 1
     end
@@ -131,7 +138,7 @@ out[#out + 1] = evicted
 return out
 """
 
-# ARGV: prefix, now_ms, max_groups, min_policy_version, seed, lease_id
+# KEYS: ledger fate hash; ARGV: prefix, now_ms, max_groups, min_policy_version, seed, lease_id
 # returns {-1} no table, or {stale_dropped, expires_ms, payload...}
 SAMPLE = "#!lua flags=allow-oom\n" + _COMMON + r"""
 local cfg = redis.call('HMGET', P..'cfg', 'selection', 'lease_timeout_ms', 'drops_stale')
@@ -144,7 +151,7 @@ local stale = 0
 local chosen = {}
 if cfg[3] == '1' then
   local old = redis.call('ZRANGEBYSCORE', P..'pv', '-inf', '(' .. min_pv)
-  for _, t in ipairs(old) do delete_group(t) end
+  for _, t in ipairs(old) do delete_group(t, 's') end
   stale = #old
   if stale > 0 then redis.call('HINCRBY', P..'ctr', 'stale_dropped', stale) end
 end
@@ -187,10 +194,13 @@ for i = 1, #payloads do out[i + 2] = payloads[i] end
 return out
 """
 
-# ARGV: prefix, now_ms, lease_id; returns committed groups, or -1 unknown/expired, -2 no table
+# KEYS: ledger fate hash; ARGV: prefix, now_ms, lease_id, lease_epoch; returns committed groups, or -1
+# unknown/expired, -2 no table, -3 fenced (a newer job-lease epoch configured the table)
 COMMIT = "#!lua flags=allow-oom\n" + _COMMON + r"""
-local max_reuse = redis.call('HGET', P..'cfg', 'max_reuse')
-if not max_reuse then return -2 end
+local cfg = redis.call('HMGET', P..'cfg', 'max_reuse', 'fence')
+if not cfg[1] then return -2 end
+if tonumber(ARGV[4]) < tonumber(cfg[2] or '0') then return -3 end
+local max_reuse = cfg[1]
 local now = tonumber(ARGV[2])
 local id = ARGV[3]
 if redis.call('ZSCORE', P..'done', id) then return 0 end
@@ -201,7 +211,7 @@ local n = 0
 for _, t in ipairs(redis.call('SMEMBERS', P..'lease:'..id)) do
   if redis.call('ZSCORE', P..'stored', t) then
     n = n + 1
-    if redis.call('HINCRBY', P..'reuse', t, 1) >= max_reuse then delete_group(t) else make_available(t) end
+    if redis.call('HINCRBY', P..'reuse', t, 1) >= max_reuse then delete_group(t, 'c') else make_available(t) end
   end
 end
 redis.call('DEL', P..'lease:'..id)
@@ -237,6 +247,16 @@ for i = 3, #ARGV do
   end
 end
 return out
+"""
+
+# ARGV: prefix, lease_epoch; returns the fence after the call, or -1 when lease_epoch is below it
+RAISE_FENCE = "#!lua\n" + r"""
+local P = ARGV[1]
+local fence = tonumber(redis.call('HGET', P..'cfg', 'fence') or '0')
+local epoch = tonumber(ARGV[2])
+if epoch < fence then return -1 end
+redis.call('HSET', P..'cfg', 'fence', epoch)
+return epoch
 """
 
 # ARGV: prefix, now_ms, min_policy_version; returns {stored, sampleable, eligible, expired now} or {-1}

@@ -74,7 +74,7 @@ class ReplayServicer(replay_pb2_grpc.ReplayServiceServicer):
     async def ConfigureTable(self, request: replay_pb2.ConfigureTableRequest,
                              context: grpc.aio.ServicerContext) -> replay_pb2.TableInfo:
         cfg = convert.to_table_config(request)
-        size = await self.tables.configure(request.job_id, cfg)
+        size = await self.tables.configure(request.job_id, cfg, request.lease_epoch)
         log.info("configured table of job %s: %s", request.job_id, cfg)
         return convert.table_info(request.job_id, cfg, size)
 
@@ -102,7 +102,7 @@ class ReplayServicer(replay_pb2_grpc.ReplayServiceServicer):
     @map_errors
     async def Commit(self, request: replay_pb2.CommitRequest,
                      context: grpc.aio.ServicerContext) -> replay_pb2.CommitResponse:
-        n = await self.tables.commit(convert.require_job(request.job_id), request.lease_id)
+        n = await self.tables.commit(convert.require_job(request.job_id), request.lease_id, request.lease_epoch)
         self.metrics.committed.labels(request.job_id).inc(n)
         return replay_pb2.CommitResponse(committed_groups=n)
 

@@ -31,9 +31,11 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import OutOfMemoryError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from services.common import ledger
 from services.common.config import DEFAULT_LEASE_TIMEOUT_S, MAX_CAPACITY_GROUPS, MAX_LEASE_TIMEOUT_S, MAX_REUSE
 from services.common.errors import (
     FailedPrecondition,
+    Fenced,
     FieldViolation,
     InvalidArgument,
     NotFound,
@@ -201,6 +203,7 @@ class ReplayTables:
         self._release = client.register_script(scripts.RELEASE)
         self._renew = client.register_script(scripts.RENEW)
         self._status = client.register_script(scripts.STATUS)
+        self._raise_fence = client.register_script(scripts.RAISE_FENCE)
 
     async def check_redis(self) -> None:
         """Refuse a Redis that may evict keys silently; warn when CONFIG is disabled."""
@@ -214,9 +217,13 @@ class ReplayTables:
                 f"Redis maxmemory-policy is {policy!r}: it may evict replay groups silently; "
                 "set `maxmemory-policy noeviction`")
 
-    async def configure(self, job_id: str, cfg: TableConfig) -> int:
-        """Create or update a job's table; returns the groups it holds."""
+    async def configure(self, job_id: str, cfg: TableConfig, lease_epoch: int = 0) -> int:
+        """Create or update a job's table; returns the groups it holds. Raises the table's fence to
+        lease_epoch first (Fenced below it)."""
         p = prefix(job_id)
+        if int(await _run(self._raise_fence(args=[p, lease_epoch]))) == -1:
+            raise Fenced(f"job {job_id}: ConfigureTable under lease epoch {lease_epoch} refused: a newer "
+                         "learner configured the table")
         mapping: dict[str | bytes, str | int] = {
             "capacity": cfg.capacity_groups, "sampler": cfg.sampler.name, "selection": cfg.sampler.selection,
             "drops_stale": int(cfg.sampler.drops_stale), "max_reuse": cfg.max_reuse,
@@ -249,7 +256,7 @@ class ReplayTables:
                 lineage = {**r.lineage, "policy_version": r.policy_version, "mean_reward": r.mean_reward}
                 args += [r.task_id, r.payload, r.policy_version, repr(r.priority),
                          json.dumps(lineage, separators=(",", ":"))]
-            result = await _run(self._insert(args=args))
+            result = await _run(self._insert(keys=[ledger.key(job_id, "fate")], args=args))
             if result[0] == -1:
                 raise _no_table(job_id)
             for i, outcome in zip(indices, result[:-1], strict=True):
@@ -270,17 +277,22 @@ class ReplayTables:
         lease_id = uuid.uuid4().hex
         seed = seed or random.getrandbits(31)
         args: list[str | int] = [prefix(job_id), now_ms(), max_groups, min_policy_version, seed, lease_id]
-        out = await _run(self._sample(args=args))
+        out = await _run(self._sample(keys=[ledger.key(job_id, "fate")], args=args))
         if out[0] == -1:
             raise _no_table(job_id)
         payloads = list(out[2:])
         return SampleResult(lease_id if payloads else "", payloads, int(out[0]), int(out[1]))
 
-    async def commit(self, job_id: str, lease_id: str) -> int:
-        """Consume a lease's groups; 0 if it was committed before."""
-        n = int(await _run(self._commit(args=[prefix(job_id), now_ms(), lease_id])))
+    async def commit(self, job_id: str, lease_id: str, lease_epoch: int = 0) -> int:
+        """Consume a lease's groups; 0 if it was committed before. Fenced when a newer job-lease epoch
+        configured the table."""
+        n = int(await _run(self._commit(keys=[ledger.key(job_id, "fate")],
+                                        args=[prefix(job_id), now_ms(), lease_id, lease_epoch])))
         if n == -2:
             raise _no_table(job_id)
+        if n == -3:
+            raise Fenced(f"job {job_id}: commit of lease {lease_id} under lease epoch {lease_epoch} refused: a "
+                         "newer learner configured the table")
         if n == -1:
             raise NotFound(f"lease {lease_id!r} of job {job_id!r} is unknown or expired "
                            "(its groups went back to the table)")

@@ -25,6 +25,7 @@ from nats.js import JetStreamContext
 from services.common import bus, models
 from services.common.config import JobSpec
 from services.common.jobs import JobState, JobStore
+from services.common.ledger import Ledger
 from services.common.weights import WeightStore, encode_safetensors
 from services.fleet.embedded import wait_for_port
 from services.proto.fleetrl.v1 import common_pb2
@@ -98,7 +99,13 @@ class Fleet:
         tensors = {k: v.to(models.as_dtype(dtype)).contiguous() for k, v in tensors.items()}
         await self.weights.publish(job_id, version, encode_safetensors(tensors), dtype)
 
+    @property
+    def ledger(self) -> Ledger:
+        return Ledger(self.jobs.redis)
+
     async def publish_task(self, job_id: str, index: int, prompt: str, answer: str, min_version: int = 0) -> None:
+        """As the feeder does: recorded in the job's ledger, then published with its dedup id."""
+        await self.ledger.published(job_id, [f"0/{index}"], lease_epoch=0)
         task = common_pb2.Task(job_id=job_id, task_id=f"0/{index}", epoch=0, prompt_index=index, prompt=prompt,
                                metadata_json=json.dumps({"answer": answer}), min_policy_version=min_version,
                                published_unix_ms=int(time.time() * 1000))

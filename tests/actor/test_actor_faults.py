@@ -76,7 +76,10 @@ async def test_sigkill_every_few_seconds_loses_and_duplicates_nothing(fleet: Fle
     assert {r.lineage.actor_id for r in records} <= set(names)
     info = await fleet.js.consumer_info(bus.TASKS_STREAM, bus.task_consumer(job))
     assert info.num_pending == 0 and info.num_ack_pending == 0
-    print(f"kills={len(kills)} redelivered={len(redelivered)} duplicates={stats.duplicates}")
+    counts = (await fleet.ledger.account(fleet.js, job)).counts
+    print(f"kills={len(kills)} redelivered={len(redelivered)} duplicates={stats.duplicates} ledger={counts}")
+    assert counts["pending"] == counts["published"] == 60  # no learner here: every group waits in replay
+    assert counts["lost"] == counts["duplicated"] == counts["unpublished"] == 0
 
 
 async def test_sigstopped_actor_late_result_is_a_duplicate(fleet: Fleet) -> None:
@@ -150,6 +153,12 @@ async def test_task_that_always_crashes_is_dead_lettered_after_max_retries(fleet
     assert stats.inserted == 7 and "0/3" not in {r.task_id for r in await fleet.replay.query(job)}
     info = await fleet.js.consumer_info(bus.TASKS_STREAM, bus.task_consumer(job))
     assert info.num_pending == 0 and info.num_ack_pending == 0
+    accounting = await fleet.ledger.account(fleet.js, job)
+    print(f"dead letter: ledger={accounting.counts}")
+    assert accounting.counts["pending"] == 7 and accounting.counts["dead_lettered"] == 1
+    assert accounting.counts["lost"] == accounting.counts["duplicated"] == 0
+    (dead_task,) = [t for t in accounting.tasks if t.fate == "dead_lettered"]
+    assert dead_task.task_id == "0/3" and "fault injection" in dead_task.reason
 
 
 async def test_weight_update_mid_run_and_corrupt_object(fleet: Fleet) -> None:

@@ -7,7 +7,7 @@ import asyncio
 import pytest
 
 from services.common.config import JobSpec
-from services.common.errors import FailedPrecondition, NotFound
+from services.common.errors import FailedPrecondition, Fenced, NotFound
 from services.common.jobs import JobState, JobStore
 
 SPEC = JobSpec.model_validate({"prompts": "p.jsonl", "reward": {"builtin": "numeric_match"}})
@@ -49,6 +49,16 @@ async def test_one_learner_per_job_and_orphans_are_reclaimed(redis_url: str) -> 
     assert resumed is not None and resumed.state is JobState.RUNNING
     assert not await store.renew(job.job_id, "L0", 5)
     assert await store.renew(job.job_id, "L9", 5)
+    # fencing: the first claim's epoch is stale now; its writes are refused, the new claim's are not
+    [first] = [c for c in claims if c]
+    assert (first.lease_epoch, resumed.lease_epoch) == (1, 2)
+    with pytest.raises(Fenced, match="lease epoch 1"):
+        await store.append_step(job.job_id, {"step": 1, "loss": 1.0}, lease_epoch=1)
+    with pytest.raises(Fenced):
+        await store.check_fence(job.job_id, 1, "a checkpoint")
+    await store.check_fence(job.job_id, 2, "a checkpoint")
+    await store.append_step(job.job_id, {"step": 1, "loss": 2.0}, lease_epoch=2)
+    assert [m["loss"] for m in await store.steps(job.job_id)] == [2.0]
     await store.close()
 
 
@@ -56,7 +66,7 @@ async def test_steps_are_recorded_once(redis_url: str) -> None:
     store = JobStore.from_url(redis_url)
     job = await store.create("t", SPEC, b"", None)
     for step in (1, 2, 2, 3):
-        await store.append_step(job.job_id, {"step": step, "loss": float(step)})
+        await store.append_step(job.job_id, {"step": step, "loss": float(step)}, lease_epoch=0)
     assert [m["step"] for m in await store.steps(job.job_id)] == [1, 2, 3]
     assert [m["step"] for m in await store.steps(job.job_id, from_step=2)] == [2, 3]
     assert (await store.get(job.job_id)).last_step == {"step": 3, "loss": 3.0}

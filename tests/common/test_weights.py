@@ -15,7 +15,7 @@ from nats.js.object_store import ObjectStore
 
 from services.common import bus, weights
 from services.common.chunk_reader import ChunkReader
-from services.common.errors import DeadlineExceeded, FailedPrecondition, NotFound
+from services.common.errors import DeadlineExceeded, FailedPrecondition, Fenced, NotFound
 from services.common.weights import (
     WeightPointer,
     WeightsCorrupt,
@@ -79,6 +79,19 @@ async def test_safetensors_through_the_store(store: WeightStore) -> None:
 
 async def test_latest_is_none_before_first_publish(store: WeightStore) -> None:
     assert await store.latest(JOB) is None
+
+
+async def test_a_stale_learners_publish_is_fenced_before_it_writes(store: WeightStore, nc: NATS) -> None:
+    await store.publish(JOB, 0, b"v0" * 100, "float32", lease_epoch=1)
+    stamped = await store.fence(JOB, 2)  # the learner that claimed the job next
+    assert stamped is not None and (stamped.version, stamped.epoch) == (0, 2)
+    with pytest.raises(Fenced, match="lease epoch 1"):
+        await store.publish(JOB, 1, b"v1" * 100, "float32", lease_epoch=1)
+    with pytest.raises(Fenced):
+        await store.fence(JOB, 1)
+    objects = await bus.jetstream(nc).object_store(bus.weights_bucket(JOB))
+    assert [info.name for info in await objects.list()] == ["v0"]  # nothing of epoch 1 was written
+    assert (await store.publish(JOB, 1, b"v1" * 100, "float32", lease_epoch=2)).epoch == 2
 
 
 async def test_pointer_with_wrong_sha_raises_corrupt(store: WeightStore) -> None:

@@ -89,7 +89,7 @@ def play_learner(infra: Infra, job_id: str, steps: int, model_dir: Path | None =
         for step in range(1, steps + 1):
             await asyncio.sleep(0.1)
             await store.append_step(job_id, {"step": step, "policy_version": step, "reward_mean": step / 10,
-                                             "kl": 0.01 * step, "tokens_per_s": 100.0 + step})
+                                             "kl": 0.01 * step, "tokens_per_s": 100.0 + step}, lease_epoch=0)
         if model_dir is not None:
             await store.set_model_uri(job_id, str(model_dir))
         await store.set_state(job_id, JobState.SUCCEEDED)

@@ -29,7 +29,7 @@ def test_sigkill_and_restart_keeps_every_job_and_watch_resumes(infra: Infra, job
         async def learn(store: JobStore, steps: range) -> None:
             await store.set_state(run.job_id, JobState.RUNNING, allowed_from=(JobState.QUEUED, JobState.RUNNING))
             for step in steps:
-                await store.append_step(run.job_id, {"step": step, "reward_mean": step})
+                await store.append_step(run.job_id, {"step": step, "reward_mean": step}, lease_epoch=0)
                 await asyncio.sleep(0.05)
 
         infra.store(lambda s: learn(s, range(1, 3)))

@@ -293,7 +293,7 @@ def test_watch_from_any_uint64_step(infra: Infra, alice: Client) -> None:
     async def learn(store: JobStore) -> None:
         await store.set_state(job.job_id, JobState.RUNNING, allowed_from=(JobState.QUEUED,))
         for step in (1, 2, 3):
-            await store.append_step(job.job_id, {"step": step, "reward_mean": step / 10})
+            await store.append_step(job.job_id, {"step": step, "reward_mean": step / 10}, lease_epoch=0)
         await store.set_state(job.job_id, JobState.SUCCEEDED)
 
     infra.store(learn)

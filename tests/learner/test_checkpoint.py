@@ -53,7 +53,8 @@ def test_partial_checkpoints_are_ignored_and_pruned(tmp_path: Path) -> None:
     ckpt.prune(tmp_path, keep=2)
     assert sorted(os.listdir(tmp_path)) == ["step-00000002", "step-00000003", "step-00000004.tmp",
                                             "step-00000005"]
-    ckpt.save(tmp_path, policy.state(5, {}))  # a resumed learner rewrites step 5 from scratch
+    (tmp_path / "step-00000005.e1.tmp").mkdir()  # a fenced learner's partial attempt at step 5
+    ckpt.complete(tmp_path, ckpt.write(tmp_path, policy.state(5, {}), lease_epoch=2))  # the resumed one's
     ckpt.prune(tmp_path, keep=2)
     assert sorted(os.listdir(tmp_path)) == ["step-00000003", "step-00000005"]
 

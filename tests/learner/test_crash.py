@@ -72,7 +72,7 @@ async def test_kill_mid_step_and_mid_checkpoint_resumes_exactly(nats_url: str, r
         assert ckpt.complete_steps(root)[-1] == 2
 
         second = learner_process(nats_url, redis_url, addr, run_dir, log, FLEETRL_LEARNER_CHECKPOINT_DELAY_S="30")
-        await wait_until("checkpoint 4 written", lambda: (root / "step-00000004.tmp" / "state.json").exists(), second)
+        await wait_until("checkpoint 4 written", lambda: any(root.glob("step-00000004*.tmp/state.json")), second)
         kill(second)
         assert ckpt.complete_steps(root)[-1] == 2  # step 4 never became complete
 

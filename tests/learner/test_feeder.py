@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import pytest
+import redis.asyncio as aioredis
 from hypothesis import given
 from hypothesis import strategies as st
 from learner_fleet import prompts_jsonl, spec_for
 
-from services.common import bus, seeding
+from services.common import bus, ledger, seeding
 from services.common.errors import InvalidArgument
+from services.common.ledger import Ledger
 from services.learner.feeder import (
     Feeder,
     FeederCursor,
@@ -61,15 +63,17 @@ def test_simulated_pipeline_never_trains_stale(max_staleness: int, pps: int, ste
         assert trained == pps  # with prompt generation keeping up, nothing is ever dropped
 
 
-async def test_strictly_on_policy_tags_current_version(nats_url: str) -> None:
+async def test_strictly_on_policy_tags_current_version(nats_url: str, redis_url: str) -> None:
     nc = await bus.connect(nats_url, "test")
     js = bus.jetstream(nc)
     await bus.ensure_streams(js)
-    feeder = Feeder(JobBus(nc, "jt"), spec_for(max_staleness=0), parse_prompts(prompts_jsonl(3)))
+    redis = aioredis.Redis.from_url(redis_url)
+    feeder = Feeder(JobBus(nc, "jt"), Ledger(redis), 0, spec_for(max_staleness=0), parse_prompts(prompts_jsonl(3)))
     assert await feeder.top_up(5) == 2  # prompts_per_step 2, max_staleness 0
     sub = await js.pull_subscribe(bus.task_subject("jt"), durable="check")
     tags = [common_pb2.Task.FromString(m.data).min_policy_version for m in await sub.fetch(2, timeout=2)]
     await nc.close()
+    await redis.aclose()
     assert tags == [5, 5] and sample_min_version(5, 0) == 5 and not 5 - 4 <= 0
 
 
@@ -80,17 +84,19 @@ def test_parse_prompts_keeps_metadata() -> None:
         parse_prompts(b'{"text": "x"}\n')
 
 
-async def test_feeder_publishes_shuffled_dedups_and_crosses_epochs(nats_url: str) -> None:
+async def test_feeder_publishes_shuffled_dedups_and_crosses_epochs(nats_url: str, redis_url: str) -> None:
     nc = await bus.connect(nats_url, "test")
     js = bus.jetstream(nc)
     await bus.ensure_streams(js)
     spec = spec_for(max_staleness=1)  # prompts_per_step 2 -> 4 in flight
     prompts = parse_prompts(prompts_jsonl(3))
-    feeder = Feeder(JobBus(nc, "jf"), spec, prompts)
+    redis = aioredis.Redis.from_url(redis_url)
+    feeder = Feeder(JobBus(nc, "jf"), Ledger(redis), 0, spec, prompts)
     assert await feeder.top_up(0) == 4 and await feeder.top_up(0) == 0
     assert feeder.cursor == FeederCursor(epoch=1, position=1, published=4, settled=0)
     feeder.settle(2)
-    again = Feeder(JobBus(nc, "jf"), spec, prompts, FeederCursor(epoch=1, position=0, published=3, settled=2))
+    cursor = FeederCursor(epoch=1, position=0, published=3, settled=2)
+    again = Feeder(JobBus(nc, "jf"), Ledger(redis), 0, spec, prompts, cursor)
     assert await again.top_up(7) == 3  # re-publishes (1, order[0]): dropped by Nats-Msg-Id dedup
     sub = await js.pull_subscribe(bus.task_subject("jf"), durable="check")
     msgs = await sub.fetch(10, timeout=2)
@@ -99,5 +105,7 @@ async def test_feeder_publishes_shuffled_dedups_and_crosses_epochs(nats_url: str
     order0, order1 = seeding.prompt_order(3, spec.seed, 0), seeding.prompt_order(3, spec.seed, 1)
     expected = [seeding.task_id(0, i) for i in order0] + [seeding.task_id(1, i) for i in order1]
     assert [t.task_id for t in tasks] == expected  # 6 distinct tasks, the duplicate dropped
+    assert {t.decode() for t in await redis.smembers(ledger.key("jf", "pub"))} == set(expected)  # recorded once
+    await redis.aclose()
     assert [t.min_policy_version for t in tasks] == [0, 0, 0, 0, 7, 7]
     assert tasks[0].metadata_json and tasks[0].prompt.startswith("What is")

@@ -10,7 +10,8 @@ import pytest
 import redis.asyncio as aioredis
 from replay_helpers import configure, make_group
 
-from services.common.errors import InvalidArgument, NotFound
+from services.common.config import ReplayConfig
+from services.common.errors import FailedPrecondition, InvalidArgument, NotFound
 from services.common.grpcutil import field_violations
 from services.proto.fleetrl.v1 import common_pb2, replay_pb2, replay_pb2_grpc
 from services.replay import convert
@@ -55,6 +56,21 @@ async def test_fifo_lease_commit_and_late_duplicate(replay: ReplayClient) -> Non
     assert (stats.size_groups, stats.leased_groups, stats.committed, stats.sampled) == (2, 2, 3, 5)
     assert await replay.release("j", lease2) == 2
     assert (await replay.stats("j")).leased_groups == 0
+
+
+async def test_a_stale_learners_commit_is_fenced(replay: ReplayClient) -> None:
+    """ConfigureTable under epoch 2 raises the fence: epoch 1 can neither commit nor configure."""
+    spec = ReplayConfig.model_validate({"capacity_groups": 10})
+    await replay.configure("jfence", spec, lease_epoch=1)
+    await replay.insert([make_group("jfence", "0/0")])
+    stale_lease, _, _ = await replay.sample("jfence", 1)
+    await replay.configure("jfence", spec, lease_epoch=2)
+    with pytest.raises(FailedPrecondition, match="lease epoch 1"):
+        await replay.commit("jfence", stale_lease, lease_epoch=1)
+    with pytest.raises(FailedPrecondition, match="lease epoch 1"):
+        await replay.configure("jfence", spec, lease_epoch=1)
+    assert (await replay.stats("jfence")).committed == 0
+    assert await replay.commit("jfence", stale_lease, lease_epoch=2) == 1
 
 
 async def test_lease_expiry_after_learner_crash_returns_groups(replay: ReplayClient) -> None:

@@ -16,12 +16,31 @@ class JobState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     JOB_STATE_SUCCEEDED: _ClassVar[JobState]
     JOB_STATE_FAILED: _ClassVar[JobState]
     JOB_STATE_CANCELLED: _ClassVar[JobState]
+
+class TaskFate(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    TASK_FATE_UNSPECIFIED: _ClassVar[TaskFate]
+    TASK_FATE_TRAINED: _ClassVar[TaskFate]
+    TASK_FATE_STALE: _ClassVar[TaskFate]
+    TASK_FATE_EVICTED: _ClassVar[TaskFate]
+    TASK_FATE_PENDING: _ClassVar[TaskFate]
+    TASK_FATE_DEAD_LETTERED: _ClassVar[TaskFate]
+    TASK_FATE_IN_FLIGHT: _ClassVar[TaskFate]
+    TASK_FATE_LOST: _ClassVar[TaskFate]
 JOB_STATE_UNSPECIFIED: JobState
 JOB_STATE_QUEUED: JobState
 JOB_STATE_RUNNING: JobState
 JOB_STATE_SUCCEEDED: JobState
 JOB_STATE_FAILED: JobState
 JOB_STATE_CANCELLED: JobState
+TASK_FATE_UNSPECIFIED: TaskFate
+TASK_FATE_TRAINED: TaskFate
+TASK_FATE_STALE: TaskFate
+TASK_FATE_EVICTED: TaskFate
+TASK_FATE_PENDING: TaskFate
+TASK_FATE_DEAD_LETTERED: TaskFate
+TASK_FATE_IN_FLIGHT: TaskFate
+TASK_FATE_LOST: TaskFate
 
 class SubmitJobRequest(_message.Message):
     __slots__ = ("spec", "spec_format", "prompts", "reward_file", "idempotency_key", "eval_prompts")
@@ -176,3 +195,48 @@ class FleetStatus(_message.Message):
     unix_ms: int
     reward_sandbox: str
     def __init__(self, members: _Optional[_Iterable[_Union[FleetMember, _Mapping]]] = ..., queues: _Optional[_Iterable[_Union[TaskQueue, _Mapping]]] = ..., unix_ms: _Optional[int] = ..., reward_sandbox: _Optional[str] = ...) -> None: ...
+
+class GetJobAccountingRequest(_message.Message):
+    __slots__ = ("job_id", "include_tasks")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    INCLUDE_TASKS_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    include_tasks: bool
+    def __init__(self, job_id: _Optional[str] = ..., include_tasks: _Optional[bool] = ...) -> None: ...
+
+class TaskAccount(_message.Message):
+    __slots__ = ("task_id", "epoch", "prompt_index", "fate", "steps", "reason")
+    TASK_ID_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_INDEX_FIELD_NUMBER: _ClassVar[int]
+    FATE_FIELD_NUMBER: _ClassVar[int]
+    STEPS_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    task_id: str
+    epoch: int
+    prompt_index: int
+    fate: TaskFate
+    steps: _containers.RepeatedScalarFieldContainer[int]
+    reason: str
+    def __init__(self, task_id: _Optional[str] = ..., epoch: _Optional[int] = ..., prompt_index: _Optional[int] = ..., fate: _Optional[_Union[TaskFate, str]] = ..., steps: _Optional[_Iterable[int]] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class JobAccounting(_message.Message):
+    __slots__ = ("job_id", "counts", "balanced", "tasks", "unix_ms")
+    class CountsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    COUNTS_FIELD_NUMBER: _ClassVar[int]
+    BALANCED_FIELD_NUMBER: _ClassVar[int]
+    TASKS_FIELD_NUMBER: _ClassVar[int]
+    UNIX_MS_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    counts: _containers.ScalarMap[str, int]
+    balanced: bool
+    tasks: _containers.RepeatedCompositeFieldContainer[TaskAccount]
+    unix_ms: int
+    def __init__(self, job_id: _Optional[str] = ..., counts: _Optional[_Mapping[str, int]] = ..., balanced: _Optional[bool] = ..., tasks: _Optional[_Iterable[_Union[TaskAccount, _Mapping]]] = ..., unix_ms: _Optional[int] = ...) -> None: ...

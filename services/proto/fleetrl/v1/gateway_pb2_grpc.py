@@ -71,6 +71,11 @@ class JobServiceStub:
                 request_serializer=fleetrl_dot_v1_dot_gateway__pb2.GetFleetRequest.SerializeToString,
                 response_deserializer=fleetrl_dot_v1_dot_gateway__pb2.FleetStatus.FromString,
                 _registered_method=True)
+        self.GetJobAccounting = channel.unary_unary(
+                '/fleetrl.v1.JobService/GetJobAccounting',
+                request_serializer=fleetrl_dot_v1_dot_gateway__pb2.GetJobAccountingRequest.SerializeToString,
+                response_deserializer=fleetrl_dot_v1_dot_gateway__pb2.JobAccounting.FromString,
+                _registered_method=True)
 
 
 class JobServiceServicer:
@@ -135,6 +140,17 @@ class JobServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetJobAccounting(self, request, context):
+        """The job's end-to-end task ledger now: what became of every task the
+        feeder published (trained in step k, dropped stale, evicted,
+        dead-lettered with its reason, pending in replay, in flight, or lost),
+        with counts. Unknown (or another tenant's) job: NOT_FOUND. NATS or Redis
+        unreachable: UNAVAILABLE.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_JobServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -172,6 +188,11 @@ def add_JobServiceServicer_to_server(servicer, server):
                     servicer.GetFleet,
                     request_deserializer=fleetrl_dot_v1_dot_gateway__pb2.GetFleetRequest.FromString,
                     response_serializer=fleetrl_dot_v1_dot_gateway__pb2.FleetStatus.SerializeToString,
+            ),
+            'GetJobAccounting': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetJobAccounting,
+                    request_deserializer=fleetrl_dot_v1_dot_gateway__pb2.GetJobAccountingRequest.FromString,
+                    response_serializer=fleetrl_dot_v1_dot_gateway__pb2.JobAccounting.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -365,6 +386,33 @@ class JobService:
             '/fleetrl.v1.JobService/GetFleet',
             fleetrl_dot_v1_dot_gateway__pb2.GetFleetRequest.SerializeToString,
             fleetrl_dot_v1_dot_gateway__pb2.FleetStatus.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetJobAccounting(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/fleetrl.v1.JobService/GetJobAccounting',
+            fleetrl_dot_v1_dot_gateway__pb2.GetJobAccountingRequest.SerializeToString,
+            fleetrl_dot_v1_dot_gateway__pb2.JobAccounting.FromString,
             options,
             channel_credentials,
             insecure,

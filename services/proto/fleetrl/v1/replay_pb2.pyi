@@ -29,18 +29,20 @@ INSERT_OUTCOME_INSERTED: InsertOutcome
 INSERT_OUTCOME_DUPLICATE: InsertOutcome
 
 class ConfigureTableRequest(_message.Message):
-    __slots__ = ("job_id", "capacity_groups", "sampler", "max_reuse", "lease_timeout_s")
+    __slots__ = ("job_id", "capacity_groups", "sampler", "max_reuse", "lease_timeout_s", "lease_epoch")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     CAPACITY_GROUPS_FIELD_NUMBER: _ClassVar[int]
     SAMPLER_FIELD_NUMBER: _ClassVar[int]
     MAX_REUSE_FIELD_NUMBER: _ClassVar[int]
     LEASE_TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    LEASE_EPOCH_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     capacity_groups: int
     sampler: SamplerKind
     max_reuse: int
     lease_timeout_s: float
-    def __init__(self, job_id: _Optional[str] = ..., capacity_groups: _Optional[int] = ..., sampler: _Optional[_Union[SamplerKind, str]] = ..., max_reuse: _Optional[int] = ..., lease_timeout_s: _Optional[float] = ...) -> None: ...
+    lease_epoch: int
+    def __init__(self, job_id: _Optional[str] = ..., capacity_groups: _Optional[int] = ..., sampler: _Optional[_Union[SamplerKind, str]] = ..., max_reuse: _Optional[int] = ..., lease_timeout_s: _Optional[float] = ..., lease_epoch: _Optional[int] = ...) -> None: ...
 
 class TableInfo(_message.Message):
     __slots__ = ("job_id", "config", "size_groups")
@@ -93,12 +95,14 @@ class SampleResponse(_message.Message):
     def __init__(self, lease_id: _Optional[str] = ..., groups: _Optional[_Iterable[_Union[_common_pb2.Group, _Mapping]]] = ..., stale_dropped: _Optional[int] = ..., lease_expires_unix_ms: _Optional[int] = ...) -> None: ...
 
 class CommitRequest(_message.Message):
-    __slots__ = ("job_id", "lease_id")
+    __slots__ = ("job_id", "lease_id", "lease_epoch")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    LEASE_EPOCH_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     lease_id: str
-    def __init__(self, job_id: _Optional[str] = ..., lease_id: _Optional[str] = ...) -> None: ...
+    lease_epoch: int
+    def __init__(self, job_id: _Optional[str] = ..., lease_id: _Optional[str] = ..., lease_epoch: _Optional[int] = ...) -> None: ...
 
 class CommitResponse(_message.Message):
     __slots__ = ("committed_groups",)

@@ -83,7 +83,8 @@ class ReplayServiceServicer:
 
     def ConfigureTable(self, request, context):
         """Create or update the table of a job. Idempotent: calling it again with the
-        same settings is a no-op; changed settings apply to later calls.
+        same settings is a no-op; changed settings apply to later calls. Raises
+        the table's fence to lease_epoch; refused below it.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -113,7 +114,8 @@ class ReplayServiceServicer:
     def Commit(self, request, context):
         """Commit a lease: its groups count as consumed (removed under fifo, their
         reuse counted under uniform/prioritised). Committing twice is a no-op.
-        An unknown or expired lease: NOT_FOUND.
+        An unknown or expired lease: NOT_FOUND. A lease_epoch below the table's
+        fence: FAILED_PRECONDITION.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
