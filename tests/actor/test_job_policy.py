@@ -77,7 +77,7 @@ async def test_delta_job_follows_chains_falls_back_and_is_repaired(nats_url: str
     store = WeightStore(nc, bus.jetstream(nc))
     learner_model, _ = models.load("tiny-llama")
     actor_model, tokenizer = models.load("tiny-llama")
-    publisher = WeightPublisher(store, "jd", "bfloat16", interval=1, keep=2, full_interval=3)
+    publisher = WeightPublisher(store, "jd", "bfloat16", interval=1, keep=2, lease_epoch=1, full_interval=3)
     policy = JobPolicy("jd", HFBackend(actor_model, tokenizer), store, pull_attempts=2, keep_payload=True)
     generator = torch.Generator().manual_seed(0)
 

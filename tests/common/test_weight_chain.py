@@ -121,7 +121,7 @@ async def test_broken_chain_is_reported_and_the_publisher_repairs_it(
     snapshot, and the publisher rewrites v2 as one; the reader then loads v2, never an unchecked
     payload."""
     model, _ = tiny_model()
-    publisher = WeightPublisher(store, JOB, "bfloat16", interval=1, keep=3, full_interval=4)
+    publisher = WeightPublisher(store, JOB, "bfloat16", interval=1, keep=3, lease_epoch=1, full_interval=4)
     step = trainer(model, lr=1e-3)
     p0 = await publisher.publish(model, 0)
     assert p0 is not None
@@ -209,7 +209,7 @@ async def test_publisher_killed_between_delta_and_pointer_leaves_readers_consist
     reader = await store.update(JOB, pointer, None)  # a reader sees v1, rebuilt and checked
     assert hashlib.sha256(reader.payload).hexdigest() == pointer.sha256
     # the restarted publisher holds no base: its first version is a full snapshot, the orphan goes
-    restarted = WeightPublisher(store, JOB, "bfloat16", interval=1, keep=2, full_interval=8)
+    restarted = WeightPublisher(store, JOB, "bfloat16", interval=1, keep=2, lease_epoch=1, full_interval=8)
     assert await restarted.sync() == 1
     model = torch.nn.Linear(4, 50_000, bias=False)
     p2 = await restarted.publish(model, 2)

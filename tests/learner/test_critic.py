@@ -203,7 +203,7 @@ async def nc(nats_url: str) -> AsyncIterator[NATS]:
 async def test_published_weights_are_exactly_the_policys_tensors(nc: NATS) -> None:
     policy = trained_ppo_policy()
     store = WeightStore(nc, bus.jetstream(nc))
-    publisher = WeightPublisher(store, "job-ppo", "float32", interval=1, keep=2)
+    publisher = WeightPublisher(store, "job-ppo", "float32", interval=1, keep=2, lease_epoch=1)
     pointer = await publisher.publish(policy.model, 1)
     assert pointer is not None
     published = decode_safetensors(await store.pull("job-ppo", pointer))
