@@ -15,7 +15,9 @@ clamp(x, 1 - clip_eps, 1 + clip_eps_high), sg = stop-gradient):
                        pg_t = -w_i * min(s_i * A_i, clip(s_i) * A_i) on every token of sequence i
     cispo  (CISPO)     pg_t = -w_t * sg(clip(r_t)) * A * logprobs_t
 
-aggregated over real completion tokens by `loss_agg`. Normalisers take the WHOLE step batch's
+aggregated over real completion tokens by `loss_agg`. A is one advantage per sequence from its
+group's rewards (`ADVANTAGES`), or, for ppo (`advantage == GAE`), per token from the critic's GAE
+(services/learner/critic.py, which adds the value loss). Normalisers take the WHOLE step batch's
 token and sequence counts when `LossInputs.num_tokens` / `num_sequences` are given, so summing
 the gradients of micro-batches gives exactly the full-batch gradient.
 """

@@ -13,7 +13,9 @@ step), so the first pass is exactly on the learner's policy and later passes are
 it. Losses are normalised by the whole batch's token/sequence counts, so the accumulated gradient
 of a pass equals the gradient of the full batch in one piece. The entropy is computed only where
 it is used: on the first pass (the step's metrics are the first pass's) and, when `entropy_coef`
-> 0, on every pass with its gradient; the frozen reference gives log-probs only.
+> 0, on every pass with its gradient; the frozen reference gives log-probs only. A job with a
+critic (ppo) first takes one no-grad pass for the values its token advantages and value targets
+come from (`critic.gae_micro_batches`); its passes then read logits and values from one forward.
 """
 
 from __future__ import annotations

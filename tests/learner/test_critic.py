@@ -4,7 +4,7 @@ critic's checkpoint round trip, published weights without the critic, and a tiny
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import pytest
@@ -34,6 +34,18 @@ from services.learner.reference import run
 from services.learner.trained_policy import Policy
 
 PPO = {"name": "ppo", "gamma": 1.0, "lam": 1.0}
+
+
+@pytest.fixture
+def one_torch_thread() -> Iterator[None]:
+    """Tiny matrices: one thread is faster than a team of them fighting over 2 shared cores."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 # --------------------------------------------------------------------------- GAE
@@ -226,17 +238,16 @@ def test_a_tiny_ppo_job_learns_and_its_critic_follows_the_reward(tmp_path: Path)
                                for a, b in [(1, 2), (3, 4), (2, 2), (5, 1), (0, 3), (4, 4)]))
     spec = JobSpec(
         name="ppo", prompts=str(prompts), reward={"builtin": "numeric_match"}, seed=3,
-        algorithm={"name": "ppo", "value_coef": 0.5, "value_learning_rate": 0.05}, optim={"learning_rate": 0.01},
-        rollout={"prompts_per_step": 4, "samples_per_prompt": 8, "max_new_tokens": 3, "chat_template": False},
-        train={"max_steps": 30, "micro_batch_samples": 16},
+        algorithm={"name": "ppo", "value_coef": 0.5, "value_learning_rate": 0.02}, optim={"learning_rate": 0.03},
+        rollout={"prompts_per_step": 4, "samples_per_prompt": 8, "max_new_tokens": 2, "chat_template": False},
+        train={"max_steps": 10, "micro_batch_samples": 16},
     )
     model, tokenizer = tiny_policy()
-    history = run(spec, model, tokenizer, first_word_is_seven, steps=30)
-    rewards = [m["reward_mean"] for m in history]
+    history = run(spec, model, tokenizer, first_word_is_seven, steps=10)
+    rewards, values = [m["reward_mean"] for m in history], [m["value_mean"] for m in history]
     print("ppo reward_mean:", " ".join(f"{r:.2f}" for r in rewards))
-    print("ppo value_mean:", " ".join(f"{m['value_mean']:.2f}" for m in history))
-    early, late = sum(rewards[:5]) / 5, sum(rewards[-5:]) / 5
-    assert early < 0.3, early
-    assert late > 0.7, (early, late)
-    assert history[0]["value_mean"] == 0.0  # the head starts at 0
-    assert abs(history[-1]["value_mean"] - history[-1]["reward_mean"]) < 0.3, history[-1]
+    print("ppo value_mean: ", " ".join(f"{v:.2f}" for v in values))
+    assert sum(rewards[:2]) / 2 < 0.3, rewards  # about 1/15 for a near-uniform policy
+    assert sum(rewards[-3:]) / 3 > 0.8, rewards
+    assert values[0] == 0.0  # the head starts at 0
+    assert abs(values[-1] - rewards[-1]) < 0.2, (values, rewards)  # the critic has learned the return

@@ -48,7 +48,14 @@ def fleet(tmp_path: Path) -> Iterator[FleetLayout]:
         fleet.stop()
 
 
-def test_mean_reward_rises_through_the_services(fleet: FleetLayout, tmp_path: Path) -> None:
+@pytest.mark.parametrize("algorithm", [
+    {},
+    # PPO with its critic: the learner checkpoints the value head and publishes only the policy,
+    # which actors load strictly (a published head would fail their load)
+    {"algorithm.name": "ppo", "algorithm.value_learning_rate": 0.03, "algorithm.value_coef": 0.5},
+], ids=["grpo", "ppo"])
+def test_mean_reward_rises_through_the_services(fleet: FleetLayout, tmp_path: Path,
+                                                algorithm: dict[str, object]) -> None:
     model, tokenizer = tiny_policy()
     model.save_pretrained(tmp_path / "model")
     tokenizer.save_pretrained(tmp_path / "model")
@@ -59,7 +66,7 @@ def test_mean_reward_rises_through_the_services(fleet: FleetLayout, tmp_path: Pa
         run = client.create_run(
             str(tmp_path / "model"), prompts, reward, name="learn", seed=3, learning_rate=0.03, prompts_per_step=4,
             samples_per_prompt=8, max_new_tokens=1, max_steps=STEPS, max_staleness=1, checkpoint_interval=STEPS,
-            timeout_per_step_s=60, **{"rollout.chat_template": False, "train.task_ack_wait_s": 5})
+            timeout_per_step_s=60, **{"rollout.chat_template": False, "train.task_ack_wait_s": 5, **algorithm})
         info = run.wait(timeout_s=180)
     assert info.state == "succeeded", info.reason
     path = tmp_path / "fleet" / "jobs" / run.job_id / "metrics.jsonl"
@@ -71,3 +78,7 @@ def test_mean_reward_rises_through_the_services(fleet: FleetLayout, tmp_path: Pa
     early, late = sum(rewards[:3]) / 3, sum(rewards[-3:]) / 3
     assert early < 0.3, rewards  # about 1/15 before the policy has moved
     assert late > 0.7, rewards
+    if algorithm:
+        assert metrics[0]["value_mean"] == 0.0 and metrics[-1]["value_mean"] > 0.5, [m["value_mean"] for m in metrics]
+        assert (tmp_path / "fleet" / "jobs" / run.job_id / "checkpoints" / f"step-{STEPS:08d}" / "critic.safetensors"
+                ).is_file()
