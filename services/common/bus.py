@@ -91,6 +91,12 @@ async def connect(url: str, name: str, *, max_reconnect_attempts: int = -1) -> N
     async def on_error(error: Exception) -> None:
         log.warning("nats %s: %s", name, error)
 
+    async def on_disconnected() -> None:
+        log.warning("nats %s: disconnected; reconnecting every 0.5 s", name)
+
+    async def on_reconnected() -> None:
+        log.warning("nats %s: reconnected", name)
+
     try:
         return await nats.connect(
             servers=url.split(","),
@@ -102,6 +108,8 @@ async def connect(url: str, name: str, *, max_reconnect_attempts: int = -1) -> N
             ping_interval=10,
             max_outstanding_pings=3,
             error_cb=on_error,
+            disconnected_cb=on_disconnected,
+            reconnected_cb=on_reconnected,
         )
     except (TimeoutError, OSError, nats.errors.NoServersError) as error:
         raise Unavailable(f"cannot connect to NATS at {url}: {error}") from error
