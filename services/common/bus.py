@@ -92,7 +92,7 @@ async def connect(url: str, name: str, *, max_reconnect_attempts: int = -1) -> N
         log.warning("nats %s: %s", name, error)
 
     async def on_disconnected() -> None:
-        log.warning("nats %s: disconnected; reconnecting every 0.5 s", name)
+        log.warning("nats %s: disconnected", name)
 
     async def on_reconnected() -> None:
         log.warning("nats %s: reconnected", name)
