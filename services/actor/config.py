@@ -68,3 +68,6 @@ class ActorSettings(InfraSettings):
     fault_crash_marker: str = ""
     """Fault injection for tests: the backend raises on prompts containing this text (empty in
     production: never)."""
+    fault_kill_marker: str = ""
+    """Fault injection for tests: the actor process SIGKILLs itself on prompts containing this text
+    (empty in production: never)."""

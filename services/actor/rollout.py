@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
+import signal
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -115,6 +117,8 @@ class Rollout:
         marker = self.settings.fault_crash_marker
         if marker and marker in task.prompt:
             raise TaskFailed(f"fault injection: prompt contains {marker!r}")
+        if self.settings.fault_kill_marker and self.settings.fault_kill_marker in task.prompt:
+            os.kill(os.getpid(), signal.SIGKILL)
         with self._stage("generate", "generating"):
             completions = await asyncio.to_thread(
                 backend.generate, prompt_ids, rollout.samples_per_prompt, max_new_tokens=rollout.max_new_tokens,

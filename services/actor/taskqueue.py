@@ -11,8 +11,10 @@ which returns once the task's group is stored (docs/ARCHITECTURE.md, data flow s
 - While a task is held, `in_progress()` is sent every ack_wait / 3, so a slow generation is not
   redelivered; a stopped or dead actor stops sending it and its task moves on.
 - A failed delivery is nak'ed with exponential delay. A failure on delivery
-  max_retries_per_episode, or a delivery beyond it (earlier ones killed their actor), or a task
-  that does not parse, moves the task to the job's dead-letter subject, counted, and acks it there.
+  max_retries_per_episode, or a task that does not parse, moves the task to the job's dead-letter
+  subject, counted, and acks it there. A task whose every delivery killed its actor is never seen
+  failing here: the consumer's max_deliver (= max_retries_per_episode) stops it server-side, and the
+  learner moves it to the dead-letter subject (`bus.dead_letter_exhausted`).
 - Each delivery is a span `actor.task` in the trajectory's trace (parent: the feeder's span, from the
   message's `traceparent` header) with a child `actor.fetch`; `produce` runs inside it.
 """
@@ -104,9 +106,6 @@ class JobQueue:
         log.info("job %s task %s delivery %d received", self.job_id, task.task_id, attempt)
         if attempt > 1:
             metrics.REDELIVERIES.labels(self.job_id).inc()
-        if attempt > self._train.max_retries_per_episode:
-            await self.dead_letter(msg, attempt, "earlier deliveries ended without a result")
-            return
         try:
             async with self._keepalive(msg, self._train.task_ack_wait_s / 3):
                 outcome = await produce(Delivery(task, attempt, received_ms))
@@ -135,14 +134,8 @@ class JobQueue:
     async def dead_letter(self, msg: Msg, attempt: int, reason: str) -> None:
         """Publish the task to the job's dead-letter subject (deduplicated on its msg id), then ack it."""
         original = (msg.headers or {}).get("Nats-Msg-Id", "")
-        headers = {
-            "Fleet-Reason": " ".join(reason.split())[:1000], "Fleet-Deliveries": str(attempt),
-            "Fleet-Original-Msg-Id": original, "Fleet-Actor-Id": self._settings.actor_id,
-        }
-        if original:
-            headers["Nats-Msg-Id"] = f"dlq/{original}"
-        await self._js.publish(bus.dlq_subject(self.job_id), msg.data, headers=headers,
-                               timeout=bus.REQUEST_TIMEOUT_S)
+        await bus.publish_dead_letter(self._js, self.job_id, msg.data, original, reason, attempt,
+                                      self._settings.actor_id)
         metrics.DEAD_LETTERED.labels(self.job_id).inc()
         log.error("job %s: task %s dead-lettered after %d deliveries: %s", self.job_id, original, attempt, reason)
         await self._ack(msg)

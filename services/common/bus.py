@@ -9,15 +9,20 @@ Streams:
   consumer per job (`actors-<job>`) shared by every actor replica.
 - FLEET_DLQ (limits): `fleet.dlq.<job>`, tasks that exhausted their retries.
 - FLEET_EVENTS (limits, 7 days): `fleet.jobs.<job>.events`, state changes and metrics.
+- FLEET_ADVISORIES (limits, 30 days): JetStream's MAX_DELIVERIES advisories of the task consumers,
+  kept so a task the server stopped delivering (every delivery killed or hung its actor) is moved to
+  the dead-letter subject by `dead_letter_exhausted`, even if the learner was down when it happened.
 KV `fleet_weights`: key `<job>` -> weight pointer JSON. Object store
 `fleet_w_<job>`: objects `v<version>`.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import re
 from dataclasses import dataclass
+from typing import Any
 
 import nats
 from nats.aio.client import Client as NATS
@@ -34,6 +39,7 @@ log = logging.getLogger(__name__)
 TASKS_STREAM = "FLEET_TASKS"
 DLQ_STREAM = "FLEET_DLQ"
 EVENTS_STREAM = "FLEET_EVENTS"
+ADVISORIES_STREAM = "FLEET_ADVISORIES"
 WEIGHTS_KV = "fleet_weights"
 CONNECT_TIMEOUT_S = 5.0
 REQUEST_TIMEOUT_S = 10.0
@@ -65,6 +71,11 @@ def task_consumer(job_id: str) -> str:
     return f"actors-{check_job_id(job_id)}"
 
 
+def max_deliveries_subject(job_id: str) -> str:
+    """JetStream's advisory when the job's task consumer gives up on a message (max_deliver reached)."""
+    return f"$JS.EVENT.ADVISORY.CONSUMER.MAX_DELIVERIES.{TASKS_STREAM}.{task_consumer(job_id)}"
+
+
 def weights_bucket(job_id: str) -> str:
     return f"fleet_w_{check_job_id(job_id)}"
 
@@ -80,6 +91,12 @@ async def connect(url: str, name: str, *, max_reconnect_attempts: int = -1) -> N
     async def on_error(error: Exception) -> None:
         log.warning("nats %s: %s", name, error)
 
+    async def on_disconnected() -> None:
+        log.warning("nats %s: disconnected", name)
+
+    async def on_reconnected() -> None:
+        log.warning("nats %s: reconnected", name)
+
     try:
         return await nats.connect(
             servers=url.split(","),
@@ -91,6 +108,8 @@ async def connect(url: str, name: str, *, max_reconnect_attempts: int = -1) -> N
             ping_interval=10,
             max_outstanding_pings=3,
             error_cb=on_error,
+            disconnected_cb=on_disconnected,
+            reconnected_cb=on_reconnected,
         )
     except (TimeoutError, OSError, nats.errors.NoServersError) as error:
         raise Unavailable(f"cannot connect to NATS at {url}: {error}") from error
@@ -111,13 +130,18 @@ async def ensure_stream(js: JetStreamContext, config: api.StreamConfig) -> api.S
 
 
 async def ensure_streams(js: JetStreamContext) -> None:
-    """The three fleet streams, file-backed."""
+    """The four fleet streams, file-backed."""
     await ensure_stream(js, api.StreamConfig(
         name=TASKS_STREAM, subjects=["fleet.tasks.*"], retention=api.RetentionPolicy.WORK_QUEUE,
         storage=api.StorageType.FILE, duplicate_window=24 * 3600.0,
     ))
     await ensure_stream(js, api.StreamConfig(
         name=DLQ_STREAM, subjects=["fleet.dlq.*"], retention=api.RetentionPolicy.LIMITS,
+        storage=api.StorageType.FILE, max_age=30 * 24 * 3600.0,
+    ))
+    await ensure_stream(js, api.StreamConfig(
+        name=ADVISORIES_STREAM, subjects=[f"$JS.EVENT.ADVISORY.CONSUMER.MAX_DELIVERIES.{TASKS_STREAM}.*"],
+        retention=api.RetentionPolicy.LIMITS,
         storage=api.StorageType.FILE, max_age=30 * 24 * 3600.0,
     ))
     await ensure_stream(js, api.StreamConfig(
@@ -129,8 +153,10 @@ async def ensure_streams(js: JetStreamContext) -> None:
 async def ensure_task_consumer(
     js: JetStreamContext, job_id: str, *, ack_wait_s: float, max_deliver: int, max_ack_pending: int
 ) -> api.ConsumerInfo:
-    """The job's shared durable pull consumer. max_deliver is a backstop one above the actors'
-    own dead-lettering, so a task that kills every actor that takes it still ends in the DLQ."""
+    """The job's shared durable pull consumer. A task whose delivery max_deliver ends without an ack
+    (it killed or hung its actor every time) is not delivered again: JetStream announces it on
+    `max_deliveries_subject` (when the consumer's next pull comes, so while some actor still serves
+    the job), and `dead_letter_exhausted` moves it to the dead-letter subject."""
     config = api.ConsumerConfig(
         durable_name=task_consumer(job_id), filter_subject=task_subject(job_id),
         ack_policy=api.AckPolicy.EXPLICIT, deliver_policy=api.DeliverPolicy.ALL,
@@ -166,7 +192,7 @@ def task_consumer_limits(spec: JobSpec) -> dict[str, float | int]:
     in_flight = spec.rollout.prompts_per_step * (spec.train.max_staleness + 1)
     return {
         "ack_wait_s": spec.train.task_ack_wait_s,
-        "max_deliver": spec.train.max_retries_per_episode + 1,
+        "max_deliver": spec.train.max_retries_per_episode,
         "max_ack_pending": max(4, 2 * in_flight),
     }
 
@@ -200,6 +226,66 @@ async def ensure_job_consumer(js: JetStreamContext, job_id: str, spec: JobSpec) 
         js, job_id, ack_wait_s=float(limits["ack_wait_s"]), max_deliver=int(limits["max_deliver"]),
         max_ack_pending=int(limits["max_ack_pending"]),
     )
+
+
+async def publish_dead_letter(js: JetStreamContext, job_id: str, data: bytes, original_msg_id: str, reason: str,
+                              deliveries: int, by: str) -> None:
+    """A task to the job's dead-letter subject with why, after how many deliveries and who moved it
+    (deduplicated on its original msg id, so moving it twice stores it once)."""
+    headers = {"Fleet-Reason": " ".join(reason.split())[:1000], "Fleet-Deliveries": str(deliveries),
+               "Fleet-Original-Msg-Id": original_msg_id, "Fleet-Actor-Id": by}
+    if original_msg_id:
+        headers["Nats-Msg-Id"] = f"dlq/{original_msg_id}"
+    await js.publish(dlq_subject(job_id), data, headers=headers, timeout=REQUEST_TIMEOUT_S)
+
+
+def advisory_consumer(job_id: str) -> str:
+    """Durable consumer of the job's MAX_DELIVERIES advisories (the learner's)."""
+    return f"dlq-{check_job_id(job_id)}"
+
+
+async def ensure_advisory_consumer(js: JetStreamContext, job_id: str) -> api.ConsumerInfo:
+    return await js.add_consumer(ADVISORIES_STREAM, api.ConsumerConfig(
+        durable_name=advisory_consumer(job_id), filter_subject=max_deliveries_subject(job_id),
+        ack_policy=api.AckPolicy.EXPLICIT, deliver_policy=api.DeliverPolicy.ALL))
+
+
+async def dead_letter_exhausted(js: JetStreamContext, job_id: str) -> int:
+    """Move every task the job's consumer stopped delivering (max_deliver reached) from FLEET_TASKS to
+    the dead-letter subject; returns how many were moved now.
+
+    Reads the job's MAX_DELIVERIES advisories through its durable `advisory_consumer` (created by
+    `ensure_advisory_consumer`), so each is handled once even across restarts: dead-letter publish
+    (deduplicated), then delete from the task stream, then ack the advisory. A learner calls it while
+    it waits for data."""
+    consumer = advisory_consumer(job_id)
+    if not (await js.consumer_info(ADVISORIES_STREAM, consumer)).num_pending:
+        return 0
+    sub = await js.pull_subscribe_bind(consumer, ADVISORIES_STREAM)
+    moved = 0
+    try:
+        for advisory in await sub.fetch(100, timeout=REQUEST_TIMEOUT_S):
+            moved += await _move_exhausted(js, job_id, json.loads(advisory.data))
+            await advisory.ack_sync(timeout=REQUEST_TIMEOUT_S)
+    finally:
+        await sub.unsubscribe()
+    return moved
+
+
+async def _move_exhausted(js: JetStreamContext, job_id: str, advisory: dict[str, Any]) -> int:
+    seq, deliveries = int(advisory["stream_seq"]), int(advisory.get("deliveries", 0))
+    try:
+        msg = await js.get_msg(TASKS_STREAM, seq=seq)
+    except NotFoundError:  # moved before (the advisory's ack was lost) or purged
+        return 0
+    reason = (f"delivered {deliveries} times without a result: each delivery killed or hung its actor "
+              "(the task consumer's max_deliver)")
+    await publish_dead_letter(js, job_id, msg.data or b"", (msg.headers or {}).get("Nats-Msg-Id", ""), reason,
+                              deliveries, "server")
+    await js.delete_msg(TASKS_STREAM, seq)
+    log.error("job %s: task %s dead-lettered after %d deliveries by the server's delivery limit", job_id,
+              (msg.headers or {}).get("Nats-Msg-Id", ""), deliveries)
+    return 1
 
 
 @dataclass(frozen=True)

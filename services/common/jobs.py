@@ -28,11 +28,16 @@ from dataclasses import dataclass
 from typing import Any, cast
 
 import redis.asyncio as aioredis
+import redis.exceptions
 
 from services.common.config import JobSpec
 from services.common.errors import FailedPrecondition, Fenced, NotFound
 
 PREFIX = "fleetrl:"
+REDIS_UNREACHABLE: tuple[type[Exception], ...] = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError)
+"""What redis-py raises when Redis is down, restarting (BusyLoadingError is a ConnectionError) or stopped
+past the socket timeout. Neither is a subclass of the builtin ConnectionError or TimeoutError: a retry
+path that catches the builtins lets these through (tests/common/test_redis_errors.py)."""
 
 
 class JobState(enum.StrEnum):

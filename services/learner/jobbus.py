@@ -3,7 +3,8 @@
 `JobRun` and the `Feeder` call these methods instead of JetStream: ensuring the streams and the
 job's shared task consumer (`prepare`, the same settings actors use), publishing a task with its
 dedup id (`publish_task`), purging queued tasks on cancel (`purge_tasks`), reading the job's
-dead-letter count (`dead_lettered`) and publishing step and state events (`event`).
+dead-letter count (`dead_lettered`, which first moves the tasks the server stopped delivering) and
+publishing step and state events (`event`).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ class JobBus:
         """The fleet's streams and the job's task consumer, created or updated to the spec."""
         await bus.ensure_streams(self._js)
         await bus.ensure_job_consumer(self._js, self.job_id, spec)
+        await bus.ensure_advisory_consumer(self._js, self.job_id)
 
     async def publish_task(self, data: bytes, headers: dict[str, str]) -> None:
         """One serialised Task (headers carry its `Nats-Msg-Id`, so a re-publish is dropped)."""
@@ -41,7 +43,9 @@ class JobBus:
         await self._js.purge_stream(bus.TASKS_STREAM, subject=bus.task_subject(self.job_id))
 
     async def dead_lettered(self) -> int:
-        """Tasks of the job in its dead-letter subject so far."""
+        """Tasks of the job in its dead-letter subject so far, after moving there the tasks the server
+        stopped delivering (their actors died on every delivery)."""
+        await bus.dead_letter_exhausted(self._js, self.job_id)
         return (await bus.task_queue(self._js, self.job_id)).dead_lettered
 
     async def event(self, payload: dict[str, Any]) -> None:

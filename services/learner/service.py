@@ -23,7 +23,7 @@ import time
 from services.common import bus, telemetry
 from services.common.errors import Cancelled, FailedPrecondition, Fenced
 from services.common.grpcutil import RetryPolicy, stop_server
-from services.common.jobs import JobRecord, JobState, JobStore
+from services.common.jobs import REDIS_UNREACHABLE, JobRecord, JobState, JobStore
 from services.common.observe import serve_metrics
 from services.common.weights import WeightStore
 from services.learner import server
@@ -48,7 +48,7 @@ async def renew_loop(deps: Deps, job_id: str) -> None:
             if not await deps.jobs.renew(job_id, settings.learner_id, settings.lease_s):
                 break
             last_ok = time.monotonic()
-        except (ConnectionError, TimeoutError) as error:  # Redis restarting: retry until the lease would lapse
+        except REDIS_UNREACHABLE as error:  # Redis restarting: retry until the lease would lapse
             log.warning("lease renewal of job %s failed: %s", job_id, error)
             if time.monotonic() - last_ok >= settings.lease_s:
                 break

@@ -27,9 +27,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
 import redis.asyncio as aioredis
-from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import OutOfMemoryError, ResponseError
-from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from services.common import ledger
 from services.common.config import DEFAULT_LEASE_TIMEOUT_S, MAX_CAPACITY_GROUPS, MAX_LEASE_TIMEOUT_S, MAX_REUSE
@@ -42,6 +40,7 @@ from services.common.errors import (
     ResourceExhausted,
     Unavailable,
 )
+from services.common.jobs import REDIS_UNREACHABLE
 from services.proto.fleetrl.v1 import replay_pb2
 from services.replay import scripts
 
@@ -384,14 +383,17 @@ def _no_table(job_id: str) -> NotFound:
 def _mapped(error: BaseException) -> BaseException:
     if isinstance(error, OutOfMemoryError) or (isinstance(error, ResponseError) and str(error).startswith("OOM")):
         return ResourceExhausted(f"Redis is out of memory, retry later: {error}")
-    if isinstance(error, RedisConnectionError | RedisTimeoutError):
+    if isinstance(error, REDIS_UNREACHABLE):
         return Unavailable(f"Redis unreachable: {error}")
     return error
+
+
+_MAPPED: tuple[type[Exception], ...] = (ResponseError, *REDIS_UNREACHABLE)
 
 
 async def _run(awaitable: Any) -> Any:
     """Await a Redis call, turning OOM into ResourceExhausted and lost connections into Unavailable."""
     try:
         return await awaitable
-    except (ResponseError, RedisConnectionError, RedisTimeoutError) as error:
+    except _MAPPED as error:
         raise _mapped(error) from error

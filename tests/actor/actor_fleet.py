@@ -89,6 +89,7 @@ class Fleet:
         await self.jobs.set_state(record.job_id, JobState.RUNNING)
         await self.replay.configure(record.job_id, spec.replay)
         await bus.ensure_job_consumer(self.js, record.job_id, spec)
+        await bus.ensure_advisory_consumer(self.js, record.job_id)
         self.job_ids.append(record.job_id)
         return record.job_id
 

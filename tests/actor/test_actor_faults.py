@@ -5,6 +5,9 @@
 - SIGSTOP the actor holding a task past ack_wait: another actor stores the group; after SIGCONT the
   late copy is reported DUPLICATE; one copy remains.
 - A task that always crashes the backend is dead-lettered after exactly max_retries deliveries.
+- A task that SIGKILLs its actor process on every delivery (two of three actors die) is stopped by
+  the consumer's delivery limit after max_retries deliveries and moved to the dead-letter subject by
+  the learner's `bus.dead_letter_exhausted`; nothing stays in flight.
 - Weights published mid-run are used by later tasks; a corrupt object is rejected and re-pulled.
 """
 
@@ -159,6 +162,41 @@ async def test_task_that_always_crashes_is_dead_lettered_after_max_retries(fleet
     assert accounting.counts["lost"] == accounting.counts["duplicated"] == 0
     (dead_task,) = [t for t in accounting.tasks if t.fate == "dead_lettered"]
     assert dead_task.task_id == "0/3" and "fault injection" in dead_task.reason
+
+
+async def test_task_that_kills_its_actor_is_dead_lettered_by_the_delivery_limit(fleet: Fleet) -> None:
+    spec = job_spec(train={"max_retries_per_episode": 2})
+    job = await fleet.create_job(spec, [])
+    await fleet.publish_weights(job, 0)
+    names = ("p0", "p1", "p2")  # the server notices the limit when the next pull comes: one actor survives
+    for name in names:
+        fleet.start_actor(name, "fault_kill_marker=KILL-ME")
+    for name in names:
+        await _ready(fleet, name)
+    for i in range(3):
+        await fleet.publish_task(job, i, *_prompt(i))
+    await wait_until(lambda: _inserted(fleet, job, 3), 60, "the 3 healthy tasks")
+    prompt, answer = _prompt(3)
+    await fleet.publish_task(job, 3, prompt + " KILL-ME", answer)
+    moved, deadline = 0, time.monotonic() + 60
+    while moved == 0:  # the learner's part, while it waits for data
+        assert time.monotonic() < deadline, "the server never gave up on the task"
+        await asyncio.sleep(0.5)
+        moved = await bus.dead_letter_exhausted(fleet.js, job)
+    deaths = [name for name in names if fleet.actors[name].poll() == -signal.SIGKILL]
+    assert await bus.dead_letter_exhausted(fleet.js, job) == 0  # each advisory is handled once
+    logs = "".join(fleet.log_text(name) for name in names)
+    assert sorted(re.findall(r"task 0/3 delivery (\d+) received", logs)) == ["1", "2"] and len(deaths) == 2
+    (dead,) = await _dead_letters(fleet, job)
+    headers = dead.headers or {}
+    assert headers["Fleet-Deliveries"] == "2" and headers["Fleet-Actor-Id"] == "server"
+    assert headers["Fleet-Original-Msg-Id"] == bus.task_msg_id(job, 0, 3) and "max_deliver" in headers["Fleet-Reason"]
+    info = await fleet.js.consumer_info(bus.TASKS_STREAM, bus.task_consumer(job))
+    assert info.num_pending == 0 and info.num_ack_pending == 0  # no in-flight slot held by the dead task
+    accounting = await fleet.ledger.account(fleet.js, job)
+    print(f"poison task: {len(deaths)} actor deaths, ledger={accounting.counts}")
+    assert accounting.counts["dead_lettered"] == 1 and accounting.counts["pending"] == 3
+    assert accounting.counts["in_flight"] == accounting.counts["lost"] == 0
 
 
 async def test_weight_update_mid_run_and_corrupt_object(fleet: Fleet) -> None:

@@ -8,6 +8,8 @@
   task: 0 lost, 0 duplicated;
 - thread budget: every child runs with its share of the cores (OMP/MKL/OpenBLAS threads);
 - live scale: an actor is added mid-job and one removed (`fleetrl scale`); nothing is lost;
+- NATS killed: nats-server SIGKILLed mid-job and restarted on its port; every service reconnects by
+  itself, the job succeeds and the ledger balances.
 - sweep: `fleetrl sweep` with a 2x2 grid runs four jobs to the end and prints one row for each,
   with the held-out pass@1 each job's learner measured on its eval set (`eval.interval`).
 """
@@ -202,6 +204,31 @@ def test_live_scale_add_and_remove_an_actor(fleet: FleetUnderTest) -> None:
           + ", ".join(f"{r:.2f}" for r in rates) + f"; groups per actor: { {k: len(v) for k, v in by_actor.items()} }")
     print("live scale accounting:", json.dumps(counts))
     assert rates[1] >= 1.4 * rates[0] and rates[2] <= 0.8 * rates[1], rates
+
+
+NATS_STEPS = 8
+
+
+def test_nats_killed_mid_job_and_restarted(fleet: FleetUnderTest) -> None:
+    """nats-server SIGKILLed while actors hold tasks and the learner feeds, restarted on the same port
+    with the same data: no service is restarted by hand, the job succeeds and the ledger balances."""
+    fleet.scale_actors(2)
+    assert fleet.fleet.infra is not None
+    nats = fleet.fleet.infra.nats
+    run = fleet.submit("nats-kill", max_steps=NATS_STEPS)
+    started = time.monotonic()
+    restarts = {name: fleet.restarts(name) for name in fleet.fleet.supervisor.children}
+    wait_for(lambda: (info := run.status()).last is not None and info.last.step >= 2, 120, "step 2")
+    nats.kill()
+    time.sleep(2.0)
+    nats.start()
+    info = run.wait(timeout_s=240)
+    assert info.state == "succeeded", (info.reason, fleet.log("learner")[-3000:])
+    assert "reconnected" in fleet.log("learner") and any("reconnected" in fleet.log(a) for a in fleet.actors())
+    assert {name: fleet.restarts(name) for name in restarts} == restarts  # every service reconnected by itself
+    fleet.stop_actors()
+    counts = ledger(fleet, run.job_id, NATS_STEPS)
+    print(f"nats kill: {NATS_STEPS} steps in {time.monotonic() - started:.1f}s, ledger: {json.dumps(counts)}")
 
 
 def test_sweep_two_by_two_runs_four_jobs_and_leaves_nothing_running(fleet: FleetUnderTest, tmp_path: Path,

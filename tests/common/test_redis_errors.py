@@ -1,0 +1,67 @@
+"""What redis-py really raises on a dead, restarting or stopped Valkey, and that the retry paths catch it.
+
+redis-py's ConnectionError and TimeoutError are not the builtins: a retry path written as
+`except (ConnectionError, TimeoutError)` lets them through. The learner's lease renewal was such a
+path (its task died on the first failed renewal); the last test fails on that code.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+from types import SimpleNamespace
+
+import pytest
+import redis.asyncio as aioredis
+
+from services.common.config import JobSpec
+from services.common.errors import Unavailable
+from services.common.jobs import REDIS_UNREACHABLE, JobStore
+from services.fleet.embedded import EmbeddedValkey
+from services.learner.service import renew_loop
+from services.replay.table import ReplayTables
+
+SPEC = JobSpec.model_validate({"model": "tiny-llama", "prompts": "p.jsonl", "reward": {"builtin": "numeric_match"}})
+
+
+async def test_dead_and_stopped_redis_raise_what_retry_paths_catch(valkey_server: EmbeddedValkey) -> None:
+    store = JobStore.from_url(valkey_server.url)
+    quick = aioredis.Redis.from_url(valkey_server.url, socket_timeout=0.5)
+    await store.redis.ping() and await quick.ping()
+    valkey_server.kill()
+    with pytest.raises(REDIS_UNREACHABLE) as dead:  # what JobStore callers and the renewal see
+        await store.redis.get("x")
+    assert not isinstance(dead.value, ConnectionError | TimeoutError)  # the builtins would not catch it
+    with pytest.raises(Unavailable):  # replay's core maps the same errors to UNAVAILABLE
+        await ReplayTables(store.redis).jobs()
+    valkey_server.start()
+    await quick.ping()
+    assert valkey_server.proc is not None
+    valkey_server.proc.send_signal(signal.SIGSTOP)
+    try:
+        with pytest.raises(REDIS_UNREACHABLE) as stopped:
+            await quick.get("x")
+    finally:
+        valkey_server.proc.send_signal(signal.SIGCONT)
+    print("dead:", type(dead.value).__name__, "stopped:", type(stopped.value).__name__)
+    await quick.aclose()
+    await store.close()
+
+
+async def test_lease_renewal_survives_a_redis_restart(valkey_server: EmbeddedValkey) -> None:
+    store = JobStore.from_url(valkey_server.url)
+    job = await store.create("t", SPEC, b"", None)
+    assert await store.claim("L1", lease_s=6) is not None
+    deps = SimpleNamespace(settings=SimpleNamespace(lease_s=6.0, learner_id="L1"), jobs=store,
+                           lease_lost=asyncio.Event())
+    renewer = asyncio.create_task(renew_loop(deps, job.job_id))  # type: ignore[arg-type]
+    await asyncio.sleep(2.5)  # a renewal went through, and the lease key is on disk (AOF everysec)
+    valkey_server.kill()
+    await asyncio.sleep(2.5)  # at least one renewal fails against the dead server
+    valkey_server.start()
+    await asyncio.sleep(2.5)  # the next renewals reach the restarted server
+    assert not renewer.done(), renewer.exception() if renewer.done() else None
+    assert not deps.lease_lost.is_set()
+    assert await store.lease_holder(job.job_id) == "L1"
+    renewer.cancel()
+    await store.close()
