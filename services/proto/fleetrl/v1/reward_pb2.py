@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from services.proto.fleetrl.v1 import common_pb2 as fleetrl_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17\x66leetrl/v1/reward.proto\x12\nfleetrl.v1\x1a\x17\x66leetrl/v1/common.proto\"4\n\nRewardSpec\x12\x11\n\tspec_json\x18\x01 \x01(\t\x12\x13\n\x0b\x66ile_source\x18\x02 \x01(\x0c\"F\n\tScoreItem\x12\x12\n\ncompletion\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x01(\t\x12\x15\n\rmetadata_json\x18\x03 \x01(\t\"j\n\x0cScoreRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12$\n\x04spec\x18\x02 \x01(\x0b\x32\x16.fleetrl.v1.RewardSpec\x12$\n\x05items\x18\x03 \x03(\x0b\x32\x15.fleetrl.v1.ScoreItem\"\xda\x01\n\x0bScoreResult\x12\x0e\n\x06reward\x18\x01 \x01(\x01\x12;\n\ncomponents\x18\x02 \x03(\x0b\x32\'.fleetrl.v1.ScoreResult.ComponentsEntry\x12(\n\x06status\x18\x03 \x01(\x0e\x32\x18.fleetrl.v1.RewardStatus\x12\x0e\n\x06reason\x18\x04 \x01(\t\x12\x11\n\tlatency_s\x18\x05 \x01(\x01\x1a\x31\n\x0f\x43omponentsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"9\n\rScoreResponse\x12(\n\x07results\x18\x01 \x03(\x0b\x32\x17.fleetrl.v1.ScoreResult\"7\n\x0fValidateRequest\x12$\n\x04spec\x18\x01 \x01(\x0b\x32\x16.fleetrl.v1.RewardSpec\".\n\x10ValidateResponse\x12\n\n\x02ok\x18\x01 \x01(\x08\x12\x0e\n\x06reason\x18\x02 \x01(\t2\x94\x01\n\rRewardService\x12<\n\x05Score\x12\x18.fleetrl.v1.ScoreRequest\x1a\x19.fleetrl.v1.ScoreResponse\x12\x45\n\x08Validate\x12\x1b.fleetrl.v1.ValidateRequest\x1a\x1c.fleetrl.v1.ValidateResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17\x66leetrl/v1/reward.proto\x12\nfleetrl.v1\x1a\x17\x66leetrl/v1/common.proto\"9\n\x0f\x45nvironmentSpec\x12\x11\n\tspec_json\x18\x01 \x01(\t\x12\x13\n\x0b\x66ile_source\x18\x02 \x01(\x0c\"4\n\nRewardSpec\x12\x11\n\tspec_json\x18\x01 \x01(\t\x12\x13\n\x0b\x66ile_source\x18\x02 \x01(\x0c\"F\n\tScoreItem\x12\x12\n\ncompletion\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x01(\t\x12\x15\n\rmetadata_json\x18\x03 \x01(\t\"j\n\x0cScoreRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12$\n\x04spec\x18\x02 \x01(\x0b\x32\x16.fleetrl.v1.RewardSpec\x12$\n\x05items\x18\x03 \x03(\x0b\x32\x15.fleetrl.v1.ScoreItem\"\xda\x01\n\x0bScoreResult\x12\x0e\n\x06reward\x18\x01 \x01(\x01\x12;\n\ncomponents\x18\x02 \x03(\x0b\x32\'.fleetrl.v1.ScoreResult.ComponentsEntry\x12(\n\x06status\x18\x03 \x01(\x0e\x32\x18.fleetrl.v1.RewardStatus\x12\x0e\n\x06reason\x18\x04 \x01(\t\x12\x11\n\tlatency_s\x18\x05 \x01(\x01\x1a\x31\n\x0f\x43omponentsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"9\n\rScoreResponse\x12(\n\x07results\x18\x01 \x03(\x0b\x32\x17.fleetrl.v1.ScoreResult\"i\n\x0fValidateRequest\x12$\n\x04spec\x18\x01 \x01(\x0b\x32\x16.fleetrl.v1.RewardSpec\x12\x30\n\x0b\x65nvironment\x18\x02 \x01(\x0b\x32\x1b.fleetrl.v1.EnvironmentSpec\".\n\x10ValidateResponse\x12\n\n\x02ok\x18\x01 \x01(\x08\x12\x0e\n\x06reason\x18\x02 \x01(\t\"(\n\x07Message\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\xb5\x01\n\rEpisodeResult\x12\x0f\n\x07\x65pisode\x18\x01 \x01(\r\x12(\n\x0bobservation\x18\x02 \x03(\x0b\x32\x13.fleetrl.v1.Message\x12\x0e\n\x06reward\x18\x03 \x01(\x01\x12\x0c\n\x04\x64one\x18\x04 \x01(\x08\x12(\n\x06status\x18\x05 \x01(\x0e\x32\x18.fleetrl.v1.RewardStatus\x12\x0e\n\x06reason\x18\x06 \x01(\t\x12\x11\n\tlatency_s\x18\x07 \x01(\x01\"\x9a\x01\n\x13OpenEpisodesRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x12\n\nsession_id\x18\x02 \x01(\t\x12)\n\x04spec\x18\x03 \x01(\x0b\x32\x1b.fleetrl.v1.EnvironmentSpec\x12\x0e\n\x06prompt\x18\x04 \x01(\t\x12\x15\n\rmetadata_json\x18\x05 \x01(\t\x12\r\n\x05\x63ount\x18\x06 \x01(\r\"C\n\x14OpenEpisodesResponse\x12+\n\x08\x65pisodes\x18\x01 \x03(\x0b\x32\x19.fleetrl.v1.EpisodeResult\"5\n\x06\x41\x63tion\x12\x0f\n\x07\x65pisode\x18\x01 \x01(\r\x12\x0c\n\x04turn\x18\x02 \x01(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\"N\n\x13StepEpisodesRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12#\n\x07\x61\x63tions\x18\x02 \x03(\x0b\x32\x12.fleetrl.v1.Action\"B\n\x14StepEpisodesResponse\x12*\n\x07results\x18\x01 \x03(\x0b\x32\x19.fleetrl.v1.EpisodeResult\"*\n\x14\x43loseEpisodesRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"\x17\n\x15\x43loseEpisodesResponse2\x90\x03\n\rRewardService\x12<\n\x05Score\x12\x18.fleetrl.v1.ScoreRequest\x1a\x19.fleetrl.v1.ScoreResponse\x12\x45\n\x08Validate\x12\x1b.fleetrl.v1.ValidateRequest\x1a\x1c.fleetrl.v1.ValidateResponse\x12Q\n\x0cOpenEpisodes\x12\x1f.fleetrl.v1.OpenEpisodesRequest\x1a .fleetrl.v1.OpenEpisodesResponse\x12Q\n\x0cStepEpisodes\x12\x1f.fleetrl.v1.StepEpisodesRequest\x1a .fleetrl.v1.StepEpisodesResponse\x12T\n\rCloseEpisodes\x12 .fleetrl.v1.CloseEpisodesRequest\x1a!.fleetrl.v1.CloseEpisodesResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,22 +34,42 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_SCORERESULT_COMPONENTSENTRY']._loaded_options = None
   _globals['_SCORERESULT_COMPONENTSENTRY']._serialized_options = b'8\001'
-  _globals['_REWARDSPEC']._serialized_start=64
-  _globals['_REWARDSPEC']._serialized_end=116
-  _globals['_SCOREITEM']._serialized_start=118
-  _globals['_SCOREITEM']._serialized_end=188
-  _globals['_SCOREREQUEST']._serialized_start=190
-  _globals['_SCOREREQUEST']._serialized_end=296
-  _globals['_SCORERESULT']._serialized_start=299
-  _globals['_SCORERESULT']._serialized_end=517
-  _globals['_SCORERESULT_COMPONENTSENTRY']._serialized_start=468
-  _globals['_SCORERESULT_COMPONENTSENTRY']._serialized_end=517
-  _globals['_SCORERESPONSE']._serialized_start=519
-  _globals['_SCORERESPONSE']._serialized_end=576
-  _globals['_VALIDATEREQUEST']._serialized_start=578
-  _globals['_VALIDATEREQUEST']._serialized_end=633
-  _globals['_VALIDATERESPONSE']._serialized_start=635
-  _globals['_VALIDATERESPONSE']._serialized_end=681
-  _globals['_REWARDSERVICE']._serialized_start=684
-  _globals['_REWARDSERVICE']._serialized_end=832
+  _globals['_ENVIRONMENTSPEC']._serialized_start=64
+  _globals['_ENVIRONMENTSPEC']._serialized_end=121
+  _globals['_REWARDSPEC']._serialized_start=123
+  _globals['_REWARDSPEC']._serialized_end=175
+  _globals['_SCOREITEM']._serialized_start=177
+  _globals['_SCOREITEM']._serialized_end=247
+  _globals['_SCOREREQUEST']._serialized_start=249
+  _globals['_SCOREREQUEST']._serialized_end=355
+  _globals['_SCORERESULT']._serialized_start=358
+  _globals['_SCORERESULT']._serialized_end=576
+  _globals['_SCORERESULT_COMPONENTSENTRY']._serialized_start=527
+  _globals['_SCORERESULT_COMPONENTSENTRY']._serialized_end=576
+  _globals['_SCORERESPONSE']._serialized_start=578
+  _globals['_SCORERESPONSE']._serialized_end=635
+  _globals['_VALIDATEREQUEST']._serialized_start=637
+  _globals['_VALIDATEREQUEST']._serialized_end=742
+  _globals['_VALIDATERESPONSE']._serialized_start=744
+  _globals['_VALIDATERESPONSE']._serialized_end=790
+  _globals['_MESSAGE']._serialized_start=792
+  _globals['_MESSAGE']._serialized_end=832
+  _globals['_EPISODERESULT']._serialized_start=835
+  _globals['_EPISODERESULT']._serialized_end=1016
+  _globals['_OPENEPISODESREQUEST']._serialized_start=1019
+  _globals['_OPENEPISODESREQUEST']._serialized_end=1173
+  _globals['_OPENEPISODESRESPONSE']._serialized_start=1175
+  _globals['_OPENEPISODESRESPONSE']._serialized_end=1242
+  _globals['_ACTION']._serialized_start=1244
+  _globals['_ACTION']._serialized_end=1297
+  _globals['_STEPEPISODESREQUEST']._serialized_start=1299
+  _globals['_STEPEPISODESREQUEST']._serialized_end=1377
+  _globals['_STEPEPISODESRESPONSE']._serialized_start=1379
+  _globals['_STEPEPISODESRESPONSE']._serialized_end=1445
+  _globals['_CLOSEEPISODESREQUEST']._serialized_start=1447
+  _globals['_CLOSEEPISODESREQUEST']._serialized_end=1489
+  _globals['_CLOSEEPISODESRESPONSE']._serialized_start=1491
+  _globals['_CLOSEEPISODESRESPONSE']._serialized_end=1514
+  _globals['_REWARDSERVICE']._serialized_start=1517
+  _globals['_REWARDSERVICE']._serialized_end=1917
 # @@protoc_insertion_point(module_scope)
