@@ -7,7 +7,8 @@ State changes are compare-and-set Lua scripts, so two writers never race a job
 out of a terminal state. Keys (all under `fleetrl:`):
 
 - `jobs:index` zset job_id -> created ms;  `jobs:idem` hash tenant/key -> job_id
-- `job:<id>` hash (record fields);  `job:<id>:prompts`, `job:<id>:reward_file` bytes
+- `job:<id>` hash (record fields);  `job:<id>:prompts`, `job:<id>:reward_file`,
+  `job:<id>:environment_file` bytes
 - `job:<id>:lease` learner id with TTL;  `job:<id>:steps` list of step-metric JSON
 """
 
@@ -148,7 +149,8 @@ class JobStore:
         await self.redis.aclose()
 
     async def create(
-        self, tenant: str, spec: JobSpec, prompts: bytes, reward_file: bytes | None, idempotency_key: str = ""
+        self, tenant: str, spec: JobSpec, prompts: bytes, reward_file: bytes | None, idempotency_key: str = "",
+        environment_file: bytes | None = None,
     ) -> JobRecord:
         """Store a new queued job with its files, all in one transaction; same key, same job."""
         if idempotency_key:
@@ -166,6 +168,8 @@ class JobStore:
             pipe.set(_key(job_id, ":prompts"), prompts)
             if reward_file is not None:
                 pipe.set(_key(job_id, ":reward_file"), reward_file)
+            if environment_file is not None:
+                pipe.set(_key(job_id, ":environment_file"), environment_file)
             pipe.zadd(f"{PREFIX}jobs:index", {job_id: ms})
             if idempotency_key:
                 pipe.hset(f"{PREFIX}jobs:idem", f"{tenant}/{idempotency_key}", job_id)
@@ -196,6 +200,10 @@ class JobStore:
         if prompts is None:
             raise NotFound(f"job {job_id!r} has no prompts stored")
         return cast(bytes, prompts), cast(bytes | None, reward_file)
+
+    async def environment_file(self, job_id: str) -> bytes | None:
+        """The job's environment file (None when the job has no environment)."""
+        return cast(bytes | None, await self.redis.get(_key(job_id, ":environment_file")))
 
     async def set_state(
         self, job_id: str, state: JobState, reason: str = "", *, allowed_from: tuple[JobState, ...] = ACTIVE

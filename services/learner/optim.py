@@ -38,6 +38,7 @@ from services.learner.batch import (
     group_rewards,
     has_signal,
     micro_batches,
+    policy_tokens,
 )
 from services.learner.losses import LossConfig, LossInputs, policy_loss
 from services.proto.fleetrl.v1 import common_pb2
@@ -221,8 +222,8 @@ def train_step(
 
 
 def _counts(groups: list[common_pb2.Group]) -> tuple[float, float]:
-    """(completion tokens, sequences) of groups: the normalisers of the step's loss."""
-    tokens = sum(len(sample.completion_token_ids) for group in groups for sample in group.samples)
+    """(policy tokens, sequences) of groups: the normalisers of the step's loss."""
+    tokens = sum(policy_tokens(sample) for group in groups for sample in group.samples)
     return float(tokens), float(sum(len(group.samples) for group in groups))
 
 

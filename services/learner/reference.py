@@ -58,12 +58,16 @@ def numeric_match(completion: str, prompt: str, answer: str | float | None = Non
 
 def reward_of(spec: JobSpec) -> RewardFn:
     """The job's reward, run in-process: its reward file's `reward` function, or the numeric_match built-in."""
-    if spec.reward.file is not None:
-        return runpy.run_path(spec.reward.file)["reward"]  # type: ignore[no-any-return]
-    if spec.reward.builtin == "numeric_match":
+    reward = spec.reward
+    if reward is None:
+        raise ConfigError("the reference loop runs single-turn jobs only",
+                          [FieldViolation("environment", "a job with an environment runs on the fleet")])
+    if reward.file is not None:
+        return runpy.run_path(reward.file)["reward"]  # type: ignore[no-any-return]
+    if reward.builtin == "numeric_match":
         return numeric_match
     raise ConfigError("the reference loop only runs reward files and numeric_match",
-                      [FieldViolation("reward.builtin", f"{spec.reward.builtin!r} is not available here")])
+                      [FieldViolation("reward.builtin", f"{reward.builtin!r} is not available here")])
 
 
 def read_prompts(path: Path) -> list[dict[str, Any]]:

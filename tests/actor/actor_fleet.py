@@ -82,9 +82,10 @@ class Fleet:
     actors: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
     job_ids: list[str] = field(default_factory=list)
 
-    async def create_job(self, spec: JobSpec, prompts: list[dict[str, Any]]) -> str:
+    async def create_job(self, spec: JobSpec, prompts: list[dict[str, Any]],
+                         environment_file: bytes | None = None) -> str:
         body = "".join(json.dumps(p) + "\n" for p in prompts).encode()
-        record = await self.jobs.create("test", spec, body, None)
+        record = await self.jobs.create("test", spec, body, None, environment_file=environment_file)
         await self.jobs.set_state(record.job_id, JobState.RUNNING)
         await self.replay.configure(record.job_id, spec.replay)
         await bus.ensure_job_consumer(self.js, record.job_id, spec)
@@ -98,12 +99,14 @@ class Fleet:
         tensors = {k: v.to(models.as_dtype(dtype)).contiguous() for k, v in tensors.items()}
         await self.weights.publish(job_id, version, encode_safetensors(tensors), dtype)
 
-    async def publish_task(self, job_id: str, index: int, prompt: str, answer: str, min_version: int = 0) -> None:
+    async def publish_task(self, job_id: str, index: int, prompt: str, answer: str,
+                           min_version: int = 0) -> common_pb2.Task:
         task = common_pb2.Task(job_id=job_id, task_id=f"0/{index}", epoch=0, prompt_index=index, prompt=prompt,
                                metadata_json=json.dumps({"answer": answer}), min_policy_version=min_version,
                                published_unix_ms=int(time.time() * 1000))
         await self.js.publish(bus.task_subject(job_id), task.SerializeToString(),
                               headers={"Nats-Msg-Id": bus.task_msg_id(job_id, 0, index)})
+        return task
 
     def start_actor(self, name: str, *settings: str) -> subprocess.Popen[bytes]:
         s = self.services

@@ -1,0 +1,189 @@
+"""Multi-turn episodes through real services: an actor process, the reward service's sandboxed
+environment sessions, replay, and a tiny model.
+
+A scripted environment with known observations and rewards: the group replay returns holds, for
+every episode, exactly the tokens the policy generated (an in-process `EpisodeRunner` against the
+same reward service, with the same weights and seeds, generates the same), each observation's tokens
+exactly as the chat template renders the environment's text, loss mask true on policy tokens only,
+behaviour log-probs that match a full forward pass, turn boundaries, per-turn and final rewards,
+and the episode's status. A hostile environment that hangs in step is contained within its timeout.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from actor_fleet import MODEL, Fleet, wait_until
+
+from services.actor.backends import LOGPROB_TOL, HFBackend, observation_tokens
+from services.actor.config import ActorSettings
+from services.actor.episodes import EpisodeRunner
+from services.common import models
+from services.common.config import JobSpec
+from services.proto.fleetrl.v1 import common_pb2
+from services.reward.client import RewardClient, environment_to_proto
+
+SCRIPTED_ENV = b'''
+class Env:
+    def __init__(self, task, turns=3, hang_on=""):
+        self.prompt, self.turns, self.hang_on, self.turn = task["prompt"], turns, hang_on, 0
+
+    def reset(self):
+        return "Say anything about: " + self.prompt
+
+    def step(self, action):
+        if self.hang_on and self.hang_on in self.prompt:
+            while True:
+                pass
+        self.turn += 1
+        reward = 0.25 * self.turn + len(action) % 2
+        if self.turn >= self.turns:
+            return None, reward, True
+        return f"turn {self.turn}: you wrote {len(action)} characters", reward, False
+'''
+
+
+def expected_turn(turn: int, action: str, turns: int) -> tuple[str | None, float, bool]:
+    """What SCRIPTED_ENV answers to `action` at 0-based `turn`."""
+    reward = 0.25 * (turn + 1) + len(action) % 2
+    if turn + 1 >= turns:
+        return None, reward, True
+    return f"turn {turn + 1}: you wrote {len(action)} characters", reward, False
+
+
+def env_job(**environment: Any) -> JobSpec:
+    return JobSpec.model_validate({
+        "model": MODEL, "prompts": "prompts.jsonl", "seed": 11,
+        "environment": {"file": "env.py", "max_turns": 3, "max_total_tokens": 400, "step_timeout_s": 3.0,
+                        "memory_limit_mb": 256, **environment},
+        "rollout": {"samples_per_prompt": 3, "max_new_tokens": 8, "prompts_per_step": 4, "temperature": 1.0},
+        "train": {"task_ack_wait_s": 10.0, "max_retries_per_episode": 3, "max_staleness": 0},
+    })
+
+
+async def stored_group(fleet: Fleet, job: str, timeout_s: float = 120) -> common_pb2.Group:
+    await wait_until(lambda: _inserted(fleet, job), timeout_s, f"job {job}'s group")
+    _, groups, _ = await fleet.replay.sample(job, 1)
+    assert len(groups) == 1
+    return groups[0]
+
+
+async def _inserted(fleet: Fleet, job: str) -> bool:
+    return (await fleet.replay.stats(job)).inserted >= 1
+
+
+def check_episode(sample: common_pb2.Sample, tokenizer: Any, spec: JobSpec) -> None:
+    """Turns, mask, observations and rewards of one stored episode against the script."""
+    assert spec.environment is not None
+    ids, mask = list(sample.completion_token_ids), list(sample.loss_mask)
+    assert len(mask) == len(ids) == len(sample.behaviour_logprobs)
+    policy = [False] * len(ids)
+    total = 0.0
+    for k, turn in enumerate(sample.turns):
+        policy[turn.start:turn.end] = [True] * (turn.end - turn.start)
+        action = tokenizer.decode(ids[turn.start:turn.end], skip_special_tokens=True)
+        observation, reward, done = expected_turn(k, action, spec.environment.params.get("turns", 3))
+        assert turn.reward == reward
+        total += reward
+        following = ids[turn.end:sample.turns[k + 1].start] if k + 1 < len(sample.turns) else ids[turn.end:]
+        if done:
+            assert following == [] and k == len(sample.turns) - 1
+        elif k == len(sample.turns) - 1 and sample.episode_status != common_pb2.EPISODE_STATUS_DONE:
+            assert following == []  # truncated or out of turns: the last observation is not appended
+        else:
+            assert observation is not None
+            rendered = observation_tokens(tokenizer, [{"role": "user", "content": observation}], spec.rollout,
+                                          after_eos=turn.finish_reason == "eos")
+            assert following == rendered
+    assert mask == policy  # the policy's tokens and nothing else
+    assert all(lp == 0.0 for lp, m in zip(sample.behaviour_logprobs, mask, strict=True) if not m)
+    assert sample.reward == total and sample.reward_status == common_pb2.REWARD_STATUS_OK
+
+
+def full_forward_gap(model: torch.nn.Module, sample: common_pb2.Sample) -> float:
+    """max |behaviour log-prob - full-forward log-prob| over the sample's policy tokens."""
+    tokens = [*sample.prompt_token_ids, *sample.completion_token_ids]
+    with torch.no_grad():
+        logp = torch.log_softmax(model(input_ids=torch.tensor([tokens])).logits[0].float(), dim=-1)
+    start = len(sample.prompt_token_ids)
+    gaps = [abs(logp[start + i - 1, token].item() - sample.behaviour_logprobs[i])
+            for i, token in enumerate(sample.completion_token_ids) if sample.loss_mask[i]]
+    return max(gaps)
+
+
+@contextlib.contextmanager
+def serving(fleet: Fleet, name: str) -> Iterator[None]:
+    fleet.start_actor(name)
+    try:
+        yield
+    finally:
+        fleet.kill(name)
+
+
+async def test_scripted_environment_group_is_stored_exactly(fleet: Fleet) -> None:
+    spec = env_job(params={"turns": 3})
+    job = await fleet.create_job(spec, [], environment_file=SCRIPTED_ENV)
+    await fleet.publish_weights(job, 0, dtype="float32")  # the actor then holds exactly models.load(MODEL)'s weights
+    task = await fleet.publish_task(job, 0, "the sea", "")
+    with serving(fleet, "ep0"):
+        group = await stored_group(fleet, job)
+    assert group.policy_version == 0 and len(group.samples) == 3
+    model, tokenizer = models.load(MODEL)
+    for sample in group.samples:
+        check_episode(sample, tokenizer, spec)
+        assert sample.episode_status == common_pb2.EPISODE_STATUS_DONE and len(sample.turns) == 3
+        assert full_forward_gap(model, sample) < LOGPROB_TOL[torch.float32]
+
+    # The same episodes played in this process against the same reward service give the same group.
+    assert spec.environment is not None
+    reward = RewardClient(fleet.services.reward_addr, timeout_s=30)
+    runner = EpisodeRunner(ActorSettings(actor_id="test"), reward, lambda name, state: contextlib.nullcontext())
+    try:
+        again = await runner.play(job, spec.seed, spec.rollout, spec.environment,
+                                  environment_to_proto(spec.environment, SCRIPTED_ENV), HFBackend(model, tokenizer),
+                                  task)
+    finally:
+        await reward.close()
+    assert [comparable(s) for s in again] == [comparable(s) for s in group.samples]
+    for mine, stored in zip(again, group.samples, strict=True):  # float rounding differs with the thread count
+        gap = max(abs(a - b) for a, b in zip(mine.behaviour_logprobs, stored.behaviour_logprobs, strict=True))
+        assert gap < 1e-5
+
+
+def comparable(sample: common_pb2.Sample) -> common_pb2.Sample:
+    """The sample less its environment latencies (wall-clock times) and log-probs (compared apart)."""
+    copy = common_pb2.Sample()
+    copy.CopyFrom(sample)
+    for turn in copy.turns:
+        turn.env_latency_s = 0.0
+    del copy.behaviour_logprobs[:]
+    return copy
+
+
+async def test_truncation_and_hanging_environment(fleet: Fleet) -> None:
+    spec = env_job(params={"turns": 50, "hang_on": "HANG"}, max_turns=50, max_total_tokens=90, step_timeout_s=1.0)
+    job = await fleet.create_job(spec, [], environment_file=SCRIPTED_ENV)
+    await fleet.publish_weights(job, 0, dtype="float32")
+    await fleet.publish_task(job, 0, "a short story", "")
+    await fleet.publish_task(job, 1, "please HANG", "")
+    _, tokenizer = models.load(MODEL)
+    with serving(fleet, "ep1"):
+        await wait_until(lambda: _count(fleet, job, 2), 120, "both groups")
+    _, groups, _ = await fleet.replay.sample(job, 2)
+    by_prompt = {g.prompt: g for g in groups}
+    for sample in by_prompt["a short story"].samples:
+        assert sample.episode_status == common_pb2.EPISODE_STATUS_TRUNCATED
+        assert len(sample.prompt_token_ids) + len(sample.completion_token_ids) <= 90
+        check_episode(sample, tokenizer, spec)
+    for sample in by_prompt["please HANG"].samples:
+        assert sample.episode_status == common_pb2.EPISODE_STATUS_ENV_ERROR
+        assert sample.reward_status == common_pb2.REWARD_STATUS_TIMEOUT and sample.reward == 0.0
+        assert "timed out after 1s" in sample.reward_reason and len(sample.turns) == 1
+        assert sample.turns[0].env_latency_s < 3
+
+
+async def _count(fleet: Fleet, job: str, n: int) -> bool:
+    return (await fleet.replay.stats(job)).inserted >= n
