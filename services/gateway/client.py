@@ -40,7 +40,7 @@ from services.proto.fleetrl.v1 import gateway_pb2, gateway_pb2_grpc
 
 DEFAULT_ADDRESS = "127.0.0.1:50051"
 ENV_ADDRESS, ENV_TOKEN, ENV_CA_FILE, ENV_TLS = "FLEETRL_GATEWAY", "FLEETRL_TOKEN", "FLEETRL_CA_FILE", "FLEETRL_TLS"
-SECTIONS = ("reward", "algorithm", "optim", "rollout", "train", "replay")
+SECTIONS = ("reward", "environment", "algorithm", "optim", "rollout", "train", "replay")
 FLAT_PARAMS = {
     "learning_rate": "optim.learning_rate", "warmup_steps": "optim.warmup_steps",
     "clip_eps": "algorithm.clip_eps", "clip_eps_high": "algorithm.clip_eps_high",
@@ -83,21 +83,26 @@ def spec_from_params(params: dict[str, Any]) -> dict[str, Any]:
     return data
 
 
-def load_job_file(path: Path, overrides: list[str] | None = None) -> tuple[str, bytes, bytes]:
-    """(spec JSON, prompts, reward file) of a job TOML; its file paths are relative to the TOML's directory."""
+def load_job_file(path: Path, overrides: list[str] | None = None) -> tuple[str, bytes, bytes, bytes]:
+    """(spec JSON, prompts, reward file, environment file) of a job TOML; its file paths are relative to
+    the TOML's directory."""
     data = read_toml(Path(path), "spec")
     apply_overrides(data, overrides or [])
     return job_payload(data, Path(path).parent)
 
 
-def job_payload(data: dict[str, Any], base: Path) -> tuple[str, bytes, bytes]:
+def job_payload(data: dict[str, Any], base: Path) -> tuple[str, bytes, bytes, bytes]:
     """Read the files a spec table names (relative to base) and encode the spec as JSON."""
     prompts = data.get("prompts")
-    reward_file = data.get("reward", {}).get("file") if isinstance(data.get("reward"), dict) else None
     prompt_bytes = read_bytes(base / prompts, "prompts") if isinstance(prompts, str) and prompts else b""
-    reward_bytes = (read_bytes(base / reward_file, "reward.file") if isinstance(reward_file, str) and reward_file
-                    else b"")
-    return json.dumps(data, default=str), prompt_bytes, reward_bytes
+    return (json.dumps(data, default=str), prompt_bytes, _named_file(data, "reward", base),
+            _named_file(data, "environment", base))
+
+
+def _named_file(data: dict[str, Any], section: str, base: Path) -> bytes:
+    """The contents of the file `[section] file` names (relative to base), or b"" when it names none."""
+    name = data.get(section, {}).get("file") if isinstance(data.get(section), dict) else None
+    return read_bytes(base / name, f"{section}.file") if isinstance(name, str) and name else b""
 
 
 class Client:
@@ -145,17 +150,20 @@ class Client:
     # ------------------------------------------------------------------ jobs
 
     def submit(self, spec: str, prompts: bytes, reward_file: bytes = b"", *, spec_format: str = "toml",
-               idempotency_key: str = "") -> JobInfo:
+               idempotency_key: str = "", environment_file: bytes = b"") -> JobInfo:
         """Submit a spec text with the contents of its files."""
         request = gateway_pb2.SubmitJobRequest(spec=spec, spec_format=spec_format, prompts=prompts,
-                                               reward_file=reward_file, idempotency_key=idempotency_key)
+                                               reward_file=reward_file, idempotency_key=idempotency_key,
+                                               environment_file=environment_file)
         return convert.job_info(self._call(self._stub.SubmitJob, request))
 
     def submit_file(self, path: str | Path, overrides: list[str] | None = None, *,
                     idempotency_key: str = "") -> JobInfo:
-        """Submit a job TOML (with `key=value` overrides); its prompts and reward file travel with it."""
-        spec, prompts, reward = load_job_file(Path(path), overrides)
-        return self.submit(spec, prompts, reward, spec_format="json", idempotency_key=idempotency_key)
+        """Submit a job TOML (with `key=value` overrides); its prompts and reward or environment file travel
+        with it."""
+        spec, prompts, reward, environment = load_job_file(Path(path), overrides)
+        return self.submit(spec, prompts, reward, spec_format="json", idempotency_key=idempotency_key,
+                           environment_file=environment)
 
     def create_run(self, model: str, prompt_file: str | Path, reward_file: str | Path | None = None, *,
                    reward_builtin: str | None = None, reward_params: dict[str, Any] | None = None,
@@ -173,8 +181,9 @@ class Client:
                                   else {"builtin": reward_builtin})
         if reward_params is not None:
             data.setdefault("reward", {})["params"] = reward_params
-        spec, prompts, reward = job_payload(data, Path(spec_file).parent if spec_file else Path.cwd())
-        job = self.submit(spec, prompts, reward, spec_format="json", idempotency_key=idempotency_key)
+        spec, prompts, reward, environment = job_payload(data, Path(spec_file).parent if spec_file else Path.cwd())
+        job = self.submit(spec, prompts, reward, spec_format="json", idempotency_key=idempotency_key,
+                          environment_file=environment)
         return Run(self, job.job_id)
 
     def fleet(self, timeout_s: float | None = None) -> FleetInfo:

@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any, Protocol, cast
 
 from services.common.bus import TaskQueue, check_job_id
-from services.common.config import RewardSpec
+from services.common.config import EnvironmentSpec, RewardSpec
 from services.common.errors import ConfigError, FailedPrecondition, FieldViolation, InvalidArgument, NotFound, clip
 from services.common.heartbeat import Beat
 from services.common.jobs import ACTIVE, JobRecord, JobState, JobStore, now_ms
@@ -41,8 +41,9 @@ CLIP_FIELD, CLIP_DESCRIPTION = 120, 240
 
 
 class RewardChecker(Protocol):
-    async def validate(self, spec: RewardSpec, source: bytes | None) -> str | None:
-        """None when the spec can score, else why not; Unavailable when the checker is unreachable."""
+    async def validate(self, spec: RewardSpec | EnvironmentSpec, source: bytes | None) -> str | None:
+        """None when the spec can score (an environment: can run), else why not; Unavailable when the
+        checker is unreachable."""
 
 
 class TaskPurger(Protocol):
@@ -117,10 +118,13 @@ class Gateway:
         violations = list(checked.violations)
         if checked.reward is not None:
             violations += await self._reward_violations(checked.reward, sub.reward_file)
+        if checked.environment is not None and sub.environment_file:
+            reason = await self.reward.validate(checked.environment, sub.environment_file)
+            violations += [FieldViolation("environment.file", reason)] if reason is not None else []
         if violations or checked.spec is None:
             raise ConfigError("invalid job submission", reported(violations))
         record = await self.store.create(tenant, checked.spec, sub.prompts, sub.reward_file or None,
-                                         sub.idempotency_key)
+                                         sub.idempotency_key, environment_file=sub.environment_file or None)
         log.info("job %s (%s) submitted by %s", record.job_id, record.name, tenant)
         await self.events.publish(record.job_id, {"type": "submitted", "state": record.state.value})
         return record

@@ -25,43 +25,43 @@ _sym_db = _symbol_database.Default()
 from services.proto.fleetrl.v1 import learner_pb2 as fleetrl_dot_v1_dot_learner__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18\x66leetrl/v1/gateway.proto\x12\nfleetrl.v1\x1a\x18\x66leetrl/v1/learner.proto\"t\n\x10SubmitJobRequest\x12\x0c\n\x04spec\x18\x01 \x01(\t\x12\x13\n\x0bspec_format\x18\x02 \x01(\t\x12\x0f\n\x07prompts\x18\x03 \x01(\x0c\x12\x13\n\x0breward_file\x18\x04 \x01(\x0c\x12\x17\n\x0fidempotency_key\x18\x05 \x01(\t\"\xe7\x01\n\x03Job\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0e\n\x06tenant\x18\x02 \x01(\t\x12\x0c\n\x04name\x18\x03 \x01(\t\x12#\n\x05state\x18\x04 \x01(\x0e\x32\x14.fleetrl.v1.JobState\x12\x0e\n\x06reason\x18\x05 \x01(\t\x12\x11\n\tspec_json\x18\x06 \x01(\t\x12\x17\n\x0f\x63reated_unix_ms\x18\x07 \x01(\x03\x12\x17\n\x0fupdated_unix_ms\x18\x08 \x01(\x03\x12%\n\x04last\x18\t \x01(\x0b\x32\x17.fleetrl.v1.StepMetrics\x12\x11\n\tmodel_uri\x18\n \x01(\t\"\x1f\n\rGetJobRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\" \n\x0fListJobsRequest\x12\r\n\x05limit\x18\x01 \x01(\r\"1\n\x10ListJobsResponse\x12\x1d\n\x04jobs\x18\x01 \x03(\x0b\x32\x0f.fleetrl.v1.Job\"2\n\x10\x43\x61ncelJobRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\"4\n\x0fWatchJobRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x11\n\tfrom_step\x18\x02 \x01(\x04\"\x81\x01\n\x08JobEvent\x12\x1c\n\x03job\x18\x01 \x01(\x0b\x32\x0f.fleetrl.v1.Job\x12%\n\x05state\x18\x02 \x01(\x0e\x32\x14.fleetrl.v1.JobStateH\x00\x12\'\n\x04step\x18\x03 \x01(\x0b\x32\x17.fleetrl.v1.StepMetricsH\x00\x42\x07\n\x05\x65vent\"&\n\x14\x44ownloadModelRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\"E\n\tFileChunk\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\x0e\n\x06offset\x18\x02 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\x12\x0c\n\x04last\x18\x04 \x01(\x08\"\x11\n\x0fGetFleetRequest\"\xa8\x01\n\x0b\x46leetMember\x12\x0c\n\x04kind\x18\x01 \x01(\t\x12\x11\n\tmember_id\x18\x02 \x01(\t\x12\r\n\x05state\x18\x03 \x01(\t\x12\x0e\n\x06job_id\x18\x04 \x01(\t\x12\x16\n\x0epolicy_version\x18\x05 \x01(\x04\x12\x14\n\x0ctokens_per_s\x18\x06 \x01(\x01\x12\x15\n\rbusy_fraction\x18\x07 \x01(\x01\x12\x14\n\x0cseen_unix_ms\x18\x08 \x01(\x03\"k\n\tTaskQueue\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0f\n\x07pending\x18\x02 \x01(\x04\x12\x11\n\tin_flight\x18\x03 \x01(\x04\x12\x13\n\x0bredelivered\x18\x04 \x01(\x04\x12\x15\n\rdead_lettered\x18\x05 \x01(\x04\"o\n\x0b\x46leetStatus\x12(\n\x07members\x18\x01 \x03(\x0b\x32\x17.fleetrl.v1.FleetMember\x12%\n\x06queues\x18\x02 \x03(\x0b\x32\x15.fleetrl.v1.TaskQueue\x12\x0f\n\x07unix_ms\x18\x03 \x01(\x03*\x9a\x01\n\x08JobState\x12\x19\n\x15JOB_STATE_UNSPECIFIED\x10\x00\x12\x14\n\x10JOB_STATE_QUEUED\x10\x01\x12\x15\n\x11JOB_STATE_RUNNING\x10\x02\x12\x17\n\x13JOB_STATE_SUCCEEDED\x10\x03\x12\x14\n\x10JOB_STATE_FAILED\x10\x04\x12\x17\n\x13JOB_STATE_CANCELLED\x10\x05\x32\xd0\x03\n\nJobService\x12:\n\tSubmitJob\x12\x1c.fleetrl.v1.SubmitJobRequest\x1a\x0f.fleetrl.v1.Job\x12\x34\n\x06GetJob\x12\x19.fleetrl.v1.GetJobRequest\x1a\x0f.fleetrl.v1.Job\x12\x45\n\x08ListJobs\x12\x1b.fleetrl.v1.ListJobsRequest\x1a\x1c.fleetrl.v1.ListJobsResponse\x12:\n\tCancelJob\x12\x1c.fleetrl.v1.CancelJobRequest\x1a\x0f.fleetrl.v1.Job\x12?\n\x08WatchJob\x12\x1b.fleetrl.v1.WatchJobRequest\x1a\x14.fleetrl.v1.JobEvent0\x01\x12J\n\rDownloadModel\x12 .fleetrl.v1.DownloadModelRequest\x1a\x15.fleetrl.v1.FileChunk0\x01\x12@\n\x08GetFleet\x12\x1b.fleetrl.v1.GetFleetRequest\x1a\x17.fleetrl.v1.FleetStatusb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18\x66leetrl/v1/gateway.proto\x12\nfleetrl.v1\x1a\x18\x66leetrl/v1/learner.proto\"\x8e\x01\n\x10SubmitJobRequest\x12\x0c\n\x04spec\x18\x01 \x01(\t\x12\x13\n\x0bspec_format\x18\x02 \x01(\t\x12\x0f\n\x07prompts\x18\x03 \x01(\x0c\x12\x13\n\x0breward_file\x18\x04 \x01(\x0c\x12\x17\n\x0fidempotency_key\x18\x05 \x01(\t\x12\x18\n\x10\x65nvironment_file\x18\x06 \x01(\x0c\"\xe7\x01\n\x03Job\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0e\n\x06tenant\x18\x02 \x01(\t\x12\x0c\n\x04name\x18\x03 \x01(\t\x12#\n\x05state\x18\x04 \x01(\x0e\x32\x14.fleetrl.v1.JobState\x12\x0e\n\x06reason\x18\x05 \x01(\t\x12\x11\n\tspec_json\x18\x06 \x01(\t\x12\x17\n\x0f\x63reated_unix_ms\x18\x07 \x01(\x03\x12\x17\n\x0fupdated_unix_ms\x18\x08 \x01(\x03\x12%\n\x04last\x18\t \x01(\x0b\x32\x17.fleetrl.v1.StepMetrics\x12\x11\n\tmodel_uri\x18\n \x01(\t\"\x1f\n\rGetJobRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\" \n\x0fListJobsRequest\x12\r\n\x05limit\x18\x01 \x01(\r\"1\n\x10ListJobsResponse\x12\x1d\n\x04jobs\x18\x01 \x03(\x0b\x32\x0f.fleetrl.v1.Job\"2\n\x10\x43\x61ncelJobRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\"4\n\x0fWatchJobRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x11\n\tfrom_step\x18\x02 \x01(\x04\"\x81\x01\n\x08JobEvent\x12\x1c\n\x03job\x18\x01 \x01(\x0b\x32\x0f.fleetrl.v1.Job\x12%\n\x05state\x18\x02 \x01(\x0e\x32\x14.fleetrl.v1.JobStateH\x00\x12\'\n\x04step\x18\x03 \x01(\x0b\x32\x17.fleetrl.v1.StepMetricsH\x00\x42\x07\n\x05\x65vent\"&\n\x14\x44ownloadModelRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\"E\n\tFileChunk\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\x0e\n\x06offset\x18\x02 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\x12\x0c\n\x04last\x18\x04 \x01(\x08\"\x11\n\x0fGetFleetRequest\"\xa8\x01\n\x0b\x46leetMember\x12\x0c\n\x04kind\x18\x01 \x01(\t\x12\x11\n\tmember_id\x18\x02 \x01(\t\x12\r\n\x05state\x18\x03 \x01(\t\x12\x0e\n\x06job_id\x18\x04 \x01(\t\x12\x16\n\x0epolicy_version\x18\x05 \x01(\x04\x12\x14\n\x0ctokens_per_s\x18\x06 \x01(\x01\x12\x15\n\rbusy_fraction\x18\x07 \x01(\x01\x12\x14\n\x0cseen_unix_ms\x18\x08 \x01(\x03\"k\n\tTaskQueue\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0f\n\x07pending\x18\x02 \x01(\x04\x12\x11\n\tin_flight\x18\x03 \x01(\x04\x12\x13\n\x0bredelivered\x18\x04 \x01(\x04\x12\x15\n\rdead_lettered\x18\x05 \x01(\x04\"o\n\x0b\x46leetStatus\x12(\n\x07members\x18\x01 \x03(\x0b\x32\x17.fleetrl.v1.FleetMember\x12%\n\x06queues\x18\x02 \x03(\x0b\x32\x15.fleetrl.v1.TaskQueue\x12\x0f\n\x07unix_ms\x18\x03 \x01(\x03*\x9a\x01\n\x08JobState\x12\x19\n\x15JOB_STATE_UNSPECIFIED\x10\x00\x12\x14\n\x10JOB_STATE_QUEUED\x10\x01\x12\x15\n\x11JOB_STATE_RUNNING\x10\x02\x12\x17\n\x13JOB_STATE_SUCCEEDED\x10\x03\x12\x14\n\x10JOB_STATE_FAILED\x10\x04\x12\x17\n\x13JOB_STATE_CANCELLED\x10\x05\x32\xd0\x03\n\nJobService\x12:\n\tSubmitJob\x12\x1c.fleetrl.v1.SubmitJobRequest\x1a\x0f.fleetrl.v1.Job\x12\x34\n\x06GetJob\x12\x19.fleetrl.v1.GetJobRequest\x1a\x0f.fleetrl.v1.Job\x12\x45\n\x08ListJobs\x12\x1b.fleetrl.v1.ListJobsRequest\x1a\x1c.fleetrl.v1.ListJobsResponse\x12:\n\tCancelJob\x12\x1c.fleetrl.v1.CancelJobRequest\x1a\x0f.fleetrl.v1.Job\x12?\n\x08WatchJob\x12\x1b.fleetrl.v1.WatchJobRequest\x1a\x14.fleetrl.v1.JobEvent0\x01\x12J\n\rDownloadModel\x12 .fleetrl.v1.DownloadModelRequest\x1a\x15.fleetrl.v1.FileChunk0\x01\x12@\n\x08GetFleet\x12\x1b.fleetrl.v1.GetFleetRequest\x1a\x17.fleetrl.v1.FleetStatusb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'fleetrl.v1.gateway_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_JOBSTATE']._serialized_start=1298
-  _globals['_JOBSTATE']._serialized_end=1452
-  _globals['_SUBMITJOBREQUEST']._serialized_start=66
-  _globals['_SUBMITJOBREQUEST']._serialized_end=182
-  _globals['_JOB']._serialized_start=185
-  _globals['_JOB']._serialized_end=416
-  _globals['_GETJOBREQUEST']._serialized_start=418
-  _globals['_GETJOBREQUEST']._serialized_end=449
-  _globals['_LISTJOBSREQUEST']._serialized_start=451
-  _globals['_LISTJOBSREQUEST']._serialized_end=483
-  _globals['_LISTJOBSRESPONSE']._serialized_start=485
-  _globals['_LISTJOBSRESPONSE']._serialized_end=534
-  _globals['_CANCELJOBREQUEST']._serialized_start=536
-  _globals['_CANCELJOBREQUEST']._serialized_end=586
-  _globals['_WATCHJOBREQUEST']._serialized_start=588
-  _globals['_WATCHJOBREQUEST']._serialized_end=640
-  _globals['_JOBEVENT']._serialized_start=643
-  _globals['_JOBEVENT']._serialized_end=772
-  _globals['_DOWNLOADMODELREQUEST']._serialized_start=774
-  _globals['_DOWNLOADMODELREQUEST']._serialized_end=812
-  _globals['_FILECHUNK']._serialized_start=814
-  _globals['_FILECHUNK']._serialized_end=883
-  _globals['_GETFLEETREQUEST']._serialized_start=885
-  _globals['_GETFLEETREQUEST']._serialized_end=902
-  _globals['_FLEETMEMBER']._serialized_start=905
-  _globals['_FLEETMEMBER']._serialized_end=1073
-  _globals['_TASKQUEUE']._serialized_start=1075
-  _globals['_TASKQUEUE']._serialized_end=1182
-  _globals['_FLEETSTATUS']._serialized_start=1184
-  _globals['_FLEETSTATUS']._serialized_end=1295
-  _globals['_JOBSERVICE']._serialized_start=1455
-  _globals['_JOBSERVICE']._serialized_end=1919
+  _globals['_JOBSTATE']._serialized_start=1325
+  _globals['_JOBSTATE']._serialized_end=1479
+  _globals['_SUBMITJOBREQUEST']._serialized_start=67
+  _globals['_SUBMITJOBREQUEST']._serialized_end=209
+  _globals['_JOB']._serialized_start=212
+  _globals['_JOB']._serialized_end=443
+  _globals['_GETJOBREQUEST']._serialized_start=445
+  _globals['_GETJOBREQUEST']._serialized_end=476
+  _globals['_LISTJOBSREQUEST']._serialized_start=478
+  _globals['_LISTJOBSREQUEST']._serialized_end=510
+  _globals['_LISTJOBSRESPONSE']._serialized_start=512
+  _globals['_LISTJOBSRESPONSE']._serialized_end=561
+  _globals['_CANCELJOBREQUEST']._serialized_start=563
+  _globals['_CANCELJOBREQUEST']._serialized_end=613
+  _globals['_WATCHJOBREQUEST']._serialized_start=615
+  _globals['_WATCHJOBREQUEST']._serialized_end=667
+  _globals['_JOBEVENT']._serialized_start=670
+  _globals['_JOBEVENT']._serialized_end=799
+  _globals['_DOWNLOADMODELREQUEST']._serialized_start=801
+  _globals['_DOWNLOADMODELREQUEST']._serialized_end=839
+  _globals['_FILECHUNK']._serialized_start=841
+  _globals['_FILECHUNK']._serialized_end=910
+  _globals['_GETFLEETREQUEST']._serialized_start=912
+  _globals['_GETFLEETREQUEST']._serialized_end=929
+  _globals['_FLEETMEMBER']._serialized_start=932
+  _globals['_FLEETMEMBER']._serialized_end=1100
+  _globals['_TASKQUEUE']._serialized_start=1102
+  _globals['_TASKQUEUE']._serialized_end=1209
+  _globals['_FLEETSTATUS']._serialized_start=1211
+  _globals['_FLEETSTATUS']._serialized_end=1322
+  _globals['_JOBSERVICE']._serialized_start=1482
+  _globals['_JOBSERVICE']._serialized_end=1946
 # @@protoc_insertion_point(module_scope)

@@ -24,18 +24,20 @@ JOB_STATE_FAILED: JobState
 JOB_STATE_CANCELLED: JobState
 
 class SubmitJobRequest(_message.Message):
-    __slots__ = ("spec", "spec_format", "prompts", "reward_file", "idempotency_key")
+    __slots__ = ("spec", "spec_format", "prompts", "reward_file", "idempotency_key", "environment_file")
     SPEC_FIELD_NUMBER: _ClassVar[int]
     SPEC_FORMAT_FIELD_NUMBER: _ClassVar[int]
     PROMPTS_FIELD_NUMBER: _ClassVar[int]
     REWARD_FILE_FIELD_NUMBER: _ClassVar[int]
     IDEMPOTENCY_KEY_FIELD_NUMBER: _ClassVar[int]
+    ENVIRONMENT_FILE_FIELD_NUMBER: _ClassVar[int]
     spec: str
     spec_format: str
     prompts: bytes
     reward_file: bytes
     idempotency_key: str
-    def __init__(self, spec: _Optional[str] = ..., spec_format: _Optional[str] = ..., prompts: _Optional[bytes] = ..., reward_file: _Optional[bytes] = ..., idempotency_key: _Optional[str] = ...) -> None: ...
+    environment_file: bytes
+    def __init__(self, spec: _Optional[str] = ..., spec_format: _Optional[str] = ..., prompts: _Optional[bytes] = ..., reward_file: _Optional[bytes] = ..., idempotency_key: _Optional[str] = ..., environment_file: _Optional[bytes] = ...) -> None: ...
 
 class Job(_message.Message):
     __slots__ = ("job_id", "tenant", "name", "state", "reason", "spec_json", "created_unix_ms", "updated_unix_ms", "last", "model_uri")
