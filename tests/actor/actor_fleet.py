@@ -108,10 +108,11 @@ class Fleet:
                               headers={"Nats-Msg-Id": bus.task_msg_id(job_id, 0, index)})
         return task
 
-    def start_actor(self, name: str, *settings: str) -> subprocess.Popen[bytes]:
+    def start_actor(self, name: str, *settings: str, reward_addr: str = "") -> subprocess.Popen[bytes]:
         s = self.services
         argv = [sys.executable, "-m", "services.actor", "--actor-id", name, "--nats-url", s.nats_url,
-                "--redis-url", s.redis_url, "--replay-addr", s.replay_addr, "--reward-addr", s.reward_addr,
+                "--redis-url", s.redis_url, "--replay-addr", s.replay_addr,
+                "--reward-addr", reward_addr or s.reward_addr,
                 "--set", "torch_threads=1", "--set", "poll_interval_s=0.3", "--set", "nak_base_delay_s=0.2",
                 *[arg for item in settings for arg in ("--set", item)]]
         env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "FLEETRL_TRACING": "0"}

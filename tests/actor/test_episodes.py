@@ -7,22 +7,27 @@ same reward service, with the same weights and seeds, generates the same), each 
 exactly as the chat template renders the environment's text, loss mask true on policy tokens only,
 behaviour log-probs that match a full forward pass, turn boundaries, per-turn and final rewards,
 and the episode's status. A hostile environment that hangs in step is contained within its timeout.
+A reward service SIGKILLed mid-episode: the actor's next step fails cleanly (NOT_FOUND once the
+service is back), the task is redelivered and its group stored once.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import torch
-from actor_fleet import MODEL, Fleet, wait_until
+from actor_fleet import MODEL, Fleet, start_service, wait_until
 
 from services.actor.backends import LOGPROB_TOL, HFBackend, observation_tokens
 from services.actor.config import ActorSettings
 from services.actor.episodes import EpisodeRunner
 from services.common import models
 from services.common.config import JobSpec
+from services.fleet.embedded import free_port
 from services.proto.fleetrl.v1 import common_pb2
 from services.reward.client import RewardClient, environment_to_proto
 
@@ -187,3 +192,47 @@ async def test_truncation_and_hanging_environment(fleet: Fleet) -> None:
 
 async def _count(fleet: Fleet, job: str, n: int) -> bool:
     return (await fleet.replay.stats(job)).inserted >= n
+
+
+SLOW_ENV = b'''
+import time
+
+class Env:
+    def __init__(self, task):
+        self.turn = 0
+
+    def reset(self):
+        return "Go on."
+
+    def step(self, action):
+        time.sleep(1.0)
+        self.turn += 1
+        return ("again" if self.turn < 4 else None), 1.0, self.turn >= 4
+'''
+
+
+async def test_reward_service_restart_mid_episode_redelivers_the_task(fleet: Fleet, tmp_path: Path) -> None:
+    port = free_port()
+    argv = ["services.reward", "--listen", f"127.0.0.1:{port}", "--workers", "1"]
+    reward = start_service(argv, tmp_path / "reward.log", port)
+    spec = env_job(max_turns=4, step_timeout_s=5.0)
+    job = await fleet.create_job(spec, [], environment_file=SLOW_ENV)
+    await fleet.publish_weights(job, 0, dtype="float32")
+    fleet.start_actor("ep2", "nak_base_delay_s=0.1", reward_addr=f"127.0.0.1:{port}")
+    try:
+        await fleet.publish_task(job, 0, "restart me", "")
+        log = tmp_path / "reward.log"
+        await wait_until(lambda: "reward pool (env" in log.read_text(errors="replace"), 90, "the episodes' pool")
+        await asyncio.sleep(1.5)  # inside the episode (4 steps of 1 s): after its open, before its last step
+        reward.kill()
+        reward.wait(10)
+        reward = start_service(argv, log, port)
+        group = await stored_group(fleet, job)
+    finally:
+        fleet.kill("ep2")
+        reward.kill()
+        reward.wait(10)
+    assert "no episode session" in fleet.log_text("ep2")  # the step after the restart failed cleanly
+    assert group.lineage.delivery_attempt == 2
+    assert (await fleet.replay.stats(job)).inserted == 1
+    assert all(s.episode_status == common_pb2.EPISODE_STATUS_DONE and s.reward == 4.0 for s in group.samples)
