@@ -31,7 +31,7 @@ BEST_REWARD = {"addition": 1.5, "gsm8k": 1.1, "custom_reward": 1.5}
 
 
 def _load(path: Path) -> tuple[JobSpec, bytes, bytes]:
-    spec_json, prompts, reward_file = load_job_file(path)
+    spec_json, prompts, reward_file, _ = load_job_file(path)
     return parse_job_spec(spec_json, "json"), prompts, reward_file
 
 
