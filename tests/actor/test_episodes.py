@@ -8,19 +8,23 @@ exactly as the chat template renders the environment's text, loss mask true on p
 behaviour log-probs that match a full forward pass, turn boundaries, per-turn and final rewards,
 and the episode's status. A hostile environment that hangs in step is contained within its timeout.
 A reward service SIGKILLed mid-episode: the actor's next step fails cleanly (NOT_FOUND once the
-service is back), the task is redelivered and its group stored once.
+service is back), the task is redelivered and its group stored once. An actor SIGKILLed mid-episode:
+the task is redelivered and stored once, and the dead actor's session is reaped within the idle timeout.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
 from actor_fleet import MODEL, Fleet, start_service, wait_until
+from prometheus_client.parser import text_string_to_metric_families
 
 from services.actor.backends import LOGPROB_TOL, HFBackend, observation_tokens
 from services.actor.config import ActorSettings
@@ -236,3 +240,49 @@ async def test_reward_service_restart_mid_episode_redelivers_the_task(fleet: Fle
     assert group.lineage.delivery_attempt == 2
     assert (await fleet.replay.stats(job)).inserted == 1
     assert all(s.episode_status == common_pb2.EPISODE_STATUS_DONE and s.reward == 4.0 for s in group.samples)
+
+
+def scrape(port: int, name: str, **labels: str) -> float:
+    """A sample of a service's /metrics (0 when absent)."""
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
+                return float(sample.value)
+    return 0.0
+
+
+async def test_actor_sigkilled_mid_episode(fleet: Fleet, tmp_path: Path) -> None:
+    """After turn 1, before the last: the task is redelivered to another actor and stored once, and the dead
+    actor's session is reaped (its workers killed) within the idle timeout."""
+    port, metrics_port, idle_s = free_port(), free_port(), 3.0
+    argv = ["services.reward", "--listen", f"127.0.0.1:{port}", "--workers", "1", "--set",
+            f"metrics_port={metrics_port}", "--set", f"episode_idle_timeout_s={idle_s}"]
+    log = tmp_path / "reward.log"
+    reward = start_service(argv, log, port)
+    spec = env_job(max_turns=4, step_timeout_s=5.0, episode_timeout_s=60.0)
+    job = await fleet.create_job(spec, [], environment_file=SLOW_ENV)
+    await fleet.publish_weights(job, 0, dtype="float32")
+    try:
+        fleet.start_actor("doomed", reward_addr=f"127.0.0.1:{port}")
+        await fleet.publish_task(job, 0, "kill me", "")
+        await wait_until(lambda: scrape(metrics_port, "fleetrl_reward_env_seconds_count", op="step") >= 3, 90,
+                         "turn 1 of the doomed actor's episodes")
+        fleet.kill("doomed")
+        killed = time.monotonic()
+        assert scrape(metrics_port, "fleetrl_reward_open_episodes") == 3  # none ended: 4 steps each
+        await wait_until(lambda: scrape(metrics_port, "fleetrl_reward_episodes_total", job=job,
+                                        status="abandoned") == 3, idle_s + 10, "the abandoned session reaped")
+        assert time.monotonic() - killed < idle_s + 5
+        assert scrape(metrics_port, "fleetrl_reward_worker_restarts_total", reason="abandoned") == 3
+        fleet.start_actor("heir", reward_addr=f"127.0.0.1:{port}")
+        group = await stored_group(fleet, job, timeout_s=180)
+        await asyncio.sleep(1.0)
+        assert scrape(metrics_port, "fleetrl_reward_open_episodes") == 0
+    finally:
+        fleet.kill("heir")
+        reward.kill()
+        reward.wait(10)
+    assert group.lineage.actor_id == "heir" and group.lineage.delivery_attempt == 2
+    assert (await fleet.replay.stats(job)).inserted == 1
+    assert all(s.episode_status == common_pb2.EPISODE_STATUS_DONE and len(s.turns) == 4 for s in group.samples)
