@@ -3,7 +3,9 @@
 A scripted environment's answers come back exactly; a repeated step is answered from memory; a
 hanging step costs only its own episode (worker killed, counted) while the others go on; a bad
 environment file fails Validate and OpenEpisodes with the reason; an abandoned session is reaped
-and its workers killed; after close or a restart a step is NOT_FOUND.
+and its workers killed; after close a step is NOT_FOUND. Hostile steps (fork, socket, a write
+outside the sandbox, a huge observation) end their episodes within the step timeout, and the
+service keeps serving.
 """
 
 from __future__ import annotations
@@ -150,3 +152,38 @@ async def test_abandoned_session_is_reaped(tmp_path: Path) -> None:
             assert time.monotonic() - started < 10
             await asyncio.sleep(0.1)
         assert pool.held_workers == 0 and service.sessions.open_episodes == 0
+
+
+HOSTILE_STEPS = {  # the body of a hostile step()
+    "fork": ["import os", "if os.fork() == 0:", "    os._exit(0)", "return 'forked', 1.0, False"],
+    "socket": ["import socket", "socket.create_connection(('127.0.0.1', 22), timeout=1)",
+               "return 'connected', 1.0, False"],
+    "write_outside": ["open(ESCAPE, 'w').write('x')", "return 'wrote', 1.0, False"],
+    "huge_observation": ["return 'x' * (8 << 20), 1.0, False"],
+}
+
+
+def hostile_env(attack: str, escape: Path) -> str:
+    body = "".join(f"        {line}\n" for line in HOSTILE_STEPS[attack])
+    return (f"ESCAPE = {str(escape)!r}\n\nclass Env:\n    def __init__(self, task):\n        pass\n\n"
+            f"    def reset(self):\n        return 'go'\n\n    def step(self, action):\n{body}")
+
+
+@pytest.mark.parametrize("attack", sorted(HOSTILE_STEPS))
+async def test_hostile_environment_steps_are_contained(attack: str, tmp_path: Path) -> None:
+    escape = tmp_path / "escaped"
+    source = hostile_env(attack, escape)
+    sandbox = tmp_path / "sandbox"
+    sandbox.mkdir()
+    async with reward_service(sandbox) as stub:
+        await open_session(stub, "h", env_spec(source, step_timeout_s=2.0), 2)
+        started = time.monotonic()
+        results = (await stub.StepEpisodes(step("h", (0, 0, "a"), (1, 0, "b")), timeout=20)).results
+        assert time.monotonic() - started < 5
+        for result in results:
+            assert result.done and result.status != common_pb2.REWARD_STATUS_OK, result
+            assert result.reward == 0.0 and result.reason
+        assert not escape.exists()
+        opened = await open_session(stub, "fine", env_spec(SCRIPTED), 1)  # the service keeps serving
+        assert opened.episodes[0].status == common_pb2.REWARD_STATUS_OK
+        assert (await stub.StepEpisodes(step("fine", (0, 0, "x")), timeout=10)).results[0].reward == 0.5
