@@ -30,7 +30,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from services.common.config import EnvironmentSpec
-from services.common.errors import FailedPrecondition, FieldViolation, InvalidArgument, NotFound, ResourceExhausted
+from services.common.errors import (
+    FailedPrecondition,
+    FieldViolation,
+    InvalidArgument,
+    NotFound,
+    ResourceExhausted,
+    Unavailable,
+)
 from services.reward.config import RewardSettings
 from services.reward.env_host import EnvError, observation_messages
 from services.reward.metrics import RewardMetrics
@@ -168,8 +175,13 @@ class EpisodeSessions:
             self.metrics.open_episodes.set(self.open_episodes)
 
     async def _reset(self, session: Session, task: dict[str, Any], count: int) -> None:
+        wait_s = 2 * self.settings.worker_start_timeout_s
         for index in range(count):
-            session.episodes.append(Episode(index, await session.pool.hold()))
+            try:
+                worker = await asyncio.wait_for(session.pool.hold(), wait_s)
+            except TimeoutError:
+                raise Unavailable(f"no sandboxed worker became free within {wait_s:g}s") from None
+            session.episodes.append(Episode(index, worker))
         request = {"op": "reset", "task": task, "params": session.spec.params}
         session.first = list(await asyncio.gather(*(self._call(session, e, request, "reset")
                                                     for e in session.episodes)))
@@ -181,6 +193,9 @@ class EpisodeSessions:
         if session is None:
             raise NotFound(f"no episode session {session_id!r} (closed, reaped after idle, or the reward "
                            "service restarted)")
+        episodes = [index for index, _, _ in actions]
+        if len(set(episodes)) != len(episodes):
+            raise InvalidArgument("one action per episode", [FieldViolation("actions", "an episode appears twice")])
         async with session.lock:
             session.touched = time.monotonic()
             todo = [self._check_action(session, i, a) for i, a in enumerate(actions)]

@@ -87,6 +87,9 @@ async def test_scripted_episodes_answer_exactly_and_repeat_steps(tmp_path: Path)
         with pytest.raises(grpc.aio.AioRpcError) as skipped:
             await stub.StepEpisodes(step("s1", (1, 1, "x")), timeout=10)
         assert skipped.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        with pytest.raises(grpc.aio.AioRpcError) as twice:
+            await stub.StepEpisodes(step("s1", (1, 0, "x"), (1, 0, "y")), timeout=10)
+        assert twice.value.code() == grpc.StatusCode.INVALID_ARGUMENT
 
         await stub.CloseEpisodes(reward_pb2.CloseEpisodesRequest(session_id="s1"), timeout=10)
         with pytest.raises(grpc.aio.AioRpcError) as closed:
