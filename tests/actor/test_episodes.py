@@ -132,13 +132,21 @@ def serving(fleet: Fleet, name: str) -> Iterator[None]:
         fleet.kill(name)
 
 
-async def test_scripted_environment_group_is_stored_exactly(fleet: Fleet) -> None:
+async def test_scripted_environment_groups_are_stored_exactly(fleet: Fleet) -> None:
+    """One actor serves two jobs: episodes that end done; and episodes truncated at max_total_tokens next to
+    episodes whose environment hangs in step (each ended by its 1 s step timeout)."""
     spec = env_job(params={"turns": 3})
     job = await fleet.create_job(spec, [], environment_file=SCRIPTED_ENV)
     await fleet.publish_weights(job, 0, dtype="float32")  # the actor then holds exactly models.load(MODEL)'s weights
     task = await fleet.publish_task(job, 0, "the sea", "")
+    limited = env_job(params={"turns": 50, "hang_on": "HANG"}, max_turns=50, max_total_tokens=90, step_timeout_s=1.0)
+    other = await fleet.create_job(limited, [], environment_file=SCRIPTED_ENV)
+    await fleet.publish_weights(other, 0, dtype="float32")
+    await fleet.publish_task(other, 0, "a short story", "")
+    await fleet.publish_task(other, 1, "please HANG", "")
     with serving(fleet, "ep0"):
         group = await stored_group(fleet, job)
+        await wait_until(lambda: _count(fleet, other, 2), 120, "both groups of the second job")
     assert group.policy_version == 0 and len(group.samples) == 3
     model, tokenizer = models.load(MODEL)
     for sample in group.samples:
@@ -161,6 +169,18 @@ async def test_scripted_environment_group_is_stored_exactly(fleet: Fleet) -> Non
         gap = max(abs(a - b) for a, b in zip(mine.behaviour_logprobs, stored.behaviour_logprobs, strict=True))
         assert gap < 1e-5
 
+    _, groups, _ = await fleet.replay.sample(other, 2)
+    by_prompt = {g.prompt: g for g in groups}
+    for sample in by_prompt["a short story"].samples:
+        assert sample.episode_status == common_pb2.EPISODE_STATUS_TRUNCATED
+        assert len(sample.prompt_token_ids) + len(sample.completion_token_ids) <= 90
+        check_episode(sample, tokenizer, limited)
+    for sample in by_prompt["please HANG"].samples:
+        assert sample.episode_status == common_pb2.EPISODE_STATUS_ENV_ERROR
+        assert sample.reward_status == common_pb2.REWARD_STATUS_TIMEOUT and sample.reward == 0.0
+        assert "timed out after 1s" in sample.reward_reason and len(sample.turns) == 1
+        assert sample.turns[0].env_latency_s < 3
+
 
 def comparable(sample: common_pb2.Sample) -> common_pb2.Sample:
     """The sample less its environment latencies (wall-clock times) and log-probs (compared apart)."""
@@ -170,28 +190,6 @@ def comparable(sample: common_pb2.Sample) -> common_pb2.Sample:
         turn.env_latency_s = 0.0
     del copy.behaviour_logprobs[:]
     return copy
-
-
-async def test_truncation_and_hanging_environment(fleet: Fleet) -> None:
-    spec = env_job(params={"turns": 50, "hang_on": "HANG"}, max_turns=50, max_total_tokens=90, step_timeout_s=1.0)
-    job = await fleet.create_job(spec, [], environment_file=SCRIPTED_ENV)
-    await fleet.publish_weights(job, 0, dtype="float32")
-    await fleet.publish_task(job, 0, "a short story", "")
-    await fleet.publish_task(job, 1, "please HANG", "")
-    _, tokenizer = models.load(MODEL)
-    with serving(fleet, "ep1"):
-        await wait_until(lambda: _count(fleet, job, 2), 120, "both groups")
-    _, groups, _ = await fleet.replay.sample(job, 2)
-    by_prompt = {g.prompt: g for g in groups}
-    for sample in by_prompt["a short story"].samples:
-        assert sample.episode_status == common_pb2.EPISODE_STATUS_TRUNCATED
-        assert len(sample.prompt_token_ids) + len(sample.completion_token_ids) <= 90
-        check_episode(sample, tokenizer, spec)
-    for sample in by_prompt["please HANG"].samples:
-        assert sample.episode_status == common_pb2.EPISODE_STATUS_ENV_ERROR
-        assert sample.reward_status == common_pb2.REWARD_STATUS_TIMEOUT and sample.reward == 0.0
-        assert "timed out after 1s" in sample.reward_reason and len(sample.turns) == 1
-        assert sample.turns[0].env_latency_s < 3
 
 
 async def _count(fleet: Fleet, job: str, n: int) -> bool:
