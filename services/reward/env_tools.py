@@ -1,6 +1,6 @@
 """Tool use for environment files: declare Python functions as tools, parse the model's calls, run them.
 
-An environment file imports this module as `fleetrl_tools` (the worker registers it under that name
+An environment file imports this module as `env_tools` (the worker registers it under that name
 before the file runs; the file cannot import `services.*`). Its tools run where the environment runs:
 in the reward service's sandbox. The tag format, which `describe_tools` explains to the model in a
 system prompt, is the Hermes / Qwen one that many chat templates use:

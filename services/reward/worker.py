@@ -133,8 +133,8 @@ def load_file(source: str, tmpdir: str, root: str) -> RewardFn:
 
 
 def load_env(source: str, tmpdir: str, root: str) -> env_host.EnvHost:
-    """Execute a user's environment file (which may `import fleetrl_tools`) and host its `Env` class."""
-    sys.modules["fleetrl_tools"] = env_tools
+    """Execute a user's environment file (which may `import env_tools`) and host its `Env` class."""
+    sys.modules["env_tools"] = env_tools
     cls = run_user_file(source, tmpdir, root, "env_file").get("Env")
     if not isinstance(cls, type):
         raise TypeError("the environment file does not define a class `Env` (__init__(task, **params), reset(), "

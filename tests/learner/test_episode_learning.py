@@ -14,10 +14,10 @@ from pathlib import Path
 
 import pytest
 from learner_fleet import tiny_policy
-from test_learning import FAST_ENV, PROMPTS, fleet  # noqa: F401 - the fleet fixture
 
 from services.fleet.fleet import FleetLayout
 from services.gateway.client import Client
+from tests.learner.test_learning import PROMPTS, fleet  # noqa: F401 - the fleet fixture
 
 pytestmark = pytest.mark.slow
 

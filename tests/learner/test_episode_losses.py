@@ -14,13 +14,13 @@ import copy
 
 import pytest
 import torch
-from test_losses import random_groups, tiny_model
 
 from services.common.config import JobSpec, OptimConfig
 from services.learner.batch import build_batch, episode_metrics, group_advantages, policy_tokens
 from services.learner.losses import loss_config_for
 from services.learner.optim import build_scheduler, train_step
 from services.proto.fleetrl.v1 import common_pb2
+from tests.learner.test_losses import random_groups, tiny_model
 
 ALGORITHMS = ["grpo", "dapo", "gspo"]
 """Token ratios with per-sequence means (grpo, with KL and entropy), token means (dapo), sequence ratios (gspo)."""

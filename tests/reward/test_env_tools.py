@@ -1,15 +1,14 @@
 """The tool-use helper of environment files: the tag format, both call forms, errors the model can read,
-and a ToolEnv run in the reward service's sandbox, where its file imports it as `fleetrl_tools`."""
+and a ToolEnv run in the reward service's sandbox, where its file imports it as `env_tools`."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from conftest import reward_service
-from test_reward_episodes import env_spec, open_session, step
-
 from services.proto.fleetrl.v1 import common_pb2
 from services.reward.env_tools import ToolCall, describe_tools, parse_tool_calls, run_tool_call
+from tests.reward.conftest import reward_service
+from tests.reward.test_reward_episodes import env_spec, open_session, step
 
 
 def calc(expression: str) -> str:
@@ -37,7 +36,7 @@ def test_parse_both_forms_and_errors() -> None:
 
 
 CALCULATOR_ENV = '''
-from fleetrl_tools import ToolEnv
+from env_tools import ToolEnv
 
 def calc(expression: str) -> str:
     """Evaluate an arithmetic expression."""

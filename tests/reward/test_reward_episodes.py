@@ -17,12 +17,12 @@ from pathlib import Path
 
 import grpc
 import pytest
-from conftest import reward_server, reward_service
 
 from services.common.config import EnvironmentSpec
 from services.proto.fleetrl.v1 import common_pb2, reward_pb2, reward_pb2_grpc
 from services.reward.client import environment_to_proto
 from services.reward.server import Running
+from tests.reward.conftest import reward_server, reward_service
 
 SCRIPTED = '''
 class Env:

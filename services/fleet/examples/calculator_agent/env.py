@@ -8,7 +8,7 @@ import ast
 import operator
 import re
 
-from fleetrl_tools import ToolEnv
+from env_tools import ToolEnv
 
 OPERATORS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
              ast.USub: operator.neg, ast.UAdd: operator.pos}
