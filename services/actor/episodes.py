@@ -11,8 +11,9 @@ assistant turn of every live episode in one batch (`Backend.generate_batch`), se
   `completion_token_ids` with every action and observation, `loss_mask` true on the policy's tokens
   and false on the environment's (observations and the chat template's tokens around them),
   behaviour log-probs (0 on environment tokens), `turns` (where each action is, its reward) and
-  `episode_status`. Its reward is the sum of its turns' rewards; an environment failure (raised,
-  bad value, timeout, worker died) ends the episode as ENV_ERROR with reward 0, like a failed reward.
+  `episode_status`. Its reward is the sum of its turns' rewards (`environment.unfinished_reward`, when
+  set, replaces it for an episode truncated or out of turns); an environment failure (raised, bad
+  value, timeout, worker died) ends the episode as ENV_ERROR with reward 0, like a failed reward.
 - The observation that ends an episode (done) is not appended: nothing is generated after it.
   Each turn may generate up to `rollout.max_new_tokens`, less what is left of `max_total_tokens`;
   an observation that would leave no room for another token ends the episode as TRUNCATED.
@@ -103,12 +104,21 @@ class Episode:
         self.logprobs += [0.0] * len(token_ids)
         self.mask += [False] * len(token_ids)
 
-    def sample(self, tokenizer: Any) -> common_pb2.Sample:
-        ok = self.reward_status == OK
+    def reward(self, unfinished_reward: float | None) -> float:
+        """The sum of the turns' rewards; 0 after an environment failure; unfinished_reward (unless None)
+        for an episode truncated or out of turns."""
+        if self.reward_status != OK:
+            return 0.0
+        unfinished = self.status in (common_pb2.EPISODE_STATUS_TRUNCATED, common_pb2.EPISODE_STATUS_MAX_TURNS)
+        if unfinished and unfinished_reward is not None:
+            return unfinished_reward
+        return sum(t.reward for t in self.turns)
+
+    def sample(self, tokenizer: Any, unfinished_reward: float | None = None) -> common_pb2.Sample:
         return common_pb2.Sample(
             prompt_token_ids=self.prompt_ids, completion_token_ids=self.completion_ids,
             behaviour_logprobs=self.logprobs, completion_text=tokenizer.decode(self.completion_ids),
-            reward=sum(t.reward for t in self.turns) if ok else 0.0, reward_status=self.reward_status,
+            reward=self.reward(unfinished_reward), reward_status=self.reward_status,
             reward_reason=self.reason, finish_reason=self.turns[-1].finish_reason if self.turns else "",
             loss_mask=self.mask, turns=self.turns, episode_status=self.status)
 
@@ -150,7 +160,7 @@ class EpisodeRunner:
         finally:
             with contextlib.suppress(Exception):  # the service reaps a session left open
                 await asyncio.wait_for(self._host.close_episodes(session), self.settings.reward_timeout_s)
-        return [e.sample(backend.tokenizer) for e in episodes]
+        return [e.sample(backend.tokenizer, env.unfinished_reward) for e in episodes]
 
     @staticmethod
     def _first(tokenizer: Any, result: reward_pb2.EpisodeResult, rollout: RolloutConfig, env: EnvironmentSpec,

@@ -82,6 +82,9 @@ class EnvironmentSpec(Strict):
     it the episode ends as an environment error (timeout)."""
     memory_limit_mb: int = Field(1024, ge=64, le=65536)
     """Address-space limit of each sandboxed worker running an episode."""
+    unfinished_reward: float | None = Field(None, ge=-1e6, le=1e6)
+    """The reward of an episode that did not end done (truncated at max_total_tokens, or out of
+    max_turns) in place of its turns' sum, e.g. 0 or a negative penalty; None keeps the sum."""
 
     @model_validator(mode="after")
     def _episode_outlasts_step(self) -> EnvironmentSpec:

@@ -28,7 +28,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from services.actor.backends import LOGPROB_TOL, HFBackend, observation_tokens
 from services.actor.config import ActorSettings
-from services.actor.episodes import EpisodeRunner
+from services.actor.episodes import OK, Episode, EpisodeRunner
 from services.common import models
 from services.common.config import JobSpec
 from services.fleet.embedded import free_port
@@ -286,3 +286,17 @@ async def test_actor_sigkilled_mid_episode(fleet: Fleet, tmp_path: Path) -> None
     assert group.lineage.actor_id == "heir" and group.lineage.delivery_attempt == 2
     assert (await fleet.replay.stats(job)).inserted == 1
     assert all(s.episode_status == common_pb2.EPISODE_STATUS_DONE and len(s.turns) == 4 for s in group.samples)
+
+
+def test_unfinished_reward_replaces_the_sum_of_unfinished_episodes_only() -> None:
+    def episode(status: common_pb2.EpisodeStatus, reward_status: common_pb2.RewardStatus = OK) -> Episode:
+        made = Episode(0, [1, 2])
+        made.turns.extend([common_pb2.Turn(start=0, end=1, reward=0.25), common_pb2.Turn(start=1, end=2, reward=0.5)])
+        made.end(status, reward_status)
+        return made
+
+    done, truncated = episode(common_pb2.EPISODE_STATUS_DONE), episode(common_pb2.EPISODE_STATUS_TRUNCATED)
+    out_of_turns = episode(common_pb2.EPISODE_STATUS_MAX_TURNS)
+    failed = episode(common_pb2.EPISODE_STATUS_ENV_ERROR, common_pb2.REWARD_STATUS_TIMEOUT)
+    assert [e.reward(None) for e in (done, truncated, out_of_turns, failed)] == [0.75, 0.75, 0.75, 0.0]
+    assert [e.reward(-1.0) for e in (done, truncated, out_of_turns, failed)] == [0.75, -1.0, -1.0, 0.0]
