@@ -1,10 +1,13 @@
 """Inference backends: one small Protocol, the transformers/torch sampler, and the factory.
 
 `Backend.generate(prompt_token_ids, n, ...)` returns `n` completions of one prompt, each with the
-behaviour log-prob of every sampled token; `Backend.load_weights(tensors)` swaps the policy's weights
-in place. `make_backend("hf" | "vllm" | "fixed", ...)` picks one by config; vLLM is imported only when
-asked for. `FixedBackend` is a benchmark instrument (bench.pipeline): it sleeps a fixed time per group
-and returns deterministic tokens, so what remains of a task's cost is the fleet's orchestration.
+behaviour log-prob of every sampled token; `Backend.generate_batch(prompts, ...)` returns one
+completion for each of several different prompts (the next turn of every live episode of a group);
+`Backend.load_weights(tensors)` swaps the policy's weights in place. `make_backend("hf" | "vllm" |
+"fixed", ...)` picks one by config; vLLM is imported only when asked for. `FixedBackend` is a
+benchmark instrument (bench.pipeline): it sleeps a fixed time per group and returns deterministic
+tokens, so what remains of a task's cost is the fleet's orchestration. The chat template's rendering
+of prompts and of episode observations (`conversation_tokens`, `observation_tokens`) is here too.
 
 `HFBackend` is a plain KV-cache sampling loop (not `model.generate`), because the actor needs three
 things `generate` does not give cheaply or reproducibly:
@@ -20,6 +23,9 @@ things `generate` does not give cheaply or reproducibly:
 - The n samples of a prompt in one batch: the prompt is prefilled once (`logits_to_keep=1`) and its
   KV cache repeated n times, then all n rows decode together (`python -m bench.generate` compares it
   with `model.generate`).
+- `generate_batch` left-pads different prompts (attention mask, position ids counted over real
+  tokens) and decodes them together, each row to its own token budget. Each turn is prefilled
+  anew: the KV cache of earlier turns is not kept between calls.
 
 Actor and learner log-probs differ by float rounding: the KV-cache decode and the full-sequence
 forward round their matmuls differently, far more in bfloat16 than in float32, and the error grows
@@ -71,6 +77,12 @@ class Backend(Protocol):
         """n completions of one prompt, sampled reproducibly from `seed`."""
         ...
 
+    def generate_batch(
+        self, prompts: list[list[int]], *, max_new_tokens: list[int], temperature: float, top_p: float, seed: int,
+    ) -> list[Completion]:
+        """One completion per prompt, row i at most max_new_tokens[i] tokens, sampled reproducibly from `seed`."""
+        ...
+
     def load_weights(self, tensors: Mapping[str, Tensor]) -> None:
         """Replace the policy's weights in place (names as `models.state_dict_for_publish` writes them)."""
         ...
@@ -79,13 +91,52 @@ class Backend(Protocol):
 def prompt_tokens(tokenizer: Any, prompt: str, rollout: RolloutConfig) -> list[int]:
     """Prompt tokens as the model sees them: chat template (+ system prompt) when configured and
     available, then truncated from the left to max_prompt_tokens."""
-    if rollout.chat_template and getattr(tokenizer, "chat_template", None):
-        messages = [{"role": "system", "content": rollout.system_prompt}] if rollout.system_prompt else []
-        messages.append({"role": "user", "content": prompt})
-        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+    return conversation_tokens(tokenizer, [{"role": "user", "content": prompt}], rollout)
+
+
+def _templated(tokenizer: Any, rollout: RolloutConfig) -> bool:
+    return bool(rollout.chat_template and getattr(tokenizer, "chat_template", None))
+
+
+def conversation_tokens(tokenizer: Any, messages: list[dict[str, str]], rollout: RolloutConfig) -> list[int]:
+    """The first tokens of a conversation (a task's prompt, an episode's first observation): the
+    rollout's system prompt (unless the messages bring one) and the messages through the chat template
+    with the assistant's generation prompt, truncated from the left to max_prompt_tokens. Without a
+    template, the messages' contents joined by newlines."""
+    if _templated(tokenizer, rollout):
+        system = [{"role": "system", "content": rollout.system_prompt}] if rollout.system_prompt else []
+        if messages and messages[0]["role"] == "system":
+            system = []
+        ids = tokenizer.apply_chat_template([*system, *messages], add_generation_prompt=True, tokenize=True,
+                                            return_dict=False)
     else:
-        ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+        ids = tokenizer("\n".join(m["content"] for m in messages), add_special_tokens=False)["input_ids"]
     return [int(i) for i in ids][-rollout.max_prompt_tokens :]
+
+
+TEMPLATE_PROBE = "\u2063fleetrl\u2063"
+"""Content of the placeholder assistant message `observation_tokens` renders (found again by search)."""
+
+
+def observation_tokens(tokenizer: Any, messages: list[dict[str, str]], rollout: RolloutConfig,
+                       after_eos: bool) -> list[int]:
+    """The tokens that follow an assistant turn when the environment answers with messages: what closes
+    the assistant's message (less its eos when the turn ended with one), the messages, and the next
+    generation prompt, all as the chat template renders them. Computed as the difference of two
+    renderings of a placeholder conversation, so earlier turns are never re-tokenized."""
+    if not _templated(tokenizer, rollout):
+        text = "".join(f"\n{m['content']}" for m in messages) + "\n"
+        return [int(i) for i in tokenizer(text, add_special_tokens=False)["input_ids"]]
+    base = [{"role": "user", "content": "?"}, {"role": "assistant", "content": TEMPLATE_PROBE}]
+    before = tokenizer.apply_chat_template(base, tokenize=False)
+    after = tokenizer.apply_chat_template([*base, *messages], tokenize=False, add_generation_prompt=True)
+    if not after.startswith(before) or TEMPLATE_PROBE not in before:
+        raise ValueError("the tokenizer's chat template re-renders earlier turns; episodes need one that appends")
+    closing = before[before.rindex(TEMPLATE_PROBE) + len(TEMPLATE_PROBE):]
+    eos_text = tokenizer.eos_token or ""
+    if after_eos and eos_text and closing.startswith(eos_text):
+        closing = closing[len(eos_text):]
+    return [int(i) for i in tokenizer(closing + after[len(before):], add_special_tokens=False)["input_ids"]]
 
 
 def eos_ids_of(model: Any, tokenizer: Any) -> set[int]:
@@ -159,6 +210,52 @@ class HFBackend:
             out = self.model(input_ids=token, cache=out.cache, use_cache=True)
         return tokens_T, logprobs_T
 
+    @torch.inference_mode()
+    def generate_batch(
+        self, prompts: list[list[int]], *, max_new_tokens: list[int], temperature: float, top_p: float, seed: int,
+    ) -> list[Completion]:
+        """One completion per prompt (left-padded together); every draw comes from a generator seeded with `seed`."""
+        generator = torch.Generator(device=self.device).manual_seed(seed)
+        tokens_T, logprobs_T = self._sample_rows(prompts, max_new_tokens, temperature, top_p, generator)
+        tokens_B_T = torch.stack(tokens_T, dim=1).tolist()  # (B, T)
+        logprobs_B_T = torch.stack(logprobs_T, dim=1).tolist()
+        return [self._cut(tokens_B_T[b][: max_new_tokens[b]], logprobs_B_T[b][: max_new_tokens[b]], self.eos_ids)
+                for b in range(len(prompts))]
+
+    def _sample_rows(
+        self, prompts: list[list[int]], max_new_tokens: list[int], temperature: float, top_p: float,
+        generator: torch.Generator,
+    ) -> tuple[list[Tensor], list[Tensor]]:
+        """Per position: sampled tokens (B,) and their log-probs (B,), until every row hit eos or its budget."""
+        device, rows, width = self.device, len(prompts), max(len(p) for p in prompts)
+        input_ids = torch.zeros((rows, width), dtype=torch.long, device=device)  # (B, L) left-padded
+        attention = torch.zeros((rows, width), dtype=torch.long, device=device)
+        for row, prompt in enumerate(prompts):
+            input_ids[row, width - len(prompt):] = torch.tensor(prompt, device=device)
+            attention[row, width - len(prompt):] = 1
+        positions = (attention.cumsum(-1) - 1).clamp(min=0)  # (B, L) each real token at its true position
+        out = self.model(input_ids=input_ids, attention_mask=attention, position_ids=positions, use_cache=True,
+                         logits_to_keep=1)
+        eos = torch.tensor(sorted(self.eos_ids), device=device)
+        budget = torch.tensor(max_new_tokens, device=device)  # (B,)
+        next_position = positions[:, -1:] + 1  # (B, 1)
+        done = torch.zeros(rows, dtype=torch.bool, device=device)  # (B,)
+        tokens_T: list[Tensor] = []
+        logprobs_T: list[Tensor] = []
+        for step in range(max(max_new_tokens)):
+            logp = torch.log_softmax(out.logits[:, -1].float() / temperature, dim=-1)  # (B, V)
+            token = torch.multinomial(nucleus(logp.exp(), top_p), 1, generator=generator)  # (B, 1)
+            tokens_T.append(token[:, 0])
+            logprobs_T.append(logp.gather(-1, token)[:, 0])
+            done |= torch.isin(token[:, 0], eos) | (budget <= step + 1)
+            if bool(done.all()):
+                break
+            attention = torch.cat([attention, torch.ones((rows, 1), dtype=torch.long, device=device)], dim=-1)
+            out = self.model(input_ids=token, attention_mask=attention, position_ids=next_position, cache=out.cache,
+                             use_cache=True)
+            next_position = next_position + 1
+        return tokens_T, logprobs_T
+
     def _cut(self, tokens: list[int], logprobs: list[float], eos_ids: set[int]) -> Completion:
         """A row up to and including its first eos."""
         end, reason = len(tokens), "length"
@@ -207,6 +304,20 @@ class FixedBackend:
             tokens = [rng.randrange(vocab) for _ in range(max_new_tokens)]
             text = self.tokenizer.decode(tokens, skip_special_tokens=True)
             out.append(Completion(tokens, [logprob] * max_new_tokens, text, "length"))
+        return out
+
+    def generate_batch(
+        self, prompts: list[list[int]], *, max_new_tokens: list[int], temperature: float, top_p: float, seed: int,
+    ) -> list[Completion]:
+        time.sleep(self.latency_s)
+        vocab = len(self.tokenizer)
+        rng = random.Random(seed)
+        logprob = -math.log(vocab)
+        out = []
+        for budget in max_new_tokens:
+            tokens = [rng.randrange(vocab) for _ in range(budget)]
+            out.append(Completion(tokens, [logprob] * budget, self.tokenizer.decode(tokens, skip_special_tokens=True),
+                                  "length"))
         return out
 
     def load_weights(self, tensors: Mapping[str, Tensor]) -> None:

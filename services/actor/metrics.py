@@ -13,7 +13,7 @@ from collections.abc import Callable
 
 from prometheus_client import Counter, Enum, Gauge, Histogram, Info
 
-STATES = ("idle", "waiting_for_weights", "generating", "scoring", "inserting")
+STATES = ("idle", "waiting_for_weights", "generating", "scoring", "stepping_env", "inserting")
 WINDOW_S = 30.0
 PULL_BUCKETS_S = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 
@@ -36,6 +36,12 @@ WEIGHTS_FULL_FALLBACKS = Counter(
 WEIGHT_PULL_BYTES = Counter("fleetrl_actor_weight_pull_bytes_total", "Bytes of weights pulled", ["job"])
 POLICY_VERSION = Gauge("fleetrl_actor_policy_version", "Policy version held", ["job"])
 GENERATED_TOKENS = Counter("fleetrl_actor_generated_tokens_total", "Completion tokens generated", ["job"])
+EPISODES = Counter("fleetrl_actor_episodes_total",
+                   "Episodes played, by how they ended (done, max_turns, truncated, env_error)", ["job", "status"])
+EPISODE_TURNS = Histogram("fleetrl_actor_episode_turns", "Assistant turns per episode", ["job"],
+                          buckets=(1, 2, 3, 4, 6, 8, 12, 16, 32, 64))
+ENV_STEP_SECONDS = Histogram("fleetrl_actor_env_step_seconds",
+                             "Seconds of one environment step in the reward service's sandbox")
 STEP_SECONDS = Histogram("fleetrl_actor_step_seconds", "Seconds per task-loop step", ["step"])
 STATE = Enum("fleetrl_actor_state", "What the actor is doing", states=list(STATES))
 BUSY_SECONDS = Counter("fleetrl_actor_busy_seconds_total", "Seconds spent holding a task")

@@ -1,9 +1,10 @@
-"""One single-turn rollout: a task's group from the job's policy, scored, stored in replay.
+"""One rollout: a task's group from the job's policy, scored, stored in replay.
 
-`Rollout.run(job, delivery)` is the named steps of one task: ensure_weights -> generate -> score ->
-build the group -> insert; it returns the replay outcome. It knows models, reward and replay and
-nothing of NATS: the task and its delivery attempt come from `taskqueue.JobQueue`, which acks only
-after this returned (a multi-turn episode loop lives beside it, with the same contract).
+`Rollout.run(job, delivery)` is the named steps of one task: ensure_weights -> generate -> score
+(single-turn jobs) or play the group's episodes (`episodes.EpisodeRunner`, jobs with an
+environment) -> build the group -> insert; it returns the replay outcome. It knows models, reward
+and replay and nothing of NATS: the task and its delivery attempt come from `taskqueue.JobQueue`,
+which acks only after this returned.
 - Reward and replay are reached through two small Protocols (services.reward.client.RewardClient,
   services.replay.client.ReplayClient). The actor builds both clients with one `RetryPolicy`:
   UNAVAILABLE, RESOURCE_EXHAUSTED, DEADLINE_EXCEEDED and NOT_FOUND (the table is configured by the
@@ -12,7 +13,8 @@ after this returned (a multi-turn episode loop lives beside it, with the same co
 - Sampling is seeded by `seeding.task_seed(spec.seed, task_id)`, so a redelivered task gives the
   same group under the same weights.
 - Each step is a child span of the delivery's `actor.task` span (`actor.ensure_weights`,
-  `actor.generate`, `actor.score`, `actor.insert`); the reward and replay calls carry the context
+  `actor.generate`, `actor.score`, `actor.insert`; an episode adds `actor.env_open` and, per turn,
+`actor.generate` and `actor.env_step`); the reward and replay calls carry the context
   as gRPC metadata, and the group's lineage records the insert span, the parent of the learner's.
 """
 
@@ -29,6 +31,7 @@ from typing import Protocol
 from services.actor import metrics
 from services.actor.backends import Completion, prompt_tokens
 from services.actor.config import ActorSettings
+from services.actor.episodes import EpisodeHost, EpisodeRunner
 from services.actor.job_policy import JobPolicy
 from services.common import telemetry
 from services.common.config import JobSpec
@@ -59,9 +62,12 @@ class JobContext:
 
     job_id: str
     spec: JobSpec
-    reward_spec: reward_pb2.RewardSpec
-    """The job's reward spec and file on the wire (`services.reward.client.spec_to_proto`)."""
+    reward_spec: reward_pb2.RewardSpec | None
+    """The job's reward spec and file on the wire (`services.reward.client.spec_to_proto`); None for a
+    job with an environment."""
     policy: JobPolicy
+    environment: reward_pb2.EnvironmentSpec | None = None
+    """The job's environment and its file on the wire (`services.reward.client.environment_to_proto`)."""
 
 
 class TaskFailed(Exception):
@@ -75,27 +81,58 @@ class Rollout:
     activity: metrics.Activity
 
     def __init__(self, settings: ActorSettings, replay: GroupSink, reward: Rewarder,
-                 activity: metrics.Activity) -> None:
+                 activity: metrics.Activity, episodes: EpisodeHost | None = None) -> None:
         self.settings = settings
         self.activity = activity
         self._replay = replay
         self._reward = reward
         self._tracer = telemetry.tracer("fleetrl.actor")
+        self._episodes = EpisodeRunner(settings, episodes, self._stage) if episodes is not None else None
 
     async def run(self, job: JobContext, task: common_pb2.Task, attempt: int, received_ms: int) -> str:
         """The named steps of one task (delivery `attempt`, received at received_ms); the replay outcome
         ("inserted" or "duplicate")."""
         await self.ensure_weights(job, task)
         version = job.policy.version
-        prompt_ids, completions = await self.generate(job, task)
-        generated_ms = now_ms()
-        results = await self.score(job, task, completions)
+        if job.environment is not None:
+            samples = await self.play(job, task)
+            generated_ms = now_ms()
+        else:
+            prompt_ids, completions = await self.generate(job, task)
+            generated_ms = now_ms()
+            samples = build_samples(prompt_ids, completions, await self.score(job, task, completions))
         lineage = common_pb2.Lineage(
             actor_id=self.settings.actor_id, delivery_attempt=attempt,
             trace_id=telemetry.current_trace_id(), received_unix_ms=received_ms,
             generated_unix_ms=generated_ms, scored_unix_ms=now_ms())
-        group = build_group(job.job_id, task, version, prompt_ids, completions, results, lineage)
+        group = common_pb2.Group(job_id=job.job_id, task_id=task.task_id, policy_version=version, prompt=task.prompt,
+                                 lineage=lineage, samples=samples)
         return OUTCOMES[await self.insert(group)]
+
+    async def play(self, job: JobContext, task: common_pb2.Task) -> list[common_pb2.Sample]:
+        """The group's episodes against the job's environment (`episodes.EpisodeRunner`)."""
+        spec, environment = job.spec, job.spec.environment
+        if self._episodes is None or environment is None or job.environment is None:
+            raise TaskFailed("this actor has no episode host for a job with an environment")
+        self._check_fault(task)
+        samples = await self._episodes.play(job.job_id, spec.seed, spec.rollout, environment, job.environment,
+                                            job.policy.backend, task)
+        policy_tokens = sum(sum(s.loss_mask) for s in samples)
+        self.activity.add_tokens(policy_tokens)
+        for sample in samples:
+            status = common_pb2.EpisodeStatus.Name(sample.episode_status).removeprefix("EPISODE_STATUS_").lower()
+            metrics.EPISODES.labels(job.job_id, status).inc()
+            metrics.EPISODE_TURNS.labels(job.job_id).observe(len(sample.turns))
+        return samples
+
+    def _check_fault(self, task: common_pb2.Task) -> None:
+        """Fault injection for tests: a marked prompt raises (fault_crash_marker) or kills this process
+        with SIGKILL (fault_kill_marker), every time it is delivered."""
+        marker = self.settings.fault_crash_marker
+        if marker and marker in task.prompt:
+            raise TaskFailed(f"fault injection: prompt contains {marker!r}")
+        if self.settings.fault_kill_marker and self.settings.fault_kill_marker in task.prompt:
+            os.kill(os.getpid(), signal.SIGKILL)
 
     @contextlib.contextmanager
     def _stage(self, name: str, state: str) -> Iterator[None]:
@@ -114,11 +151,7 @@ class Rollout:
         rollout = job.spec.rollout
         backend = job.policy.backend
         prompt_ids = prompt_tokens(backend.tokenizer, task.prompt, rollout)
-        marker = self.settings.fault_crash_marker
-        if marker and marker in task.prompt:
-            raise TaskFailed(f"fault injection: prompt contains {marker!r}")
-        if self.settings.fault_kill_marker and self.settings.fault_kill_marker in task.prompt:
-            os.kill(os.getpid(), signal.SIGKILL)
+        self._check_fault(task)
         with self._stage("generate", "generating"):
             completions = await asyncio.to_thread(
                 backend.generate, prompt_ids, rollout.samples_per_prompt, max_new_tokens=rollout.max_new_tokens,
@@ -132,6 +165,8 @@ class Rollout:
                     completions: list[Completion]) -> list[reward_pb2.ScoreResult]:
         items = [reward_pb2.ScoreItem(completion=c.text, prompt=task.prompt, metadata_json=task.metadata_json or "{}")
                  for c in completions]
+        if job.reward_spec is None:
+            raise TaskFailed("the job has no reward spec")
         with self._stage("score", "scoring"):
             results = await self._reward.score(job.job_id, job.reward_spec, items)
         if len(results) != len(items):
@@ -145,19 +180,16 @@ class Rollout:
         return int(outcomes[0])
 
 
-def build_group(
-    job_id: str, task: common_pb2.Task, version: int, prompt_ids: list[int], completions: list[Completion],
-    results: list[reward_pb2.ScoreResult], lineage: common_pb2.Lineage,
-) -> common_pb2.Group:
-    """The group replay stores for a task: one Sample per completion with its reward."""
-    group = common_pb2.Group(job_id=job_id, task_id=task.task_id, policy_version=version, prompt=task.prompt,
-                             lineage=lineage)
+def build_samples(prompt_ids: list[int], completions: list[Completion],
+                  results: list[reward_pb2.ScoreResult]) -> list[common_pb2.Sample]:
+    """A single-turn group's samples: one per completion with its reward."""
+    samples = []
     for completion, result in zip(completions, results, strict=True):
-        group.samples.append(common_pb2.Sample(
+        samples.append(common_pb2.Sample(
             prompt_token_ids=prompt_ids, completion_token_ids=completion.token_ids,
             behaviour_logprobs=completion.logprobs, completion_text=completion.text,
             reward=result.reward if result.status == common_pb2.REWARD_STATUS_OK else 0.0,
             reward_components=dict(result.components), reward_status=result.status,
             reward_reason=result.reason, finish_reason=completion.finish_reason,
         ))
-    return group
+    return samples

@@ -33,12 +33,14 @@ from services.actor.job_policy import JobPolicy
 from services.actor.rollout import JobContext, Rollout
 from services.actor.taskqueue import Delivery, JobQueue
 from services.common import bus, heartbeat, telemetry
+from services.common.config import JobSpec
 from services.common.errors import RETRYABLE_CODES
 from services.common.grpcutil import RetryPolicy
 from services.common.jobs import JobRecord, JobState, JobStore
 from services.common.weights import WeightStore
+from services.proto.fleetrl.v1 import reward_pb2
 from services.replay.client import ReplayClient
-from services.reward.client import RewardClient, spec_to_proto
+from services.reward.client import RewardClient, environment_to_proto, spec_to_proto
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +50,12 @@ def rpc_retry(settings: ActorSettings) -> RetryPolicy:
     learner has not configured yet) and UNKNOWN, with backoff for rpc_retry_s; then the task is released."""
     codes = RETRYABLE_CODES | {grpc.StatusCode.NOT_FOUND, grpc.StatusCode.UNKNOWN}
     return RetryPolicy(attempts=None, deadline_s=settings.rpc_retry_s, codes=codes)
+
+
+def episode_retry(settings: ActorSettings) -> RetryPolicy:
+    """How the actor retries episode calls: the retryable codes for rpc_retry_s, never NOT_FOUND (a
+    session the reward service no longer knows ends the delivery, and the task is redelivered)."""
+    return RetryPolicy(attempts=None, deadline_s=settings.rpc_retry_s, codes=RETRYABLE_CODES)
 
 
 @dataclass
@@ -88,10 +96,11 @@ class Actor:
             stack.push_async_callback(store.close)
             replay = ReplayClient(s.replay_addr, timeout_s=s.replay_timeout_s, retry=rpc_retry(s))
             stack.push_async_callback(replay.close)
-            reward = RewardClient(s.reward_addr, timeout_s=s.reward_timeout_s, retry=rpc_retry(s))
+            reward = RewardClient(s.reward_addr, timeout_s=s.reward_timeout_s, retry=rpc_retry(s),
+                                  episode_retry=episode_retry(s))
             stack.push_async_callback(reward.close)
             stack.push_async_callback(self._close_jobs)
-            rollout = Rollout(s, replay, reward, self.activity)
+            rollout = Rollout(s, replay, reward, self.activity, episodes=reward)
             weights = WeightStore(nc, js)
             stack.push_async_callback(self._clear_beat, store)
             beats = asyncio.create_task(self._beat_loop(store, self.activity))
@@ -148,6 +157,7 @@ class Actor:
                         weights: WeightStore) -> ServedJob:
         s, spec = self.settings, record.spec
         _, reward_file = await store.files(record.job_id)
+        environment_file = await store.environment_file(record.job_id) if spec.environment is not None else None
         backend = await asyncio.to_thread(make_backend, s.backend, spec.model, dtype=s.dtype, device=s.device,
                                           fixed_latency_s=s.fixed_latency_s)
         policy = JobPolicy(record.job_id, backend, weights, pull_attempts=s.weights_pull_attempts,
@@ -157,7 +167,8 @@ class Actor:
         sub = await js.pull_subscribe_bind(durable=bus.task_consumer(record.job_id), stream=bus.TASKS_STREAM)
         log.info("serving job %s (model %s)", record.job_id, spec.model)
         queue = JobQueue(record.job_id, spec.train, js, sub, s, self.activity)
-        return ServedJob(JobContext(record.job_id, spec, spec_to_proto(spec.reward, reward_file or b""), policy), queue)
+        return ServedJob(JobContext(record.job_id, spec, job_reward_spec(spec, reward_file), policy,
+                                    job_environment(spec, environment_file)), queue)
 
     async def _beat_loop(self, store: JobStore, activity: metrics.Activity) -> None:
         """Write this actor's heartbeat every heartbeat.INTERVAL_S; a failed write is retried next time."""
@@ -193,6 +204,14 @@ class Actor:
     async def _drain(nc: NATS) -> None:
         with contextlib.suppress(Exception):
             await asyncio.wait_for(nc.drain(), bus.REQUEST_TIMEOUT_S)
+
+
+def job_reward_spec(spec: JobSpec, reward_file: bytes | None) -> reward_pb2.RewardSpec | None:
+    return spec_to_proto(spec.reward, reward_file or b"") if spec.reward is not None else None
+
+
+def job_environment(spec: JobSpec, environment_file: bytes | None) -> reward_pb2.EnvironmentSpec | None:
+    return environment_to_proto(spec.environment, environment_file or b"") if spec.environment is not None else None
 
 
 async def take_one(job: ServedJob, rollout: Rollout) -> bool:

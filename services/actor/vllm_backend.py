@@ -7,6 +7,8 @@ engine is created with `logprobs_mode="processed_logprobs"` (where the installed
 log-probs are of the temperature-scaled distribution the learner scores; with top_p < 1 vLLM's
 processed log-probs are renormalised over the nucleus, unlike the HF backend's (documented gap).
 Seeds make a task's samples reproducible within vLLM, not bit-identical to the HF backend's.
+`generate_batch` (an episode turn) sends one request per prompt in one `generate` call, each with its
+own `max_tokens` and seed `seed + i`; vLLM's prefix cache reuses the KV cache of earlier turns.
 
 Weights are reloaded in place on every worker with `collective_rpc` calling the model's own
 `load_weights` (the API of vLLM's RLHF examples); older engines without `collective_rpc` are reached
@@ -73,6 +75,14 @@ class VLLMBackend:
                                        logprobs=0, seed=seed % (2**31), ignore_eos=ignore_eos)
         (request,) = self.llm.generate([{"prompt_token_ids": prompt_token_ids}], params, use_tqdm=False)
         return [self._completion(output) for output in request.outputs]
+
+    def generate_batch(
+        self, prompts: list[list[int]], *, max_new_tokens: list[int], temperature: float, top_p: float, seed: int,
+    ) -> list[Completion]:
+        params = [self._sampling_params(n=1, temperature=temperature, top_p=top_p, max_tokens=budget, logprobs=0,
+                                        seed=(seed + i) % (2**31)) for i, budget in enumerate(max_new_tokens)]
+        requests = self.llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        return [self._completion(request.outputs[0]) for request in requests]
 
     @staticmethod
     def _completion(output: Any) -> Completion:

@@ -57,6 +57,43 @@ class RewardSpec(Strict):
         return self
 
 
+class EnvironmentSpec(Strict):
+    """A multi-turn environment: a user's Python file defining `class Env`, run only in the reward
+    service's sandbox. Each episode is `Env(task, **params)`; `reset()` gives the first user
+    message(s) and `step(action)` gives (observation, reward, done) until done, `max_turns` or
+    `max_total_tokens`. An episode's return is the sum of its step rewards."""
+
+    file: str = Field(..., min_length=1)
+    """Path of the Python file defining `class Env` (`__init__(task, **params)`, `reset() -> str |
+    list[dict]`, `step(action) -> (str | list[dict] | None, float, bool)`). Its contents travel
+    with the submission."""
+    params: dict[str, Any] = Field(default_factory=dict)
+    """Keyword arguments of `Env(task, **params)`."""
+    max_turns: int = Field(4, ge=1, le=1000)
+    """Most assistant turns of an episode; an episode still going after them ends as `max_turns`."""
+    max_total_tokens: int = Field(1024, ge=2, le=1_048_576)
+    """Most tokens of an episode's whole sequence (prompt, every turn and every observation); an
+    episode that reaches it ends as `truncated`."""
+    step_timeout_s: float = Field(10.0, gt=0, le=600)
+    """Wall-clock limit of one `Env(...)` + `reset()` or one `step()` in the sandbox; past it the
+    episode ends as an environment error (timeout) and its worker is killed."""
+    episode_timeout_s: float = Field(600.0, gt=0, le=86_400)
+    """Wall-clock limit of a whole episode, counted by the reward service from its opening; past
+    it the episode ends as an environment error (timeout)."""
+    memory_limit_mb: int = Field(1024, ge=64, le=65536)
+    """Address-space limit of each sandboxed worker running an episode."""
+    unfinished_reward: float | None = Field(None, ge=-1e6, le=1e6)
+    """The reward of an episode that did not end done (truncated at max_total_tokens, or out of
+    max_turns) in place of its turns' sum, e.g. 0 or a negative penalty; None keeps the sum."""
+
+    @model_validator(mode="after")
+    def _episode_outlasts_step(self) -> EnvironmentSpec:
+        if self.episode_timeout_s < self.step_timeout_s:
+            raise ValueError(f"episode_timeout_s ({self.episode_timeout_s:g}) must be >= step_timeout_s "
+                             f"({self.step_timeout_s:g})")
+        return self
+
+
 class AlgorithmConfig(Strict):
     """The RL objective. Presets per `name` are applied by the learner's loss registry."""
 
@@ -265,8 +302,10 @@ class JobSpec(Strict):
     or a hub id."""
     prompts: str = Field(..., min_length=1)
     """Path of the prompt JSONL: one object per line with `prompt` and any metadata (e.g. `answer`)."""
-    reward: RewardSpec
-    """How completions are scored."""
+    reward: RewardSpec | None = None
+    """How completions are scored (single-turn jobs). A job sets `reward` or `environment`."""
+    environment: EnvironmentSpec | None = None
+    """A multi-turn environment whose step rewards score the episodes (instead of `reward`)."""
     seed: int = Field(0, ge=0, le=2**31 - 1)
     """Seed of prompt shuffling, sampling and initialisation."""
     algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig)
@@ -281,6 +320,15 @@ class JobSpec(Strict):
     """The job's replay table."""
     eval: EvalConfig = Field(default_factory=EvalConfig)
     """Held-out pass@k during training (off unless eval.interval and eval.prompts are set)."""
+
+    @model_validator(mode="after")
+    def _reward_or_environment(self) -> JobSpec:
+        if (self.reward is None) == (self.environment is None):
+            raise ValueError("set exactly one of the tables [reward] (single-turn) or [environment] (multi-turn)")
+        if self.eval.interval > 0 and self.reward is None:
+            raise ValueError("eval.interval scores the eval set with the job's [reward]; a job with an "
+                             "[environment] has none (measure its episodes with bench.episode_eval)")
+        return self
 
 
 # --------------------------------------------------------------------------- services

@@ -7,7 +7,8 @@ State changes are compare-and-set Lua scripts, so two writers never race a job
 out of a terminal state. Keys (all under `fleetrl:`):
 
 - `jobs:index` zset job_id -> created ms;  `jobs:idem` hash tenant/key -> job_id
-- `job:<id>` hash (record fields);  `job:<id>:prompts`, `job:<id>:reward_file`, `job:<id>:eval_prompts` bytes
+- `job:<id>` hash (record fields);  `job:<id>:prompts`, `job:<id>:reward_file`,
+  `job:<id>:environment_file`, `job:<id>:eval_prompts` bytes
 - `job:<id>:lease` learner id with TTL;  `job:<id>:steps` list of step-metric JSON
 
 Fencing: every claim increments the record's `lease_epoch`, and the claimant carries that epoch
@@ -190,7 +191,7 @@ class JobStore:
 
     async def create(
         self, tenant: str, spec: JobSpec, prompts: bytes, reward_file: bytes | None, idempotency_key: str = "",
-        *, eval_prompts: bytes | None = None, sandbox: str = "",
+        *, eval_prompts: bytes | None = None, sandbox: str = "", environment_file: bytes | None = None,
     ) -> JobRecord:
         """Store a new queued job with its files, all in one transaction; same key, same job."""
         if idempotency_key:
@@ -211,6 +212,8 @@ class JobStore:
                 pipe.set(_key(job_id, ":reward_file"), reward_file)
             if eval_prompts is not None:
                 pipe.set(_key(job_id, ":eval_prompts"), eval_prompts)
+            if environment_file is not None:
+                pipe.set(_key(job_id, ":environment_file"), environment_file)
             pipe.zadd(f"{PREFIX}jobs:index", {job_id: ms})
             if idempotency_key:
                 pipe.hset(f"{PREFIX}jobs:idem", f"{tenant}/{idempotency_key}", job_id)
@@ -245,6 +248,9 @@ class JobStore:
     async def eval_prompts(self, job_id: str) -> bytes | None:
         """The job's eval prompt JSONL, None when its spec names none."""
         return cast(bytes | None, await self.redis.get(_key(job_id, ":eval_prompts")))
+    async def environment_file(self, job_id: str) -> bytes | None:
+        """The job's environment file (None when the job has no environment)."""
+        return cast(bytes | None, await self.redis.get(_key(job_id, ":environment_file")))
 
     async def set_state(
         self, job_id: str, state: JobState, reason: str = "", *, allowed_from: tuple[JobState, ...] = ACTIVE

@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 from rich.console import Console
 from rich.table import Table
 
-from services.common.config import JobSpec, RolloutConfig, read_bytes
+from services.common.config import JobSpec, RewardSpec, RolloutConfig, read_bytes
 from services.common.errors import ConfigError, FieldViolation, FleetError
 from services.proto.fleetrl.v1 import reward_pb2
 
@@ -149,24 +149,32 @@ def resolve(args: argparse.Namespace, scratch: Path) -> Target:
         with Client(args.gateway, token=args.token) as client:
             spec = JobSpec.model_validate(client.get_job(args.target).spec)
             model_dir = client.download_model(args.target, scratch / "model")
-        if explicit is None and spec.reward.file is not None:
-            raise ConfigError("the job scores with a reward file", [FieldViolation(
-                "reward_file", f"job {args.target} uses {spec.reward.file}; pass it with --reward-file")])
-        reward = explicit or spec_to_proto(spec.reward)
-        return Target(str(model_dir), reward, spec.rollout, spec.seed, args.target)
+        if explicit is None:
+            job_reward = _reward_of(spec, f"job {args.target}")
+            if job_reward.file is not None:
+                raise ConfigError("the job scores with a reward file", [FieldViolation(
+                    "reward_file", f"job {args.target} uses {job_reward.file}; pass it with --reward-file")])
+            explicit = spec_to_proto(job_reward)
+        return Target(str(model_dir), explicit, spec.rollout, spec.seed, args.target)
     if args.job is not None:
         payload = load_job_file(args.job)
         spec = JobSpec.model_validate_json(payload.spec)
-        return Target(args.target, explicit or spec_to_proto(spec.reward, payload.reward_file), spec.rollout,
-                      spec.seed, args.target)
+        reward = explicit or spec_to_proto(_reward_of(spec, str(args.job)), payload.reward_file)
+        return Target(args.target, reward, spec.rollout, spec.seed, args.target)
     if explicit is None:
         raise ConfigError("no reward to score with", [FieldViolation(
             "reward", "give --job JOB.toml, --reward-builtin NAME or --reward-file FILE")])
     return Target(args.target, explicit, RolloutConfig(), 0, args.target)
 
 
+def _reward_of(spec: JobSpec, where: str) -> RewardSpec:
+    if spec.reward is None:
+        raise ConfigError("no reward to score with", [FieldViolation(
+            "reward", f"{where} has an [environment], not a [reward]: give --reward-builtin or --reward-file")])
+    return spec.reward
+
+
 def _explicit_reward(args: argparse.Namespace) -> reward_pb2.RewardSpec | None:
-    from services.common.config import RewardSpec
     from services.reward.client import spec_to_proto
 
     if args.reward_builtin is None and args.reward_file is None:

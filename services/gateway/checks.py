@@ -11,7 +11,7 @@ import json
 from dataclasses import dataclass
 from typing import Literal
 
-from services.common.config import JobSpec, RewardSpec, parse_job_spec, spec_table, value_problems
+from services.common.config import EnvironmentSpec, JobSpec, RewardSpec, parse_job_spec, spec_table, value_problems
 from services.common.errors import ConfigError, FieldViolation, ResourceExhausted
 
 MAX_REPORTED_LINES = 20
@@ -29,6 +29,7 @@ class Submission:
     reward_file: bytes
     idempotency_key: str = ""
     eval_prompts: bytes = b""
+    environment_file: bytes = b""
 
 
 @dataclass(frozen=True)
@@ -42,11 +43,13 @@ class Limits:
 @dataclass(frozen=True)
 class Checked:
     """Outcome of the local checks: the spec if it parsed, the reward spec to ask the reward
-    service about (also when other parts of the spec are bad), and every violation found."""
+    service about (also when other parts of the spec are bad), the environment spec likewise, and
+    every violation found."""
 
     spec: JobSpec | None
     reward: RewardSpec | None
     violations: list[FieldViolation]
+    environment: EnvironmentSpec | None = None
 
 
 def check_sizes(sub: Submission, limits: Limits) -> None:
@@ -57,9 +60,10 @@ def check_sizes(sub: Submission, limits: Limits) -> None:
         if len(data) > limits.max_prompts_bytes:
             raise ResourceExhausted(
                 f"{what} is {len(data)} bytes, more than the limit of {limits.max_prompts_bytes}")
-    if len(sub.reward_file) > limits.max_reward_file_bytes:
-        raise ResourceExhausted(
-            f"reward file is {len(sub.reward_file)} bytes, more than the limit of {limits.max_reward_file_bytes}")
+    for what, data in (("reward file", sub.reward_file), ("environment file", sub.environment_file)):
+        if len(data) > limits.max_reward_file_bytes:
+            raise ResourceExhausted(f"{what} is {len(data)} bytes, more than the limit of "
+                                    f"{limits.max_reward_file_bytes}")
 
 
 def check_submission(sub: Submission) -> Checked:
@@ -67,13 +71,17 @@ def check_submission(sub: Submission) -> Checked:
     violations: list[FieldViolation] = []
     fmt = _format(sub.spec_format, violations)
     spec, reward = _spec(sub.spec_text, fmt, violations)
+    environment = spec.environment if spec is not None else _environment_alone(sub.spec_text, fmt)
     violations += prompt_violations(sub.prompts)
     if reward is not None:
         violations += _pairing(reward, sub.reward_file)
+    elif spec is not None and sub.reward_file:
+        violations.append(FieldViolation("reward_file", "a reward file was sent but the spec has no [reward]"))
+    violations += _environment_pairing(environment, sub.environment_file)
     violations += _eval_violations(spec, sub.eval_prompts)
     if len(sub.idempotency_key) > MAX_IDEMPOTENCY_KEY:
         violations.append(FieldViolation("idempotency_key", f"longer than {MAX_IDEMPOTENCY_KEY} characters"))
-    return Checked(spec, reward, violations)
+    return Checked(spec, reward, violations, environment)
 
 
 def _format(raw: str, violations: list[FieldViolation]) -> Literal["toml", "json"]:
@@ -104,6 +112,28 @@ def _reward_alone(text: str, fmt: Literal["toml", "json"]) -> RewardSpec | None:
         return RewardSpec.model_validate(reward)
     except (ValueError, KeyError, TypeError):  # ConfigError and pydantic's ValidationError are ValueErrors
         return None
+
+
+def _environment_alone(text: str, fmt: Literal["toml", "json"]) -> EnvironmentSpec | None:
+    """The environment table of a spec that failed elsewhere, if the table itself is valid."""
+    try:
+        environment = spec_table(text, fmt)["environment"]
+        if value_problems(environment):
+            return None
+        return EnvironmentSpec.model_validate(environment)
+    except (ValueError, KeyError, TypeError):  # ConfigError and pydantic's ValidationError are ValueErrors
+        return None
+
+
+def _environment_pairing(environment: EnvironmentSpec | None, source: bytes) -> list[FieldViolation]:
+    """An environment file goes with an [environment] table, and only with one (a table that does not
+    validate is reported by the spec's own checks)."""
+    if environment is not None and not source:
+        return [FieldViolation("environment_file", f"the spec names environment.file {environment.file!r} but "
+                                                   "no file contents were sent")]
+    if environment is None and source:
+        return [FieldViolation("environment_file", "an environment file was sent but the spec has no [environment]")]
+    return []
 
 
 def _pairing(reward: RewardSpec, source: bytes) -> list[FieldViolation]:

@@ -41,7 +41,7 @@ from services.proto.fleetrl.v1 import gateway_pb2, gateway_pb2_grpc
 
 DEFAULT_ADDRESS = "127.0.0.1:50051"
 ENV_ADDRESS, ENV_TOKEN, ENV_CA_FILE, ENV_TLS = "FLEETRL_GATEWAY", "FLEETRL_TOKEN", "FLEETRL_CA_FILE", "FLEETRL_TLS"
-SECTIONS = ("reward", "algorithm", "optim", "rollout", "train", "replay", "eval")
+SECTIONS = ("reward", "environment", "algorithm", "optim", "rollout", "train", "replay", "eval")
 FLAT_PARAMS = {
     "learning_rate": "optim.learning_rate", "warmup_steps": "optim.warmup_steps",
     "clip_eps": "algorithm.clip_eps", "clip_eps_high": "algorithm.clip_eps_high",
@@ -92,6 +92,7 @@ class JobPayload:
     prompts: bytes
     reward_file: bytes = b""
     eval_prompts: bytes = b""
+    environment_file: bytes = b""
 
 
 def load_job_file(path: Path, overrides: list[str] | None = None) -> JobPayload:
@@ -111,7 +112,7 @@ def job_payload(data: dict[str, Any], base: Path) -> JobPayload:
         return read_bytes(base / name, field) if isinstance(name, str) and name else b""
 
     return JobPayload(json.dumps(data, default=str), named("", "prompts"), named("reward", "file"),
-                      named("eval", "prompts"))
+                      named("eval", "prompts"), named("environment", "file"))
 
 
 class Client:
@@ -159,20 +160,22 @@ class Client:
     # ------------------------------------------------------------------ jobs
 
     def submit(self, spec: str, prompts: bytes, reward_file: bytes = b"", *, spec_format: str = "toml",
-               idempotency_key: str = "", eval_prompts: bytes = b"") -> JobInfo:
+               idempotency_key: str = "", eval_prompts: bytes = b"", environment_file: bytes = b"") -> JobInfo:
         """Submit a spec text with the contents of its files."""
         request = gateway_pb2.SubmitJobRequest(spec=spec, spec_format=spec_format, prompts=prompts,
                                                reward_file=reward_file, idempotency_key=idempotency_key,
-                                               eval_prompts=eval_prompts)
+                                               eval_prompts=eval_prompts, environment_file=environment_file)
         return convert.job_info(self._call(self._stub.SubmitJob, request))
 
     def submit_payload(self, payload: JobPayload, idempotency_key: str = "") -> JobInfo:
         return self.submit(payload.spec, payload.prompts, payload.reward_file, spec_format="json",
-                           idempotency_key=idempotency_key, eval_prompts=payload.eval_prompts)
+                           idempotency_key=idempotency_key, eval_prompts=payload.eval_prompts,
+                           environment_file=payload.environment_file)
 
     def submit_file(self, path: str | Path, overrides: list[str] | None = None, *,
                     idempotency_key: str = "") -> JobInfo:
-        """Submit a job TOML (with `key=value` overrides); its prompts, reward and eval files travel with it."""
+        """Submit a job TOML (with `key=value` overrides); its prompts, reward or environment file and eval
+        file travel with it."""
         return self.submit_payload(load_job_file(Path(path), overrides), idempotency_key)
 
     def create_run(self, model: str, prompt_file: str | Path, reward_file: str | Path | None = None, *,

@@ -43,7 +43,7 @@ class GatewaySettings(InfraSettings):
     max_prompts_mb: float = Field(64.0, gt=0, le=2000)
     """Largest prompt JSONL a submission may carry (RESOURCE_EXHAUSTED above)."""
     max_reward_file_kb: float = Field(1024.0, gt=0, le=1_000_000)
-    """Largest reward file a submission may carry (RESOURCE_EXHAUSTED above)."""
+    """Largest reward file, and largest environment file, a submission may carry (RESOURCE_EXHAUSTED above)."""
     max_list_jobs: int = Field(1000, ge=1, le=100_000)
     """Cap on ListJobs' limit."""
     watch_poll_s: float = Field(0.25, gt=0, le=60)

@@ -39,7 +39,7 @@ STRUCTURAL = ("step", "policy_version", "unix_ms")
 def to_submission(request: gateway_pb2.SubmitJobRequest) -> Submission:
     return Submission(spec_text=request.spec, spec_format=request.spec_format, prompts=request.prompts,
                       reward_file=request.reward_file, idempotency_key=request.idempotency_key,
-                      eval_prompts=request.eval_prompts)
+                      eval_prompts=request.eval_prompts, environment_file=request.environment_file)
 
 
 def step_to_proto(metrics: dict[str, Any]) -> learner_pb2.StepMetrics:

@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any, Protocol, cast
 
 from services.common import ledger
 from services.common.bus import TaskQueue, check_job_id
-from services.common.config import RewardSpec
+from services.common.config import EnvironmentSpec, RewardSpec
 from services.common.errors import (
     ConfigError,
     FailedPrecondition,
@@ -56,8 +56,9 @@ CLIP_FIELD, CLIP_DESCRIPTION = 120, 240
 
 
 class RewardChecker(Protocol):
-    async def validate(self, spec: RewardSpec, source: bytes | None) -> Validation:
-        """Whether the spec can score (reason None) and the sandbox summary; Unavailable when unreachable."""
+    async def validate(self, spec: RewardSpec | EnvironmentSpec, source: bytes | None) -> Validation:
+        """Whether the spec can score (an environment: can run; reason None) and the sandbox summary;
+        Unavailable when unreachable."""
 
     async def describe(self) -> reward_pb2.SandboxReport:
         """The reward service's sandbox; a FleetError when it cannot be asked."""
@@ -141,10 +142,15 @@ class Gateway:
         if checked.reward is not None:
             bad, sandbox = await self._reward_violations(checked.reward, sub.reward_file)
             violations += bad
+        if checked.environment is not None and sub.environment_file:
+            verdict = await self.reward.validate(checked.environment, sub.environment_file)
+            violations += [FieldViolation("environment.file", verdict.reason)] if verdict.reason is not None else []
+            sandbox = verdict.sandbox
         if violations or checked.spec is None:
             raise ConfigError("invalid job submission", reported(violations))
         record = await self.store.create(tenant, checked.spec, sub.prompts, sub.reward_file or None,
-                                         sub.idempotency_key, eval_prompts=sub.eval_prompts or None, sandbox=sandbox)
+                                         sub.idempotency_key, eval_prompts=sub.eval_prompts or None, sandbox=sandbox,
+                                         environment_file=sub.environment_file or None)
         log.info("job %s (%s) submitted by %s", record.job_id, record.name, tenant)
         await self.events.publish(record.job_id, {"type": "submitted", "state": record.state.value})
         return record

@@ -5,9 +5,11 @@ true position 0..len-1 and causal attention never sees padding. Only the positio
 predict a completion token are kept: with `start = min(prompt_len) - 1` over the batch, column t
 of every (B, T) tensor is the prediction made at position `start + t` of the token
 `input_ids[:, start + t + 1]`, where T = L - 1 - start. `completion_mask` marks the columns whose
-target is a real completion token. The model is asked for just those T logits (`logits_to_keep`
-as positions), which keeps the (B, T, vocab) tensor as small as the completions, and
-`logprobs.token_logprobs` reduces it to log-probs without full-vocabulary copies.
+target is a policy token: every completion token of a single-turn sample, and the tokens a
+multi-turn sample's `loss_mask` marks (its environment tokens are context only, so the losses, KL,
+entropy and every aggregation count the policy's tokens alone). The model is asked for just those
+T logits (`logits_to_keep` as positions), which keeps the (B, T, vocab) tensor as small as the
+completions, and `logprobs.token_logprobs` reduces it to log-probs without full-vocabulary copies.
 """
 
 from __future__ import annotations
@@ -66,6 +68,26 @@ def component_means(groups: list[common_pb2.Group]) -> dict[str, float]:
     return {f"reward/{name}": sum(v) / len(v) for name, v in sorted(values.items())}
 
 
+def policy_tokens(sample: common_pb2.Sample) -> int:
+    """Tokens of a sample the policy generated (what its losses count)."""
+    return sum(sample.loss_mask) if len(sample.loss_mask) else len(sample.completion_token_ids)
+
+
+def episode_metrics(groups: list[common_pb2.Group]) -> dict[str, float]:
+    """`episode/*` of a step's multi-turn samples (none for single-turn ones): turns per episode, the
+    fraction of episodes ending each way, and the mean environment step latency."""
+    episodes = [s for group in groups for s in group.samples if s.episode_status]
+    if not episodes:
+        return {}
+    turns = [t for s in episodes for t in s.turns]
+    out = {"episode/turns_mean": len(turns) / len(episodes),
+           "episode/env_step_s_mean": sum(t.env_latency_s for t in turns) / max(1, len(turns))}
+    for status in ("done", "max_turns", "truncated", "env_error"):
+        number = common_pb2.EpisodeStatus.Value(f"EPISODE_STATUS_{status.upper()}")
+        out[f"episode/{status}_frac"] = sum(s.episode_status == number for s in episodes) / len(episodes)
+    return out
+
+
 def has_signal(group: common_pb2.Group) -> bool:
     """False when every sample of the group has the same reward (no GRPO signal)."""
     rewards = group_rewards(group)
@@ -91,7 +113,10 @@ def build_batch(groups: list[common_pb2.Group], advantages_per_group: list[Tenso
         attention_mask[row, : len(tokens)] = 1
         first = len(sample.prompt_token_ids) - 1 - start  # column predicting the first completion token
         count = len(sample.completion_token_ids)
-        completion_mask[row, first : first + count] = 1.0
+        if len(sample.loss_mask):
+            completion_mask[row, first : first + count] = torch.tensor(list(sample.loss_mask), dtype=torch.float32)
+        else:
+            completion_mask[row, first : first + count] = 1.0
         behaviour[row, first : first + count] = torch.tensor(list(sample.behaviour_logprobs), dtype=torch.float32)
     rewards = torch.tensor([s.reward for s in samples], dtype=torch.float32)
     return TrainBatch(

@@ -37,6 +37,7 @@ class HeldOutEval:
     def __init__(self, job_id: str, spec: JobSpec, problems: list[dict[str, Any]], reward_file: bytes | None,
                  reward: RewardClient) -> None:
         self.job_id, self.spec, self.problems, self.reward = job_id, spec, problems, reward
+        assert spec.reward is not None, "JobSpec refuses eval.interval without a [reward]"
         self.reward_spec = spec_to_proto(spec.reward, reward_file or b"")
 
     def due(self, step: int) -> bool:

@@ -48,6 +48,8 @@ class LossConfig:
     entropy_coef: float
     tis_cap: float
     max_new_tokens: int
+    """Dr. GRPO's constant length normaliser: rollout.max_new_tokens, or environment.max_total_tokens
+    for a job with an environment (a bound on an episode's policy tokens)."""
     advantage: str
     skip_zero_variance_groups: bool
     surrogate: str = "clip"
@@ -106,7 +108,7 @@ def loss_config_for(spec: JobSpec) -> LossConfig:
         kl_estimator=algo.kl_estimator,
         entropy_coef=algo.entropy_coef,
         tis_cap=algo.tis_cap,
-        max_new_tokens=spec.rollout.max_new_tokens,
+        max_new_tokens=spec.environment.max_total_tokens if spec.environment else spec.rollout.max_new_tokens,
         advantage=algo.advantage or preset.advantage,
         skip_zero_variance_groups=algo.skip_zero_variance_groups or preset.skip_zero_variance_groups,
         gamma=algo.gamma,

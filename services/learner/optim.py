@@ -41,6 +41,7 @@ from services.learner.batch import (
     group_rewards,
     has_signal,
     micro_batches,
+    policy_tokens,
     target_logprobs,
 )
 from services.learner.critic import (
@@ -259,8 +260,8 @@ def train_step(
 
 
 def _counts(groups: list[common_pb2.Group]) -> tuple[float, float]:
-    """(completion tokens, sequences) of groups: the normalisers of the step's loss."""
-    tokens = sum(len(sample.completion_token_ids) for group in groups for sample in group.samples)
+    """(policy tokens, sequences) of groups: the normalisers of the step's loss."""
+    tokens = sum(policy_tokens(sample) for group in groups for sample in group.samples)
     return float(tokens), float(sum(len(group.samples) for group in groups))
 
 

@@ -52,11 +52,15 @@ RewardFn = Callable[..., float]
 def reward_of(spec: JobSpec) -> RewardFn:
     """The job's reward, run in this process (no sandbox: the reference loop is for trusted code): its
     reward file's `reward` function, or the built-in the reward service runs (`reward/builtins.py`)."""
-    if spec.reward.file is not None:
-        return runpy.run_path(spec.reward.file)["reward"]  # type: ignore[no-any-return]
-    assert spec.reward.builtin is not None  # RewardSpec holds exactly one of file and builtin
+    reward = spec.reward
+    if reward is None:
+        raise ConfigError("the reference loop runs single-turn jobs only",
+                          [FieldViolation("environment", "a job with an environment runs on the fleet")])
+    if reward.file is not None:
+        return runpy.run_path(reward.file)["reward"]  # type: ignore[no-any-return]
+    assert reward.builtin is not None  # RewardSpec holds exactly one of file and builtin
     try:
-        builtin = builtins.resolve(spec.reward.builtin, spec.reward.params)
+        builtin = builtins.resolve(reward.builtin, reward.params)
     except (KeyError, ValueError) as error:
         raise ConfigError("bad reward for the reference loop", [FieldViolation("reward.builtin", str(error))]) from None
     return lambda completion, prompt, **metadata: builtins.scalar(builtin(completion, prompt, **metadata))

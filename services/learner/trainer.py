@@ -35,7 +35,7 @@ from services.common.jobs import JobRecord, JobState, JobStore
 from services.common.ledger import Ledger
 from services.common.weights import WeightStore
 from services.learner import checkpoint as ckpt
-from services.learner.batch import component_means
+from services.learner.batch import component_means, episode_metrics
 from services.learner.config import LearnerSettings
 from services.learner.export import MetricsLog, export_model, job_dir
 from services.learner.feeder import Feeder, FeederCursor, parse_prompts, sample_min_version
@@ -309,6 +309,7 @@ class JobRun:
             "stale_dropped": float(data.stale_dropped), "copies_skipped": float(data.copies_skipped),
             "tokens_per_s": values.get("tokens", 0.0) / max(elapsed, 1e-9), "step_time_s": elapsed,
             **component_means(data.groups),
+            **episode_metrics(data.groups),
         })
         return values
 

@@ -61,5 +61,11 @@ class RewardSettings(InfraSettings):
     """Largest batch one Score call may carry."""
     max_reply_bytes: int = Field(1 << 20, ge=1024, le=64 << 20)
     """Largest reply frame a worker may send for one item."""
+    max_episodes: int = Field(256, ge=1, le=100_000)
+    """Most episodes (each holding one sandboxed worker) open at once; OpenEpisodes beyond it is
+    RESOURCE_EXHAUSTED."""
+    episode_idle_timeout_s: float = Field(120.0, gt=0, le=86_400)
+    """A session of episodes not stepped for this long (its actor died) is reaped: its workers are
+    killed, counted as abandoned. Keep it above the longest generation of one turn."""
     grace_s: float = Field(5.0, ge=0, le=600)
     """On SIGTERM, in-flight calls get this long to finish."""

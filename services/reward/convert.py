@@ -10,7 +10,8 @@ from typing import Any
 
 from services.common.errors import FieldViolation, InvalidArgument
 from services.proto.fleetrl.v1 import common_pb2, reward_pb2
-from services.reward.scorer import Item, Result, SandboxState, SpecInput, Status, parse_spec
+from services.reward.episodes import EpisodeResult
+from services.reward.scorer import Item, Result, SandboxState, SpecInput, Status, parse_environment, parse_spec
 
 STATUS_TO_PROTO = {
     Status.OK: common_pb2.REWARD_STATUS_OK,
@@ -25,25 +26,46 @@ def to_spec(message: reward_pb2.RewardSpec) -> SpecInput:
     return parse_spec(message.spec_json, message.file_source)
 
 
-def _bad_metadata(index: int, why: str) -> InvalidArgument:
-    return InvalidArgument("bad item metadata", [FieldViolation(f"items[{index}].metadata_json", why)])
+def to_environment(message: reward_pb2.EnvironmentSpec) -> SpecInput:
+    """The validated environment spec of a request (ConfigError naming bad fields)."""
+    return parse_environment(message.spec_json, message.file_source)
 
 
-def _metadata(text: str, index: int) -> dict[str, Any]:
+def _metadata(text: str, field: str) -> dict[str, Any]:
     if not text:
         return {}
     try:
         value = json.loads(text)
     except json.JSONDecodeError as error:
-        raise _bad_metadata(index, str(error)) from None
+        raise InvalidArgument("bad metadata", [FieldViolation(field, str(error))]) from None
     if not isinstance(value, dict):
-        raise _bad_metadata(index, "not a JSON object")
+        raise InvalidArgument("bad metadata", [FieldViolation(field, "not a JSON object")])
     return value
 
 
 def to_items(request: reward_pb2.ScoreRequest) -> list[Item]:
     """The request's items with their metadata decoded."""
-    return [Item(it.completion, it.prompt, _metadata(it.metadata_json, i)) for i, it in enumerate(request.items)]
+    return [Item(it.completion, it.prompt, _metadata(it.metadata_json, f"items[{i}].metadata_json"))
+            for i, it in enumerate(request.items)]
+
+
+def to_task(request: reward_pb2.OpenEpisodesRequest) -> dict[str, Any]:
+    """The environment's task: the prompt line (its prompt and its other fields)."""
+    return {**_metadata(request.metadata_json, "metadata_json"), "prompt": request.prompt}
+
+
+def to_actions(request: reward_pb2.StepEpisodesRequest) -> list[tuple[int, int, str]]:
+    """(episode, turn, text) of each action, in order."""
+    return [(a.episode, a.turn, a.text) for a in request.actions]
+
+
+def episode_to_proto(result: EpisodeResult) -> reward_pb2.EpisodeResult:
+    """The wire form of one episode's answer."""
+    return reward_pb2.EpisodeResult(
+        episode=result.episode, observation=[reward_pb2.Message(role=m["role"], content=m["content"])
+                                             for m in result.observation],
+        reward=result.reward, done=result.done, status=STATUS_TO_PROTO[result.status], reason=result.reason,
+        latency_s=result.latency_s)
 
 
 def to_proto(result: Result) -> reward_pb2.ScoreResult:

@@ -16,6 +16,9 @@ class RewardMetrics:
     worker_restarts: Counter
     pools: Gauge
     sandbox_layer: Gauge
+    episodes: Counter
+    open_episodes: Gauge
+    env_latency: Histogram
 
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
@@ -31,6 +34,14 @@ class RewardMetrics:
         self.sandbox_layer = Gauge("fleetrl_reward_sandbox_layer",
                                    "1 when a sandbox layer held at start-up (bwrap, mountns, pidns, netns, seccomp)",
                                    ["layer"], registry=self.registry)
+
+        self.episodes = Counter("fleetrl_reward_episodes_total",
+                                "Episodes ended, by job and status (done, error, timeout, killed, closed, abandoned)",
+                                ["job", "status"], registry=self.registry)
+        self.open_episodes = Gauge("fleetrl_reward_open_episodes", "Episodes open (each holds a worker)",
+                                   registry=self.registry)
+        self.env_latency = Histogram("fleetrl_reward_env_seconds", "Wall-clock seconds per environment reset or step",
+                                     ["op"], buckets=LATENCY_BUCKETS_S, registry=self.registry)
 
     def observe(self, job_id: str, status: str, latency_s: float) -> None:
         self.items.labels(job=job_id, status=status).inc()

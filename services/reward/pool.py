@@ -5,7 +5,9 @@ that brought it (and Validate) with the reason; the other workers start in the b
 item takes an idle worker, runs with the spec's wall-clock timeout and gives the worker back, or,
 when the item timed out, crashed the worker, or the call was cancelled, kills it and starts a
 replacement (so does a worker that has served max_items_per_worker items or used half its CPU
-limit); `on_replace` hears each replacement's reason. A hostile item therefore holds one worker for
+limit); `on_replace` hears each replacement's reason. An episode holds one worker for its whole
+life (`hold`, `call`, `give_back`, `discard`); held workers do not count against the pool's size,
+so the pool starts others for the items and episodes behind them. A hostile item therefore holds one worker for
 at most its timeout. An item still running after a quarter of its timeout is overrunning: for each
 one the pool may start an extra worker (at most `cfg.burst`), so items that hang take the capacity
 they hold, not the capacity of the items queued behind them. Extra workers are retired when they
@@ -32,7 +34,7 @@ OVERRUN_FRACTION = 0.25
 """An item running longer than this share of its timeout is overrunning (it earns a burst worker)."""
 LAYERS = ("netns", "pidns", "userns", "mountns", "seccomp", "dropped_uid", "audit_hook")
 
-ReplaceReason = Literal["timeout", "crash", "cancelled", "recycled"]
+ReplaceReason = Literal["timeout", "crash", "cancelled", "recycled", "abandoned", "episode_timeout"]
 
 
 def describe_isolation(isolation: dict[str, Any]) -> str:
@@ -58,6 +60,7 @@ class WorkerPool:
         self._tasks: set[asyncio.Task[None]] = set()
         self._spawns: set[asyncio.Task[None]] = set()
         self._overrunning: set[object] = set()
+        self._held: set[Worker] = set()
         self._broken: str | None = None
         self._closed = False
         self.last_used = time.monotonic()
@@ -65,6 +68,10 @@ class WorkerPool:
     @property
     def live_workers(self) -> int:
         return len(self._live)
+
+    @property
+    def held_workers(self) -> int:
+        return len(self._held)
 
     @property
     def isolation(self) -> dict[str, Any]:
@@ -89,8 +96,9 @@ class WorkerPool:
             raise
 
     def _target(self) -> int:
-        """Workers the pool should have now: its size, plus one per overrunning item up to the burst."""
-        return self.cfg.size + min(len(self._overrunning), self.cfg.burst)
+        """Workers the pool should have now: its size, plus one per overrunning item up to the burst, plus
+        the workers episodes hold."""
+        return self.cfg.size + min(len(self._overrunning), self.cfg.burst) + len(self._held)
 
     def _top_up(self) -> None:
         while not self._closed and len(self._live) + len(self._spawns) < self._target():
@@ -130,6 +138,7 @@ class WorkerPool:
 
     def _replace(self, worker: Worker, reason: ReplaceReason) -> None:
         self._live.discard(worker)
+        self._held.discard(worker)
         self._on_replace(reason)
         self._background(self._retire(worker))
         self._top_up()
@@ -145,10 +154,18 @@ class WorkerPool:
         """Score one item on an idle worker; every failure mode becomes an Outcome."""
         self.last_used = time.monotonic()
         worker = await self._acquire()
+        with self._overrun_watch(timeout_s):
+            outcome = await self.call(worker, request, timeout_s)
+        if outcome.kind == "reply":
+            self._release(worker)
+        return outcome
+
+    async def call(self, worker: Worker, request: dict[str, Any], timeout_s: float) -> Outcome:
+        """One request on a worker this caller holds; a failure kills and replaces the worker (the
+        caller then holds nothing), and every failure mode becomes an Outcome."""
         start = time.monotonic()
         try:
-            with self._overrun_watch(timeout_s):
-                reply = await worker.call(request, timeout_s, self.cfg.max_reply_bytes)
+            reply = await worker.call(request, timeout_s, self.cfg.max_reply_bytes)
         except TimeoutError:
             self._replace(worker, "timeout")
             return Outcome("timeout", reason=f"timed out after {timeout_s:g}s", latency_s=time.monotonic() - start)
@@ -159,10 +176,32 @@ class WorkerPool:
             self._replace(worker, "crash")
             return Outcome("error", reason=str(bad), latency_s=time.monotonic() - start)
         except BaseException:
-            self._replace(worker, "cancelled")  # cancelled mid-item: its late reply must not reach the next item
+            self._replace(worker, "cancelled")  # cancelled mid-request: its late reply must not reach the next one
             raise
-        self._release(worker)
         return Outcome("reply", reply=reply, latency_s=time.monotonic() - start)
+
+    async def hold(self) -> Worker:
+        """An idle worker for one episode, held until `give_back` or `discard`."""
+        self.last_used = time.monotonic()
+        worker = await self._acquire()
+        self._held.add(worker)
+        self._top_up()
+        return worker
+
+    def holds(self, worker: Worker) -> bool:
+        """Whether worker is still held (not killed since `hold`)."""
+        return worker in self._held
+
+    def give_back(self, worker: Worker) -> None:
+        """A held worker whose episode ended cleanly serves the pool again."""
+        if worker in self._held:
+            self._held.discard(worker)
+            self._release(worker)
+
+    def discard(self, worker: Worker, reason: ReplaceReason) -> None:
+        """Kill a held worker (its episode timed out or was abandoned) and start a replacement."""
+        if worker in self._live:
+            self._replace(worker, reason)
 
     @contextlib.contextmanager
     def _overrun_watch(self, timeout_s: float) -> Iterator[None]:

@@ -186,14 +186,14 @@ class Worker:
         except (TimeoutError, WorkerDied, BadReply) as error:
             await worker.kill()
             what = f"did not load within {cfg.start_timeout_s:g}s" if isinstance(error, TimeoutError) else str(error)
-            raise ConfigError("reward spec cannot load", [FieldViolation(_spec_field(boot), what)]) from None
+            raise ConfigError(f"{_what(boot)} cannot load", [FieldViolation(_spec_field(boot), what)]) from None
         except BaseException:
             await worker.kill()  # cancelled while loading: leave no process behind
             raise
         if not ready.get("ok"):
             await worker.kill()
             reason = str(ready.get("reason", "unknown"))
-            raise ConfigError("reward spec cannot load", [FieldViolation(_spec_field(boot), reason)])
+            raise ConfigError(f"{_what(boot)} cannot load", [FieldViolation(_spec_field(boot), reason)])
         return worker
 
     @classmethod
@@ -348,4 +348,8 @@ async def _read_exact(fd: int, size: int, eof_ok: bool = False) -> bytes:
 
 
 def _spec_field(boot: dict[str, Any]) -> str:
-    return "reward.file" if boot.get("mode") == "file" else "reward.params"
+    return {"file": "reward.file", "env": "environment.file"}.get(boot.get("mode", ""), "reward.params")
+
+
+def _what(boot: dict[str, Any]) -> str:
+    return "environment" if boot.get("mode") == "env" else "reward spec"

@@ -23,7 +23,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from services.common.config import RewardSpec, validate
+from services.common.config import EnvironmentSpec, RewardSpec, validate
 from services.common.errors import ConfigError, FailedPrecondition, FieldViolation, InvalidArgument
 from services.reward import builtins, guard, jail
 from services.reward.config import RewardSettings
@@ -65,32 +65,52 @@ class Result:
 
 @dataclass(frozen=True)
 class SpecInput:
-    """A validated reward spec with its file source and the digest pools are cached by."""
+    """A validated reward or environment spec with its file source and the digest pools are cached by."""
 
-    spec: RewardSpec
+    spec: RewardSpec | EnvironmentSpec
     source: str
     digest: str
 
 
-def parse_spec(spec_json: str, file_source: bytes) -> SpecInput:
-    """Validate the job's reward spec (ConfigError naming every bad field)."""
+def _spec_data(spec_json: str, what: str) -> dict[str, Any]:
     try:
         data = json.loads(spec_json)
     except json.JSONDecodeError as error:
-        raise ConfigError("reward spec is not JSON", [FieldViolation("spec.spec_json", str(error))]) from None
+        raise ConfigError(f"{what} is not JSON", [FieldViolation("spec.spec_json", str(error))]) from None
     if not isinstance(data, dict):
-        raise ConfigError("reward spec must be an object", [FieldViolation("spec.spec_json", "not an object")])
-    spec = validate(RewardSpec, data, "reward spec")
+        raise ConfigError(f"{what} must be an object", [FieldViolation("spec.spec_json", "not an object")])
+    return data
+
+
+def _source(file_source: bytes, what: str) -> str:
     try:
-        source = file_source.decode()
+        return file_source.decode()
     except UnicodeDecodeError as error:
-        raise ConfigError("reward file is not UTF-8", [FieldViolation("spec.file_source", str(error))]) from None
+        raise ConfigError(f"{what} is not UTF-8", [FieldViolation("spec.file_source", str(error))]) from None
+
+
+def _digest(spec_json: str, file_source: bytes) -> str:
+    return hashlib.sha256(spec_json.encode() + b"\0" + file_source).hexdigest()
+
+
+def parse_spec(spec_json: str, file_source: bytes) -> SpecInput:
+    """Validate the job's reward spec (ConfigError naming every bad field)."""
+    spec = validate(RewardSpec, _spec_data(spec_json, "reward spec"), "reward spec")
+    source = _source(file_source, "reward file")
     if spec.file is not None and not source.strip():
         raise ConfigError("reward file is empty", [FieldViolation("spec.file_source", "no source sent")])
     if spec.builtin is not None:
         check_builtin(spec.builtin, spec.params)
-    digest = hashlib.sha256(spec_json.encode() + b"\0" + file_source).hexdigest()
-    return SpecInput(spec, source if spec.file is not None else "", digest)
+    return SpecInput(spec, source if spec.file is not None else "", _digest(spec_json, file_source))
+
+
+def parse_environment(spec_json: str, file_source: bytes) -> SpecInput:
+    """Validate the job's environment spec (ConfigError naming every bad field)."""
+    spec = validate(EnvironmentSpec, _spec_data(spec_json, "environment spec"), "environment spec")
+    source = _source(file_source, "environment file")
+    if not source.strip():
+        raise ConfigError("environment file is empty", [FieldViolation("spec.file_source", "no source sent")])
+    return SpecInput(spec, source, _digest(spec_json, file_source))
 
 
 def check_builtin(name: str, params: dict[str, Any]) -> None:
@@ -107,6 +127,8 @@ def check_builtin(name: str, params: dict[str, Any]) -> None:
 
 def boot_message(spec: SpecInput) -> dict[str, Any]:
     """What a worker needs to load the spec."""
+    if isinstance(spec.spec, EnvironmentSpec):
+        return {"mode": "env", "spec": {"params": spec.spec.params}, "source": spec.source}
     if spec.spec.builtin is not None:
         return {"mode": "builtin", "spec": {"builtin": spec.spec.builtin, "params": spec.spec.params}}
     return {"mode": "file", "spec": {"params": spec.spec.params}, "source": spec.source}
@@ -201,16 +223,17 @@ class Scorer:
             log.log(logging.INFO if self.sandbox.mode == "jail" else logging.WARNING, "reward sandbox %s",
                     self.sandbox.describe())
 
-    def sandbox_for(self, spec: RewardSpec) -> SandboxState:
+    def sandbox_for(self, spec: RewardSpec | EnvironmentSpec) -> SandboxState:
         """Where this spec's code runs: the service's sandbox; when the jail is unavailable, the legacy
         sandbox for a built-in that runs no submitted code (trusted code parsing untrusted text, still
-        under rlimits, timeouts and a private uid), while reward files and `code_tests` stay refused."""
-        if self.sandbox.problem and spec.builtin is not None and \
+        under rlimits, timeouts and a private uid), while reward files, environments and `code_tests`
+        stay refused."""
+        if self.sandbox.problem and isinstance(spec, RewardSpec) and spec.builtin is not None and \
                 not builtins.runs_submitted_code(spec.builtin, spec.params):
             return self.sandbox.for_trusted_builtins()
         return self.sandbox
 
-    def _pool_config(self, spec: RewardSpec, sandbox: SandboxState) -> PoolConfig:
+    def _pool_config(self, spec: RewardSpec | EnvironmentSpec, sandbox: SandboxState) -> PoolConfig:
         s = self.settings
         limits = Limits(spec.memory_limit_mb, s.worker_cpu_limit_s, s.worker_max_file_mb,
                         s.worker_max_open_files, s.worker_max_processes)
@@ -218,13 +241,17 @@ class Scorer:
                           s.max_reply_bytes, s.sandbox_dir, s.worker_namespaces, s.burst_workers_per_pool,
                           sandbox.bwrap, s.worker_tmp_mb)
 
-    def check_caps(self, spec: RewardSpec) -> None:
+    def check_caps(self, spec: RewardSpec | EnvironmentSpec) -> None:
         """ConfigError naming each field of spec above the operator's cap."""
         s = self.settings
-        asked = (("memory_limit_mb", spec.memory_limit_mb, s.max_memory_limit_mb),
-                 ("timeout_per_item_s", spec.timeout_per_item_s, s.max_timeout_per_item_s))
-        violations = [FieldViolation(f"reward.{name}", f"{value:g} exceeds this reward service's cap {cap:g} "
-                                     f"(max_{name})") for name, value, cap in asked if value > cap]
+        if isinstance(spec, EnvironmentSpec):
+            asked = (("environment.memory_limit_mb", spec.memory_limit_mb, "max_memory_limit_mb"),
+                     ("environment.step_timeout_s", spec.step_timeout_s, "max_timeout_per_item_s"))
+        else:
+            asked = (("reward.memory_limit_mb", spec.memory_limit_mb, "max_memory_limit_mb"),
+                     ("reward.timeout_per_item_s", spec.timeout_per_item_s, "max_timeout_per_item_s"))
+        violations = [FieldViolation(name, f"{value:g} exceeds this reward service's cap {getattr(s, cap):g} "
+                                     f"({cap})") for name, value, cap in asked if value > getattr(s, cap)]
         if violations:
             raise ConfigError("reward spec asks for more than the reward service allows", violations)
 
@@ -232,11 +259,12 @@ class Scorer:
         sandbox = self.sandbox_for(spec.spec)
         if sandbox.problem:
             raise FailedPrecondition(
-                f"the reward sandbox is not available: {self.sandbox.problem}; reward files and code_tests need it "
-                "(built-ins that run no submitted code do not); an operator may accept the weaker legacy sandbox "
-                "with the reward setting sandbox_mode=legacy (FLEETRL_REWARD_SANDBOX_MODE=legacy)")
+                f"the reward sandbox is not available: {self.sandbox.problem}; reward files, environments and "
+                "code_tests need it (built-ins that run no submitted code do not); an operator may accept the "
+                "weaker legacy sandbox with the reward setting sandbox_mode=legacy "
+                "(FLEETRL_REWARD_SANDBOX_MODE=legacy)")
         if sandbox is not self.sandbox:
-            log.warning("reward sandbox for built-in %s: %s", spec.spec.builtin, sandbox.describe())
+            log.warning("reward sandbox for a built-in: %s", sandbox.describe())
         pool = WorkerPool(boot_message(spec), self._pool_config(spec.spec, sandbox), self._uids,
                           self.metrics.worker_replaced)
         try:
@@ -264,7 +292,8 @@ class Scorer:
         return pool
 
     async def _evict(self, keep: str) -> None:
-        ready = {d: t.result() for d, t in self._pools.items() if t.done() and not t.exception()}
+        ready = {d: t.result() for d, t in self._pools.items()
+                 if t.done() and not t.exception() and not t.result().held_workers}
         while len(self._pools) > self.settings.max_pools and len(ready) > 1:
             digest = min((d for d in ready if d != keep), key=lambda d: ready[d].last_used)
             del self._pools[digest]
@@ -282,6 +311,8 @@ class Scorer:
                 "items", f"{len(items)} > max_items_per_request {self.settings.max_items_per_request}")])
         if not items:
             return []
+        if not isinstance(spec.spec, RewardSpec):
+            raise InvalidArgument("not a reward spec", [FieldViolation("spec", "an environment cannot score items")])
         pool = await self.pool(spec)
         timeout_s = spec.spec.timeout_per_item_s
         return list(await asyncio.gather(*(self._score_one(job_id, pool, item, timeout_s) for item in items)))
@@ -296,7 +327,7 @@ class Scorer:
         """Close pools unused for pool_idle_s; returns how many were closed."""
         now = time.monotonic()
         idle = [d for d, t in self._pools.items() if t.done() and not t.exception()
-                and now - t.result().last_used > self.settings.pool_idle_s]
+                and not t.result().held_workers and now - t.result().last_used > self.settings.pool_idle_s]
         for digest in idle:
             await self._pools.pop(digest).result().close()
         self.metrics.pools.set(len(self._pools))

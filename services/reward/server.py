@@ -1,10 +1,11 @@
-"""The gRPC RewardService: a thin adapter over `Scorer`, plus the process lifecycle.
+"""The gRPC RewardService: a thin adapter over `Scorer` and `EpisodeSessions`, plus the process lifecycle.
 
-Score, Validate and Describe (the sandbox found at start-up) convert the request (`convert`), call
-the scorer and convert back; `map_errors` maps domain errors to status codes. `running` owns the
-scorer (all worker processes), the gRPC server, the idle-pool reaper and the metrics endpoint; a
-failure of the reaper stops the service instead of dying silently. Spans and per-RPC metrics come
-from `observe.ObservingInterceptor`.
+Score, Validate, Describe (the sandbox found at start-up) and the episode RPCs convert the request
+(`convert`), call the scorer or the sessions and convert back; `map_errors` maps domain errors to
+status codes. `running` owns the scorer (all worker processes), the sessions, the gRPC server, the
+reaper (idle pools, abandoned episode sessions) and the metrics endpoint; a failure of the reaper
+stops the service instead of dying silently. Spans and per-RPC metrics come from
+`observe.ObservingInterceptor`.
 """
 
 from __future__ import annotations
@@ -24,18 +25,21 @@ from services.common.observe import ObservingInterceptor, serve_metrics
 from services.proto.fleetrl.v1 import reward_pb2, reward_pb2_grpc
 from services.reward import convert
 from services.reward.config import RewardSettings
+from services.reward.episodes import EpisodeSessions
 from services.reward.scorer import Scorer
 
 log = logging.getLogger(__name__)
 
 
 class RewardServicer(reward_pb2_grpc.RewardServiceServicer):
-    """RewardService RPCs over one Scorer."""
+    """RewardService RPCs over one Scorer and its episode sessions."""
 
     scorer: Scorer
+    sessions: EpisodeSessions
 
-    def __init__(self, scorer: Scorer) -> None:
+    def __init__(self, scorer: Scorer, sessions: EpisodeSessions) -> None:
         self.scorer = scorer
+        self.sessions = sessions
 
     @map_errors
     async def Score(self, request: reward_pb2.ScoreRequest,
@@ -47,8 +51,12 @@ class RewardServicer(reward_pb2_grpc.RewardServiceServicer):
     @map_errors
     async def Validate(self, request: reward_pb2.ValidateRequest,
                        context: grpc.aio.ServicerContext) -> reward_pb2.ValidateResponse:
-        spec = convert.to_spec(request.spec)
-        sandbox = convert.sandbox_report(self.scorer.sandbox_for(spec.spec))
+        if request.HasField("environment"):  # user code: the service's own sandbox, never a fallback
+            spec = convert.to_environment(request.environment)
+            sandbox = convert.sandbox_report(self.scorer.sandbox)
+        else:
+            spec = convert.to_spec(request.spec)
+            sandbox = convert.sandbox_report(self.scorer.sandbox_for(spec.spec))
         try:
             await self.scorer.validate(spec)
         except ConfigError as error:
@@ -60,20 +68,46 @@ class RewardServicer(reward_pb2_grpc.RewardServiceServicer):
                        context: grpc.aio.ServicerContext) -> reward_pb2.SandboxReport:
         return convert.sandbox_report(self.scorer.sandbox)
 
+    @map_errors
+    async def OpenEpisodes(self, request: reward_pb2.OpenEpisodesRequest,
+                           context: grpc.aio.ServicerContext) -> reward_pb2.OpenEpisodesResponse:
+        results = await self.sessions.open(request.session_id, request.job_id, convert.to_environment(request.spec),
+                                           convert.to_task(request), request.count)
+        return reward_pb2.OpenEpisodesResponse(episodes=[convert.episode_to_proto(r) for r in results])
+
+    @map_errors
+    async def StepEpisodes(self, request: reward_pb2.StepEpisodesRequest,
+                           context: grpc.aio.ServicerContext) -> reward_pb2.StepEpisodesResponse:
+        results = await self.sessions.step(request.session_id, convert.to_actions(request))
+        return reward_pb2.StepEpisodesResponse(results=[convert.episode_to_proto(r) for r in results])
+
+    @map_errors
+    async def CloseEpisodes(self, request: reward_pb2.CloseEpisodesRequest,
+                            context: grpc.aio.ServicerContext) -> reward_pb2.CloseEpisodesResponse:
+        await self.sessions.close(request.session_id)
+        return reward_pb2.CloseEpisodesResponse()
+
 
 @dataclass
 class Running:
-    """A started reward service: its bound port, its scorer and its reaper task."""
+    """A started reward service: its bound port, its scorer, its episode sessions and its reaper task."""
 
     port: int
     scorer: Scorer
+    sessions: EpisodeSessions
     background: asyncio.Task[None]
 
 
-async def reap_loop(scorer: Scorer, interval_s: float) -> None:
-    """Close pools that have been idle for pool_idle_s."""
+def reap_interval_s(settings: RewardSettings) -> float:
+    """How often the reaper looks: often enough for both idle limits."""
+    return min(60.0, settings.pool_idle_s / 2, settings.episode_idle_timeout_s / 4)
+
+
+async def reap_loop(scorer: Scorer, sessions: EpisodeSessions, interval_s: float) -> None:
+    """Reap episode sessions idle for episode_idle_timeout_s, then close pools idle for pool_idle_s."""
     while True:
         await asyncio.sleep(interval_s)
+        sessions.reap_idle()
         closed = await scorer.reap_idle()
         if closed:
             log.info("closed %d idle reward pool(s)", closed)
@@ -86,17 +120,18 @@ async def running(settings: RewardSettings) -> AsyncIterator[Running]:
         telemetry.setup_tracing("reward", settings.run_dir)
         scorer = Scorer(settings)
         stack.push_async_callback(scorer.close)
-        servicer = RewardServicer(scorer)
+        sessions = EpisodeSessions(scorer)
+        stack.callback(sessions.close_all)
+        servicer = RewardServicer(scorer, sessions)
         server, port, health = await start_server(
             settings.listen, [lambda s: _register(servicer, s)],
             interceptors=[ObservingInterceptor(scorer.metrics.registry)])
         stack.push_async_callback(stop_server, server, health, settings.grace_s)
         serve_metrics(settings.metrics_port, scorer.metrics.registry)
-        background = asyncio.get_running_loop().create_task(
-            reap_loop(scorer, min(60.0, settings.pool_idle_s / 2)))
+        background = asyncio.get_running_loop().create_task(reap_loop(scorer, sessions, reap_interval_s(settings)))
         stack.callback(background.cancel)
         log.info("reward service listening on port %d", port)
-        yield Running(port, scorer, background)
+        yield Running(port, scorer, sessions, background)
 
 
 def _register(servicer: RewardServicer, server: grpc.aio.Server) -> str:

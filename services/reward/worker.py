@@ -7,7 +7,9 @@ request is the boot message (mode, spec or source, limits, uid, temp dir, the se
 or not); the worker isolates itself and answers {"isolation": {...}} naming the layers that hold,
 before any user code runs. The second request loads the spec (a reward file's code runs here
 first) and is answered {"ok": true} or {"ok": false, "reason": traceback}. Then each item is
-answered {"value": x} | {"components": {...}} | {"error": reason} with its CPU seconds so far.
+answered {"value": x} | {"components": {...}} | {"error": reason} with its CPU seconds so far; in
+"env" mode (an environment file) the requests are an episode's reset, steps and close instead
+(`env_host`).
 User code sees /dev/null as stdin, stdout and stderr. Stdlib only, plus pyseccomp in the jail and
 the built-in registry in "builtin" mode (both imported before the uid drop).
 """
@@ -24,9 +26,11 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
-from services.reward import codeexec, guard, protocol
+from services.reward import codeexec, env_host, env_tools, guard, protocol
 
 RewardFn = Callable[..., Any]
+Handler = Callable[[dict[str, Any]], dict[str, Any]]
+USER_CODE_MODES = ("file", "env")
 
 
 def _private_channel() -> socket.socket:
@@ -83,7 +87,7 @@ def isolate(boot: dict[str, Any], sock: socket.socket, reply_fd: int) -> dict[st
 
         syscall_filter.load(allow_fork=boot["mode"] == "builtin")
         isolation["seccomp"] = True
-    isolation.update(uid=os.getuid(), audit_hook=boot["mode"] == "file")
+    isolation.update(uid=os.getuid(), audit_hook=boot["mode"] in USER_CODE_MODES)
     return isolation
 
 
@@ -111,20 +115,38 @@ def _preload_builtins(boot: dict[str, Any]) -> None:
     builtins.preload(boot["spec"]["builtin"], boot["spec"]["params"])
 
 
-def load_file(source: str, tmpdir: str, root: str) -> RewardFn:
-    """Execute a user's reward file under the audit hook and return its `reward` callable."""
+def run_user_file(source: str, tmpdir: str, root: str, name: str) -> dict[str, Any]:
+    """Execute a user's file under the audit hook; its module namespace."""
     sys.path[:] = [p for p in sys.path if p != root]
     guard.install_hook(tmpdir)
-    namespace: dict[str, Any] = {"__name__": "reward_file", "__file__": "reward_file.py"}
-    exec(compile(source, "reward_file.py", "exec"), namespace)
-    fn = namespace.get("reward")
+    namespace: dict[str, Any] = {"__name__": name, "__file__": f"{name}.py"}
+    exec(compile(source, f"{name}.py", "exec"), namespace)
+    return namespace
+
+
+def load_file(source: str, tmpdir: str, root: str) -> RewardFn:
+    """Execute a user's reward file and return its `reward` callable."""
+    fn = run_user_file(source, tmpdir, root, "reward_file").get("reward")
     if not callable(fn):
         raise TypeError("the reward file does not define a callable `reward(completion, prompt, **metadata)`")
     return fn
 
 
-def load(boot: dict[str, Any]) -> RewardFn:
-    """The function scoring one item, for either mode."""
+def load_env(source: str, tmpdir: str, root: str) -> env_host.EnvHost:
+    """Execute a user's environment file (which may `import env_tools`) and host its `Env` class."""
+    sys.modules["env_tools"] = env_tools
+    cls = run_user_file(source, tmpdir, root, "env_file").get("Env")
+    if not isinstance(cls, type):
+        raise TypeError("the environment file does not define a class `Env` (__init__(task, **params), reset(), "
+                        "step(action))")
+    missing = [name for name in ("reset", "step") if not callable(getattr(cls, name, None))]
+    if missing:
+        raise TypeError(f"class Env has no method {' or '.join(missing)}")
+    return env_host.EnvHost(cls)
+
+
+def load_scorer(boot: dict[str, Any]) -> RewardFn:
+    """The function scoring one item (a reward file or a built-in)."""
     if boot["mode"] == "file":
         fn = load_file(boot["source"], boot["tmpdir"], boot["root"])
         params = boot["spec"].get("params") or {}
@@ -134,6 +156,14 @@ def load(boot: dict[str, Any]) -> RewardFn:
     from services.reward import builtins
 
     return builtins.resolve(boot["spec"]["builtin"], boot["spec"]["params"])
+
+
+def load(boot: dict[str, Any]) -> Handler:
+    """What answers one request, for the boot's mode."""
+    if boot["mode"] == "env":
+        return load_env(boot["source"], boot["tmpdir"], boot["root"]).handle
+    fn = load_scorer(boot)
+    return lambda request: score_one(fn, request)
 
 
 def _number(value: Any) -> float | None:
@@ -178,14 +208,14 @@ def reply(fd: int, message: dict[str, Any]) -> None:
             os.close(fd)
 
 
-def serve(fn: RewardFn, sock: socket.socket) -> None:
+def serve(handler: Handler, sock: socket.socket) -> None:
     while True:
         try:
             request, reply_fd = protocol.receive(sock)
         except (EOFError, ConnectionError):
             return
         codeexec.CHILD_CLOSE_FDS[:] = [sock.fileno(), reply_fd]
-        result = score_one(fn, request)
+        result = handler(request)
         usage = resource.getrusage(resource.RUSAGE_SELF)
         result["cpu_s"] = usage.ru_utime + usage.ru_stime
         reply(reply_fd, result)
@@ -206,10 +236,10 @@ def main() -> None:
     reply(reply_fd, {"ok": True, "isolation": isolation})
     _, reply_fd = protocol.receive(sock)
     try:
-        fn = load(boot)
+        handler = load(boot)
     except BaseException as error:  # report why the spec cannot load, then exit
         reply(reply_fd, {"ok": False, "reason": _reason(error)})
         os._exit(3)
     reply(reply_fd, {"ok": True})
-    serve(fn, sock)
+    serve(handler, sock)
     os._exit(0)

@@ -83,9 +83,10 @@ class Fleet:
     actors: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
     job_ids: list[str] = field(default_factory=list)
 
-    async def create_job(self, spec: JobSpec, prompts: list[dict[str, Any]]) -> str:
+    async def create_job(self, spec: JobSpec, prompts: list[dict[str, Any]],
+                         environment_file: bytes | None = None) -> str:
         body = "".join(json.dumps(p) + "\n" for p in prompts).encode()
-        record = await self.jobs.create("test", spec, body, None)
+        record = await self.jobs.create("test", spec, body, None, environment_file=environment_file)
         await self.jobs.set_state(record.job_id, JobState.RUNNING)
         await self.replay.configure(record.job_id, spec.replay)
         await bus.ensure_job_consumer(self.js, record.job_id, spec)
@@ -104,7 +105,8 @@ class Fleet:
     def ledger(self) -> Ledger:
         return Ledger(self.jobs.redis)
 
-    async def publish_task(self, job_id: str, index: int, prompt: str, answer: str, min_version: int = 0) -> None:
+    async def publish_task(self, job_id: str, index: int, prompt: str, answer: str,
+                           min_version: int = 0) -> common_pb2.Task:
         """As the feeder does: recorded in the job's ledger, then published with its dedup id."""
         await self.ledger.published(job_id, [f"0/{index}"], lease_epoch=0)
         task = common_pb2.Task(job_id=job_id, task_id=f"0/{index}", epoch=0, prompt_index=index, prompt=prompt,
@@ -112,11 +114,13 @@ class Fleet:
                                published_unix_ms=int(time.time() * 1000))
         await self.js.publish(bus.task_subject(job_id), task.SerializeToString(),
                               headers={"Nats-Msg-Id": bus.task_msg_id(job_id, 0, index)})
+        return task
 
-    def start_actor(self, name: str, *settings: str) -> subprocess.Popen[bytes]:
+    def start_actor(self, name: str, *settings: str, reward_addr: str = "") -> subprocess.Popen[bytes]:
         s = self.services
         argv = [sys.executable, "-m", "services.actor", "--actor-id", name, "--nats-url", s.nats_url,
-                "--redis-url", s.redis_url, "--replay-addr", s.replay_addr, "--reward-addr", s.reward_addr,
+                "--redis-url", s.redis_url, "--replay-addr", s.replay_addr,
+                "--reward-addr", reward_addr or s.reward_addr,
                 "--set", "torch_threads=1", "--set", "poll_interval_s=0.3", "--set", "nak_base_delay_s=0.2",
                 *[arg for item in settings for arg in ("--set", item)]]
         env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "FLEETRL_TRACING": "0"}

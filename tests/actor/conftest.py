@@ -19,6 +19,9 @@ from services.common.weights import WeightStore
 from services.fleet.embedded import EmbeddedNats, EmbeddedValkey, free_port
 from services.replay.client import ReplayClient
 
+EPISODE_IDLE_TIMEOUT_S = 4.0
+"""The reward service's episode_idle_timeout_s in these tests: a killed actor's sessions are reaped after it."""
+
 
 @pytest.fixture(scope="module")
 def services(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Services]:
@@ -28,7 +31,8 @@ def services(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Services]:
         procs = [
             start_service(["services.replay", "--listen", f"127.0.0.1:{replay_port}", "--redis-url", valkey.url],
                      root / "replay.log", replay_port),
-            start_service(["services.reward", "--listen", f"127.0.0.1:{reward_port}", "--workers", "1"],
+            start_service(["services.reward", "--listen", f"127.0.0.1:{reward_port}", "--workers", "1",
+                           "--set", f"episode_idle_timeout_s={EPISODE_IDLE_TIMEOUT_S}"],
                      root / "reward.log", reward_port),
         ]
         try:

@@ -1,16 +1,18 @@
-"""Every example job under examples/ validates, and its reward loads in the reward service's sandbox.
+"""Every example job under examples/ validates, and its reward or environment runs in the reward service's sandbox.
 
 Each `examples/**/*.toml` is read the way `fleetrl submit` reads it (files relative to the TOML),
 must be a valid JobSpec, and its prompts must pass the gateway's line checks. Its reward goes
 through the reward service's own submission check (`parse_spec`, then a sandboxed worker pool
-that loads the file) and scores a prompt's gold answer: a reward file must expose `reward`.
-Prompt generators must reproduce their committed files byte for byte.
+that loads the file) and scores a prompt's gold answer: a reward file must expose `reward`. An
+environment opens an episode for the first prompt in the sandbox and plays a scripted trajectory
+to its known rewards. Prompt generators must reproduce their committed files byte for byte.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import json
+import tomllib
 from pathlib import Path
 from types import ModuleType
 
@@ -20,10 +22,13 @@ from services.common.config import JobSpec, parse_job_spec
 from services.gateway.checks import prompt_violations
 from services.gateway.client import load_job_file
 from services.reward.config import RewardSettings
-from services.reward.scorer import Item, Scorer, Status, parse_spec
+from services.reward.episodes import EpisodeSessions
+from services.reward.scorer import Item, Scorer, Status, parse_environment, parse_spec
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 JOB_FILES = sorted(EXAMPLES.rglob("*.toml"))
+ENV_JOBS = [p for p in JOB_FILES if "environment" in tomllib.loads(p.read_text())]
+REWARD_JOBS = [p for p in JOB_FILES if p not in ENV_JOBS]
 GENERATORS = [p for p in sorted(EXAMPLES.rglob("make_prompts.py")) if p.parent.name != "addition"]
 UID_BASE = 400_000  # sandbox uids of this module, apart from the reward tests' and the default range
 GOLD_FIELD = {"addition": "answer", "gsm8k": "solution", "custom_reward": "answer"}
@@ -31,9 +36,9 @@ BEST_REWARD = {"addition": 1.5, "gsm8k": 1.1, "custom_reward": 1.5}
 
 
 def _load(path: Path) -> tuple[JobSpec, bytes, bytes]:
+    """(spec, prompts, the reward or environment file)."""
     payload = load_job_file(path)
-    spec_json, prompts, reward_file = payload.spec, payload.prompts, payload.reward_file
-    return parse_job_spec(spec_json, "json"), prompts, reward_file
+    return parse_job_spec(payload.spec, "json"), payload.prompts, payload.reward_file or payload.environment_file
 
 
 def _module(path: Path) -> ModuleType:
@@ -44,21 +49,24 @@ def _module(path: Path) -> ModuleType:
     return module
 
 
-def test_there_are_the_three_examples() -> None:
-    assert {p.parent.name for p in JOB_FILES} >= {"addition", "gsm8k", "custom_reward"}
+def test_there_are_the_examples() -> None:
+    assert {p.parent.name for p in REWARD_JOBS} >= {"addition", "gsm8k", "custom_reward"}
+    assert {p.parent.name for p in ENV_JOBS} >= {"calculator_agent", "retry_feedback"}
     assert all((p.parent / "README.md").is_file() for p in JOB_FILES)
 
 
 @pytest.mark.parametrize("path", JOB_FILES, ids=lambda p: str(p.relative_to(EXAMPLES)))
 def test_job_file_is_a_valid_spec_with_good_prompts(path: Path) -> None:
-    spec, prompts, reward_file = _load(path)
+    spec, prompts, user_file = _load(path)
     assert prompt_violations(prompts) == []
-    assert (spec.reward.file is not None) == bool(reward_file)
+    names_a_file = (spec.reward is not None and spec.reward.file is not None) or spec.environment is not None
+    assert names_a_file == bool(user_file)
 
 
-@pytest.mark.parametrize("path", JOB_FILES, ids=lambda p: str(p.relative_to(EXAMPLES)))
+@pytest.mark.parametrize("path", REWARD_JOBS, ids=lambda p: str(p.relative_to(EXAMPLES)))
 async def test_reward_loads_in_the_sandbox_and_scores_the_gold_answer(path: Path, tmp_path: Path) -> None:
     spec, prompts, reward_file = _load(path)
+    assert spec.reward is not None
     checked = parse_spec(spec.reward.model_dump_json(), reward_file)
     first = json.loads(prompts.decode().splitlines()[0])
     prompt = first.pop("prompt")
@@ -74,9 +82,42 @@ async def test_reward_loads_in_the_sandbox_and_scores_the_gold_answer(path: Path
     assert bad.reward < good.reward
 
 
-@pytest.mark.parametrize("path", JOB_FILES, ids=lambda p: str(p.relative_to(EXAMPLES)))
+GOLD_EPISODES: dict[str, list[tuple[str, str, float, bool]]] = {
+    # example -> per turn: (action with {expression} / {answer} filled from the prompt line,
+    #                       the observation's text, the reward, done)
+    "calculator_agent": [("<tool_call>calc({expression})</tool_call>", "{answer}", 0.0, False),
+                         ("The answer is {answer}.", "", 1.0, True)],
+    "retry_feedback": [("I think 0.", "Not quite, try again. Answer with just the number.", 0.0, False),
+                       ("{answer}", "", 0.5, True)],
+}
+
+
+@pytest.mark.parametrize("path", ENV_JOBS, ids=lambda p: str(p.relative_to(EXAMPLES)))
+async def test_environment_plays_a_scripted_episode_in_the_sandbox(path: Path, tmp_path: Path) -> None:
+    spec, prompts, environment_file = _load(path)
+    assert spec.environment is not None
+    checked = parse_environment(spec.environment.model_dump_json(), environment_file)
+    task = json.loads(prompts.decode().splitlines()[0])
+    scorer = Scorer(RewardSettings(workers_per_pool=1, sandbox_uid_base=UID_BASE, sandbox_dir=tmp_path))
+    sessions = EpisodeSessions(scorer)
+    try:
+        (first,) = await sessions.open("s", "examples", checked, task, 1)
+        assert first.status == Status.OK and first.observation, first.reason
+        for turn, (action, observed, reward, done) in enumerate(GOLD_EPISODES[path.parent.name]):
+            (result,) = await sessions.step("s", [(0, turn, action.format(**task))])
+            assert result.status == Status.OK, result.reason
+            assert (result.reward, result.done) == (reward, done)
+            assert [m["content"] for m in result.observation] == ([observed.format(**task)] if observed else [])
+        assert spec.environment.max_turns >= len(GOLD_EPISODES[path.parent.name])
+    finally:
+        sessions.close_all()
+        await scorer.close()
+
+
+@pytest.mark.parametrize("path", REWARD_JOBS, ids=lambda p: str(p.relative_to(EXAMPLES)))
 def test_reward_file_imports_and_exposes_reward(path: Path) -> None:
     spec, _, _ = _load(path)
+    assert spec.reward is not None
     if spec.reward.file is None:
         return  # a built-in: checked by the sandbox test above
     assert callable(_module(path.parent / spec.reward.file).reward)

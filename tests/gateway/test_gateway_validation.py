@@ -154,6 +154,35 @@ def test_reward_service_checks_files_and_builtins(alice: Client) -> None:
     assert {v.field for v in caught.value.violations} == {"reward.builtin", "seed"}
 
 
+ENV_FILE = b"class Env:\n    def __init__(self, task): pass\n    def reset(self): return 'hi'\n" \
+           b"    def step(self, action): return None, 1.0, True\n"
+
+
+def test_environment_jobs_are_checked_by_the_reward_service(alice: Client) -> None:
+    spec = dict(VALID, environment={"file": "env.py", "max_turns": 2})
+    del spec["reward"]
+    assert alice.submit(json.dumps(spec), PROMPTS, spec_format="json", environment_file=ENV_FILE).state == "queued"
+    for source in (b"x = 1\n", b"import no_such_module_here\n", b"class Env:\n    def reset(self): pass\n"):
+        with pytest.raises(ConfigError) as caught:
+            alice.submit(json.dumps(spec), PROMPTS, spec_format="json", environment_file=source)
+        assert [v.field for v in caught.value.violations] == ["environment.file"]
+        assert "environment cannot load" in caught.value.violations[0].description
+    with pytest.raises(ConfigError) as caught:
+        alice.submit(json.dumps(spec), PROMPTS, spec_format="json")
+    assert [v.field for v in caught.value.violations] == ["environment_file"]
+    with pytest.raises(ConfigError) as caught:  # both tables, or neither
+        alice.submit(json.dumps(dict(spec, reward={"builtin": "numeric_match"})), PROMPTS, spec_format="json",
+                     environment_file=ENV_FILE)
+    assert "exactly one of the tables [reward]" in str(caught.value)
+    with pytest.raises(ConfigError) as caught:
+        alice.submit(json.dumps(VALID), PROMPTS, spec_format="json", environment_file=ENV_FILE)
+    assert [v.field for v in caught.value.violations] == ["environment_file"]
+    bad = dict(spec, environment={"file": "env.py", "max_turns": 0, "step_timeout_s": 5, "episode_timeout_s": 1})
+    with pytest.raises(ConfigError) as caught:
+        alice.submit(json.dumps(bad), PROMPTS, spec_format="json", environment_file=ENV_FILE)
+    assert {v.field for v in caught.value.violations} >= {"environment.max_turns"}
+
+
 def test_oversize_is_resource_exhausted(alice: Client) -> None:
     with pytest.raises(ResourceExhausted, match="prompt file"):
         alice.submit(json.dumps(VALID), PROMPTS * (2 * 1024 * 1024 // len(PROMPTS)), spec_format="json")

@@ -17,7 +17,7 @@ from services.common.grpcutil import channel
 from services.proto.fleetrl.v1 import reward_pb2, reward_pb2_grpc
 from services.reward.client import spec_to_proto
 from services.reward.config import RewardSettings
-from services.reward.server import running
+from services.reward.server import Running, running
 
 UID_BASE = 300_000  # clear of the default range [200_000, 260_000) that other tests' reward services use
 
@@ -88,12 +88,21 @@ def items(*rows: tuple[str, dict[str, object]]) -> list[reward_pb2.ScoreItem]:
 @contextlib.asynccontextmanager
 async def reward_service(sandbox_dir: Path, **settings: Any) -> AsyncIterator[reward_pb2_grpc.RewardServiceStub]:
     """A RewardService and a stub; asserts every worker process and temp dir is gone after."""
+    async with reward_server(sandbox_dir, **settings) as (stub, _):
+        yield stub
+
+
+@contextlib.asynccontextmanager
+async def reward_server(sandbox_dir: Path,
+                        **settings: Any) -> AsyncIterator[tuple[reward_pb2_grpc.RewardServiceStub, Running]]:
+    """A RewardService, a stub and the running service (its scorer, sessions and metrics); asserts every
+    worker process and temp dir is gone after."""
     settings = {"workers_per_pool": 2, **settings}
     config = RewardSettings(listen="127.0.0.1:0", worker_start_timeout_s=3.0, sandbox_uid_base=UID_BASE,
                             sandbox_dir=sandbox_dir, grace_s=0.5, **settings)
     before = set(descendants())  # servers that other tests' session fixtures keep running
     async with running(config) as service, channel(f"127.0.0.1:{service.port}") as chan:
-        yield reward_pb2_grpc.RewardServiceStub(chan)
+        yield reward_pb2_grpc.RewardServiceStub(chan), service
     assert set(descendants()) - before == set(), "worker processes left behind"
     assert wait_gone(sandbox_uid_processes) == [], "processes of sandbox uids left behind"
     assert list(sandbox_dir.iterdir()) == [], "worker temp dirs left behind"

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17\x66leetrl/v1/common.proto\x12\nfleetrl.v1\"\xaa\x01\n\x04Task\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0f\n\x07task_id\x18\x02 \x01(\t\x12\r\n\x05\x65poch\x18\x03 \x01(\r\x12\x14\n\x0cprompt_index\x18\x04 \x01(\r\x12\x0e\n\x06prompt\x18\x05 \x01(\t\x12\x15\n\rmetadata_json\x18\x06 \x01(\t\x12\x1a\n\x12min_policy_version\x18\x07 \x01(\x04\x12\x19\n\x11published_unix_ms\x18\x08 \x01(\x03\"\xa5\x01\n\x07Lineage\x12\x10\n\x08\x61\x63tor_id\x18\x01 \x01(\t\x12\x18\n\x10\x64\x65livery_attempt\x18\x02 \x01(\r\x12\x10\n\x08trace_id\x18\x03 \x01(\t\x12\x18\n\x10received_unix_ms\x18\x04 \x01(\x03\x12\x19\n\x11generated_unix_ms\x18\x05 \x01(\x03\x12\x16\n\x0escored_unix_ms\x18\x06 \x01(\x03\x12\x0f\n\x07span_id\x18\x07 \x01(\t\"\xe2\x02\n\x06Sample\x12\x18\n\x10prompt_token_ids\x18\x01 \x03(\r\x12\x1c\n\x14\x63ompletion_token_ids\x18\x02 \x03(\r\x12\x1a\n\x12\x62\x65haviour_logprobs\x18\x03 \x03(\x02\x12\x17\n\x0f\x63ompletion_text\x18\x04 \x01(\t\x12\x0e\n\x06reward\x18\x05 \x01(\x01\x12\x43\n\x11reward_components\x18\x06 \x03(\x0b\x32(.fleetrl.v1.Sample.RewardComponentsEntry\x12/\n\rreward_status\x18\x07 \x01(\x0e\x32\x18.fleetrl.v1.RewardStatus\x12\x15\n\rreward_reason\x18\x08 \x01(\t\x12\x15\n\rfinish_reason\x18\t \x01(\t\x1a\x37\n\x15RewardComponentsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"\xad\x01\n\x05Group\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0f\n\x07task_id\x18\x02 \x01(\t\x12\x16\n\x0epolicy_version\x18\x03 \x01(\x04\x12#\n\x07samples\x18\x04 \x03(\x0b\x32\x12.fleetrl.v1.Sample\x12$\n\x07lineage\x18\x05 \x01(\x0b\x32\x13.fleetrl.v1.Lineage\x12\x10\n\x08priority\x18\x06 \x01(\x01\x12\x0e\n\x06prompt\x18\x07 \x01(\t*\x91\x01\n\x0cRewardStatus\x12\x1d\n\x19REWARD_STATUS_UNSPECIFIED\x10\x00\x12\x14\n\x10REWARD_STATUS_OK\x10\x01\x12\x17\n\x13REWARD_STATUS_ERROR\x10\x02\x12\x19\n\x15REWARD_STATUS_TIMEOUT\x10\x03\x12\x18\n\x14REWARD_STATUS_KILLED\x10\x04\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17\x66leetrl/v1/common.proto\x12\nfleetrl.v1\"\xaa\x01\n\x04Task\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0f\n\x07task_id\x18\x02 \x01(\t\x12\r\n\x05\x65poch\x18\x03 \x01(\r\x12\x14\n\x0cprompt_index\x18\x04 \x01(\r\x12\x0e\n\x06prompt\x18\x05 \x01(\t\x12\x15\n\rmetadata_json\x18\x06 \x01(\t\x12\x1a\n\x12min_policy_version\x18\x07 \x01(\x04\x12\x19\n\x11published_unix_ms\x18\x08 \x01(\x03\"\xa5\x01\n\x07Lineage\x12\x10\n\x08\x61\x63tor_id\x18\x01 \x01(\t\x12\x18\n\x10\x64\x65livery_attempt\x18\x02 \x01(\r\x12\x10\n\x08trace_id\x18\x03 \x01(\t\x12\x18\n\x10received_unix_ms\x18\x04 \x01(\x03\x12\x19\n\x11generated_unix_ms\x18\x05 \x01(\x03\x12\x16\n\x0escored_unix_ms\x18\x06 \x01(\x03\x12\x0f\n\x07span_id\x18\x07 \x01(\t\"`\n\x04Turn\x12\r\n\x05start\x18\x01 \x01(\r\x12\x0b\n\x03\x65nd\x18\x02 \x01(\r\x12\x0e\n\x06reward\x18\x03 \x01(\x01\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12\x15\n\renv_latency_s\x18\x05 \x01(\x01\"\xc9\x03\n\x06Sample\x12\x18\n\x10prompt_token_ids\x18\x01 \x03(\r\x12\x1c\n\x14\x63ompletion_token_ids\x18\x02 \x03(\r\x12\x1a\n\x12\x62\x65haviour_logprobs\x18\x03 \x03(\x02\x12\x17\n\x0f\x63ompletion_text\x18\x04 \x01(\t\x12\x0e\n\x06reward\x18\x05 \x01(\x01\x12\x43\n\x11reward_components\x18\x06 \x03(\x0b\x32(.fleetrl.v1.Sample.RewardComponentsEntry\x12/\n\rreward_status\x18\x07 \x01(\x0e\x32\x18.fleetrl.v1.RewardStatus\x12\x15\n\rreward_reason\x18\x08 \x01(\t\x12\x15\n\rfinish_reason\x18\t \x01(\t\x12\x11\n\tloss_mask\x18\n \x03(\x08\x12\x1f\n\x05turns\x18\x0b \x03(\x0b\x32\x10.fleetrl.v1.Turn\x12\x31\n\x0e\x65pisode_status\x18\x0c \x01(\x0e\x32\x19.fleetrl.v1.EpisodeStatus\x1a\x37\n\x15RewardComponentsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"\xad\x01\n\x05Group\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0f\n\x07task_id\x18\x02 \x01(\t\x12\x16\n\x0epolicy_version\x18\x03 \x01(\x04\x12#\n\x07samples\x18\x04 \x03(\x0b\x32\x12.fleetrl.v1.Sample\x12$\n\x07lineage\x18\x05 \x01(\x0b\x32\x13.fleetrl.v1.Lineage\x12\x10\n\x08priority\x18\x06 \x01(\x01\x12\x0e\n\x06prompt\x18\x07 \x01(\t*\x91\x01\n\x0cRewardStatus\x12\x1d\n\x19REWARD_STATUS_UNSPECIFIED\x10\x00\x12\x14\n\x10REWARD_STATUS_OK\x10\x01\x12\x17\n\x13REWARD_STATUS_ERROR\x10\x02\x12\x19\n\x15REWARD_STATUS_TIMEOUT\x10\x03\x12\x18\n\x14REWARD_STATUS_KILLED\x10\x04*\xa2\x01\n\rEpisodeStatus\x12\x1e\n\x1a\x45PISODE_STATUS_UNSPECIFIED\x10\x00\x12\x17\n\x13\x45PISODE_STATUS_DONE\x10\x01\x12\x1c\n\x18\x45PISODE_STATUS_MAX_TURNS\x10\x02\x12\x1c\n\x18\x45PISODE_STATUS_TRUNCATED\x10\x03\x12\x1c\n\x18\x45PISODE_STATUS_ENV_ERROR\x10\x04\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,16 +33,20 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_SAMPLE_REWARDCOMPONENTSENTRY']._loaded_options = None
   _globals['_SAMPLE_REWARDCOMPONENTSENTRY']._serialized_options = b'8\001'
-  _globals['_REWARDSTATUS']._serialized_start=914
-  _globals['_REWARDSTATUS']._serialized_end=1059
+  _globals['_REWARDSTATUS']._serialized_start=1115
+  _globals['_REWARDSTATUS']._serialized_end=1260
+  _globals['_EPISODESTATUS']._serialized_start=1263
+  _globals['_EPISODESTATUS']._serialized_end=1425
   _globals['_TASK']._serialized_start=40
   _globals['_TASK']._serialized_end=210
   _globals['_LINEAGE']._serialized_start=213
   _globals['_LINEAGE']._serialized_end=378
-  _globals['_SAMPLE']._serialized_start=381
-  _globals['_SAMPLE']._serialized_end=735
-  _globals['_SAMPLE_REWARDCOMPONENTSENTRY']._serialized_start=680
-  _globals['_SAMPLE_REWARDCOMPONENTSENTRY']._serialized_end=735
-  _globals['_GROUP']._serialized_start=738
-  _globals['_GROUP']._serialized_end=911
+  _globals['_TURN']._serialized_start=380
+  _globals['_TURN']._serialized_end=476
+  _globals['_SAMPLE']._serialized_start=479
+  _globals['_SAMPLE']._serialized_end=936
+  _globals['_SAMPLE_REWARDCOMPONENTSENTRY']._serialized_start=881
+  _globals['_SAMPLE_REWARDCOMPONENTSENTRY']._serialized_end=936
+  _globals['_GROUP']._serialized_start=939
+  _globals['_GROUP']._serialized_end=1112
 # @@protoc_insertion_point(module_scope)

@@ -14,11 +14,24 @@ class RewardStatus(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     REWARD_STATUS_ERROR: _ClassVar[RewardStatus]
     REWARD_STATUS_TIMEOUT: _ClassVar[RewardStatus]
     REWARD_STATUS_KILLED: _ClassVar[RewardStatus]
+
+class EpisodeStatus(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    EPISODE_STATUS_UNSPECIFIED: _ClassVar[EpisodeStatus]
+    EPISODE_STATUS_DONE: _ClassVar[EpisodeStatus]
+    EPISODE_STATUS_MAX_TURNS: _ClassVar[EpisodeStatus]
+    EPISODE_STATUS_TRUNCATED: _ClassVar[EpisodeStatus]
+    EPISODE_STATUS_ENV_ERROR: _ClassVar[EpisodeStatus]
 REWARD_STATUS_UNSPECIFIED: RewardStatus
 REWARD_STATUS_OK: RewardStatus
 REWARD_STATUS_ERROR: RewardStatus
 REWARD_STATUS_TIMEOUT: RewardStatus
 REWARD_STATUS_KILLED: RewardStatus
+EPISODE_STATUS_UNSPECIFIED: EpisodeStatus
+EPISODE_STATUS_DONE: EpisodeStatus
+EPISODE_STATUS_MAX_TURNS: EpisodeStatus
+EPISODE_STATUS_TRUNCATED: EpisodeStatus
+EPISODE_STATUS_ENV_ERROR: EpisodeStatus
 
 class Task(_message.Message):
     __slots__ = ("job_id", "task_id", "epoch", "prompt_index", "prompt", "metadata_json", "min_policy_version", "published_unix_ms")
@@ -58,8 +71,22 @@ class Lineage(_message.Message):
     span_id: str
     def __init__(self, actor_id: _Optional[str] = ..., delivery_attempt: _Optional[int] = ..., trace_id: _Optional[str] = ..., received_unix_ms: _Optional[int] = ..., generated_unix_ms: _Optional[int] = ..., scored_unix_ms: _Optional[int] = ..., span_id: _Optional[str] = ...) -> None: ...
 
+class Turn(_message.Message):
+    __slots__ = ("start", "end", "reward", "finish_reason", "env_latency_s")
+    START_FIELD_NUMBER: _ClassVar[int]
+    END_FIELD_NUMBER: _ClassVar[int]
+    REWARD_FIELD_NUMBER: _ClassVar[int]
+    FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
+    ENV_LATENCY_S_FIELD_NUMBER: _ClassVar[int]
+    start: int
+    end: int
+    reward: float
+    finish_reason: str
+    env_latency_s: float
+    def __init__(self, start: _Optional[int] = ..., end: _Optional[int] = ..., reward: _Optional[float] = ..., finish_reason: _Optional[str] = ..., env_latency_s: _Optional[float] = ...) -> None: ...
+
 class Sample(_message.Message):
-    __slots__ = ("prompt_token_ids", "completion_token_ids", "behaviour_logprobs", "completion_text", "reward", "reward_components", "reward_status", "reward_reason", "finish_reason")
+    __slots__ = ("prompt_token_ids", "completion_token_ids", "behaviour_logprobs", "completion_text", "reward", "reward_components", "reward_status", "reward_reason", "finish_reason", "loss_mask", "turns", "episode_status")
     class RewardComponentsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -76,6 +103,9 @@ class Sample(_message.Message):
     REWARD_STATUS_FIELD_NUMBER: _ClassVar[int]
     REWARD_REASON_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
+    LOSS_MASK_FIELD_NUMBER: _ClassVar[int]
+    TURNS_FIELD_NUMBER: _ClassVar[int]
+    EPISODE_STATUS_FIELD_NUMBER: _ClassVar[int]
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     completion_token_ids: _containers.RepeatedScalarFieldContainer[int]
     behaviour_logprobs: _containers.RepeatedScalarFieldContainer[float]
@@ -85,7 +115,10 @@ class Sample(_message.Message):
     reward_status: RewardStatus
     reward_reason: str
     finish_reason: str
-    def __init__(self, prompt_token_ids: _Optional[_Iterable[int]] = ..., completion_token_ids: _Optional[_Iterable[int]] = ..., behaviour_logprobs: _Optional[_Iterable[float]] = ..., completion_text: _Optional[str] = ..., reward: _Optional[float] = ..., reward_components: _Optional[_Mapping[str, float]] = ..., reward_status: _Optional[_Union[RewardStatus, str]] = ..., reward_reason: _Optional[str] = ..., finish_reason: _Optional[str] = ...) -> None: ...
+    loss_mask: _containers.RepeatedScalarFieldContainer[bool]
+    turns: _containers.RepeatedCompositeFieldContainer[Turn]
+    episode_status: EpisodeStatus
+    def __init__(self, prompt_token_ids: _Optional[_Iterable[int]] = ..., completion_token_ids: _Optional[_Iterable[int]] = ..., behaviour_logprobs: _Optional[_Iterable[float]] = ..., completion_text: _Optional[str] = ..., reward: _Optional[float] = ..., reward_components: _Optional[_Mapping[str, float]] = ..., reward_status: _Optional[_Union[RewardStatus, str]] = ..., reward_reason: _Optional[str] = ..., finish_reason: _Optional[str] = ..., loss_mask: _Optional[_Iterable[bool]] = ..., turns: _Optional[_Iterable[_Union[Turn, _Mapping]]] = ..., episode_status: _Optional[_Union[EpisodeStatus, str]] = ...) -> None: ...
 
 class Group(_message.Message):
     __slots__ = ("job_id", "task_id", "policy_version", "samples", "lineage", "priority", "prompt")

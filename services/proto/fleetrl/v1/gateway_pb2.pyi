@@ -43,20 +43,22 @@ TASK_FATE_IN_FLIGHT: TaskFate
 TASK_FATE_LOST: TaskFate
 
 class SubmitJobRequest(_message.Message):
-    __slots__ = ("spec", "spec_format", "prompts", "reward_file", "idempotency_key", "eval_prompts")
+    __slots__ = ("spec", "spec_format", "prompts", "reward_file", "idempotency_key", "eval_prompts", "environment_file")
     SPEC_FIELD_NUMBER: _ClassVar[int]
     SPEC_FORMAT_FIELD_NUMBER: _ClassVar[int]
     PROMPTS_FIELD_NUMBER: _ClassVar[int]
     REWARD_FILE_FIELD_NUMBER: _ClassVar[int]
     IDEMPOTENCY_KEY_FIELD_NUMBER: _ClassVar[int]
     EVAL_PROMPTS_FIELD_NUMBER: _ClassVar[int]
+    ENVIRONMENT_FILE_FIELD_NUMBER: _ClassVar[int]
     spec: str
     spec_format: str
     prompts: bytes
     reward_file: bytes
     idempotency_key: str
     eval_prompts: bytes
-    def __init__(self, spec: _Optional[str] = ..., spec_format: _Optional[str] = ..., prompts: _Optional[bytes] = ..., reward_file: _Optional[bytes] = ..., idempotency_key: _Optional[str] = ..., eval_prompts: _Optional[bytes] = ...) -> None: ...
+    environment_file: bytes
+    def __init__(self, spec: _Optional[str] = ..., spec_format: _Optional[str] = ..., prompts: _Optional[bytes] = ..., reward_file: _Optional[bytes] = ..., idempotency_key: _Optional[str] = ..., eval_prompts: _Optional[bytes] = ..., environment_file: _Optional[bytes] = ...) -> None: ...
 
 class Job(_message.Message):
     __slots__ = ("job_id", "tenant", "name", "state", "reason", "spec_json", "created_unix_ms", "updated_unix_ms", "last", "model_uri", "sandbox")

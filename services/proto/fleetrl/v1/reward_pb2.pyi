@@ -7,6 +7,14 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class EnvironmentSpec(_message.Message):
+    __slots__ = ("spec_json", "file_source")
+    SPEC_JSON_FIELD_NUMBER: _ClassVar[int]
+    FILE_SOURCE_FIELD_NUMBER: _ClassVar[int]
+    spec_json: str
+    file_source: bytes
+    def __init__(self, spec_json: _Optional[str] = ..., file_source: _Optional[bytes] = ...) -> None: ...
+
 class RewardSpec(_message.Message):
     __slots__ = ("spec_json", "file_source")
     SPEC_JSON_FIELD_NUMBER: _ClassVar[int]
@@ -63,10 +71,12 @@ class ScoreResponse(_message.Message):
     def __init__(self, results: _Optional[_Iterable[_Union[ScoreResult, _Mapping]]] = ...) -> None: ...
 
 class ValidateRequest(_message.Message):
-    __slots__ = ("spec",)
+    __slots__ = ("spec", "environment")
     SPEC_FIELD_NUMBER: _ClassVar[int]
+    ENVIRONMENT_FIELD_NUMBER: _ClassVar[int]
     spec: RewardSpec
-    def __init__(self, spec: _Optional[_Union[RewardSpec, _Mapping]] = ...) -> None: ...
+    environment: EnvironmentSpec
+    def __init__(self, spec: _Optional[_Union[RewardSpec, _Mapping]] = ..., environment: _Optional[_Union[EnvironmentSpec, _Mapping]] = ...) -> None: ...
 
 class ValidateResponse(_message.Message):
     __slots__ = ("ok", "reason", "sandbox")
@@ -100,3 +110,85 @@ class SandboxReport(_message.Message):
     problem: str
     summary: str
     def __init__(self, mode: _Optional[str] = ..., layers: _Optional[_Mapping[str, bool]] = ..., problem: _Optional[str] = ..., summary: _Optional[str] = ...) -> None: ...
+
+class Message(_message.Message):
+    __slots__ = ("role", "content")
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    CONTENT_FIELD_NUMBER: _ClassVar[int]
+    role: str
+    content: str
+    def __init__(self, role: _Optional[str] = ..., content: _Optional[str] = ...) -> None: ...
+
+class EpisodeResult(_message.Message):
+    __slots__ = ("episode", "observation", "reward", "done", "status", "reason", "latency_s")
+    EPISODE_FIELD_NUMBER: _ClassVar[int]
+    OBSERVATION_FIELD_NUMBER: _ClassVar[int]
+    REWARD_FIELD_NUMBER: _ClassVar[int]
+    DONE_FIELD_NUMBER: _ClassVar[int]
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    LATENCY_S_FIELD_NUMBER: _ClassVar[int]
+    episode: int
+    observation: _containers.RepeatedCompositeFieldContainer[Message]
+    reward: float
+    done: bool
+    status: _common_pb2.RewardStatus
+    reason: str
+    latency_s: float
+    def __init__(self, episode: _Optional[int] = ..., observation: _Optional[_Iterable[_Union[Message, _Mapping]]] = ..., reward: _Optional[float] = ..., done: _Optional[bool] = ..., status: _Optional[_Union[_common_pb2.RewardStatus, str]] = ..., reason: _Optional[str] = ..., latency_s: _Optional[float] = ...) -> None: ...
+
+class OpenEpisodesRequest(_message.Message):
+    __slots__ = ("job_id", "session_id", "spec", "prompt", "metadata_json", "count")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    SPEC_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_FIELD_NUMBER: _ClassVar[int]
+    METADATA_JSON_FIELD_NUMBER: _ClassVar[int]
+    COUNT_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    session_id: str
+    spec: EnvironmentSpec
+    prompt: str
+    metadata_json: str
+    count: int
+    def __init__(self, job_id: _Optional[str] = ..., session_id: _Optional[str] = ..., spec: _Optional[_Union[EnvironmentSpec, _Mapping]] = ..., prompt: _Optional[str] = ..., metadata_json: _Optional[str] = ..., count: _Optional[int] = ...) -> None: ...
+
+class OpenEpisodesResponse(_message.Message):
+    __slots__ = ("episodes",)
+    EPISODES_FIELD_NUMBER: _ClassVar[int]
+    episodes: _containers.RepeatedCompositeFieldContainer[EpisodeResult]
+    def __init__(self, episodes: _Optional[_Iterable[_Union[EpisodeResult, _Mapping]]] = ...) -> None: ...
+
+class Action(_message.Message):
+    __slots__ = ("episode", "turn", "text")
+    EPISODE_FIELD_NUMBER: _ClassVar[int]
+    TURN_FIELD_NUMBER: _ClassVar[int]
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    episode: int
+    turn: int
+    text: str
+    def __init__(self, episode: _Optional[int] = ..., turn: _Optional[int] = ..., text: _Optional[str] = ...) -> None: ...
+
+class StepEpisodesRequest(_message.Message):
+    __slots__ = ("session_id", "actions")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    ACTIONS_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    actions: _containers.RepeatedCompositeFieldContainer[Action]
+    def __init__(self, session_id: _Optional[str] = ..., actions: _Optional[_Iterable[_Union[Action, _Mapping]]] = ...) -> None: ...
+
+class StepEpisodesResponse(_message.Message):
+    __slots__ = ("results",)
+    RESULTS_FIELD_NUMBER: _ClassVar[int]
+    results: _containers.RepeatedCompositeFieldContainer[EpisodeResult]
+    def __init__(self, results: _Optional[_Iterable[_Union[EpisodeResult, _Mapping]]] = ...) -> None: ...
+
+class CloseEpisodesRequest(_message.Message):
+    __slots__ = ("session_id",)
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    def __init__(self, session_id: _Optional[str] = ...) -> None: ...
+
+class CloseEpisodesResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...

@@ -50,6 +50,21 @@ class RewardServiceStub:
                 request_serializer=fleetrl_dot_v1_dot_reward__pb2.DescribeRequest.SerializeToString,
                 response_deserializer=fleetrl_dot_v1_dot_reward__pb2.SandboxReport.FromString,
                 _registered_method=True)
+        self.OpenEpisodes = channel.unary_unary(
+                '/fleetrl.v1.RewardService/OpenEpisodes',
+                request_serializer=fleetrl_dot_v1_dot_reward__pb2.OpenEpisodesRequest.SerializeToString,
+                response_deserializer=fleetrl_dot_v1_dot_reward__pb2.OpenEpisodesResponse.FromString,
+                _registered_method=True)
+        self.StepEpisodes = channel.unary_unary(
+                '/fleetrl.v1.RewardService/StepEpisodes',
+                request_serializer=fleetrl_dot_v1_dot_reward__pb2.StepEpisodesRequest.SerializeToString,
+                response_deserializer=fleetrl_dot_v1_dot_reward__pb2.StepEpisodesResponse.FromString,
+                _registered_method=True)
+        self.CloseEpisodes = channel.unary_unary(
+                '/fleetrl.v1.RewardService/CloseEpisodes',
+                request_serializer=fleetrl_dot_v1_dot_reward__pb2.CloseEpisodesRequest.SerializeToString,
+                response_deserializer=fleetrl_dot_v1_dot_reward__pb2.CloseEpisodesResponse.FromString,
+                _registered_method=True)
 
 
 class RewardServiceServicer:
@@ -69,6 +84,8 @@ class RewardServiceServicer:
         """Check a reward spec without scoring: the built-in exists and its params
         are valid, or the reward file imports in the sandbox and defines a
         callable `reward`. Used by the gateway at job submission.
+        Validate also checks an environment spec: the file imports in the sandbox
+        and defines a class `Env`.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -76,6 +93,36 @@ class RewardServiceServicer:
 
     def Describe(self, request, context):
         """The sandbox this service runs user code in, as found at start-up.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def OpenEpisodes(self, request, context):
+        """Open `count` episodes of one task (a group), each in a sandboxed worker
+        of its own: `Env(task, **params)` then `reset()`; returns their first
+        observations. The caller names the session with a fresh id, so a retried
+        open returns the episodes of the first. An environment that cannot load:
+        INVALID_ARGUMENT naming the reason; more episodes than max_episodes:
+        RESOURCE_EXHAUSTED. A session unused for episode_idle_timeout_s (its actor
+        died) is reaped and its workers killed.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def StepEpisodes(self, request, context):
+        """Give live episodes their next actions; one result per action, in order.
+        A step repeated with the same turn (a retry) gets the first answer. An
+        episode that is done, failed or past its episode timeout frees its worker.
+        An unknown session (closed, reaped, or the service restarted): NOT_FOUND.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def CloseEpisodes(self, request, context):
+        """Close a session and free its workers; an unknown session is not an error.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -98,6 +145,21 @@ def add_RewardServiceServicer_to_server(servicer, server):
                     servicer.Describe,
                     request_deserializer=fleetrl_dot_v1_dot_reward__pb2.DescribeRequest.FromString,
                     response_serializer=fleetrl_dot_v1_dot_reward__pb2.SandboxReport.SerializeToString,
+            ),
+            'OpenEpisodes': grpc.unary_unary_rpc_method_handler(
+                    servicer.OpenEpisodes,
+                    request_deserializer=fleetrl_dot_v1_dot_reward__pb2.OpenEpisodesRequest.FromString,
+                    response_serializer=fleetrl_dot_v1_dot_reward__pb2.OpenEpisodesResponse.SerializeToString,
+            ),
+            'StepEpisodes': grpc.unary_unary_rpc_method_handler(
+                    servicer.StepEpisodes,
+                    request_deserializer=fleetrl_dot_v1_dot_reward__pb2.StepEpisodesRequest.FromString,
+                    response_serializer=fleetrl_dot_v1_dot_reward__pb2.StepEpisodesResponse.SerializeToString,
+            ),
+            'CloseEpisodes': grpc.unary_unary_rpc_method_handler(
+                    servicer.CloseEpisodes,
+                    request_deserializer=fleetrl_dot_v1_dot_reward__pb2.CloseEpisodesRequest.FromString,
+                    response_serializer=fleetrl_dot_v1_dot_reward__pb2.CloseEpisodesResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -182,6 +244,87 @@ class RewardService:
             '/fleetrl.v1.RewardService/Describe',
             fleetrl_dot_v1_dot_reward__pb2.DescribeRequest.SerializeToString,
             fleetrl_dot_v1_dot_reward__pb2.SandboxReport.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def OpenEpisodes(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/fleetrl.v1.RewardService/OpenEpisodes',
+            fleetrl_dot_v1_dot_reward__pb2.OpenEpisodesRequest.SerializeToString,
+            fleetrl_dot_v1_dot_reward__pb2.OpenEpisodesResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def StepEpisodes(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/fleetrl.v1.RewardService/StepEpisodes',
+            fleetrl_dot_v1_dot_reward__pb2.StepEpisodesRequest.SerializeToString,
+            fleetrl_dot_v1_dot_reward__pb2.StepEpisodesResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CloseEpisodes(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/fleetrl.v1.RewardService/CloseEpisodes',
+            fleetrl_dot_v1_dot_reward__pb2.CloseEpisodesRequest.SerializeToString,
+            fleetrl_dot_v1_dot_reward__pb2.CloseEpisodesResponse.FromString,
             options,
             channel_credentials,
             insecure,

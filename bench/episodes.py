@@ -1,0 +1,136 @@
+"""Episode overhead: what an environment turn costs the actor next to generating the turn.
+
+`python -m bench.episodes --json` prints one JSON object. A real RewardService (its jail and
+sandboxed workers) runs a trivial environment (reset gives a question, each step echoes the action's
+length, done after `--turns`); `actor.episodes.EpisodeRunner` plays groups against it:
+- env_step_ms: the actor's StepEpisodes round trip per turn (gRPC, the service, the group's
+  episodes stepped concurrently in their workers), mean over turns; env_step_sandbox_ms: the part
+  the service measured inside the sandbox (one episode's step call on its worker); env_open_ms: the
+  OpenEpisodes round trip per group (a worker held and `reset` per episode);
+- generate_ms: one turn's generation of the group on the HF backend (`--model`, default tiny-llama;
+  `--model smollm2-135m` for the real one), mean over turns; overhead_per_turn: env_step_ms / generate_ms;
+- episodes_per_s: with the fixed backend (`--fixed-latency-s` per turn), for 1, 2 and 4 runners
+  playing different tasks concurrently against the one service. The runners share this process and
+  its event loop (an actor process each would add their own CPU); the figure is the service's
+  episode throughput under that load.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import statistics
+import time
+from collections import defaultdict
+from collections.abc import Iterator
+
+from services.actor.backends import Backend, FixedBackend, HFBackend
+from services.actor.config import ActorSettings
+from services.actor.episodes import EpisodeRunner
+from services.common import models
+from services.common.config import EnvironmentSpec, RolloutConfig
+from services.proto.fleetrl.v1 import common_pb2
+from services.reward.client import RewardClient, environment_to_proto
+from services.reward.config import RewardSettings
+from services.reward.server import running
+
+ENV = b'''
+class Env:
+    def __init__(self, task, turns=3):
+        self.turns, self.turn = turns, 0
+
+    def reset(self):
+        return "Tell me something."
+
+    def step(self, action):
+        self.turn += 1
+        return f"You wrote {len(action)} characters. More.", 1.0, self.turn >= self.turns
+'''
+
+
+class Timings:
+    """Wall-clock seconds of each named stage, as `EpisodeRunner`'s stage callable records them."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, list[float]] = defaultdict(list)
+
+    @contextlib.contextmanager
+    def stage(self, name: str, state: str) -> Iterator[None]:
+        started = time.perf_counter()
+        yield
+        self.seconds[name].append(time.perf_counter() - started)
+
+    def mean_ms(self, name: str) -> float:
+        return 1000 * statistics.fmean(self.seconds[name])
+
+
+def task(index: int) -> common_pb2.Task:
+    return common_pb2.Task(job_id="bench", task_id=f"0/{index}", prompt=f"question {index}", metadata_json="{}")
+
+
+async def play(runner: EpisodeRunner, backend: Backend, env: EnvironmentSpec, rollout: RolloutConfig,
+               tasks: list[common_pb2.Task]) -> list[common_pb2.Sample]:
+    samples: list[common_pb2.Sample] = []
+    proto = environment_to_proto(env, ENV)
+    for one in tasks:
+        samples += await runner.play("bench", 0, rollout, env, proto, backend, one)
+    return samples
+
+
+async def measure(args: argparse.Namespace) -> dict[str, object]:
+    env = EnvironmentSpec(file="env.py", params={"turns": args.turns}, max_turns=args.turns, max_total_tokens=4096,
+                          step_timeout_s=10.0, memory_limit_mb=512)
+    rollout = RolloutConfig(samples_per_prompt=args.episodes, max_new_tokens=args.new_tokens)
+    settings = RewardSettings(listen="127.0.0.1:0", workers_per_pool=args.episodes, grace_s=0.5)
+    model, tokenizer = models.load(args.model)
+    out: dict[str, object] = {"model": args.model, "episodes_per_group": args.episodes, "turns": args.turns,
+                              "new_tokens_per_turn": args.new_tokens}
+    async with running(settings) as service:
+        client = RewardClient(f"127.0.0.1:{service.port}", timeout_s=60)
+        try:
+            timings = Timings()
+            runner = EpisodeRunner(ActorSettings(actor_id="bench"), client, timings.stage)
+            await play(runner, HFBackend(model, tokenizer), env, rollout, [task(-1)])  # warm the pool
+            timings.seconds.clear()
+            tasks = [task(i) for i in range(args.groups)]
+            samples = await play(runner, HFBackend(model, tokenizer), env, rollout, tasks)
+            sandbox_ms = 1000 * statistics.fmean(t.env_latency_s for s in samples for t in s.turns)
+            out.update(env_open_ms=timings.mean_ms("env_open"), env_step_ms=timings.mean_ms("env_step"),
+                       env_step_sandbox_ms=sandbox_ms, generate_ms=timings.mean_ms("generate"))
+            out["overhead_per_turn"] = timings.mean_ms("env_step") / timings.mean_ms("generate")
+            out["episodes_per_s"] = {str(n): await throughput(client, tokenizer, env, rollout, n, args)
+                                     for n in (1, 2, 4)}
+        finally:
+            await client.close()
+    return out
+
+
+async def throughput(client: RewardClient, tokenizer: object, env: EnvironmentSpec, rollout: RolloutConfig,
+                     runners: int, args: argparse.Namespace) -> float:
+    """Episodes per second of `runners` concurrent runners on the fixed backend."""
+    backend = FixedBackend(tokenizer, args.fixed_latency_s)
+    players = [EpisodeRunner(ActorSettings(actor_id=f"bench-{r}"), client, Timings().stage) for r in range(runners)]
+    started = time.perf_counter()
+    done = await asyncio.gather(*(play(p, backend, env, rollout, [task(1000 * r + i) for i in range(args.groups)])
+                                  for r, p in enumerate(players)))
+    return sum(len(samples) for samples in done) / (time.perf_counter() - started)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="tiny-llama")
+    parser.add_argument("--episodes", type=int, default=8, help="episodes per group (samples_per_prompt)")
+    parser.add_argument("--turns", type=int, default=3)
+    parser.add_argument("--new-tokens", type=int, default=32, help="max_new_tokens per turn")
+    parser.add_argument("--groups", type=int, default=4, help="groups per measurement")
+    parser.add_argument("--fixed-latency-s", type=float, default=0.05, help="the fixed backend's time per turn")
+    parser.add_argument("--json", action="store_true", help="print only the JSON object")
+    args = parser.parse_args()
+    result = asyncio.run(measure(args))
+    print(json.dumps(result) if args.json else json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,89 @@
+"""The environment side of a sandboxed worker (boot mode "env"): one episode at a time.
+
+`worker.load` builds an `EnvHost` from the environment file's `Env` class. The service sends
+{"op": "reset", "task": {...}, "params": {...}} (builds `Env(task, **params)` and calls `reset()`),
+{"op": "step", "action": text} (calls `step(action)`) and {"op": "close"} (drops the episode, so the
+worker can serve the next one). Replies are {"observation": [messages], "reward": x, "done": bool}
+or {"error": reason}. An observation may be a string (one user message), None (nothing) or a list of
+{"role": "user" | "tool" | "system", "content": str} dicts. The values are checked here, for a clear
+message, and again by the service (`services.reward.episodes`), since user code could forge a reply.
+Stdlib only: imported inside the worker before isolation.
+"""
+
+from __future__ import annotations
+
+import math
+import traceback
+from typing import Any
+
+ROLES = ("user", "tool", "system")
+
+
+class EnvError(Exception):
+    """The environment returned something the episode protocol does not allow."""
+
+
+def observation_messages(value: Any) -> list[dict[str, str]]:
+    """The messages of an observation (str, None or a list of role/content dicts); EnvError otherwise."""
+    if value is None:
+        return []
+    if isinstance(value, str):
+        return [{"role": "user", "content": value}]
+    if not isinstance(value, list):
+        raise EnvError(f"observation is {type(value).__name__}, expected str, None or a list of messages")
+    messages = []
+    for index, message in enumerate(value):
+        if not isinstance(message, dict) or set(message) - {"role", "content"}:
+            raise EnvError(f"observation[{index}] is not a {{'role', 'content'}} dict")
+        role, content = message.get("role", "user"), message.get("content")
+        if role not in ROLES or not isinstance(content, str):
+            raise EnvError(f"observation[{index}] needs role in {ROLES} and a str content")
+        messages.append({"role": role, "content": content})
+    return messages
+
+
+def step_reply(value: Any) -> dict[str, Any]:
+    """The reply for what `step` returned: (observation, reward, done)."""
+    if not isinstance(value, tuple | list) or len(value) != 3:
+        raise EnvError(f"step returned {type(value).__name__}, expected (observation, reward, done)")
+    observation, reward, done = value
+    if isinstance(reward, bool) or not isinstance(reward, int | float) or not math.isfinite(reward):
+        raise EnvError(f"step's reward is {reward!r:.80}, expected a finite number")
+    if not isinstance(done, bool):
+        raise EnvError(f"step's done is {type(done).__name__}, expected bool")
+    return {"observation": observation_messages(observation), "reward": float(reward), "done": done}
+
+
+class EnvHost:
+    """Runs the episodes of one environment class, one at a time."""
+
+    cls: Any
+    env: Any
+
+    def __init__(self, cls: Any) -> None:
+        self.cls, self.env = cls, None
+
+    def handle(self, request: dict[str, Any]) -> dict[str, Any]:
+        """The reply to one request; anything the user's code raises becomes {"error": its last frames}."""
+        try:
+            return self._dispatch(request)
+        except BaseException as error:  # user code: anything it raises ends this episode
+            self.env = None
+            if isinstance(error, EnvError):
+                return {"error": str(error)}
+            return {"error": "".join(traceback.format_exception(error, limit=-2))[-2000:].strip()}
+
+    def _dispatch(self, request: dict[str, Any]) -> dict[str, Any]:
+        op = request.get("op")
+        if op == "reset":
+            self.env = None
+            self.env = self.cls(request["task"], **request["params"])
+            return {"observation": observation_messages(self.env.reset()), "reward": 0.0, "done": False}
+        if op == "step":
+            if self.env is None:
+                raise EnvError("step before reset")
+            return step_reply(self.env.step(request["action"]))
+        if op == "close":
+            self.env = None
+            return {"closed": True}
+        raise EnvError(f"unknown op {op!r}")

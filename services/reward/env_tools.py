@@ -1,0 +1,150 @@
+"""Tool use for environment files: declare Python functions as tools, parse the model's calls, run them.
+
+An environment file imports this module as `env_tools` (the worker registers it under that name
+before the file runs; the file cannot import `services.*`). Its tools run where the environment runs:
+in the reward service's sandbox. The tag format, which `describe_tools` explains to the model in a
+system prompt, is the Hermes / Qwen one that many chat templates use:
+
+    <tool_call>{"name": "calc", "arguments": {"expression": "12 * 7"}}</tool_call>
+
+and, for a tool with one string parameter, a short form small models follow more easily:
+
+    <tool_call>calc(12 * 7)</tool_call>
+
+Each call's output comes back to the model as a message of role "tool" (the chat template renders
+it). `ToolEnv` is an `Env` base class: its `step` runs the calls an action makes and returns their
+outputs, or, when the action calls no tool, hands it to the subclass's `finish(action)`.
+Stdlib only: it is imported inside the worker.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import re
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+TAG = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
+SHORT = re.compile(r"^\s*([A-Za-z_][A-Za-z0-9_]*)\s*\((.*)\)\s*$", re.DOTALL)
+MAX_OUTPUT_CHARS = 4000
+"""A tool's output is cut to this many characters before it reaches the model."""
+
+Tool = Callable[..., Any]
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    """One parsed call: the tool's name and arguments, or why the call could not be parsed."""
+
+    name: str
+    arguments: dict[str, Any] = field(default_factory=dict)
+    error: str = ""
+
+
+def _one_string_parameter(tool: Tool) -> str | None:
+    parameters = list(inspect.signature(tool).parameters.values())
+    return parameters[0].name if len(parameters) == 1 else None
+
+
+def parse_tool_calls(text: str, tools: list[Tool] | None = None) -> list[ToolCall]:
+    """Every <tool_call> of text, in order. The short form `name(text)` needs `tools` to know the
+    parameter's name (the tool must have exactly one parameter)."""
+    by_name = {t.__name__: t for t in tools or []}
+    calls = []
+    for body in TAG.findall(text):
+        calls.append(_parse_one(body.strip(), by_name))
+    return calls
+
+
+def _parse_one(body: str, by_name: dict[str, Tool]) -> ToolCall:
+    if body.startswith("{"):
+        try:
+            data = json.loads(body)
+        except json.JSONDecodeError as error:
+            return ToolCall("", error=f"the tool call is not JSON: {error}")
+        if not isinstance(data, dict) or not isinstance(data.get("name"), str):
+            return ToolCall("", error='a tool call needs {"name": ..., "arguments": {...}}')
+        arguments = data.get("arguments", {})
+        if not isinstance(arguments, dict):
+            return ToolCall(data["name"], error="arguments must be an object")
+        return ToolCall(data["name"], arguments)
+    short = SHORT.match(body)
+    if short is None:
+        return ToolCall("", error='write <tool_call>{"name": ..., "arguments": {...}}</tool_call>')
+    name, argument = short.group(1), short.group(2).strip()
+    parameter = _one_string_parameter(by_name[name]) if name in by_name else None
+    if parameter is None:
+        return ToolCall(name, error=f"{name}(...) needs a tool with exactly one parameter; use the JSON form")
+    return ToolCall(name, {parameter: argument})
+
+
+def run_tool_call(call: ToolCall, tools: list[Tool]) -> str:
+    """The output of one call as text; an unknown tool, bad arguments or an exception becomes an error text."""
+    if call.error:
+        return f"error: {call.error}"
+    by_name = {t.__name__: t for t in tools}
+    if call.name not in by_name:
+        return f"error: no tool named {call.name!r} (tools: {', '.join(sorted(by_name))})"
+    try:
+        output = by_name[call.name](**call.arguments)
+    except Exception as error:  # the tool's failure is the model's to read
+        return f"error: {type(error).__name__}: {error}"[:MAX_OUTPUT_CHARS]
+    return str(output)[:MAX_OUTPUT_CHARS]
+
+
+def describe_tools(tools: list[Tool]) -> str:
+    """A system prompt that lists the tools (signature and docstring) and the tag format."""
+    lines = ["You can call tools. To call one, write on its own:",
+             '<tool_call>{"name": "<tool>", "arguments": {<arguments as JSON>}}</tool_call>',
+             "A tool with one parameter can also be called as <tool_call>name(argument)</tool_call>.",
+             "Each call's result comes back in the next message. When you are done, answer without a tool call.",
+             "Tools:"]
+    for tool in tools:
+        doc = inspect.getdoc(tool) or ""
+        lines.append(f"- {tool.__name__}{_signature(tool)}: {doc.splitlines()[0] if doc else ''}".rstrip(": "))
+    return "\n".join(lines)
+
+
+def _annotation(value: Any) -> str:
+    return value if isinstance(value, str) else getattr(value, "__name__", str(value))
+
+
+def _signature(tool: Tool) -> str:
+    """`(a: int, b: int) -> int`, whether the annotations are types or (postponed) strings."""
+    signature = inspect.signature(tool)
+    parts = [p.name if p.annotation is p.empty else f"{p.name}: {_annotation(p.annotation)}"
+             for p in signature.parameters.values()]
+    returned = signature.return_annotation
+    returns = "" if returned is signature.empty else f" -> {_annotation(returned)}"
+    return f"({', '.join(parts)}){returns}"
+
+
+class ToolEnv:
+    """An `Env` whose actions may call tools. Subclasses set `tools` and define `finish(action)`.
+
+    `step(action)`: when the action makes tool calls, each is run and its output returned as a message
+    of role "tool" (reward 0, not done), unless the episode has used `max_tool_calls`; otherwise
+    `finish(action)` gives (observation, reward, done) for the answer. `system_prompt()` is
+    `describe_tools(tools)`, for `reset` to put first.
+    """
+
+    tools: list[Tool] = []
+    max_tool_calls: int = 8
+
+    def __init__(self, task: dict[str, Any], **params: Any) -> None:
+        self.task, self.params, self.tool_calls = task, params, 0
+
+    def system_prompt(self) -> str:
+        return describe_tools(self.tools)
+
+    def finish(self, action: str) -> tuple[str | list[dict[str, str]] | None, float, bool]:
+        raise NotImplementedError("a ToolEnv defines finish(action) -> (observation, reward, done)")
+
+    def step(self, action: str) -> tuple[str | list[dict[str, str]] | None, float, bool]:
+        calls = parse_tool_calls(action, self.tools)
+        if not calls or self.tool_calls >= self.max_tool_calls:
+            return self.finish(action)
+        self.tool_calls += len(calls)
+        return [{"role": "tool", "content": run_tool_call(call, self.tools)} for call in calls], 0.0, False

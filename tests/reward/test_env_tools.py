@@ -1,0 +1,65 @@
+"""The tool-use helper of environment files: the tag format, both call forms, errors the model can read,
+and a ToolEnv run in the reward service's sandbox, where its file imports it as `env_tools`."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from services.proto.fleetrl.v1 import common_pb2
+from services.reward.env_tools import ToolCall, describe_tools, parse_tool_calls, run_tool_call
+from tests.reward.conftest import reward_service
+from tests.reward.test_reward_episodes import env_spec, open_session, step
+
+
+def calc(expression: str) -> str:
+    """Evaluate an arithmetic expression."""
+    return str(eval(expression, {"__builtins__": {}}))
+
+
+def add(a: int, b: int) -> int:
+    """Add two integers."""
+    return a + b
+
+
+def test_parse_both_forms_and_errors() -> None:
+    text = ('First <tool_call>{"name": "add", "arguments": {"a": 2, "b": 3}}</tool_call> then '
+            "<tool_call> calc(12 * 7) </tool_call> and <tool_call>{oops</tool_call> <tool_call>add(1)</tool_call>")
+    calls = parse_tool_calls(text, [calc, add])
+    assert calls[:2] == [ToolCall("add", {"a": 2, "b": 3}), ToolCall("calc", {"expression": "12 * 7"})]
+    assert "not JSON" in calls[2].error and "exactly one parameter" in calls[3].error
+    assert [run_tool_call(c, [calc, add]) for c in calls[:2]] == ["5", "84"]
+    assert run_tool_call(ToolCall("nope"), [calc]) == "error: no tool named 'nope' (tools: calc)"
+    assert run_tool_call(ToolCall("calc", {"expression": "1/0"}), [calc]).startswith("error: ZeroDivisionError")
+    assert parse_tool_calls("no tools here", [calc]) == []
+    prompt = describe_tools([calc, add])
+    assert "<tool_call>" in prompt and "- calc(expression: str) -> str: Evaluate an arithmetic expression." in prompt
+
+
+CALCULATOR_ENV = '''
+from env_tools import ToolEnv
+
+def calc(expression: str) -> str:
+    """Evaluate an arithmetic expression."""
+    return str(eval(expression, {"__builtins__": {}}))
+
+class Env(ToolEnv):
+    tools = [calc]
+
+    def reset(self):
+        return [{"role": "system", "content": self.system_prompt()}, {"role": "user", "content": self.task["prompt"]}]
+
+    def finish(self, action):
+        return None, float(action.strip() == self.task["answer"]), True
+'''
+
+
+async def test_tool_env_runs_in_the_sandbox(tmp_path: Path) -> None:
+    async with reward_service(tmp_path) as stub:
+        opened = await open_session(stub, "t", env_spec(CALCULATOR_ENV), 1)
+        first = opened.episodes[0]
+        assert first.status == common_pb2.REWARD_STATUS_OK, first.reason
+        assert [m.role for m in first.observation] == ["system", "user"] and "calc(" in first.observation[0].content
+        called = (await stub.StepEpisodes(step("t", (0, 0, "<tool_call>calc(2 + 2)</tool_call>")), timeout=10)).results
+        assert [(m.role, m.content) for m in called[0].observation] == [("tool", "4")] and not called[0].done
+        final = (await stub.StepEpisodes(step("t", (0, 1, "4")), timeout=10)).results[0]
+        assert (final.reward, final.done) == (1.0, True)  # open_session's task has answer "4"
