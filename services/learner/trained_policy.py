@@ -18,12 +18,14 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from peft import PeftModel
 from torch.nn.parallel import DistributedDataParallel
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from services.common import models
 from services.common.config import JobSpec
 from services.learner import checkpoint as ckpt
+from services.learner import lora
 from services.learner.losses import LossConfig, loss_config_for
 from services.learner.optim import (
     BATCH_METRICS,
@@ -88,11 +90,12 @@ class Policy:
     """Model + optimizer + scheduler (+ frozen reference) of a job, on one rank."""
 
     spec: JobSpec
-    model: PreTrainedModel
+    model: PreTrainedModel | PeftModel
+    """The trained model: a LoRA job's is the base wrapped with its adapters."""
     tokenizer: PreTrainedTokenizerBase
     module: torch.nn.Module
     """What train_step drives: the model, or its DDP wrapper."""
-    ref_model: PreTrainedModel | None
+    ref_model: torch.nn.Module | None
     optimizer: torch.optim.AdamW
     scheduler: torch.optim.lr_scheduler.LambdaLR
     loss_cfg: LossConfig
@@ -109,7 +112,11 @@ class Policy:
             followers.send("job", spec.model_dump_json(), device)
         self.model, self.tokenizer = models.load(spec.model, device=device)
         self.ref_model = None
-        if spec.algorithm.kl_coef > 0:
+        if spec.train.lora is not None:
+            self.model = lora.wrap(self.model, spec.train.lora)
+            if spec.algorithm.kl_coef > 0:
+                self.ref_model = lora.FrozenBase(self.model)  # the base itself: no second copy
+        elif spec.algorithm.kl_coef > 0:
             self.ref_model, _ = models.load(spec.model, device=device)
             self.ref_model.requires_grad_(False)
         self.rank, self.world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
@@ -149,8 +156,11 @@ class Policy:
         return metrics
 
     def state(self, step: int, extra: dict[str, object]) -> ckpt.Checkpoint:
+        """A LoRA job's checkpoint holds the adapters (the base is reloaded from the model name)."""
+        weights = (lora.adapter_state_dict(self.model) if isinstance(self.model, PeftModel)
+                   else models.state_dict_for_publish(self.model, torch.float32))
         return ckpt.Checkpoint(
-            step=step, model=models.state_dict_for_publish(self.model, torch.float32),
+            step=step, model=weights,
             optimizer=self.optimizer.state_dict(), scheduler=self.scheduler.state_dict(), rng=ckpt.rng_state(),
             state=dict(extra),
         )
@@ -159,10 +169,20 @@ class Policy:
         """Load a checkpoint (followers load the same one from `root`, a shared filesystem)."""
         if self.followers is not None:
             self.followers.send("restore", str(root), saved.step)
-        models.load_state_dict_inplace(self.model, saved.model)
+        if isinstance(self.model, PeftModel):
+            lora.load_adapters(self.model, saved.model)
+        else:
+            models.load_state_dict_inplace(self.model, saved.model)
         self.optimizer.load_state_dict(saved.optimizer)
         self.scheduler.load_state_dict(saved.scheduler)
         ckpt.set_rng_state(saved.rng)
+
+
+    def exportable(self) -> PreTrainedModel:
+        """The model to export as an HF directory: a LoRA job's merged into a fresh base copy."""
+        if isinstance(self.model, PeftModel):
+            return lora.merged_model(self.model, self.spec.model)
+        return self.model
 
 
 def follow() -> None:
