@@ -42,13 +42,14 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from peft import PeftModel
 from torch import Tensor
 from transformers import PreTrainedModel
 
 from services.actor.backends import prompt_tokens
 from services.common import models
-from services.common.config import JobSpec, parse_job_spec
-from services.learner import optim
+from services.common.config import JobSpec, LoraSpec, parse_job_spec
+from services.learner import lora, optim
 from services.learner.batch import TrainBatch, build_batch, group_rewards, micro_batches
 from services.learner.critic import with_critic
 from services.learner.logprobs import naive_token_logprobs
@@ -125,7 +126,7 @@ def peak_rss_gb() -> float:
 
 
 def step_flops(
-    model: PreTrainedModel, spec: JobSpec, groups: list[common_pb2.Group], reference: bool
+    model: PreTrainedModel | PeftModel, spec: JobSpec, groups: list[common_pb2.Group], reference: bool
 ) -> dict[str, float]:
     """Padded tokens and scored positions of the step's micro-batches, and its model FLOPs (see above)."""
     cfg = loss_config_for(spec)
@@ -166,9 +167,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         spec = spec.model_copy(update={"algorithm": spec.algorithm.model_copy(update={"name": args.algorithm})})
     prompts_file = args.job.parent / spec.prompts
     prompts = [json.loads(line)["prompt"] for line in prompts_file.read_text().splitlines()[:64] if line.strip()]
+    model: PreTrainedModel | PeftModel
     model, tokenizer = models.load(spec.model)
-    reference = None
-    if spec.algorithm.kl_coef > 0:
+    reference: torch.nn.Module | None = None
+    if args.lora_rank:
+        wrapped = lora.wrap(model, LoraSpec(rank=args.lora_rank, alpha=2 * args.lora_rank))
+        reference = lora.FrozenBase(wrapped) if spec.algorithm.kl_coef > 0 else None
+        model = wrapped
+    elif spec.algorithm.kl_coef > 0:
         reference, _ = models.load(spec.model)
         reference.requires_grad_(False)
     cfg = loss_config_for(spec)
@@ -185,16 +191,26 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     timed_steps(train, 1, "warm-up")  # AdamW state, allocator
     new_times, new_rss = timed_steps(train, args.steps, "learner path")
     new_fb = last["forward_backward_s"]
-    with naive_path():
-        old_times, old_rss = timed_steps(train, args.steps, "naive path")
-    old_fb = last["forward_backward_s"]
+    naive: dict[str, Any] = {}
+    if args.naive_steps:
+        with naive_path():
+            old_times, old_rss = timed_steps(train, args.naive_steps, "naive path")
+        old_step_s = min(old_times)
+        naive = {
+            "naive_step_s": round(old_step_s, 3), "naive_step_s_all": [round(t, 3) for t in old_times],
+            "naive_forward_backward_s": round(last["forward_backward_s"], 3), "naive_peak_rss_gb": round(old_rss, 3),
+            "naive_over_new_step_time": round(old_step_s / min(new_times), 3),
+        }
     gflops = max(gflops, matmul_gflops(args.matmul_repeats))
     figures = step_flops(model, spec, groups, reference is not None)
     n = figures["params"]
-    state = 4 * n * (4 + (reference is not None))  # weights, grads, 2 AdamW moments (+ reference), float32
-    step_s, old_step_s = min(new_times), min(old_times)
+    trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    copies = 1 + (reference is not None and not args.lora_rank)  # LoRA's reference is the frozen base itself
+    state = 4 * (n * copies + 3 * trained)  # weights (+ reference), and grads + 2 AdamW moments of what trains
+    step_s = min(new_times)
     return {
-        "model": spec.model, "threads": torch.get_num_threads(), "cpus": os.cpu_count(),
+        "model": spec.model, "lora_rank": args.lora_rank, "trainable_params": trained,
+        "threads": torch.get_num_threads(), "cpus": os.cpu_count(),
         "load_avg_1m": round(os.getloadavg()[0], 2), "steps": args.steps,
         "prompts_per_step": spec.rollout.prompts_per_step, "samples_per_prompt": spec.rollout.samples_per_prompt,
         "max_new_tokens": spec.rollout.max_new_tokens, "micro_batch_samples": spec.train.micro_batch_samples,
@@ -209,9 +225,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "state_gb": round(state / 1e9, 3), "peak_rss_gb": round(new_rss, 3),
         "peak_rss_over_state": round(new_rss / (state / 1e9), 3),
         "peak_rss_reset": PEAK_RESET,
-        "naive_step_s": round(old_step_s, 3), "naive_step_s_all": [round(t, 3) for t in old_times],
-        "naive_forward_backward_s": round(old_fb, 3), "naive_peak_rss_gb": round(old_rss, 3),
-        "naive_over_new_step_time": round(old_step_s / step_s, 3),
+        **naive,
     }
 
 
@@ -223,8 +237,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=1, help="timed steps per path (default 1; best counts)")
     parser.add_argument("--matmul-repeats", type=int, default=5, help="timed 2048^3 products (best counts)")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    parser.add_argument("--lora-rank", type=int, default=0,
+                        help="train LoRA adapters of this rank (alpha 2 x rank, the default targets; the frozen "
+                             "base is the KL reference) instead of every weight (0, the default)")
+    parser.add_argument("--naive-steps", type=int, default=None,
+                        help="timed steps on the replaced log-prob path (default: --steps; 0 skips it)")
     parser.add_argument("--json", action="store_true", help="print one JSON object (the default output)")
     args = parser.parse_args(argv)
+    if args.naive_steps is None:
+        args.naive_steps = args.steps
     result = run(args)
     print(json.dumps(result) if args.json else json.dumps(result, indent=2))
     return 0

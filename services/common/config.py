@@ -203,6 +203,26 @@ class RolloutConfig(Strict):
     """Wrap prompts in the tokenizer's chat template (when it has one)."""
 
 
+class LoraSpec(Strict):
+    """Low-rank adapters (PEFT LoRA): the learner trains only these, the base model stays frozen."""
+
+    rank: int = Field(16, ge=1, le=1024)
+    """Rank r of each adapter's A (r x in) and B (out x r) matrices."""
+    alpha: int = Field(32, ge=1, le=100_000)
+    """Scale: the adapter adds (alpha / rank) * B @ A to each target weight."""
+    dropout: float = Field(0.0, ge=0, lt=1)
+    """Dropout on the adapters' input while training."""
+    target_modules: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+    """Names of the linear layers that get an adapter (default: attention and MLP projections)."""
+
+    @field_validator("target_modules")
+    @classmethod
+    def _some_targets(cls, names: tuple[str, ...]) -> tuple[str, ...]:
+        if not names or not all(re.fullmatch(r"[A-Za-z0-9_.]+", n) for n in names):
+            raise ValueError("must be 1 or more module names of letters, digits, '_' and '.'")
+        return names
+
+
 class TrainConfig(Strict):
     """The learner's schedule and its fault-tolerance knobs."""
 
@@ -229,6 +249,10 @@ class TrainConfig(Strict):
     weights_dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
     """dtype the learner publishes weights in (the learner trains in float32; each actor casts the
     pulled weights to its own compute dtype, `ActorSettings.dtype`, float32 by default)."""
+    lora: LoraSpec | None = None
+    """Train LoRA adapters instead of every weight (a `[train.lora]` table turns it on). The frozen base
+    is also the KL reference, so no second model copy is loaded. Actors still receive merged full
+    weights (full snapshots or deltas)."""
     max_retries_per_episode: int = Field(3, ge=1, le=100)
     """Deliveries of a task before it goes to the dead-letter subject."""
     timeout_per_step_s: float = Field(600.0, gt=0, le=86_400)
@@ -325,6 +349,9 @@ class JobSpec(Strict):
     def _reward_or_environment(self) -> JobSpec:
         if (self.reward is None) == (self.environment is None):
             raise ValueError("set exactly one of the tables [reward] (single-turn) or [environment] (multi-turn)")
+        if self.train.lora is not None and self.algorithm.name == "ppo":
+            raise ValueError("train.lora with algorithm.name = 'ppo' (a critic on the adapters' model) is not "
+                             "supported yet: use ppo_rloo, grpo or another critic-free algorithm with LoRA")
         if self.eval.interval > 0 and self.reward is None:
             raise ValueError("eval.interval scores the eval set with the job's [reward]; a job with an "
                              "[environment] has none (measure its episodes with bench.episode_eval)")

@@ -160,7 +160,7 @@ def ensure_smollm2(cache_dir: Path) -> Path:
 def smollm2_tokenizer(cache_dir: Path | None = None) -> PreTrainedTokenizerBase:
     """The SmolLM2 tokenizer alone, from `<cache_dir>/smollm2-135m-tokenizer` (built from the GGUF once)."""
     target = (Path(cache_dir) if cache_dir is not None else default_cache_dir()) / _TOKENIZER_DIR
-    _ensure_cached(target, lambda: _write_dir_atomically(target, _gguf_tokenizer().save_pretrained))
+    _ensure_cached(target, lambda: write_dir_atomically(target, _gguf_tokenizer().save_pretrained))
     return AutoTokenizer.from_pretrained(target)
 
 
@@ -269,7 +269,7 @@ def export(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, out_dir: 
         savable.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
 
-    return _write_dir_atomically(Path(out_dir), write)
+    return write_dir_atomically(Path(out_dir), write)
 
 
 def _dequantized(model: PreTrainedModel) -> PreTrainedModel:
@@ -286,7 +286,7 @@ def _dequantized(model: PreTrainedModel) -> PreTrainedModel:
     return rebuilt
 
 
-def _write_dir_atomically(out_dir: Path, write: Callable[[Path], object]) -> Path:
+def write_dir_atomically(out_dir: Path, write: Callable[[Path], object]) -> Path:
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
     try:

@@ -12,6 +12,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+from peft import PeftModel
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from services.common import models
@@ -55,3 +56,10 @@ class MetricsLog:
 def export_model(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, run_dir: Path, job_id: str) -> Path:
     """`{run_dir}/jobs/{job}/model`: loadable by AutoModelForCausalLM/AutoTokenizer.from_pretrained."""
     return models.export(model, tokenizer, job_dir(run_dir, job_id) / "model")
+
+
+def export_adapter(model: PeftModel, run_dir: Path, job_id: str) -> Path:
+    """`{run_dir}/jobs/{job}/adapter`: a LoRA job's adapters, loadable by `PeftModel.from_pretrained`
+    on the base model (the merged model is `export_model`'s)."""
+    target = job_dir(run_dir, job_id) / "adapter"
+    return models.write_dir_atomically(target, lambda tmp: model.save_pretrained(str(tmp)))

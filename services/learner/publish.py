@@ -21,8 +21,8 @@ import logging
 
 import torch
 
-from services.common import models
 from services.common.weights import HeldWeights, WeightPointer, WeightStore, encode_safetensors
+from services.learner.lora import publishable_state_dict
 
 log = logging.getLogger(__name__)
 
@@ -64,12 +64,13 @@ class WeightPublisher:
         return step % self.interval == 0 or final
 
     async def publish(self, model: torch.nn.Module, version: int) -> WeightPointer | None:
-        """Publish `version` unless the store already has it or a newer one."""
+        """Publish `version` unless the store already has it or a newer one (a LoRA model's merged
+        weights)."""
         if version <= self.published_version:
             log.info("job %s: version %d already published (store at %d)", self.job_id, version,
                      self.published_version)
             return None
-        payload = encode_safetensors(models.state_dict_for_publish(model, self.dtype))
+        payload = encode_safetensors(publishable_state_dict(model, self.dtype))
         pointer = await self._store.publish(self.job_id, version, payload, self.dtype, keep=self.keep,
                                             base=self._base, full_interval=self.full_interval,
                                             lease_epoch=self.lease_epoch)

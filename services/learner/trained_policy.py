@@ -14,10 +14,11 @@ the checkpoint to restore, each step's serialised groups), and `follow()` is the
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
+from peft import PeftModel
 from torch.nn.parallel import DistributedDataParallel
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
@@ -25,6 +26,7 @@ from services.common import models
 from services.common.config import JobSpec
 from services.common.errors import FailedPrecondition
 from services.learner import checkpoint as ckpt
+from services.learner import lora
 from services.learner.critic import with_critic
 from services.learner.losses import LossConfig, loss_config_for
 from services.learner.optim import (
@@ -90,14 +92,15 @@ class Policy:
     """Model + optimizer + scheduler (+ frozen reference, + critic) of a job, on one rank."""
 
     spec: JobSpec
-    model: PreTrainedModel
-    """The policy: what is published, exported and checkpointed as model.safetensors."""
+    model: PreTrainedModel | PeftModel
+    """The policy: what is published (merged, for a LoRA job's base wrapped with its adapters), exported
+    and checkpointed."""
     tokenizer: PreTrainedTokenizerBase
     critic: torch.nn.Linear | None
     """ppo's value head (services/learner/critic.py), never published; None without a critic."""
     module: torch.nn.Module
     """What train_step drives: the model (or, with a critic, an ActorCritic of both), or its DDP wrapper."""
-    ref_model: PreTrainedModel | None
+    ref_model: torch.nn.Module | None
     optimizer: torch.optim.AdamW
     scheduler: torch.optim.lr_scheduler.LambdaLR
     loss_cfg: LossConfig
@@ -114,12 +117,17 @@ class Policy:
             followers.send("job", spec.model_dump_json(), device)
         self.model, self.tokenizer = models.load(spec.model, device=device)
         self.ref_model = None
-        if spec.algorithm.kl_coef > 0:
+        if spec.train.lora is not None:
+            self.model = lora.wrap(self.model, spec.train.lora)
+            if spec.algorithm.kl_coef > 0:
+                self.ref_model = lora.FrozenBase(self.model)  # the base itself: no second copy
+        elif spec.algorithm.kl_coef > 0:
             self.ref_model, _ = models.load(spec.model, device=device)
             self.ref_model.requires_grad_(False)
         self.rank, self.world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
         self.loss_cfg = loss_config_for(spec)
-        self.module, self.critic = with_critic(self.model, self.loss_cfg)
+        # JobSpec refuses a critic with LoRA, so only a plain model meets a critic here
+        self.module, self.critic = with_critic(cast(PreTrainedModel, self.model), self.loss_cfg)
         if self.world > 1:
             device_ids = None if device == "cpu" else [torch.cuda.current_device()]
             self.module = DistributedDataParallel(self.module, device_ids=device_ids)
@@ -154,8 +162,11 @@ class Policy:
         return metrics
 
     def state(self, step: int, extra: dict[str, object]) -> ckpt.Checkpoint:
+        """A LoRA job's checkpoint holds the adapters (the base is reloaded from the model name)."""
+        weights = (lora.adapter_state_dict(self.model) if isinstance(self.model, PeftModel)
+                   else models.state_dict_for_publish(self.model, torch.float32))
         return ckpt.Checkpoint(
-            step=step, model=models.state_dict_for_publish(self.model, torch.float32),
+            step=step, model=weights,
             optimizer=self.optimizer.state_dict(), scheduler=self.scheduler.state_dict(), rng=ckpt.rng_state(),
             state=dict(extra), critic=None if self.critic is None else models.state_dict_for_publish(
                 self.critic, torch.float32),
@@ -170,12 +181,22 @@ class Policy:
                 f"checkpoint step {saved.step} has no critic: the job was started when algorithm.name='ppo' "
                 "meant the RLOO-baseline variant without one, now called 'ppo_rloo'; resubmit it with "
                 "algorithm.name = \"ppo_rloo\" (or as a new ppo job)")
-        models.load_state_dict_inplace(self.model, saved.model)
+        if isinstance(self.model, PeftModel):
+            lora.load_adapters(self.model, saved.model)
+        else:
+            models.load_state_dict_inplace(self.model, saved.model)
         if self.critic is not None and saved.critic is not None:
             models.load_state_dict_inplace(self.critic, saved.critic)
         self.optimizer.load_state_dict(saved.optimizer)
         self.scheduler.load_state_dict(saved.scheduler)
         ckpt.set_rng_state(saved.rng)
+
+
+    def exportable(self) -> PreTrainedModel:
+        """The model to export as an HF directory: a LoRA job's merged into a fresh base copy."""
+        if isinstance(self.model, PeftModel):
+            return lora.merged_model(self.model, self.spec.model)
+        return self.model
 
 
 def follow() -> None:

@@ -27,6 +27,7 @@ from typing import TypeVar
 
 from nats.aio.client import Client as NATS
 from nats.js import JetStreamContext
+from peft import PeftModel
 
 from services.common import ledger
 from services.common.config import JobSpec
@@ -37,7 +38,7 @@ from services.common.weights import WeightStore
 from services.learner import checkpoint as ckpt
 from services.learner.batch import component_means, episode_metrics
 from services.learner.config import LearnerSettings
-from services.learner.export import MetricsLog, export_model, job_dir
+from services.learner.export import MetricsLog, export_adapter, export_model, job_dir
 from services.learner.feeder import Feeder, FeederCursor, parse_prompts, sample_min_version
 from services.learner.heldout import HeldOutEval, parse_eval_prompts
 from services.learner.jobbus import JobBus
@@ -370,8 +371,11 @@ class JobRun:
     async def finish(self) -> None:
         await self.checkpoint()
         self.phase("exporting")
-        path = await asyncio.to_thread(export_model, self.policy.model, self.policy.tokenizer,
-                                       self.deps.settings.run_dir, self.job_id)
+        exported = await asyncio.to_thread(self.policy.exportable)
+        path = await asyncio.to_thread(export_model, exported, self.policy.tokenizer, self.deps.settings.run_dir,
+                                       self.job_id)
+        if isinstance(self.policy.model, PeftModel):
+            await asyncio.to_thread(export_adapter, self.policy.model, self.deps.settings.run_dir, self.job_id)
         self.check_lease()
         await self.deps.jobs.check_fence(self.job_id, self.epoch, "the job's end")
         await self.deps.jobs.set_model_uri(self.job_id, str(path.resolve()))

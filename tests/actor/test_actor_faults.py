@@ -9,20 +9,25 @@
   the consumer's delivery limit after max_retries deliveries and moved to the dead-letter subject by
   the learner's `bus.dead_letter_exhausted`; nothing stays in flight.
 - Weights published mid-run are used by later tasks; a corrupt object is rejected and re-pulled.
+- Delta weights: a damaged delta is reported and the learner's repair lets the tasks that need it run.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import re
 import signal
 import time
 
 import nats.errors
-from actor_fleet import Fleet, job_spec, perturbed_weights, wait_until
+import nats.js.errors
+import torch
+from actor_fleet import MODEL, Fleet, job_spec, perturbed_weights, wait_until
 
-from services.common import bus
+from services.common import bus, models
 from services.common.weights import WeightPointer
+from services.learner.publish import WeightPublisher
 
 ACK_WAIT_S = 3.0
 
@@ -229,6 +234,55 @@ async def test_weight_update_mid_run_and_corrupt_object(fleet: Fleet) -> None:
     assert {versions[f"0/{i}"] for i in range(4, 8)} == {1}
     assert {versions[f"0/{i}"] for i in range(8, 12)} == {3}
     assert "loaded weights v2" not in fleet.log_text("w0")
+
+
+async def test_delta_weights_a_damaged_delta_and_the_repair(fleet: Fleet) -> None:
+    """A job with full_publish_interval 4: the actor follows v0 -> d1 by delta; d2 is damaged in the
+    store, so neither its held v1 nor the snapshot v0 reaches v2 and it reports the chain; the
+    learner's repair rewrites v2 in full and the tasks that need v2 run under it."""
+    spec = job_spec(train={"full_publish_interval": 4})
+    job = await fleet.create_job(spec, [])
+    model, _ = models.load(MODEL)
+    publisher = WeightPublisher(fleet.weights, job, "bfloat16", interval=1, keep=3, full_interval=4)
+    generator = torch.Generator().manual_seed(0)
+
+    async def publish(version: int) -> None:
+        with torch.no_grad():
+            for parameter in model.parameters():
+                parameter.add_(torch.randn(parameter.shape, generator=generator), alpha=1e-4)
+        await publisher.publish(model, version)
+
+    await publisher.publish(model, 0)
+    fleet.start_actor("d0")
+    await _ready(fleet, "d0")
+    await publish(1)
+    for i in range(4):
+        await fleet.publish_task(job, i, *_prompt(i), min_version=1)
+    await wait_until(lambda: _inserted(fleet, job, 4), 60, "tasks under v1")
+    assert "loaded weights v1" in fleet.log_text("d0") and "delta)" in fleet.log_text("d0")
+    await publish(2)
+    info = await (await fleet.js.object_store(bus.weights_bucket(job))).get_info("d2")
+    stream, subject = f"OBJ_{info.bucket}", f"$O.{info.bucket}.C.{info.nuid}"
+    last = await fleet.js.get_last_msg(stream, subject)
+    await fleet.js.delete_msg(stream, last.seq)
+    await fleet.js.publish(subject, bytes(b ^ 0xFF for b in last.data))  # same size, other bytes
+    for i in range(4, 8):
+        await fleet.publish_task(job, i, *_prompt(i), min_version=2)
+    kv = await fleet.js.key_value(bus.WEIGHTS_KV)
+
+    async def reported() -> bool:
+        with contextlib.suppress(nats.js.errors.KeyNotFoundError):
+            return (await kv.get(f"{job}.resync")).value == b"0"
+        return False
+
+    await wait_until(reported, 60, "the actor to report the broken chain")
+    assert "loaded weights v2" not in fleet.log_text("d0")
+    await publisher.repair_if_requested()
+    await wait_until(lambda: _inserted(fleet, job, 8), 60, "tasks under the repaired v2")
+    versions = {r.task_id: r.policy_version for r in await fleet.replay.query(job, limit=100)}
+    assert {versions[f"0/{i}"] for i in range(4, 8)} == {2}
+    pointer = await fleet.weights.latest(job)
+    assert pointer is not None and pointer.version == 2 and pointer.kind == "full"
 
 
 async def test_sigterm_finishes_the_current_task_then_exits(fleet: Fleet) -> None:

@@ -73,3 +73,19 @@ def test_lease_book_skips_copies_of_trained_groups() -> None:
     assert restored.split(groups) == ([], 2)
     assert restored.skip == set()  # the new lease holds them now
     assert LeaseBook(filter_copies=False).split(groups) == (groups, 0)
+
+
+def test_lora_round_trip_holds_adapters_only_and_resumes_identically(tmp_path: Path) -> None:
+    spec = spec_for(max_steps=4, lora={"rank": 4, "alpha": 8}, algorithm={"kl_coef": 0.1})
+    policy = Policy(spec)
+    policy.step([make_group("j", f"0/{i}", 0, 3) for i in range(2)])
+    ckpt.save(tmp_path, policy.state(1, {}))
+    loaded = ckpt.load_latest(tmp_path)
+    assert loaded is not None and all(".lora_" in name for name in loaded.model)
+    fresh = Policy(spec)
+    fresh.restore(loaded)
+    group = [make_group("j", f"0/{i}", 0, 3) for i in range(2, 4)]
+    assert policy.step(group)["loss"] == fresh.step(group)["loss"]
+    adapters = {n: p for n, p in policy.model.named_parameters() if p.requires_grad}
+    resumed = {n: p for n, p in fresh.model.named_parameters() if p.requires_grad}
+    assert adapters.keys() == resumed.keys() and all(torch.equal(adapters[n], resumed[n]) for n in adapters)

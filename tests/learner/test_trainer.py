@@ -8,12 +8,14 @@ from pathlib import Path
 
 import grpc
 import nats.errors
+import torch
 from learner_fleet import create_job, insert_groups, make_group, replay_service, spec_for
+from peft import PeftModel
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from services.common import bus, models
 from services.common.jobs import JobRecord, JobState, JobStore
-from services.common.weights import WeightStore, encode_safetensors
+from services.common.weights import WeightStore, decode_safetensors, encode_safetensors
 from services.learner import checkpoint as ckpt
 from services.learner.config import LearnerSettings
 from services.learner.feeder import in_flight_limit, task_ids_in_order
@@ -89,6 +91,48 @@ async def test_delta_job_publishes_chains_that_rebuild_the_exported_weights(
     await nc.close()
     exported = AutoModelForCausalLM.from_pretrained(done.model_uri)
     assert bytes(rebuilt) == encode_safetensors(models.state_dict_for_publish(exported, "bfloat16"))
+
+
+async def test_lora_job_trains_adapters_only_and_publishes_merged_weights(
+        nats_url: str, redis_url: str, tmp_path: Path) -> None:
+    """train.lora: AdamW state and checkpoints hold the adapters only; the KL reference is the frozen
+    base (KL exactly 0 at step 1, where B = 0); actors get the merged weights under the base model's
+    names, equal to the exported model's; layers without adapters keep the base's weights."""
+    jobs = JobStore.from_url(redis_url)
+    lora = {"rank": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj"]}
+    spec = spec_for(max_steps=3, checkpoint_interval=3, lora=lora, algorithm={"kl_coef": 0.1})
+    record = await create_job(jobs, spec)
+    async with replay_service(redis_url) as addr, ReplayClient(addr) as replay:
+        await insert_groups(replay, record, 6)
+        await asyncio.wait_for(serve(settings(nats_url, redis_url, addr, tmp_path), asyncio.Event(), once=True), 120)
+    done = await jobs.get(record.job_id)
+    await jobs.close()
+    assert done.state == JobState.SUCCEEDED, done.reason
+    lines = [json.loads(x) for x in (tmp_path / "jobs" / record.job_id / "metrics.jsonl").read_text().splitlines()]
+    assert lines[0]["kl"] == 0.0 and lines[-1]["kl"] > 0.0
+    saved = ckpt.load(ckpt.checkpoint_root(tmp_path, record.job_id), 3)
+    assert saved.model and all(".lora_A." in k or ".lora_B." in k for k in saved.model)
+    assert len(saved.model) == 2 * 2 * 2  # 2 layers x (q_proj, v_proj) x (A, B)
+    assert len(saved.optimizer["state"]) == len(saved.model)  # AdamW moments for the adapters only
+    nc = await bus.connect(nats_url, "test")
+    store = WeightStore(nc, bus.jetstream(nc))
+    pointer = await store.latest(record.job_id)
+    assert pointer is not None and pointer.version == 3
+    published = decode_safetensors(await store.pull(record.job_id, pointer))
+    await nc.close()
+    base, _ = models.load("tiny-llama")
+    exported = AutoModelForCausalLM.from_pretrained(done.model_uri)
+    assert published.keys() == models.state_dict_for_publish(base, "float32").keys()
+    exported_state = models.state_dict_for_publish(exported, "float32")
+    base_state = models.state_dict_for_publish(base, "float32")
+    for name, tensor in published.items():
+        assert torch.equal(tensor, exported_state[name]), name
+        adapted = name.endswith(("q_proj.weight", "v_proj.weight"))
+        assert torch.equal(tensor, base_state[name]) != adapted, name
+    # the adapter directory: PEFT loads it on the base, and merging it gives the published weights
+    peft_model = PeftModel.from_pretrained(base, str(tmp_path / "jobs" / record.job_id / "adapter"))
+    merged = models.state_dict_for_publish(peft_model.merge_and_unload(), "float32")
+    assert all(torch.allclose(published[name], merged[name], atol=1e-6) for name in published)
 
 
 async def test_staleness_drops_old_groups(nats_url: str, redis_url: str, tmp_path: Path) -> None:
