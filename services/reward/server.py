@@ -51,15 +51,15 @@ class RewardServicer(reward_pb2_grpc.RewardServiceServicer):
     @map_errors
     async def Validate(self, request: reward_pb2.ValidateRequest,
                        context: grpc.aio.ServicerContext) -> reward_pb2.ValidateResponse:
-        if request.HasField("environment"):  # user code: the service's own sandbox, never a fallback
-            spec = convert.to_environment(request.environment)
-            sandbox = convert.sandbox_report(self.scorer.sandbox)
-        else:
-            spec = convert.to_spec(request.spec)
-            sandbox = convert.sandbox_report(self.scorer.sandbox_for(spec.spec))
+        sandbox = convert.sandbox_report(self.scorer.sandbox)  # environments are user code: never a fallback
         try:
+            if request.HasField("environment"):
+                spec = convert.to_environment(request.environment)
+            else:
+                spec = convert.to_spec(request.spec)
+                sandbox = convert.sandbox_report(self.scorer.sandbox_for(spec.spec))
             await self.scorer.validate(spec)
-        except ConfigError as error:
+        except ConfigError as error:  # a bad spec or file is a verdict, not a failed call
             return reward_pb2.ValidateResponse(ok=False, reason=str(error), sandbox=sandbox)
         return reward_pb2.ValidateResponse(ok=True, sandbox=sandbox)
 
