@@ -243,7 +243,7 @@ async def test_delta_weights_a_damaged_delta_and_the_repair(fleet: Fleet) -> Non
     spec = job_spec(train={"full_publish_interval": 4})
     job = await fleet.create_job(spec, [])
     model, _ = models.load(MODEL)
-    publisher = WeightPublisher(fleet.weights, job, "bfloat16", interval=1, keep=3, full_interval=4)
+    publisher = WeightPublisher(fleet.weights, job, "bfloat16", interval=1, keep=3, lease_epoch=0, full_interval=4)
     generator = torch.Generator().manual_seed(0)
 
     async def publish(version: int) -> None:
