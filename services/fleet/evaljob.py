@@ -22,7 +22,6 @@ import asyncio
 import json
 import os
 import re
-import sys
 import tempfile
 import time
 from dataclasses import asdict, dataclass
@@ -34,6 +33,7 @@ from rich.table import Table
 
 from services.common.config import JobSpec, RewardSpec, RolloutConfig, read_bytes
 from services.common.errors import ConfigError, FieldViolation, FleetError
+from services.gateway.cli import report as report_error
 from services.proto.fleetrl.v1 import reward_pb2
 
 if TYPE_CHECKING:
@@ -98,10 +98,10 @@ def main(argv: list[str]) -> int:
     try:
         report = run(args)
     except (ConfigError, ValueError) as error:
-        _report_error(error, args.json)
+        report_error(error if isinstance(error, FleetError) else ConfigError(str(error)), args.json)
         return EXIT_BAD_INPUT
     except FleetError as error:
-        _report_error(error, args.json)
+        report_error(error, args.json)
         return EXIT_FAILURE
     if args.json:
         print(json.dumps(asdict(report)))
@@ -243,14 +243,3 @@ def table(report: EvalReport) -> Table:
                     f"{report.sampled_pass_at_k:.3f}", f"{report.sampled_reward_mean:.3f}")
     out.caption = f"{report.errors} scoring errors, {report.wall_s:.0f} s"
     return out
-
-
-def _report_error(error: Exception, as_json: bool) -> None:
-    violations = [(v.field, v.description) for v in getattr(error, "violations", [])]
-    if as_json:
-        print(json.dumps({"error": str(error), "violations": [{"field": f, "description": d}
-                                                             for f, d in violations]}), file=sys.stderr)
-        return
-    print(f"fleetrl eval: {error}", file=sys.stderr)
-    for field, description in violations:
-        print(f"  {field}: {description}", file=sys.stderr)
