@@ -11,10 +11,8 @@ and pass@k is the unbiased estimator of Chen et al. (2021) over those k samples
 
 from __future__ import annotations
 
-import json
 import re
 from dataclasses import asdict, dataclass
-from pathlib import Path
 from typing import Protocol
 
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -60,11 +58,6 @@ def score(completion: str, answer: str) -> tuple[bool, bool]:
     numbers = _LAST_INT.findall(completion)
     correct = bool(numbers) and numbers[-1] == answer
     return correct, bool(_ONLY_INT.match(completion)) and correct
-
-
-def read_problems(path: Path, limit: int) -> list[dict[str, str]]:
-    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    return rows[:limit]
 
 
 def evaluate(
