@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 from services.common.config import parse_value
 from services.common.errors import ConfigError, DeadlineExceeded, FieldViolation
-from services.gateway.models import JobInfo, StepInfo
+from services.gateway.models import TERMINAL_STATES, JobInfo, StepInfo
 
 if TYPE_CHECKING:
     from services.gateway.client import Client, Run
@@ -127,7 +127,7 @@ class Sweep:
         """Refresh every unfinished row once; True when all have ended."""
         now = self._clock()
         for row in self.rows:
-            if row.state in ("succeeded", "failed", "cancelled"):
+            if row.state in TERMINAL_STATES:
                 continue
             job = self.client.get_job(row.job_id)
             if job.state != "queued":
@@ -136,7 +136,7 @@ class Sweep:
                 self._finish(row, job, now)
             else:
                 row.state = job.state
-        return all(row.state in ("succeeded", "failed", "cancelled") for row in self.rows)
+        return all(row.state in TERMINAL_STATES for row in self.rows)
 
     def wait(self, timeout_s: float | None = None, poll_s: float = 1.0,
              on_change: Callable[[Sweep], None] | None = None) -> list[SweepRow]:
@@ -151,14 +151,14 @@ class Sweep:
                 return self.rows
             if deadline is not None and self._clock() >= deadline:
                 raise DeadlineExceeded(f"sweep not finished after {timeout_s}s: "
-                                       f"{sum(r.state not in ('succeeded', 'failed', 'cancelled') for r in self.rows)}"
+                                       f"{sum(r.state not in TERMINAL_STATES for r in self.rows)}"
                                        f" of {len(self.rows)} jobs still queued or running")
             time.sleep(poll_s)
 
     def cancel(self, reason: str = "sweep cancelled") -> None:
         """Cancel every job of the sweep that has not ended."""
         for row in self.rows:
-            if row.state not in ("succeeded", "failed", "cancelled"):
+            if row.state not in TERMINAL_STATES:
                 job = self.client.cancel_job(row.job_id, reason)
                 row.state, row.reason = job.state, job.reason
 
