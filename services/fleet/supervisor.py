@@ -93,8 +93,8 @@ class Supervisor:
                 child.backoff_s = BACKOFF_START_S if healthy else min(BACKOFF_MAX_S, child.backoff_s * 2)
                 child.next_start_at = now + child.backoff_s
                 child.proc = None
-                log.warning("%s exited with %s after %.1fs; restart in %.1fs", child.spec.name, code, lived,
-                            child.backoff_s)
+                log.warning("%s exited with %s after %.1fs; restart in %.1fs%s", child.spec.name, code, lived,
+                            child.backoff_s, f": {last_line(child.log_path)}" if code else "")
             if now >= child.next_start_at:
                 child.restarts += 1
                 self._start(child)
@@ -115,6 +115,17 @@ class Supervisor:
                 start_new_session=True,
             )
         child.started_at = time.monotonic()
+
+
+def last_line(log_path: Path, tail_bytes: int = 4096) -> str:
+    """The last non-empty line of a child's log: a service that exits non-zero prints its reason last."""
+    try:
+        with open(log_path, "rb") as log_file:
+            log_file.seek(max(0, log_file.seek(0, os.SEEK_END) - tail_bytes))
+            lines = log_file.read().decode(errors="replace").splitlines()
+    except OSError:
+        return ""
+    return next((line.strip() for line in reversed(lines) if line.strip()), "")
 
 
 def _signal_group(child: Child, sig: int) -> None:

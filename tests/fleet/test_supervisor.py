@@ -8,6 +8,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from services.fleet.supervisor import ChildSpec, Supervisor
 
 # A child that spawns a grandchild and then sleeps: stopping must take both.
@@ -68,3 +70,17 @@ def test_backoff_grows_for_a_child_that_keeps_crashing(tmp_path: Path) -> None:
     # 0.5 + 1 + 2 s of backoff fit in 4 s: three restarts, not hundreds
     assert 2 <= child.restarts <= 3
     sup.stop_all(grace_s=1)
+
+
+def test_a_child_that_fails_is_logged_with_its_last_line(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    sup = Supervisor(tmp_path / "logs")
+    script = "import sys; print('starting'); print('service: listen: 127.0.0.1:1: cannot listen there', " \
+             "file=sys.stderr); sys.exit(2)"
+    child = sup.add(ChildSpec("failing", [sys.executable, "-c", script]))
+    assert child.proc is not None
+    child.proc.wait(10)
+    with caplog.at_level("WARNING"):
+        sup.poll()
+    sup.stop_all(grace_s=1)
+    assert "failing exited with 2" in caplog.text
+    assert caplog.text.rstrip().endswith("service: listen: 127.0.0.1:1: cannot listen there")
