@@ -39,7 +39,7 @@ class RewardSpec(Strict):
 
     builtin: str | None = None
     """Name of a built-in reward (e.g. `numeric_match`, `math_equiv`, `regex`, `length_penalty`,
-    `code_tests`, `weighted_sum`); see services/reward/builtins.py."""
+    `code_tests`, `weighted_sum`); see services/reward/verifiers.py."""
     file: str | None = None
     """Path of a Python file defining `reward(completion, prompt, **metadata) -> float | dict`.
     Its contents travel with the submission."""

@@ -33,8 +33,8 @@ from services.common.config import JobSpec
 from services.gateway import config as gateway_config
 from services.learner import config as learner_config
 from services.replay import config as replay_config
-from services.reward import builtins as reward_builtins
 from services.reward import config as reward_config
+from services.reward import verifiers
 
 BEGIN = "<!-- BEGIN GENERATED: python -m services.fleet.configdoc --write docs/CONFIG.md -->"
 END = "<!-- END GENERATED -->"
@@ -202,7 +202,7 @@ def render() -> str:
                   table(model)]
     parts += ["## Built-in reward params",
               "`reward.params` of a job whose `reward.builtin` names one of these; unknown keys are errors."]
-    for name, entry in reward_builtins.REGISTRY.items():
+    for name, entry in verifiers.REGISTRY.items():
         parts += [f"### `{name}`", table(entry.params, "reward.params.")]
     return "\n\n".join(parts) + "\n"
 

@@ -44,14 +44,14 @@ from services.learner.critic import with_critic
 from services.learner.losses import loss_config_for
 from services.learner.optim import build_optimizer, build_scheduler, train_step
 from services.proto.fleetrl.v1 import common_pb2
-from services.reward import builtins
+from services.reward import verifiers
 
 RewardFn = Callable[..., float]
 """reward(completion, prompt, **metadata) -> float, as a reward file defines it."""
 
 def reward_of(spec: JobSpec) -> RewardFn:
     """The job's reward, run in this process (no sandbox: the reference loop is for trusted code): its
-    reward file's `reward` function, or the built-in the reward service runs (`reward/builtins.py`)."""
+    reward file's `reward` function, or the built-in the reward service runs (`reward/verifiers.py`)."""
     reward = spec.reward
     if reward is None:
         raise ConfigError("the reference loop runs single-turn jobs only",
@@ -60,10 +60,10 @@ def reward_of(spec: JobSpec) -> RewardFn:
         return runpy.run_path(reward.file)["reward"]  # type: ignore[no-any-return]
     assert reward.builtin is not None  # RewardSpec holds exactly one of file and builtin
     try:
-        builtin = builtins.resolve(reward.builtin, reward.params)
+        builtin = verifiers.resolve(reward.builtin, reward.params)
     except (KeyError, ValueError) as error:
         raise ConfigError("bad reward for the reference loop", [FieldViolation("reward.builtin", str(error))]) from None
-    return lambda completion, prompt, **metadata: builtins.scalar(builtin(completion, prompt, **metadata))
+    return lambda completion, prompt, **metadata: verifiers.scalar(builtin(completion, prompt, **metadata))
 
 
 def read_prompts(path: Path) -> list[dict[str, Any]]:

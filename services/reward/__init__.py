@@ -1,8 +1,8 @@
 """Reward service: scores completions with built-in verifiers or sandboxed user reward files.
 
 Components (none references the others' internals; `scorer.Scorer` wires them):
-- `builtins`: the registry of built-in verifiers, each a function with a strict params model.
-- `guard`, `protocol`, `worker`: the stdlib-only side that runs inside a sandboxed worker process
+- `verifiers`: the registry of built-in verifiers, each a function with a strict params model.
+- `guard`, `protocol`, `worker_main`: the stdlib-only side that runs inside a sandboxed worker process
   (isolation set-up, audit hook, length-prefixed JSON framing, the item loop).
 - `jail`, `syscall_filter`: the bubblewrap jail a worker runs in (command line, start-up probe) and
   the seccomp filter the worker loads inside it before any user code.

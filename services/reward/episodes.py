@@ -16,7 +16,7 @@ live episodes their actions; `close` gives the workers back. Design choices:
   episode's episode_timeout_s (counted from the open). A session not called for
   `episode_idle_timeout_s` (its actor died) is reaped by `reap_idle`: its workers are killed,
   counted as "abandoned".
-- Worker replies are checked again here: user code could have forged them.
+- WorkerProcess replies are checked again here: user code could have forged them.
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ from services.reward.config import RewardSettings
 from services.reward.env_host import EnvError, observation_messages
 from services.reward.metrics import RewardMetrics
 from services.reward.pool import ReplaceReason, WorkerPool
-from services.reward.sandbox import Outcome, Worker
+from services.reward.sandbox import Outcome, WorkerProcess
 from services.reward.scorer import Scorer, SpecInput, Status
 
 log = logging.getLogger(__name__)
@@ -72,7 +72,7 @@ class Episode:
     """One episode of a session: the worker it holds (None once ended) and its last answer."""
 
     index: int
-    worker: Worker | None
+    worker: WorkerProcess | None
     turn: int = 0
     """The turn of the next action."""
     last: EpisodeResult | None = None

@@ -25,7 +25,7 @@ from collections.abc import Callable, Iterator
 from typing import Any, Literal
 
 from services.common.errors import Unavailable
-from services.reward.sandbox import BadReply, Outcome, PoolConfig, UidPool, Worker, WorkerDied
+from services.reward.sandbox import BadReply, Outcome, PoolConfig, UidPool, WorkerDied, WorkerProcess
 
 log = logging.getLogger(__name__)
 
@@ -55,12 +55,12 @@ class WorkerPool:
     def __init__(self, boot: dict[str, Any], cfg: PoolConfig, uids: UidPool,
                  on_replace: Callable[[ReplaceReason], None] = lambda reason: None) -> None:
         self.boot, self.cfg, self._uids, self._on_replace = boot, cfg, uids, on_replace
-        self._idle: asyncio.Queue[Worker] = asyncio.Queue()
-        self._live: set[Worker] = set()
+        self._idle: asyncio.Queue[WorkerProcess] = asyncio.Queue()
+        self._live: set[WorkerProcess] = set()
         self._tasks: set[asyncio.Task[None]] = set()
         self._spawns: set[asyncio.Task[None]] = set()
         self._overrunning: set[object] = set()
-        self._held: set[Worker] = set()
+        self._held: set[WorkerProcess] = set()
         self._broken: str | None = None
         self._closed = False
         self.last_used = time.monotonic()
@@ -87,10 +87,10 @@ class WorkerPool:
         for _ in range(self.cfg.size - 1):
             self._spawn()
 
-    async def _start_worker(self) -> Worker:
+    async def _start_worker(self) -> WorkerProcess:
         uid = await self._uids.take()
         try:
-            return await Worker.start(self.boot, uid, self.cfg)
+            return await WorkerProcess.start(self.boot, uid, self.cfg)
         except BaseException:
             self._uids.give(uid)
             raise
@@ -104,7 +104,7 @@ class WorkerPool:
         while not self._closed and len(self._live) + len(self._spawns) < self._target():
             self._spawn()
 
-    def _add(self, worker: Worker) -> None:
+    def _add(self, worker: WorkerProcess) -> None:
         if self._closed or len(self._live) >= self._target():  # closed, or a burst no longer needed
             self._background(self._retire(worker))
             return
@@ -131,19 +131,19 @@ class WorkerPool:
         if not self._live:
             self._broken = f"no reward worker could be started ({SPAWN_ATTEMPTS} attempts)"
 
-    async def _retire(self, worker: Worker) -> None:
+    async def _retire(self, worker: WorkerProcess) -> None:
         self._live.discard(worker)
         await worker.kill()
         self._uids.give(worker.uid)
 
-    def _replace(self, worker: Worker, reason: ReplaceReason) -> None:
+    def _replace(self, worker: WorkerProcess, reason: ReplaceReason) -> None:
         self._live.discard(worker)
         self._held.discard(worker)
         self._on_replace(reason)
         self._background(self._retire(worker))
         self._top_up()
 
-    async def _acquire(self) -> Worker:
+    async def _acquire(self) -> WorkerProcess:
         while True:
             if self._broken or self._closed:
                 raise Unavailable(self._broken or "reward pool closed")
@@ -160,7 +160,7 @@ class WorkerPool:
             self._release(worker)
         return outcome
 
-    async def call(self, worker: Worker, request: dict[str, Any], timeout_s: float) -> Outcome:
+    async def call(self, worker: WorkerProcess, request: dict[str, Any], timeout_s: float) -> Outcome:
         """One request on a worker this caller holds; a failure kills and replaces the worker (the
         caller then holds nothing), and every failure mode becomes an Outcome."""
         start = time.monotonic()
@@ -180,7 +180,7 @@ class WorkerPool:
             raise
         return Outcome("reply", reply=reply, latency_s=time.monotonic() - start)
 
-    async def hold(self) -> Worker:
+    async def hold(self) -> WorkerProcess:
         """An idle worker for one episode, held until `give_back` or `discard`."""
         self.last_used = time.monotonic()
         worker = await self._acquire()
@@ -188,17 +188,17 @@ class WorkerPool:
         self._top_up()
         return worker
 
-    def holds(self, worker: Worker) -> bool:
+    def holds(self, worker: WorkerProcess) -> bool:
         """Whether worker is still held (not killed since `hold`)."""
         return worker in self._held
 
-    def give_back(self, worker: Worker) -> None:
+    def give_back(self, worker: WorkerProcess) -> None:
         """A held worker whose episode ended cleanly serves the pool again."""
         if worker in self._held:
             self._held.discard(worker)
             self._release(worker)
 
-    def discard(self, worker: Worker, reason: ReplaceReason) -> None:
+    def discard(self, worker: WorkerProcess, reason: ReplaceReason) -> None:
         """Kill a held worker (its episode timed out or was abandoned) and start a replacement."""
         if worker in self._live:
             self._replace(worker, reason)
@@ -219,7 +219,7 @@ class WorkerPool:
             handle.cancel()
             self._overrunning.discard(token)
 
-    def _release(self, worker: Worker) -> None:
+    def _release(self, worker: WorkerProcess) -> None:
         worn = worker.items >= self.cfg.max_items_per_worker or worker.cpu_s > self.cfg.limits.cpu_s / 2
         if worn:
             self._replace(worker, "recycled")

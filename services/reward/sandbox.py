@@ -1,11 +1,11 @@
 """Sandboxed worker processes, seen from the service: start, call with a timeout, kill, replace.
 
-A `Worker` is a `python -I` process in its own session (process group). In the jail (the default,
+A `WorkerProcess` is a `python -I` process in its own session (process group). In the jail (the default,
 see `jail`) it runs under bubblewrap with nothing of the host but Python, a private tmpfs as its
 temp dir and cwd, and new namespaces; in the legacy sandbox (`sandbox_mode = "legacy"`, an explicit
 weaker mode) it runs on the host with a minimal environment (PATH, LANG, HOME=TMPDIR=its private
 temp dir, named after the service's pid so a later service sweeps it if this one is SIGKILLed).
-Inside, it isolates itself (see `worker`, `guard`) before loading the spec. Requests go on a Unix
+Inside, it isolates itself (see `worker_main`, `guard`) before loading the spec. Requests go on a Unix
 socket and each reply comes on a pipe made for that request (see `protocol`), so user code cannot
 answer for an item it is not running. Every item has a wall-clock timeout (CPU limits alone miss
 `sleep`); on timeout, death, an oversized or malformed reply, or a cancelled call, every process of
@@ -43,7 +43,7 @@ TMPDIR_PREFIX = "fleetrl-reward-"
 
 def bootstrap(root: str) -> str:
     """The worker's `python -c` program, importing services.reward from root."""
-    return f"import sys; sys.path.insert(0, {root!r}); from services.reward.worker import main; main()"
+    return f"import sys; sys.path.insert(0, {root!r}); from services.reward.worker_main import main; main()"
 
 
 @dataclass(frozen=True)
@@ -156,7 +156,7 @@ def sweep_tmpdirs(sandbox_dir: Path | None) -> list[str]:
     return removed
 
 
-class Worker:
+class WorkerProcess:
     """One sandboxed worker process serving one spec, one item at a time."""
 
     proc: asyncio.subprocess.Process
@@ -172,7 +172,7 @@ class Worker:
         self.isolation, self.items, self.cpu_s = {}, 0, 0.0
 
     @classmethod
-    async def start(cls, boot: dict[str, Any], uid: int, cfg: PoolConfig) -> Worker:
+    async def start(cls, boot: dict[str, Any], uid: int, cfg: PoolConfig) -> WorkerProcess:
         """Start a worker and load the spec; ConfigError naming why when it cannot load."""
         worker = await cls._spawn(uid, cfg)
         message = {**boot, "limits": cfg.limits.__dict__, "uid": uid, "parent_pid": os.getpid(),
@@ -197,7 +197,7 @@ class Worker:
         return worker
 
     @classmethod
-    async def _spawn(cls, uid: int, cfg: PoolConfig) -> Worker:
+    async def _spawn(cls, uid: int, cfg: PoolConfig) -> WorkerProcess:
         ours, theirs = socket.socketpair()
         tmpdir = None
         if cfg.bwrap:

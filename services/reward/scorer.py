@@ -25,7 +25,7 @@ from pydantic import ValidationError
 
 from services.common.config import EnvironmentSpec, RewardSpec, validate
 from services.common.errors import ConfigError, FailedPrecondition, FieldViolation, InvalidArgument
-from services.reward import builtins, guard, jail
+from services.reward import guard, jail, verifiers
 from services.reward.config import RewardSettings
 from services.reward.metrics import RewardMetrics
 from services.reward.pool import WorkerPool
@@ -116,7 +116,7 @@ def parse_environment(spec_json: str, file_source: bytes) -> SpecInput:
 def check_builtin(name: str, params: dict[str, Any]) -> None:
     """ConfigError unless name is a built-in and params fit its model."""
     try:
-        builtins.resolve(name, params)
+        verifiers.resolve(name, params)
     except KeyError as error:
         raise ConfigError("unknown reward built-in", [FieldViolation("reward.builtin", str(error.args[0]))]) from None
     except ValidationError as error:
@@ -229,7 +229,7 @@ class Scorer:
         under rlimits, timeouts and a private uid), while reward files, environments and `code_tests`
         stay refused."""
         if self.sandbox.problem and isinstance(spec, RewardSpec) and spec.builtin is not None and \
-                not builtins.runs_submitted_code(spec.builtin, spec.params):
+                not verifiers.runs_submitted_code(spec.builtin, spec.params):
             return self.sandbox.for_trusted_builtins()
         return self.sandbox
 

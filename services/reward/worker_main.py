@@ -1,6 +1,6 @@
 """The sandboxed worker process: isolate, load one reward spec, then score items until the service closes.
 
-Started by `sandbox.Worker.start`, inside the bubblewrap jail (`jail`) or, in the legacy sandbox, as
+Started by `sandbox.WorkerProcess.start`, inside the bubblewrap jail (`jail`) or, in the legacy sandbox, as
 a plain `python -I` in a new session. Its stdin is a Unix socket carrying requests, each with the
 pipe its reply goes to (`protocol`); the worker shuts the socket for writing at once. The first
 request is the boot message (mode, spec or source, limits, uid, temp dir, the service's pid, jail
@@ -110,9 +110,9 @@ def _python_paths(boot: dict[str, Any]) -> list[str]:
 
 
 def _preload_builtins(boot: dict[str, Any]) -> None:
-    from services.reward import builtins
+    from services.reward import verifiers
 
-    builtins.preload(boot["spec"]["builtin"], boot["spec"]["params"])
+    verifiers.preload(boot["spec"]["builtin"], boot["spec"]["params"])
 
 
 def run_user_file(source: str, tmpdir: str, root: str, name: str) -> dict[str, Any]:
@@ -153,9 +153,9 @@ def load_scorer(boot: dict[str, Any]) -> RewardFn:
         if params:
             return lambda completion, prompt, **meta: fn(completion, prompt, params=params, **meta)
         return fn
-    from services.reward import builtins
+    from services.reward import verifiers
 
-    return builtins.resolve(boot["spec"]["builtin"], boot["spec"]["params"])
+    return verifiers.resolve(boot["spec"]["builtin"], boot["spec"]["params"])
 
 
 def load(boot: dict[str, Any]) -> Handler:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from services.proto.fleetrl.v1 import common_pb2, reward_pb2, reward_pb2_grpc
-from services.reward import builtins
+from services.reward import verifiers
 from services.reward.scorer import check_builtin
 from tests.reward.conftest import builtin_spec, items
 
@@ -31,7 +31,7 @@ OK, TIMEOUT = common_pb2.REWARD_STATUS_OK, common_pb2.REWARD_STATUS_TIMEOUT
     ("just 5", "auto", "5"),
 ])
 def test_extraction(text: str, mode: str, want: str | None) -> None:
-    assert builtins.extract_answer(text, mode) == want
+    assert verifiers.extract_answer(text, mode) == want
 
 
 @pytest.mark.parametrize(("completion", "answer", "params", "want"), [
@@ -45,8 +45,8 @@ def test_extraction(text: str, mode: str, want: str | None) -> None:
     ("\\boxed{57} but 12", "57", {"extract": "boxed"}, 1.0),
 ])
 def test_numeric_match(completion: str, answer: str, params: dict[str, object], want: float) -> None:
-    value = builtins.resolve("numeric_match", params)(completion, "p", answer=answer)
-    assert builtins.scalar(value) == want
+    value = verifiers.resolve("numeric_match", params)(completion, "p", answer=answer)
+    assert verifiers.scalar(value) == want
 
 
 @pytest.mark.parametrize(("completion", "answer", "want"), [
@@ -59,7 +59,7 @@ def test_numeric_match(completion: str, answer: str, params: dict[str, object], 
     ("no math here", "4", 0.0),
 ])
 def test_math_equivalence(completion: str, answer: str, want: float) -> None:
-    assert builtins.resolve("math_equiv", {})(completion, "p", answer=answer) == want
+    assert verifiers.resolve("math_equiv", {})(completion, "p", answer=answer) == want
 
 
 @pytest.mark.parametrize(("completion", "answer", "params", "want"), [
@@ -69,21 +69,21 @@ def test_math_equivalence(completion: str, answer: str, want: float) -> None:
     ("answer: \\boxed{Paris}", "Paris", {"extract": "boxed"}, 1.0),
 ])
 def test_exact_match(completion: str, answer: str, params: dict[str, object], want: float) -> None:
-    assert builtins.resolve("exact_match", params)(completion, "p", answer=answer) == want
+    assert verifiers.resolve("exact_match", params)(completion, "p", answer=answer) == want
 
 
 def test_regex_length_and_weighted_sum() -> None:
-    fmt = builtins.resolve("regex", {"pattern": r"\s*-?\d+\s*", "mode": "fullmatch"})
+    fmt = verifiers.resolve("regex", {"pattern": r"\s*-?\d+\s*", "mode": "fullmatch"})
     assert (fmt("57", "p"), fmt("57 apples", "p")) == (1.0, 0.0)
-    penalty = builtins.resolve("length_penalty", {"max_length": 10, "penalty": 2.0})
+    penalty = verifiers.resolve("length_penalty", {"max_length": 10, "penalty": 2.0})
     assert [penalty("x" * n, "p") for n in (5, 10, 15, 20, 40)] == [0.0, 0.0, -1.0, -2.0, -2.0]
-    addition = builtins.resolve("weighted_sum", {"terms": [
+    addition = verifiers.resolve("weighted_sum", {"terms": [
         {"builtin": "numeric_match", "name": "correct"},
         {"builtin": "regex", "params": {"pattern": r"\s*-?\d+\s*", "mode": "fullmatch"}, "weight": 0.5,
          "name": "format"}]})
     assert addition("57", "p", answer="57") == {"correct": 1.0, "format": 1.0, "reward": 1.5}
     assert addition("It is 57", "p", answer="57") == {"correct": 1.0, "format": 0.0, "reward": 1.0}
-    numeric = builtins.resolve("numeric_match", {"format_weight": 0.5})
+    numeric = verifiers.resolve("numeric_match", {"format_weight": 0.5})
     assert numeric("58", "p", answer="57") == {"correct": 0.0, "format": 1.0, "reward": 0.5}
 
 
