@@ -34,11 +34,25 @@ START_TIMEOUT_S = 20.0
 PROBE_TIMEOUT_S = 0.5
 
 
+# Ports free_port handed out recently, oldest first. The kernel may return a port again as soon as
+# its probe socket is closed, and the fleet picks a dozen ports before any server binds one: two
+# services given one port would leave the slower one (the learner, importing torch) unable to listen.
+_HANDED_OUT: dict[int, None] = {}
+_HANDED_OUT_KEPT = 1024
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port nothing listens on right now."""
-    with socket.socket() as sock:
-        sock.bind((host, 0))
-        return int(sock.getsockname()[1])
+    """A TCP port nothing listens on right now, and not one this process handed out recently."""
+    while True:
+        with socket.socket() as sock:
+            sock.bind((host, 0))
+            port = int(sock.getsockname()[1])
+        if port not in _HANDED_OUT:
+            break
+    _HANDED_OUT[port] = None
+    if len(_HANDED_OUT) > _HANDED_OUT_KEPT:
+        del _HANDED_OUT[next(iter(_HANDED_OUT))]
+    return port
 
 
 def wait_for_port(host: str, port: int, timeout_s: float, proc: subprocess.Popen[bytes] | None = None) -> None:

@@ -11,7 +11,14 @@ from pathlib import Path
 import redis
 
 from services.common import bus
-from services.fleet.embedded import STATE_FILE, EmbeddedNats, EmbeddedValkey, process_identity, stop_recorded
+from services.fleet.embedded import (
+    STATE_FILE,
+    EmbeddedNats,
+    EmbeddedValkey,
+    free_port,
+    process_identity,
+    stop_recorded,
+)
 
 # Enough single-key writes that replaying the AOF takes Valkey a noticeable time (about 0.3 s here).
 AOF_KEYS = 200_000
@@ -99,3 +106,10 @@ def test_stop_recorded_signals_a_pid_only_while_it_is_the_recorded_process(tmp_p
     finally:
         sleeper.kill()
         sleeper.wait()
+
+
+def test_free_port_never_hands_out_one_port_twice() -> None:
+    """The kernel returns a closed probe's port again at random (a thousand draws from its ephemeral
+    range repeat one almost surely); a fleet picking a dozen ports must not give two services one."""
+    ports = [free_port() for _ in range(1000)]
+    assert len(set(ports)) == len(ports)
