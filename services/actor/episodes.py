@@ -14,6 +14,11 @@ assistant turn of every live episode in one batch (`Backend.generate_batch`), se
   `episode_status`. Its reward is the sum of its turns' rewards (`environment.unfinished_reward`, when
   set, replaces it for an episode truncated or out of turns); an environment failure (raised, bad
   value, timeout, worker died) ends the episode as ENV_ERROR with reward 0, like a failed reward.
+- A job with a built-in verifier beside its environment (`[reward] builtin`) has the verifier score
+  each episode's last action against the task (one Score call for the group, as a single-turn group
+  is scored): its value is added to the last turn's reward, and the sample's components are the
+  verifier's, plus `environment` (the steps' sum) and `verifier` (its value). A verifier failure
+  fails the episode's reward like a failed single-turn score (reward 0, the status and reason kept).
 - The observation that ends an episode (done) is not appended: nothing is generated after it.
   Each turn may generate up to `rollout.max_new_tokens`, less what is left of `max_total_tokens`;
   an observation that would leave no room for another token ends the episode as TRUNCATED.
@@ -31,7 +36,7 @@ import asyncio
 import contextlib
 import logging
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -64,6 +69,9 @@ class EpisodeHost(Protocol):
 Stage = Callable[[str, str], AbstractContextManager[None]]
 """A named step of a task: its span, its step_seconds sample and the actor's state (Rollout._stage)."""
 
+Verifier = Callable[[list[str]], Awaitable[list[reward_pb2.ScoreResult]]]
+"""Scores final actions with the job's built-in verifier, one result per text (Rollout.verifier)."""
+
 
 @dataclass
 class Episode:
@@ -78,6 +86,8 @@ class Episode:
     status: common_pb2.EpisodeStatus = LIVE
     reward_status: common_pb2.RewardStatus = OK
     reason: str = ""
+    last_action: str = ""
+    components: dict[str, float] = field(default_factory=dict)
 
     @property
     def live(self) -> bool:
@@ -98,6 +108,17 @@ class Episode:
         self.mask += [True] * len(completion.token_ids)
         self.turns.append(common_pb2.Turn(start=start, end=len(self.completion_ids),
                                           finish_reason=completion.finish_reason))
+        self.last_action = completion.text
+
+    def verified(self, result: reward_pb2.ScoreResult) -> None:
+        """The verifier's score of the last action: added to the last turn's reward, or the episode's
+        reward failed with its status and reason."""
+        if result.status != OK:
+            self.reward_status, self.reason = result.status, result.reason
+            return
+        steps = sum(t.reward for t in self.turns)
+        self.turns[-1].reward += result.reward
+        self.components = {**result.components, "environment": steps, "verifier": result.reward}
 
     def add_observation(self, token_ids: list[int]) -> None:
         self.completion_ids += token_ids
@@ -120,7 +141,7 @@ class Episode:
             behaviour_logprobs=self.logprobs, completion_text=tokenizer.decode(self.completion_ids),
             reward=self.reward(unfinished_reward), reward_status=self.reward_status,
             reward_reason=self.reason, finish_reason=self.turns[-1].finish_reason if self.turns else "",
-            loss_mask=self.mask, turns=self.turns, episode_status=self.status)
+            loss_mask=self.mask, turns=self.turns, episode_status=self.status, reward_components=self.components)
 
 
 def messages_of(result: reward_pb2.EpisodeResult) -> list[dict[str, str]]:
@@ -138,9 +159,10 @@ class EpisodeRunner:
         self._stage = stage
 
     async def play(self, job_id: str, spec_seed: int, rollout: RolloutConfig, env: EnvironmentSpec,
-                   env_proto: reward_pb2.EnvironmentSpec, backend: Backend,
-                   task: common_pb2.Task) -> list[common_pb2.Sample]:
-        """The group's samples, one per episode, in episode order."""
+                   env_proto: reward_pb2.EnvironmentSpec, backend: Backend, task: common_pb2.Task,
+                   verifier: Verifier | None = None) -> list[common_pb2.Sample]:
+        """The group's samples, one per episode, in episode order (verifier: the job's built-in
+        verifier, which scores each episode's last action)."""
         session = f"{self.settings.actor_id}/{task.task_id}/{uuid.uuid4().hex[:12]}"[-128:]
         timeout_s = env.step_timeout_s + self.settings.reward_timeout_s
         with self._stage("env_open", "stepping_env"):
@@ -160,7 +182,21 @@ class EpisodeRunner:
         finally:
             with contextlib.suppress(Exception):  # the service reaps a session left open
                 await asyncio.wait_for(self._host.close_episodes(session), self.settings.reward_timeout_s)
+        if verifier is not None:
+            await self._verify(verifier, episodes)
         return [e.sample(backend.tokenizer, env.unfinished_reward) for e in episodes]
+
+    @staticmethod
+    async def _verify(verifier: Verifier, episodes: list[Episode]) -> None:
+        """The verifier's score of every episode that acted and did not fail."""
+        scored = [e for e in episodes if e.reward_status == OK and e.turns]
+        if not scored:
+            return
+        results = await verifier([e.last_action for e in scored])
+        if len(results) != len(scored):
+            raise RuntimeError(f"reward service returned {len(results)} results for {len(scored)} final actions")
+        for episode, result in zip(scored, results, strict=True):
+            episode.verified(result)
 
     @staticmethod
     def _first(tokenizer: Any, result: reward_pb2.EpisodeResult, rollout: RolloutConfig, env: EnvironmentSpec,

@@ -31,7 +31,7 @@ from typing import Protocol
 from services.actor import metrics
 from services.actor.backends import Completion, prompt_tokens
 from services.actor.config import ActorSettings
-from services.actor.episodes import EpisodeHost, EpisodeRunner
+from services.actor.episodes import EpisodeHost, EpisodeRunner, Verifier
 from services.actor.job_policy import JobPolicy
 from services.common import telemetry
 from services.common.config import JobSpec
@@ -64,7 +64,7 @@ class JobContext:
     spec: JobSpec
     reward_spec: reward_pb2.RewardSpec | None
     """The job's reward spec and file on the wire (`services.reward.client.spec_to_proto`); None for a
-    job with an environment."""
+    job with an environment and no built-in verifier."""
     policy: JobPolicy
     environment: reward_pb2.EnvironmentSpec | None = None
     """The job's environment and its file on the wire (`services.reward.client.environment_to_proto`)."""
@@ -100,7 +100,7 @@ class Rollout:
         else:
             prompt_ids, completions = await self.generate(job, task)
             generated_ms = now_ms()
-            samples = build_samples(prompt_ids, completions, await self.score(job, task, completions))
+            samples = build_samples(prompt_ids, completions, await self.score(job, task, [c.text for c in completions]))
         lineage = common_pb2.Lineage(
             actor_id=self.settings.actor_id, delivery_attempt=attempt,
             trace_id=telemetry.current_trace_id(), received_unix_ms=received_ms,
@@ -116,7 +116,7 @@ class Rollout:
             raise TaskFailed("this actor has no episode host for a job with an environment")
         self._check_fault(task)
         samples = await self._episodes.play(job.job_id, spec.seed, spec.rollout, environment, job.environment,
-                                            job.policy.backend, task)
+                                            job.policy.backend, task, self.verifier(job, task))
         policy_tokens = sum(sum(s.loss_mask) for s in samples)
         self.activity.add_tokens(policy_tokens)
         for sample in samples:
@@ -161,10 +161,19 @@ class Rollout:
         self.activity.add_tokens(tokens)
         return prompt_ids, completions
 
-    async def score(self, job: JobContext, task: common_pb2.Task,
-                    completions: list[Completion]) -> list[reward_pb2.ScoreResult]:
-        items = [reward_pb2.ScoreItem(completion=c.text, prompt=task.prompt, metadata_json=task.metadata_json or "{}")
-                 for c in completions]
+    def verifier(self, job: JobContext, task: common_pb2.Task) -> Verifier | None:
+        """The job's built-in verifier beside its environment, scoring final actions; None without one."""
+        if job.reward_spec is None:
+            return None
+
+        async def verify(texts: list[str]) -> list[reward_pb2.ScoreResult]:
+            return await self.score(job, task, texts)
+        return verify
+
+    async def score(self, job: JobContext, task: common_pb2.Task, texts: list[str]) -> list[reward_pb2.ScoreResult]:
+        """The job's reward of each text (a completion, or an episode's last action) for the task."""
+        items = [reward_pb2.ScoreItem(completion=text, prompt=task.prompt, metadata_json=task.metadata_json or "{}")
+                 for text in texts]
         if job.reward_spec is None:
             raise TaskFailed("the job has no reward spec")
         with self._stage("score", "scoring"):

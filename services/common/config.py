@@ -327,9 +327,11 @@ class JobSpec(Strict):
     prompts: str = Field(..., min_length=1)
     """Path of the prompt JSONL: one object per line with `prompt` and any metadata (e.g. `answer`)."""
     reward: RewardSpec | None = None
-    """How completions are scored (single-turn jobs). A job sets `reward` or `environment`."""
+    """How completions are scored (single-turn jobs). A job sets `reward`, `environment`, or an
+    environment with a built-in verifier (`reward.builtin`) that scores each episode's last action."""
     environment: EnvironmentSpec | None = None
-    """A multi-turn environment whose step rewards score the episodes (instead of `reward`)."""
+    """A multi-turn environment whose step rewards score the episodes (plus the verifier's score of
+    the last action when `reward.builtin` is set beside it)."""
     seed: int = Field(0, ge=0, le=2**31 - 1)
     """Seed of prompt shuffling, sampling and initialisation."""
     algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig)
@@ -347,14 +349,17 @@ class JobSpec(Strict):
 
     @model_validator(mode="after")
     def _reward_or_environment(self) -> JobSpec:
-        if (self.reward is None) == (self.environment is None):
-            raise ValueError("set exactly one of the tables [reward] (single-turn) or [environment] (multi-turn)")
+        if self.reward is None and self.environment is None:
+            raise ValueError("set one of the tables [reward] (single-turn) or [environment] (multi-turn)")
+        if self.environment is not None and self.reward is not None and self.reward.file is not None:
+            raise ValueError("beside an [environment], [reward] may name a built-in verifier only (reward.builtin): "
+                             "a reward file's logic belongs in the environment's step()")
         if self.train.lora is not None and self.algorithm.name == "ppo":
             raise ValueError("train.lora with algorithm.name = 'ppo' (a critic on the adapters' model) is not "
                              "supported yet: use ppo_rloo, grpo or another critic-free algorithm with LoRA")
-        if self.eval.interval > 0 and self.reward is None:
-            raise ValueError("eval.interval scores the eval set with the job's [reward]; a job with an "
-                             "[environment] has none (measure its episodes with bench.episode_eval)")
+        if self.eval.interval > 0 and self.environment is not None:
+            raise ValueError("eval.interval scores single-turn completions of the eval set; a job with an "
+                             "[environment] plays episodes (measure them with bench.episode_eval)")
         return self
 
 

@@ -30,9 +30,10 @@ from services.actor.backends import LOGPROB_TOL, HFBackend, observation_tokens
 from services.actor.config import ActorSettings
 from services.actor.episodes import OK, Episode, EpisodeRunner
 from services.common import models
-from services.common.config import JobSpec
+from services.common.config import JobSpec, RewardSpec
 from services.fleet.embedded import free_port
 from services.proto.fleetrl.v1 import common_pb2
+from services.reward import verifiers
 from services.reward.client import RewardClient, environment_to_proto
 
 SCRIPTED_ENV = b'''
@@ -133,8 +134,9 @@ def serving(fleet: Fleet, name: str) -> Iterator[None]:
 
 
 async def test_scripted_environment_groups_are_stored_exactly(fleet: Fleet) -> None:
-    """One actor serves two jobs: episodes that end done; and episodes truncated at max_total_tokens next to
-    episodes whose environment hangs in step (each ended by its 1 s step timeout)."""
+    """One actor serves three jobs: episodes that end done; episodes truncated at max_total_tokens next to
+    episodes whose environment hangs in step (each ended by its 1 s step timeout); and episodes whose
+    last action a built-in verifier scores."""
     spec = env_job(params={"turns": 3})
     job = await fleet.create_job(spec, [], environment_file=SCRIPTED_ENV)
     await fleet.publish_weights(job, 0, dtype="float32")  # the actor then holds exactly models.load(MODEL)'s weights
@@ -144,9 +146,14 @@ async def test_scripted_environment_groups_are_stored_exactly(fleet: Fleet) -> N
     await fleet.publish_weights(other, 0, dtype="float32")
     await fleet.publish_task(other, 0, "a short story", "")
     await fleet.publish_task(other, 1, "please HANG", "")
+    verified_spec = env_job(params={"turns": 2}).model_copy(update={"reward": VERIFIER})
+    verified = await fleet.create_job(verified_spec, [], environment_file=SCRIPTED_ENV)
+    await fleet.publish_weights(verified, 0, dtype="float32")
+    await fleet.publish_task(verified, 0, "the moon", "")
     with serving(fleet, "ep0"):
         group = await stored_group(fleet, job)
         await wait_until(lambda: _count(fleet, other, 2), 120, "both groups of the second job")
+        verified_group = await stored_group(fleet, verified)
     assert group.policy_version == 0 and len(group.samples) == 3
     model, tokenizer = models.load(MODEL)
     for sample in group.samples:
@@ -180,6 +187,25 @@ async def test_scripted_environment_groups_are_stored_exactly(fleet: Fleet) -> N
         assert sample.reward_status == common_pb2.REWARD_STATUS_TIMEOUT and sample.reward == 0.0
         assert "timed out after 1s" in sample.reward_reason and len(sample.turns) == 1
         assert sample.turns[0].env_latency_s < 3
+    check_verified(verified_group, tokenizer)
+
+
+VERIFIER = RewardSpec(builtin="length_penalty", params={"max_length": 12, "penalty": 2.0})
+
+
+def check_verified(group: common_pb2.Group, tokenizer: Any) -> None:
+    """A built-in verifier beside the environment: its score of the last action joins the last turn's reward."""
+    verify = verifiers.resolve(VERIFIER.builtin or "", VERIFIER.params)
+    assert len(group.samples) == 3
+    for sample in group.samples:
+        assert sample.episode_status == common_pb2.EPISODE_STATUS_DONE and len(sample.turns) == 2
+        actions = [tokenizer.decode(sample.completion_token_ids[t.start:t.end], skip_special_tokens=True)
+                   for t in sample.turns]
+        steps = [expected_turn(k, action, 2)[1] for k, action in enumerate(actions)]
+        verdict = verifiers.scalar(verify(actions[-1], group.prompt, answer=""))
+        assert [t.reward for t in sample.turns] == [steps[0], steps[1] + verdict]
+        assert sample.reward == sum(steps) + verdict and sample.reward_status == common_pb2.REWARD_STATUS_OK
+        assert dict(sample.reward_components) == {"environment": sum(steps), "verifier": verdict}
 
 
 def comparable(sample: common_pb2.Sample) -> common_pb2.Sample:

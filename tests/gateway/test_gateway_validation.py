@@ -170,10 +170,21 @@ def test_environment_jobs_are_checked_by_the_reward_service(alice: Client) -> No
     with pytest.raises(ConfigError) as caught:
         alice.submit(json.dumps(spec), PROMPTS, spec_format="json")
     assert [v.field for v in caught.value.violations] == ["environment_file"]
-    with pytest.raises(ConfigError) as caught:  # both tables, or neither
-        alice.submit(json.dumps(dict(spec, reward={"builtin": "numeric_match"})), PROMPTS, spec_format="json",
-                     environment_file=ENV_FILE)
-    assert "exactly one of the tables [reward]" in str(caught.value)
+    verified = dict(spec, reward={"builtin": "numeric_match"})  # a built-in verifier scores the last action
+    assert alice.submit(json.dumps(verified), PROMPTS, spec_format="json", environment_file=ENV_FILE).state == "queued"
+    with pytest.raises(ConfigError) as caught:  # the verifier's params are checked as a single-turn job's
+        alice.submit(json.dumps(dict(spec, reward={"builtin": "numeric_match", "params": {"rel_tol": -1}})), PROMPTS,
+                     spec_format="json", environment_file=ENV_FILE)
+    assert [v.field for v in caught.value.violations] == ["reward.builtin"]
+    with pytest.raises(ConfigError) as caught:  # a reward file beside an environment, or neither table
+        alice.submit(json.dumps(dict(spec, reward={"file": "reward.py"})), PROMPTS, b"def reward(c, p): return 1.0\n",
+                     spec_format="json", environment_file=ENV_FILE)
+    assert "a built-in verifier only" in str(caught.value)
+    del spec["environment"]
+    with pytest.raises(ConfigError) as caught:
+        alice.submit(json.dumps(spec), PROMPTS, spec_format="json")
+    assert "set one of the tables [reward]" in str(caught.value)
+    spec["environment"] = {"file": "env.py", "max_turns": 2}
     with pytest.raises(ConfigError) as caught:
         alice.submit(json.dumps(VALID), PROMPTS, spec_format="json", environment_file=ENV_FILE)
     assert [v.field for v in caught.value.violations] == ["environment_file"]
