@@ -172,8 +172,7 @@ class Rollout:
 
     async def score(self, job: JobContext, task: common_pb2.Task, texts: list[str]) -> list[reward_pb2.ScoreResult]:
         """The job's reward of each text (a completion, or an episode's last action) for the task."""
-        items = [reward_pb2.ScoreItem(completion=text, prompt=task.prompt, metadata_json=task.metadata_json or "{}")
-                 for text in texts]
+        items = score_items(task, texts)
         if job.reward_spec is None:
             raise TaskFailed("the job has no reward spec")
         with self._stage("score", "scoring"):
@@ -187,6 +186,12 @@ class Rollout:
             group.lineage.span_id = telemetry.current_span_id()
             outcomes = await self._replay.insert([group])
         return int(outcomes[0])
+
+
+def score_items(task: common_pb2.Task, texts: list[str]) -> list[reward_pb2.ScoreItem]:
+    """What the reward service scores: each text as the task's completion, with its prompt and metadata."""
+    return [reward_pb2.ScoreItem(completion=text, prompt=task.prompt, metadata_json=task.metadata_json or "{}")
+            for text in texts]
 
 
 def build_samples(prompt_ids: list[int], completions: list[Completion],

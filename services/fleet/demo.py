@@ -22,6 +22,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
+from typing import Any
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -65,7 +66,8 @@ def parser() -> argparse.ArgumentParser:
                    help=f"sampled completions a problem for pass@1 and pass@k (default {EVAL_SAMPLES}; 0: greedy only)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a job spec field")
     p.add_argument("--job", type=Path, default=DEFAULT_JOB, help="job TOML (default examples/addition/job.toml)")
-    p.add_argument("--eval-file", type=Path, default=DEFAULT_EVAL, help="held-out prompts JSONL with answers")
+    p.add_argument("--eval-file", type=Path, help="held-out prompts JSONL with answers (default: the job's directory's "
+                                                  "eval.jsonl if it has one, else examples/addition/eval.jsonl)")
     p.add_argument("--gateway", help="use the fleet behind this gateway address instead of a local one")
     p.add_argument("--token", help="bearer token for --gateway (env FLEETRL_TOKEN)")
     add_placement_flags(p)
@@ -100,8 +102,9 @@ def _report_error(error: FleetError, out: Console) -> None:
 def run(args: argparse.Namespace, out: Console) -> int:
     """Check the inputs, train, report; exit 0 only when the job succeeded and the report is written."""
     overrides = job_overrides(args)
-    spec = parse_job_spec(load_job_file(args.job, overrides).spec, "json")  # fail before starting anything
-    problems = eval_problems(args.eval_file, args.eval_problems)
+    payload = load_job_file(args.job, overrides)
+    spec = parse_job_spec(payload.spec, "json")  # fail before starting anything
+    problems = eval_problems(args.eval_file or eval_file_of(args.job), args.eval_problems)
     if args.eval_samples < 0:
         raise ConfigError("bad option", [FieldViolation("--eval-samples", "must be >= 0")])
     if not args.gateway:  # a local fleet loads the model on this machine: is it installed?
@@ -116,7 +119,8 @@ def run(args: argparse.Namespace, out: Console) -> int:
     from services.fleet import report  # torch and matplotlib only once there is something to report
 
     summary = report.write(run_dir, spec, trained.job, trained.steps, trained.model_dir, problems,
-                           train_wall_s=trained.train_wall_s, out=out, samples=args.eval_samples)
+                           train_wall_s=trained.train_wall_s, out=out, samples=args.eval_samples,
+                           environment_file=payload.environment_file)
     summary["wall_s"] = time.monotonic() - started
     (run_dir / report.REPORT_JSON).write_text(json.dumps(summary, indent=2) + "\n")
     report.print_summary(summary, out)
@@ -135,8 +139,15 @@ def job_overrides(args: argparse.Namespace) -> list[str]:
     return overrides
 
 
-def eval_problems(path: Path, count: int) -> list[dict[str, str]]:
-    """The first `count` held-out problems (each with "prompt" and "answer")."""
+def eval_file_of(job: Path) -> Path:
+    """The held-out prompts beside a job file, or the addition task's."""
+    beside = job.parent / "eval.jsonl"
+    return beside if beside.is_file() else DEFAULT_EVAL
+
+
+def eval_problems(path: Path, count: int) -> list[dict[str, Any]]:
+    """The first `count` held-out problems (each with "prompt" and "answer", and any other fields: a
+    multi-turn job's environment gets the whole line as its task)."""
     if count < 1:
         raise ConfigError("bad option", [FieldViolation("--eval-problems", "must be >= 1")])
     try:
@@ -146,7 +157,7 @@ def eval_problems(path: Path, count: int) -> list[dict[str, str]]:
     if len(rows) < count or not all("prompt" in r and "answer" in r for r in rows[:count]):
         raise ConfigError("bad eval file", [FieldViolation(
             "--eval-file", f"{path}: needs {count} lines with prompt and answer (has {len(rows)} lines)")])
-    return [{"prompt": str(r["prompt"]), "answer": str(r["answer"])} for r in rows[:count]]
+    return [{**r, "prompt": str(r["prompt"]), "answer": str(r["answer"])} for r in rows[:count]]
 
 
 # ----------------------------------------------------------------------------- the fleet

@@ -10,6 +10,11 @@ Files written into the run directory:
   unbiased estimator).
 - `report.json` and `report.md`: the job, the figures above, wall times and file names.
 
+A job with an `[environment]` is evaluated by its episodes instead (`services.fleet.episode_eval`):
+`eval.json` holds the base and the trained model's mean episode reward, success rate (reward above
+0), turns per episode and how episodes ended, over `episodes` episodes of each of the first
+EPISODE_PROBLEMS held-out problems at the job's sampling settings.
+
 Design choice: both models are evaluated here, the same way (greedy, the job's prompt encoding,
 `EVAL_NEW_TOKENS` new tokens, which is more than training's budget so the base model's
 "a + b = c" answers are not cut short and count as correct when they are).
@@ -36,6 +41,11 @@ EVAL_SAMPLES = 8
 SAMPLED_PROBLEMS = 25
 """Sampled evaluation covers the first SAMPLED_PROBLEMS problems: k completions of each cost about k
 greedy passes (see the README's demo figures)."""
+EPISODE_PROBLEMS = 20
+"""A job with an environment plays episodes of the first EPISODE_PROBLEMS held-out problems only: each
+is several turns of generation."""
+EPISODES_PER_PROBLEM = 4
+EPISODE_FIGURES = ("reward_mean", "success_rate", "turns_mean")
 COMPONENTS = "reward/"
 PLOTTED = (("mean reward of the training samples", ("reward_mean",)),
            ("reward components of the training samples (correct = accuracy)", (COMPONENTS,)),
@@ -48,18 +58,27 @@ LABELS = {"reward_mean": "reward", "kl": "KL", "eval_pass_at_1": "pass@1", "eval
 
 
 def write(run_dir: Path, spec: JobSpec, job: JobInfo, steps: list[StepInfo], model_dir: Path | None,
-          problems: list[dict[str, str]], *, train_wall_s: float, out: Console,
-          samples: int = EVAL_SAMPLES) -> dict[str, Any]:
+          problems: list[dict[str, Any]], *, train_wall_s: float, out: Console,
+          samples: int = EVAL_SAMPLES, environment_file: bytes = b"") -> dict[str, Any]:
     """Write every report file (the evaluation only when there is a trained model); the summary.
 
     `samples` completions a problem give pass@1 and pass@`samples`; 0 leaves sampled evaluation out.
+    A job with an environment (its file's contents in environment_file) plays `samples` episodes
+    (EPISODES_PER_PROBLEM when 0) of each of the first EPISODE_PROBLEMS problems instead.
     """
     write_metrics(run_dir / METRICS_JSONL, steps)
     plot(run_dir / PLOT_PNG, steps)
     evaluation = None
-    if model_dir is not None:
+    if model_dir is not None and spec.environment is not None:
+        problems = problems[:EPISODE_PROBLEMS]
+        episodes = samples or EPISODES_PER_PROBLEM
+        out.print(f"playing {episodes} episodes of {len(problems)} held-out problems with the base and the "
+                  "trained model ...")
+        evaluation = evaluate_episodes_both(spec, environment_file, model_dir, problems, episodes)
+    elif model_dir is not None:
         out.print(f"evaluating the base and the trained model on {len(problems)} held-out problems ...")
         evaluation = evaluate_both(spec, model_dir, problems, samples)
+    if evaluation is not None:
         (run_dir / EVAL_JSON).write_text(json.dumps(evaluation, indent=2) + "\n")
     summary = summarise(job, steps, model_dir, evaluation, train_wall_s)
     (run_dir / REPORT_MD).write_text(markdown(summary))
@@ -112,6 +131,16 @@ def evaluate_both(spec: JobSpec, model_dir: Path, problems: list[dict[str, str]]
             "trained": evaluate_model(str(model_dir), spec, problems, samples)}
 
 
+def evaluate_episodes_both(spec: JobSpec, environment_file: bytes, model_dir: Path, problems: list[dict[str, Any]],
+                           episodes: int) -> dict[str, Any]:
+    """{"kind": "episodes", "problems", "episodes", "base": figures, "trained": figures} (see episode_eval)."""
+    from services.fleet import episode_eval
+
+    return {"kind": "episodes", "problems": len(problems), "episodes": episodes,
+            "base": episode_eval.evaluate(spec, environment_file, spec.model, problems, episodes),
+            "trained": episode_eval.evaluate(spec, environment_file, str(model_dir), problems, episodes)}
+
+
 def evaluate_model(model_name: str, spec: JobSpec, problems: list[dict[str, str]], samples: int) -> dict[str, Any]:
     """Greedy EvalResult fields, plus `sampled` (a SampledResult dict, or None when samples is 0)."""
     from services.actor.backends import HFBackend, prompt_tokens
@@ -150,6 +179,9 @@ def summarise(job: JobInfo, steps: list[StepInfo], model_dir: Path | None, evalu
 def _figures(evaluation: dict[str, Any] | None) -> dict[str, Any] | None:
     if evaluation is None:
         return None
+    if evaluation.get("kind") == "episodes":
+        return {"kind": "episodes", "problems": evaluation["problems"], "episodes": evaluation["episodes"],
+                **{which: {k: evaluation[which][k] for k in EPISODE_FIGURES} for which in ("base", "trained")}}
     keys = ("accuracy", "number_only_rate")
     figures: dict[str, Any] = {"problems": evaluation["problems"], "samples": evaluation["samples"],
                                "sampled_problems": min(evaluation["problems"], SAMPLED_PROBLEMS)}
@@ -171,7 +203,13 @@ def markdown(summary: dict[str, Any]) -> str:
              f"Model `{summary['model']}`, {summary['steps']}/{summary['max_steps']} steps, "
              f"training wall time {summary['train_wall_s']:.0f} s.", ""]
     figures = summary["eval"]
-    if figures:
+    if figures and figures.get("kind") == "episodes":
+        lines += [f"Held-out episodes: {figures['episodes']} episodes of each of {figures['problems']} problems at "
+                  "the job's sampling settings; success = an episode reward above 0.", "",
+                  "| model | mean episode reward | success rate | turns per episode |", "|---|---|---|---|"]
+        lines += [f"| {which} | {figures[which]['reward_mean']:.3f} | {figures[which]['success_rate']:.1%} | "
+                  f"{figures[which]['turns_mean']:.2f} |" for which in ("base", "trained")]
+    elif figures:
         k = figures["samples"]
         lines += [f"Held-out evaluation, {figures['problems']} problems: greedy accuracy and number-only rate; "
                   f"pass@1 and pass@{k} from {k} sampled completions of each of the first "
@@ -187,7 +225,15 @@ def markdown(summary: dict[str, Any]) -> str:
 
 def print_summary(summary: dict[str, Any], out: Console) -> None:
     figures = summary["eval"]
-    if figures:
+    if figures and figures.get("kind") == "episodes":
+        table = Table(title=f"held-out episodes, {figures['problems']} problems x {figures['episodes']}")
+        for column in ("model", "mean episode reward", "success rate", "turns"):
+            table.add_column(column)
+        for which in ("base", "trained"):
+            row = figures[which]
+            table.add_row(which, f"{row['reward_mean']:.3f}", f"{row['success_rate']:.1%}", f"{row['turns_mean']:.2f}")
+        out.print(table)
+    elif figures:
         k = figures["samples"]
         table = Table(title=f"held-out accuracy, {figures['problems']} problems (greedy; pass@k sampled, k={k})")
         for column in ("model", "accuracy", "number-only", "pass@1", f"pass@{k}"):

@@ -7,6 +7,7 @@ the fleet and writes its report. Bad options fail with exit code 2 before anythi
 
 from __future__ import annotations
 
+import io
 import json
 import subprocess
 import sys
@@ -14,10 +15,14 @@ from pathlib import Path
 
 import pytest
 from PIL import Image
+from rich.console import Console
 
-from services.fleet import demo
+from services.common.config import parse_job_spec
+from services.fleet import demo, report
 from services.fleet.fleet import STATE_FILE
 from services.fleet.report import SAMPLED_PROBLEMS
+from services.gateway.client import load_job_file
+from services.gateway.models import JobInfo, StepInfo
 
 ROOT = Path(__file__).resolve().parents[2]
 STEPS = 3
@@ -93,3 +98,24 @@ def test_demo_report_summarises_the_job_and_the_fleet_is_gone(
 def test_bad_input_exits_2_before_starting_anything(argv: list[str], tmp_path: Path) -> None:
     assert demo.main(["--dir", str(tmp_path / "run"), *argv]) == 2
     assert not (tmp_path / "run").exists()
+
+
+def test_the_report_of_a_job_with_an_environment_plays_held_out_episodes(tmp_path: Path) -> None:
+    """`fleetrl demo --job examples/retry_feedback/job.toml` evaluates by episodes: base and trained
+    (here both tiny-llama) play the job's environment in a real reward service, the same episodes."""
+    job_file = ROOT / "examples" / "retry_feedback" / "job.toml"
+    payload = load_job_file(job_file, ["model=tiny-llama", "rollout.max_new_tokens=4"])
+    spec = parse_job_spec(payload.spec, "json")
+    assert demo.eval_file_of(job_file) == demo.DEFAULT_EVAL  # retry_feedback has no eval.jsonl of its own
+    problems = demo.eval_problems(demo.DEFAULT_EVAL, 3)
+    job = JobInfo("j-env", "t", "retry", "succeeded", "", json.loads(payload.spec), 0, 0, None, "")
+    steps = [StepInfo(1, 1, {"reward_mean": 0.1, "kl": 0.0})]
+    summary = report.write(tmp_path, spec, job, steps, Path("tiny-llama"), problems, train_wall_s=1.0,
+                           out=Console(file=io.StringIO()), samples=2, environment_file=payload.environment_file)
+    evaluation = json.loads((tmp_path / "eval.json").read_text())
+    assert (evaluation["kind"], evaluation["problems"], evaluation["episodes"]) == ("episodes", 3, 2)
+    base, trained = evaluation["base"], evaluation["trained"]
+    assert base["episodes"] == trained["episodes"] == 6 and 1 <= base["turns_mean"] <= 3
+    assert {k: base[k] for k in report.EPISODE_FIGURES} == {k: trained[k] for k in report.EPISODE_FIGURES}
+    assert summary["eval"]["base"] == {k: base[k] for k in report.EPISODE_FIGURES}
+    assert "| model | mean episode reward | success rate | turns per episode |" in (tmp_path / "report.md").read_text()
