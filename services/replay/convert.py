@@ -58,6 +58,10 @@ def group_violations(i: int, group: common_pb2.Group) -> list[FieldViolation]:
     return bad
 
 
+EPISODE_TURNS, EPISODE_STATUS = "episode_turns", "episode_status"
+"""Lineage keys of a multi-turn group (LineageRecord fields, not Lineage's)."""
+
+
 def priority_of(group: common_pb2.Group) -> float:
     """Group.priority, or the mean |advantage| (reward minus group mean) when it is 0."""
     if group.priority > 0:
@@ -73,6 +77,9 @@ def to_record(group: common_pb2.Group, payload: bytes) -> GroupRecord:
     lineage = {"actor_id": lin.actor_id, "trace_id": lin.trace_id, "delivery_attempt": lin.delivery_attempt,
                "received_unix_ms": lin.received_unix_ms, "generated_unix_ms": lin.generated_unix_ms,
                "scored_unix_ms": lin.scored_unix_ms, "span_id": lin.span_id}
+    if any(s.turns for s in group.samples):  # a multi-turn group: each episode's turns and end
+        lineage[EPISODE_TURNS] = [len(s.turns) for s in group.samples]
+        lineage[EPISODE_STATUS] = [int(s.episode_status) for s in group.samples]
     return GroupRecord(group.job_id, group.task_id, group.policy_version, sum(rewards) / len(rewards),
                        priority_of(group), payload, lineage)
 
@@ -134,8 +141,10 @@ def query_args(req: replay_pb2.QueryRequest) -> tuple[int, int | None, tuple[flo
 def query_response(rows: list[LineageRow]) -> replay_pb2.QueryResponse:
     records = []
     for row in rows:
-        lin = common_pb2.Lineage(**row.lineage)
+        fields = dict(row.lineage)
+        turns, statuses = fields.pop(EPISODE_TURNS, []), fields.pop(EPISODE_STATUS, [])
         records.append(replay_pb2.LineageRecord(task_id=row.task_id, policy_version=row.policy_version,
-                                                mean_reward=row.mean_reward, lineage=lin,
-                                                times_committed=row.times_committed))
+                                                mean_reward=row.mean_reward, lineage=common_pb2.Lineage(**fields),
+                                                times_committed=row.times_committed, episode_turns=turns,
+                                                episode_status=statuses))
     return replay_pb2.QueryResponse(records=records)

@@ -168,6 +168,20 @@ async def test_query_lineage_by_version_and_reward(replay: ReplayClient) -> None
     r = next(r for r in records if r.task_id == "0/5")
     assert (r.policy_version, r.lineage.actor_id, r.lineage.trace_id, r.times_committed) == (5, "a5", "ab" * 16, 1)
     assert r.mean_reward == pytest.approx(0.5)
+    assert list(r.episode_turns) == [] and list(r.episode_status) == []  # single-turn groups
+
+
+async def test_lineage_of_a_multi_turn_group_keeps_each_episodes_turns_and_end(replay: ReplayClient) -> None:
+    await configure(replay, "jm", capacity_groups=10)
+    group = make_group("jm", "0/0", rewards=(1.0, 0.0, 0.5))
+    ends = [common_pb2.EPISODE_STATUS_DONE, common_pb2.EPISODE_STATUS_MAX_TURNS, common_pb2.EPISODE_STATUS_ENV_ERROR]
+    for sample, turns, end in zip(group.samples, (2, 3, 1), ends, strict=True):
+        sample.turns.extend(common_pb2.Turn(start=k, end=k + 1) for k in range(turns))
+        sample.episode_status = end
+    await replay.insert([group])
+    (record,) = await replay.query("jm")
+    assert list(record.episode_turns) == [2, 3, 1] and list(record.episode_status) == ends
+    assert record.lineage.actor_id == "actor-1" and record.lineage.trace_id == "ab" * 16
 
 
 async def test_bad_input_gets_clear_errors_and_server_keeps_serving(

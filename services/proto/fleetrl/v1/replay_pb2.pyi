@@ -187,18 +187,22 @@ class QueryRequest(_message.Message):
     def __init__(self, job_id: _Optional[str] = ..., min_policy_version: _Optional[int] = ..., max_policy_version: _Optional[int] = ..., min_reward: _Optional[float] = ..., max_reward: _Optional[float] = ..., limit: _Optional[int] = ...) -> None: ...
 
 class LineageRecord(_message.Message):
-    __slots__ = ("task_id", "policy_version", "mean_reward", "lineage", "times_committed")
+    __slots__ = ("task_id", "policy_version", "mean_reward", "lineage", "times_committed", "episode_turns", "episode_status")
     TASK_ID_FIELD_NUMBER: _ClassVar[int]
     POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
     MEAN_REWARD_FIELD_NUMBER: _ClassVar[int]
     LINEAGE_FIELD_NUMBER: _ClassVar[int]
     TIMES_COMMITTED_FIELD_NUMBER: _ClassVar[int]
+    EPISODE_TURNS_FIELD_NUMBER: _ClassVar[int]
+    EPISODE_STATUS_FIELD_NUMBER: _ClassVar[int]
     task_id: str
     policy_version: int
     mean_reward: float
     lineage: _common_pb2.Lineage
     times_committed: int
-    def __init__(self, task_id: _Optional[str] = ..., policy_version: _Optional[int] = ..., mean_reward: _Optional[float] = ..., lineage: _Optional[_Union[_common_pb2.Lineage, _Mapping]] = ..., times_committed: _Optional[int] = ...) -> None: ...
+    episode_turns: _containers.RepeatedScalarFieldContainer[int]
+    episode_status: _containers.RepeatedScalarFieldContainer[_common_pb2.EpisodeStatus]
+    def __init__(self, task_id: _Optional[str] = ..., policy_version: _Optional[int] = ..., mean_reward: _Optional[float] = ..., lineage: _Optional[_Union[_common_pb2.Lineage, _Mapping]] = ..., times_committed: _Optional[int] = ..., episode_turns: _Optional[_Iterable[int]] = ..., episode_status: _Optional[_Iterable[_Union[_common_pb2.EpisodeStatus, str]]] = ...) -> None: ...
 
 class QueryResponse(_message.Message):
     __slots__ = ("records",)
