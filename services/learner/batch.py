@@ -43,6 +43,14 @@ class TrainBatch:
     def num_sequences(self) -> int:
         return int(self.input_ids.shape[0])
 
+    def to(self, device: torch.device) -> TrainBatch:
+        """The batch with its tensors on `device` (the model's: batches are built on the CPU)."""
+        return TrainBatch(
+            self.input_ids.to(device), self.attention_mask.to(device), self.start, self.completion_mask.to(device),
+            self.behaviour_logprobs.to(device), self.advantages.to(device), self.rewards.to(device),
+            self.prompt_lens.to(device), self.completion_lens.to(device),
+        )
+
     @property
     def num_tokens(self) -> int:
         return int(self.completion_mask.sum())

@@ -130,7 +130,8 @@ def whiten(advantages: list[Tensor], masks: list[Tensor], *, counted: bool = Tru
     of them; under data parallelism, of every rank's (one all_reduce). A rank with `counted` False
     (an empty share training a stand-in at loss scale 0) adds nothing to the statistics."""
     values = torch.cat([a[m > 0] for a, m in zip(advantages, masks, strict=True)]).double()
-    stats = torch.stack([values.sum(), values.square().sum(), torch.tensor(float(values.numel()))])
+    count = torch.tensor(float(values.numel()), dtype=values.dtype, device=values.device)
+    stats = torch.stack([values.sum(), values.square().sum(), count])
     stats = stats * float(counted)
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(stats)

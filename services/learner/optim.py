@@ -276,12 +276,13 @@ def _advantaged_micro_batches(
 
     Group estimators give each sequence one advantage; ppo's critic gives token-level GAE from a
     no-grad pass over the micro-batches (services/learner/critic.py)."""
+    device = next(model.parameters()).device  # batches are built on the CPU; the micro-batches go to the model
     if not cfg.uses_critic:
         batch = build_batch(groups, group_advantages(groups, cfg), PAD_ID)
-        return micro_batches(batch, spec.train.micro_batch_samples), batch, None
+        return [m.to(device) for m in micro_batches(batch, spec.train.micro_batch_samples)], batch, None
     batch = build_batch(groups, [group_rewards(group) for group in groups], PAD_ID)
-    micros, targets = gae_micro_batches(model, micro_batches(batch, spec.train.micro_batch_samples), cfg,
-                                        counted=counted)
+    micros = [m.to(device) for m in micro_batches(batch, spec.train.micro_batch_samples)]
+    micros, targets = gae_micro_batches(model, micros, cfg, counted=counted)
     return micros, batch, targets
 
 

@@ -100,6 +100,8 @@ def test_tiny_export_reloads_with_equal_logits(tiny_model: TinyModel, tmp_path: 
     assert reloaded.lm_head.weight is reloaded.model.embed_tokens.weight
     again, _ = models.load(str(out))
     assert _digest(again) == _digest(model)
+    # No hub kernels: transformers' default would swap in code fetched from the hub (on CUDA, and failing offline).
+    assert reloaded.use_kernels and not again.use_kernels
 
 
 @pytest.mark.parametrize("name", ["tiny-llama", "tiny-llama-untied"])
