@@ -192,10 +192,24 @@ def _figures(evaluation: dict[str, Any] | None) -> dict[str, Any] | None:
     return figures
 
 
-def _pass_cells(figures: dict[str, Any], which: str) -> list[str]:
-    """The pass@1 and pass@k cells of one model ("-" when sampled evaluation was off)."""
-    row = figures[which]
-    return [f"{row[key]:.1%}" if row[key] is not None else "-" for key in ("pass_at_1", "pass_at_k")]
+def _table(figures: dict[str, Any]) -> tuple[str, list[str], list[list[str]]]:
+    """(what was measured, columns, a row per model) of the held-out evaluation, for report.md and the terminal."""
+    if figures.get("kind") == "episodes":
+        what = (f"Held-out episodes: {figures['episodes']} episodes of each of {figures['problems']} problems at "
+                "the job's sampling settings; success = an episode reward above 0.")
+        columns = ["model", "mean episode reward", "success rate", "turns per episode"]
+        rows = [[which, f"{figures[which]['reward_mean']:.3f}", f"{figures[which]['success_rate']:.1%}",
+                 f"{figures[which]['turns_mean']:.2f}"] for which in ("base", "trained")]
+        return what, columns, rows
+    k = figures["samples"]
+    what = f"Held-out evaluation, {figures['problems']} problems: greedy accuracy and number-only rate"
+    what += (f"; pass@1 and pass@{k} from {k} sampled completions of each of the first "
+             f"{figures['sampled_problems']} (unbiased estimator)." if k else " (no sampled evaluation).")
+    columns = ["model", "accuracy", "number-only"] + (["pass@1", f"pass@{k}"] if k else [])
+    rows = [[which, f"{figures[which]['accuracy']:.1%}", f"{figures[which]['number_only_rate']:.1%}"]
+            + ([f"{figures[which][key]:.1%}" for key in ("pass_at_1", "pass_at_k")] if k else [])
+            for which in ("base", "trained")]
+    return what, columns, rows
 
 
 def markdown(summary: dict[str, Any]) -> str:
@@ -203,20 +217,10 @@ def markdown(summary: dict[str, Any]) -> str:
              f"Model `{summary['model']}`, {summary['steps']}/{summary['max_steps']} steps, "
              f"training wall time {summary['train_wall_s']:.0f} s.", ""]
     figures = summary["eval"]
-    if figures and figures.get("kind") == "episodes":
-        lines += [f"Held-out episodes: {figures['episodes']} episodes of each of {figures['problems']} problems at "
-                  "the job's sampling settings; success = an episode reward above 0.", "",
-                  "| model | mean episode reward | success rate | turns per episode |", "|---|---|---|---|"]
-        lines += [f"| {which} | {figures[which]['reward_mean']:.3f} | {figures[which]['success_rate']:.1%} | "
-                  f"{figures[which]['turns_mean']:.2f} |" for which in ("base", "trained")]
-    elif figures:
-        k = figures["samples"]
-        lines += [f"Held-out evaluation, {figures['problems']} problems: greedy accuracy and number-only rate; "
-                  f"pass@1 and pass@{k} from {k} sampled completions of each of the first "
-                  f"{figures['sampled_problems']} (unbiased estimator).", "",
-                  f"| model | accuracy | number-only | pass@1 | pass@{k} |", "|---|---|---|---|---|"]
-        lines += [f"| {which} | {figures[which]['accuracy']:.1%} | {figures[which]['number_only_rate']:.1%} | "
-                  + " | ".join(_pass_cells(figures, which)) + " |" for which in ("base", "trained")]
+    if figures:
+        what, columns, rows = _table(figures)
+        lines += [what, "", "| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+        lines += ["| " + " | ".join(row) + " |" for row in rows]
     else:
         lines.append(f"No evaluation: the job ended {summary['state']} {summary['reason']}".rstrip())
     lines += ["", f"![training curves]({PLOT_PNG})", "", "Per-step metrics: `metrics.jsonl`; details: `eval.json`."]
@@ -225,22 +229,13 @@ def markdown(summary: dict[str, Any]) -> str:
 
 def print_summary(summary: dict[str, Any], out: Console) -> None:
     figures = summary["eval"]
-    if figures and figures.get("kind") == "episodes":
-        table = Table(title=f"held-out episodes, {figures['problems']} problems x {figures['episodes']}")
-        for column in ("model", "mean episode reward", "success rate", "turns"):
+    if figures:
+        what, columns, rows = _table(figures)
+        table = Table(title=what)
+        for column in columns:
             table.add_column(column)
-        for which in ("base", "trained"):
-            row = figures[which]
-            table.add_row(which, f"{row['reward_mean']:.3f}", f"{row['success_rate']:.1%}", f"{row['turns_mean']:.2f}")
-        out.print(table)
-    elif figures:
-        k = figures["samples"]
-        table = Table(title=f"held-out accuracy, {figures['problems']} problems (greedy; pass@k sampled, k={k})")
-        for column in ("model", "accuracy", "number-only", "pass@1", f"pass@{k}"):
-            table.add_column(column)
-        for which in ("base", "trained"):
-            table.add_row(which, f"{figures[which]['accuracy']:.1%}", f"{figures[which]['number_only_rate']:.1%}",
-                          *_pass_cells(figures, which))
+        for row in rows:
+            table.add_row(*row)
         out.print(table)
     out.print(f"job {summary['job_id']} {summary['state']}: {summary['steps']} steps, "
               f"training {summary['train_wall_s']:.0f} s, total {summary.get('wall_s', 0):.0f} s")

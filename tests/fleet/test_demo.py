@@ -49,7 +49,7 @@ def test_demo_trains_and_writes_a_well_formed_report(
 ) -> None:
     done, run_dir = demo_run
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    assert f"step {STEPS}/{STEPS}" in done.stdout and "held-out accuracy" in done.stdout
+    assert f"step {STEPS}/{STEPS}" in done.stdout and "Held-out evaluation, 100 problems" in done.stdout
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in metrics] == list(range(1, STEPS + 1))
     assert all({"reward_mean", "kl", "reward/correct", "reward/format", "tokens_per_s"} <= m.keys() for m in metrics)
