@@ -98,17 +98,19 @@ def _templated(tokenizer: Any, rollout: RolloutConfig) -> bool:
     return bool(rollout.chat_template and getattr(tokenizer, "chat_template", None))
 
 
-def conversation_tokens(tokenizer: Any, messages: list[dict[str, str]], rollout: RolloutConfig) -> list[int]:
+def conversation_tokens(tokenizer: Any, messages: list[dict[str, str]], rollout: RolloutConfig,
+                        tools: list[dict[str, Any]] | None = None) -> list[int]:
     """The first tokens of a conversation (a task's prompt, an episode's first observation): the
     rollout's system prompt (unless the messages bring one) and the messages through the chat template
     with the assistant's generation prompt, truncated from the left to max_prompt_tokens. Without a
-    template, the messages' contents joined by newlines."""
+    template, the messages' contents joined by newlines. `tools` (JSON function schemas) go to the
+    template, which renders them where it has a tool format (a template without one ignores them)."""
     if _templated(tokenizer, rollout):
         system = [{"role": "system", "content": rollout.system_prompt}] if rollout.system_prompt else []
         if messages and messages[0]["role"] == "system":
             system = []
-        ids = tokenizer.apply_chat_template([*system, *messages], add_generation_prompt=True, tokenize=True,
-                                            return_dict=False)
+        ids = tokenizer.apply_chat_template([*system, *messages], tools=tools or None, add_generation_prompt=True,
+                                            tokenize=True, return_dict=False)
     else:
         ids = tokenizer("\n".join(m["content"] for m in messages), add_special_tokens=False)["input_ids"]
     return [int(i) for i in ids][-rollout.max_prompt_tokens :]

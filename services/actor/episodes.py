@@ -2,7 +2,8 @@
 
 `EpisodeRunner.play(job, task)` runs the group's n episodes together and returns their samples:
 open the session (`OpenEpisodes`: `Env(task, **params)` and `reset()` in the reward service's
-sandbox) -> render each first observation through the chat template -> per turn, generate the next
+sandbox) -> render each first observation through the chat template (with the environment's tool
+schemas, which a template with a tool format renders) -> per turn, generate the next
 assistant turn of every live episode in one batch (`Backend.generate_batch`), send the actions
 (`StepEpisodes`) and append each observation's tokens -> until the environment says done, or
 `max_turns`, or `max_total_tokens` -> close the session. No environment code runs here.
@@ -34,6 +35,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import uuid
 from collections.abc import Awaitable, Callable, Sequence
@@ -205,7 +207,8 @@ class EpisodeRunner:
             episode = Episode(result.episode, prompt_tokens(tokenizer, task.prompt, rollout))
             episode.end(common_pb2.EPISODE_STATUS_ENV_ERROR, result.status, result.reason)
             return episode
-        episode = Episode(result.episode, conversation_tokens(tokenizer, messages_of(result), rollout))
+        tools = json.loads(result.tools_json) if result.tools_json else None
+        episode = Episode(result.episode, conversation_tokens(tokenizer, messages_of(result), rollout, tools))
         if result.done:
             episode.end(common_pb2.EPISODE_STATUS_DONE)
         elif len(episode.prompt_ids) >= env.max_total_tokens:

@@ -65,7 +65,7 @@ def episode_to_proto(result: EpisodeResult) -> reward_pb2.EpisodeResult:
         episode=result.episode, observation=[reward_pb2.Message(role=m["role"], content=m["content"])
                                              for m in result.observation],
         reward=result.reward, done=result.done, status=STATUS_TO_PROTO[result.status], reason=result.reason,
-        latency_s=result.latency_s)
+        latency_s=result.latency_s, tools_json=result.tools_json)
 
 
 def to_proto(result: Result) -> reward_pb2.ScoreResult:

@@ -4,6 +4,7 @@
 {"op": "reset", "task": {...}, "params": {...}} (builds `Env(task, **params)` and calls `reset()`),
 {"op": "step", "action": text} (calls `step(action)`) and {"op": "close"} (drops the episode, so the
 worker can serve the next one). Replies are {"observation": [messages], "reward": x, "done": bool}
+(a reset's also "tools": the JSON schemas of the environment's `tools`, for the chat template)
 or {"error": reason}. An observation may be a string (one user message), None (nothing) or a list of
 {"role": "user" | "tool" | "system", "content": str} dicts. The values are checked here, for a clear
 message, and again by the service (`services.reward.episodes`), since user code could forge a reply.
@@ -15,6 +16,8 @@ from __future__ import annotations
 import math
 import traceback
 from typing import Any
+
+from services.reward import env_tools
 
 ROLES = ("user", "tool", "system")
 
@@ -54,6 +57,14 @@ def step_reply(value: Any) -> dict[str, Any]:
     return {"observation": observation_messages(observation), "reward": float(reward), "done": done}
 
 
+def declared_tools(env: Any) -> list[dict[str, Any]]:
+    """JSON schemas of the functions in the environment's `tools` list (a `ToolEnv`'s); [] without one."""
+    tools = getattr(env, "tools", None)
+    if not isinstance(tools, list) or not tools or not all(callable(t) for t in tools):
+        return []
+    return env_tools.tool_schemas(tools)
+
+
 class EnvHost:
     """Runs the episodes of one environment class, one at a time."""
 
@@ -78,7 +89,8 @@ class EnvHost:
         if op == "reset":
             self.env = None
             self.env = self.cls(request["task"], **request["params"])
-            return {"observation": observation_messages(self.env.reset()), "reward": 0.0, "done": False}
+            reply = {"observation": observation_messages(self.env.reset()), "reward": 0.0, "done": False}
+            return {**reply, "tools": declared_tools(self.env)}
         if op == "step":
             if self.env is None:
                 raise EnvError("step before reset")

@@ -12,7 +12,14 @@ and, for a tool with one string parameter, a short form small models follow more
     <tool_call>calc(12 * 7)</tool_call>
 
 Each call's output comes back to the model as a message of role "tool" (the chat template renders
-it). `ToolEnv` is an `Env` base class: its `step` runs the calls an action makes and returns their
+it). Where a chat template has a tool-call format of its own, the model's calls in it parse too: the
+Hermes/Qwen tag above with `"parameters"` for `"arguments"`, and, with no tag in the action, a bare
+JSON object `{"name": ..., "parameters" | "arguments": {...}}` (Llama 3.1's). A `ToolEnv` also hands
+its tools' JSON schemas (`tool_schemas`) to the actor, which renders them with the tokenizer's chat
+template where that template takes `tools` (e.g. Qwen2.5's, SmolLM3's); SmolLM2's does not, and
+`describe_tools`' system prompt is what tells its model about them.
+
+`ToolEnv` is an `Env` base class: its `step` runs the calls an action makes and returns their
 outputs, or, when the action calls no tool, hands it to the subclass's `finish(action)`.
 Stdlib only: it is imported inside the worker.
 """
@@ -52,24 +59,43 @@ def parse_tool_calls(text: str, tools: list[Tool] | None = None) -> list[ToolCal
     """Every <tool_call> of text, in order. The short form `name(text)` needs `tools` to know the
     parameter's name (the tool must have exactly one parameter)."""
     by_name = {t.__name__: t for t in tools or []}
-    calls = []
-    for body in TAG.findall(text):
-        calls.append(_parse_one(body.strip(), by_name))
-    return calls
+    bodies = TAG.findall(text)
+    if not bodies:
+        bare = _bare_json_call(text)
+        return [bare] if bare is not None else []
+    return [_parse_one(body.strip(), by_name) for body in bodies]
+
+
+def _bare_json_call(text: str) -> ToolCall | None:
+    """An action that is nothing but a JSON tool call (no tags), as Llama 3.1's template asks for; else None."""
+    stripped = text.strip()
+    if not (stripped.startswith("{") and stripped.endswith("}")):
+        return None
+    try:
+        data = json.loads(stripped)
+    except json.JSONDecodeError:
+        return None
+    if not isinstance(data, dict) or not isinstance(data.get("name"), str) or \
+            not ({"arguments", "parameters"} & set(data)):
+        return None
+    return _json_call(data)
+
+
+def _json_call(data: Any) -> ToolCall:
+    if not isinstance(data, dict) or not isinstance(data.get("name"), str):
+        return ToolCall("", error='a tool call needs {"name": ..., "arguments": {...}}')
+    arguments = data.get("arguments", data.get("parameters", {}))
+    if not isinstance(arguments, dict):
+        return ToolCall(data["name"], error="arguments must be an object")
+    return ToolCall(data["name"], arguments)
 
 
 def _parse_one(body: str, by_name: dict[str, Tool]) -> ToolCall:
     if body.startswith("{"):
         try:
-            data = json.loads(body)
+            return _json_call(json.loads(body))
         except json.JSONDecodeError as error:
             return ToolCall("", error=f"the tool call is not JSON: {error}")
-        if not isinstance(data, dict) or not isinstance(data.get("name"), str):
-            return ToolCall("", error='a tool call needs {"name": ..., "arguments": {...}}')
-        arguments = data.get("arguments", {})
-        if not isinstance(arguments, dict):
-            return ToolCall(data["name"], error="arguments must be an object")
-        return ToolCall(data["name"], arguments)
     short = SHORT.match(body)
     if short is None:
         return ToolCall("", error='write <tool_call>{"name": ..., "arguments": {...}}</tool_call>')
@@ -105,6 +131,26 @@ def describe_tools(tools: list[Tool]) -> str:
         doc = inspect.getdoc(tool) or ""
         lines.append(f"- {tool.__name__}{_signature(tool)}: {doc.splitlines()[0] if doc else ''}".rstrip(": "))
     return "\n".join(lines)
+
+
+JSON_TYPES = {"str": "string", "int": "integer", "float": "number", "bool": "boolean", "list": "array",
+              "dict": "object"}
+
+
+def tool_schemas(tools: list[Tool]) -> list[dict[str, Any]]:
+    """The tools as the JSON function schemas chat templates take (`apply_chat_template(..., tools=...)`):
+    name, the docstring's first line, and each parameter with its JSON type when annotated."""
+    schemas = []
+    for tool in tools:
+        parameters = inspect.signature(tool).parameters.values()
+        properties = {p.name: ({"type": JSON_TYPES[_annotation(p.annotation)]}
+                               if _annotation(p.annotation) in JSON_TYPES else {}) for p in parameters}
+        doc = inspect.getdoc(tool) or ""
+        schemas.append({"type": "function", "function": {
+            "name": tool.__name__, "description": doc.splitlines()[0] if doc else "",
+            "parameters": {"type": "object", "properties": properties,
+                           "required": [p.name for p in parameters if p.default is p.empty]}}})
+    return schemas
 
 
 def _annotation(value: Any) -> str:

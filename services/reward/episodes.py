@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import math
 import time
@@ -65,6 +66,12 @@ class EpisodeResult:
     status: Status = Status.OK
     reason: str = ""
     latency_s: float = 0.0
+    tools_json: str = ""
+    """On an open: the environment's tools as a JSON list of function schemas ("" without tools)."""
+
+
+MAX_TOOLS_JSON = 16 << 10
+"""Most bytes of an environment's tool schemas (they go into every episode's first prompt)."""
 
 
 @dataclass
@@ -110,7 +117,12 @@ def check_reply(index: int, outcome: Outcome) -> EpisodeResult:
             or not isinstance(done, bool):
         return EpisodeResult(index, [], 0.0, True, Status.ERROR, "malformed reply from the environment worker",
                              outcome.latency_s)
-    return EpisodeResult(index, observation, float(reward), done, Status.OK, "", outcome.latency_s)
+    tools = reply.get("tools", [])
+    tools_json = json.dumps(tools, separators=(",", ":")) if tools else ""
+    if not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools) or len(tools_json) > MAX_TOOLS_JSON:
+        return EpisodeResult(index, [], 0.0, True, Status.ERROR, f"the environment's tools are not a list of "
+                             f"function schemas of at most {MAX_TOOLS_JSON} bytes", outcome.latency_s)
+    return EpisodeResult(index, observation, float(reward), done, Status.OK, "", outcome.latency_s, tools_json)
 
 
 class EpisodeSessions:

@@ -12,11 +12,19 @@ import time
 import pytest
 import torch
 
-from services.actor.backends import LOGPROB_TOL, FixedBackend, HFBackend, make_backend, prompt_tokens
+from services.actor.backends import (
+    LOGPROB_TOL,
+    FixedBackend,
+    HFBackend,
+    conversation_tokens,
+    make_backend,
+    prompt_tokens,
+)
 from services.common import models
 from services.common.config import RolloutConfig
 from services.common.seeding import task_id, task_seed
 from services.learner import reference
+from services.reward.env_tools import tool_schemas
 
 ROLLOUT = RolloutConfig(samples_per_prompt=8, max_new_tokens=24, temperature=0.7, top_p=0.9)
 
@@ -113,3 +121,22 @@ def test_fixed_backend_takes_its_latency_and_repeats_under_a_seed() -> None:
         assert c.logprobs == pytest.approx([-math.log(vocab)] * 6) and c.finish_reason == "length"
     backend.load_weights({})
     assert backend.weight_loads == 1
+
+
+def test_an_environments_tools_reach_a_chat_template_with_a_tool_format() -> None:
+    _, tokenizer = models.load("tiny-llama")
+    rollout = RolloutConfig(max_new_tokens=4)
+    messages = [{"role": "user", "content": "What is 6 * 7?"}]
+    schemas = tool_schemas([_calc])
+    plain = conversation_tokens(tokenizer, messages, rollout)
+    assert conversation_tokens(tokenizer, messages, rollout, schemas) == plain  # SmolLM2's template has no tools
+    tokenizer.chat_template = ("{% if tools %}Tools: {{ tools | tojson }}\n{% endif %}"
+                               "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}assistant:")
+    with_tools = tokenizer.decode(conversation_tokens(tokenizer, messages, rollout, schemas))
+    assert with_tools.startswith('Tools: [{"type": "function", "function": {"name": "_calc"')
+    assert with_tools.endswith("user: What is 6 * 7?\nassistant:")
+
+
+def _calc(expression: str) -> str:
+    """Evaluate an arithmetic expression."""
+    return expression

@@ -3,10 +3,11 @@ and a ToolEnv run in the reward service's sandbox, where its file imports it as 
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from services.proto.fleetrl.v1 import common_pb2
-from services.reward.env_tools import ToolCall, describe_tools, parse_tool_calls, run_tool_call
+from services.reward.env_tools import ToolCall, describe_tools, parse_tool_calls, run_tool_call, tool_schemas
 from tests.reward.conftest import reward_service
 from tests.reward.test_reward_episodes import env_spec, open_session, step
 
@@ -35,6 +36,35 @@ def test_parse_both_forms_and_errors() -> None:
     assert "<tool_call>" in prompt and "- calc(expression: str) -> str: Evaluate an arithmetic expression." in prompt
 
 
+def test_the_formats_chat_templates_use_parse_too() -> None:
+    """Hermes/Qwen tags with "parameters", and Llama 3.1's bare JSON call (only when it is the whole action)."""
+    tagged = '<tool_call>{"name": "add", "parameters": {"a": 1, "b": 2}}</tool_call>'
+    assert parse_tool_calls(tagged, [add]) == [ToolCall("add", {"a": 1, "b": 2})]
+    assert parse_tool_calls(' {"name": "calc", "parameters": {"expression": "6 * 7"}}\n', [calc]) == \
+        [ToolCall("calc", {"expression": "6 * 7"})]
+    assert parse_tool_calls('{"name": "calc"}', [calc]) == []  # no arguments: an answer, not a call
+    assert parse_tool_calls('The call is {"name": "calc", "arguments": {}} here', [calc]) == []
+    bad = parse_tool_calls('{"name": "add", "arguments": [1, 2]}', [add])
+    assert bad == [ToolCall("add", error="arguments must be an object")]
+
+
+def test_tool_schemas_are_what_chat_templates_take() -> None:
+    def search(query: str, limit: int = 5, exact=False) -> list:
+        """Search the notes.
+
+        More text the schema leaves out."""
+        return []
+
+    assert tool_schemas([add, search]) == [
+        {"type": "function", "function": {"name": "add", "description": "Add two integers.", "parameters": {
+            "type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+            "required": ["a", "b"]}}},
+        {"type": "function", "function": {"name": "search", "description": "Search the notes.", "parameters": {
+            "type": "object", "properties": {"query": {"type": "string"}, "limit": {"type": "integer"}, "exact": {}},
+            "required": ["query"]}}},
+    ]
+
+
 CALCULATOR_ENV = '''
 from env_tools import ToolEnv
 
@@ -59,6 +89,7 @@ async def test_tool_env_runs_in_the_sandbox(tmp_path: Path) -> None:
         first = opened.episodes[0]
         assert first.status == common_pb2.REWARD_STATUS_OK, first.reason
         assert [m.role for m in first.observation] == ["system", "user"] and "calc(" in first.observation[0].content
+        assert json.loads(first.tools_json) == tool_schemas([calc])  # for a chat template with a tool format
         called = (await stub.StepEpisodes(step("t", (0, 0, "<tool_call>calc(2 + 2)</tool_call>")), timeout=10)).results
         assert [(m.role, m.content) for m in called[0].observation] == [("tool", "4")] and not called[0].done
         final = (await stub.StepEpisodes(step("t", (0, 1, "4")), timeout=10)).results[0]

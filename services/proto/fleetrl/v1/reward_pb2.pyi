@@ -120,7 +120,7 @@ class Message(_message.Message):
     def __init__(self, role: _Optional[str] = ..., content: _Optional[str] = ...) -> None: ...
 
 class EpisodeResult(_message.Message):
-    __slots__ = ("episode", "observation", "reward", "done", "status", "reason", "latency_s")
+    __slots__ = ("episode", "observation", "reward", "done", "status", "reason", "latency_s", "tools_json")
     EPISODE_FIELD_NUMBER: _ClassVar[int]
     OBSERVATION_FIELD_NUMBER: _ClassVar[int]
     REWARD_FIELD_NUMBER: _ClassVar[int]
@@ -128,6 +128,7 @@ class EpisodeResult(_message.Message):
     STATUS_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
     LATENCY_S_FIELD_NUMBER: _ClassVar[int]
+    TOOLS_JSON_FIELD_NUMBER: _ClassVar[int]
     episode: int
     observation: _containers.RepeatedCompositeFieldContainer[Message]
     reward: float
@@ -135,7 +136,8 @@ class EpisodeResult(_message.Message):
     status: _common_pb2.RewardStatus
     reason: str
     latency_s: float
-    def __init__(self, episode: _Optional[int] = ..., observation: _Optional[_Iterable[_Union[Message, _Mapping]]] = ..., reward: _Optional[float] = ..., done: _Optional[bool] = ..., status: _Optional[_Union[_common_pb2.RewardStatus, str]] = ..., reason: _Optional[str] = ..., latency_s: _Optional[float] = ...) -> None: ...
+    tools_json: str
+    def __init__(self, episode: _Optional[int] = ..., observation: _Optional[_Iterable[_Union[Message, _Mapping]]] = ..., reward: _Optional[float] = ..., done: _Optional[bool] = ..., status: _Optional[_Union[_common_pb2.RewardStatus, str]] = ..., reason: _Optional[str] = ..., latency_s: _Optional[float] = ..., tools_json: _Optional[str] = ...) -> None: ...
 
 class OpenEpisodesRequest(_message.Message):
     __slots__ = ("job_id", "session_id", "spec", "prompt", "metadata_json", "count")
