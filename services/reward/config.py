@@ -27,7 +27,13 @@ class RewardSettings(InfraSettings):
     pool_idle_s: float = Field(600.0, gt=0, le=86400)
     """A pool unused this long is closed (its workers killed)."""
     worker_start_timeout_s: float = Field(30.0, gt=0, le=600)
-    """Limit for a worker to start and load its spec (import the reward file, sympy, ...)."""
+    """Limit for a worker to start and isolate itself (the jail, Python, the service's own modules and
+    the built-ins' imports such as sympy), before any submitted code runs."""
+    worker_load_timeout_s: float = Field(30.0, gt=0, le=600)
+    """Limit for a started worker to load its spec: a reward or environment file's top-level code (its
+    imports). A spec slower than this does not load (Validate says so). A Score call waits for a load at
+    most its items' timeout (`reward.timeout_per_item_s`): items whose spec is still loading then score as
+    errors naming why, while the load goes on in the background for the next call."""
     worker_max_processes: int = Field(2, ge=1, le=1024)
     """RLIMIT_NPROC of a worker's private uid (the worker plus one code_tests child)."""
     worker_max_open_files: int = Field(64, ge=16, le=65536)

@@ -2,6 +2,10 @@
 
 `Scorer.score(job_id, spec, items)` scores every item concurrently on the spec's pool and always
 returns one `Result` per item, in order: a hanging or crashing item costs only its own result.
+A spec's pool loads in a task of its own (shared by every call for that spec, bounded by the
+workers' start and load deadlines); a Score call waits for it at most its items' timeout, so a
+reward file with slow top-level code makes that call's items errors naming the load instead of
+holding it, and other specs' calls never wait for it.
 Pools are cached by the spec's digest (sha256 of its JSON and file source), at most `max_pools`
 of them (least recently used closed first), and closed after `pool_idle_s` unused. Worker replies
 are re-checked here, since user code could have forged them: a reward must be a finite number,
@@ -134,6 +138,10 @@ def boot_message(spec: SpecInput) -> dict[str, Any]:
     return {"mode": "file", "spec": {"params": spec.spec.params}, "source": spec.source}
 
 
+def _kind(spec: SpecInput) -> str:
+    return "reward file" if isinstance(spec.spec, RewardSpec) and spec.spec.file is not None else "reward spec"
+
+
 def _finite(value: Any) -> bool:
     return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
 
@@ -237,9 +245,9 @@ class Scorer:
         s = self.settings
         limits = Limits(spec.memory_limit_mb, s.worker_cpu_limit_s, s.worker_max_file_mb,
                         s.worker_max_open_files, s.worker_max_processes)
-        return PoolConfig(s.workers_per_pool, limits, s.worker_start_timeout_s, s.max_items_per_worker,
-                          s.max_reply_bytes, s.sandbox_dir, s.worker_namespaces, s.burst_workers_per_pool,
-                          sandbox.bwrap, s.worker_tmp_mb)
+        return PoolConfig(s.workers_per_pool, limits, s.worker_start_timeout_s, s.worker_load_timeout_s,
+                          s.max_items_per_worker, s.max_reply_bytes, s.sandbox_dir, s.worker_namespaces,
+                          s.burst_workers_per_pool, sandbox.bwrap, s.worker_tmp_mb)
 
     def check_caps(self, spec: RewardSpec | EnvironmentSpec) -> None:
         """ConfigError naming each field of spec above the operator's cap."""
@@ -274,19 +282,25 @@ class Scorer:
             raise
         return pool
 
-    async def pool(self, spec: SpecInput) -> WorkerPool:
-        """The spec's pool, started on first use; ConfigError when the spec cannot load or asks too much."""
-        self.check_caps(spec.spec)
+    def _loading(self, spec: SpecInput) -> asyncio.Task[WorkerPool]:
+        """The task starting the spec's pool, started on first use; a failed one is forgotten when it ends,
+        so the next call tries again."""
         task = self._pools.get(spec.digest)
         if task is None:
             task = asyncio.get_running_loop().create_task(self._new_pool(spec))
             self._pools[spec.digest] = task
-        try:
-            pool = await asyncio.shield(task)
-        except Exception:
-            if self._pools.get(spec.digest) is task:
-                del self._pools[spec.digest]
-            raise
+            task.add_done_callback(lambda done: self._forget_failed(spec.digest, done))
+        return task
+
+    def _forget_failed(self, digest: str, task: asyncio.Task[WorkerPool]) -> None:
+        if (task.cancelled() or task.exception()) and self._pools.get(digest) is task:
+            del self._pools[digest]
+
+    async def pool(self, spec: SpecInput, wait_s: float | None = None) -> WorkerPool:
+        """The spec's pool, started on first use; ConfigError when the spec cannot load or asks too much,
+        TimeoutError when it has not loaded within wait_s (the load goes on for the next call)."""
+        self.check_caps(spec.spec)
+        pool = await asyncio.wait_for(asyncio.shield(self._loading(spec)), wait_s)
         pool.last_used = time.monotonic()
         await self._evict(keep=spec.digest)
         return pool
@@ -313,9 +327,25 @@ class Scorer:
             return []
         if not isinstance(spec.spec, RewardSpec):
             raise InvalidArgument("not a reward spec", [FieldViolation("spec", "an environment cannot score items")])
-        pool = await self.pool(spec)
         timeout_s = spec.spec.timeout_per_item_s
+        start = time.monotonic()
+        try:
+            pool = await self.pool(spec, wait_s=timeout_s)
+        except TimeoutError:
+            return self._unscored(job_id, items, start, (
+                f"{_kind(spec)} not loaded within the item timeout {timeout_s:g}s (reward.timeout_per_item_s): its "
+                f"top-level code is still running (a load may take up to worker_load_timeout_s, "
+                f"{self.settings.worker_load_timeout_s:g}s)"))
+        except ConfigError as error:  # caps were checked above: the spec does not load
+            return self._unscored(job_id, items, start, str(error))
         return list(await asyncio.gather(*(self._score_one(job_id, pool, item, timeout_s) for item in items)))
+
+    def _unscored(self, job_id: str, items: list[Item], start: float, reason: str) -> list[Result]:
+        """Every item an error naming reason (the spec has no pool to score on)."""
+        latency_s = time.monotonic() - start
+        for _ in items:
+            self.metrics.observe(job_id, Status.ERROR.value, latency_s)
+        return [Result(0.0, {}, Status.ERROR, reason, latency_s) for _ in items]
 
     async def _score_one(self, job_id: str, pool: WorkerPool, item: Item, timeout_s: float) -> Result:
         request = {"completion": item.completion, "prompt": item.prompt, "metadata": item.metadata}
@@ -334,9 +364,13 @@ class Scorer:
         return len(idle)
 
     async def close(self) -> None:
-        """Close every pool (kills all workers)."""
+        """Close every pool (kills all workers); a pool still loading is cancelled (which kills its worker)."""
         tasks = list(self._pools.values())
         self._pools.clear()
         for task in tasks:
-            with contextlib.suppress(Exception):
-                await (await task).close()
+            task.cancel()  # a no-op for a pool that is up
+        await asyncio.gather(*tasks, return_exceptions=True)
+        for task in tasks:
+            if not task.cancelled() and task.exception() is None:
+                with contextlib.suppress(Exception):
+                    await task.result().close()
