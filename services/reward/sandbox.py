@@ -77,6 +77,10 @@ class PoolConfig:
     """The bwrap binary when workers run in the jail; None for the legacy sandbox."""
     tmp_mb: int = 64
     """Size of the jail's /sandbox tmpfs."""
+    respawn_burst: int = 8
+    """Replacement workers the pool may start back to back (see `pool.RespawnBudget`)."""
+    respawns_per_s: float = 1.0
+    """Replacement workers the pool may start per second once its burst is spent."""
 
 
 @dataclass

@@ -247,7 +247,8 @@ class Scorer:
                         s.worker_max_open_files, s.worker_max_processes)
         return PoolConfig(s.workers_per_pool, limits, s.worker_start_timeout_s, s.worker_load_timeout_s,
                           s.max_items_per_worker, s.max_reply_bytes, s.sandbox_dir, s.worker_namespaces,
-                          s.burst_workers_per_pool, sandbox.bwrap, s.worker_tmp_mb)
+                          s.burst_workers_per_pool, sandbox.bwrap, s.worker_tmp_mb, s.worker_respawn_burst,
+                          s.worker_respawns_per_s)
 
     def check_caps(self, spec: RewardSpec | EnvironmentSpec) -> None:
         """ConfigError naming each field of spec above the operator's cap."""

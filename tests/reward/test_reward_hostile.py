@@ -373,5 +373,29 @@ async def test_slow_import_scores_errors_within_the_item_timeout(hostile: Hostil
         assert time.monotonic() - start < LOAD_TIMEOUT_S + 1.0
 
 
+CRASH_EVERY_ITEM = "import os\ndef reward(completion, prompt, **meta):\n    os._exit(1)\n"
+
+
+async def test_a_reward_file_killing_its_worker_on_every_item_is_rate_limited(hostile: Hostile) -> None:
+    """Its pool starts at most worker_respawn_burst (8) workers back to back, then 1 a second; the other
+    items fail at once naming the back-off, and another job is served right after."""
+    async with channel(f"127.0.0.1:{hostile.port}") as chan:
+        stub = reward_pb2_grpc.RewardServiceStub(chan)
+        start = time.monotonic()
+        reply = await stub.Score(reward_pb2.ScoreRequest(
+            job_id="j", spec=file_spec(CRASH_EVERY_ITEM, timeout_s=TIMEOUT_S), items=items(*[("x", {})] * 30)),
+            timeout=30)
+        elapsed = time.monotonic() - start
+        killed = [r for r in reply.results if r.status == common_pb2.REWARD_STATUS_KILLED]
+        refused = [r for r in reply.results if r.status == ERROR]
+        assert len(killed) + len(refused) == 30 and all(r.reward == 0.0 for r in reply.results)
+        assert len(killed) <= 1 + 8 + elapsed + 1, (hostile.mode, len(killed), elapsed)
+        assert refused and all("reward pool backing off" in r.reason for r in refused), refused[:1]
+        assert elapsed < 5.0, elapsed
+        benign = await stub.Score(reward_pb2.ScoreRequest(
+            job_id="b", spec=file_spec(BENIGN), items=items(("57", {"answer": "57"}))), timeout=30)
+        assert [(r.status, r.reward) for r in benign.results] == [(OK, 1.0)]
+
+
 def _state(pid: int) -> str:
     return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]

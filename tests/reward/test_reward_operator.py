@@ -1,5 +1,6 @@
 """What the operator of a reward service controls: caps on what a job may ask, the refusal to run
-reward code without the jail, and no worker or temp dir outliving a SIGKILLed service."""
+reward code without the jail, the rate at which a pool starts workers, and no worker or temp dir
+outliving a SIGKILLed service."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from services.fleet.embedded import free_port, wait_for_port
 from services.proto.fleetrl.v1 import common_pb2, reward_pb2, reward_pb2_grpc
 from services.reward import jail
 from services.reward.config import RewardSettings
+from services.reward.pool import RespawnBudget
 from services.reward.scorer import Scorer
 from tests.reward.conftest import (
     UID_BASE,
@@ -154,3 +156,48 @@ def test_the_probe_accepts_a_virtualenv_under_a_hidden_dir_and_nothing_else_ther
     assert not jail._only_bound_paths({"tmp": ["clone", "secret"]})
     assert not jail._only_bound_paths({"var": ["log"]})
     assert jail._only_bound_paths({"run": []})  # an empty mount point holds nothing of the host
+
+
+def test_the_respawn_budget_allows_a_burst_then_a_rate() -> None:
+    budget = RespawnBudget(burst=2, per_s=10.0)
+    waits = [budget.take() for _ in range(4)]
+    assert waits[:2] == [0.0, 0.0]
+    assert waits[2] == pytest.approx(0.1, abs=0.01) and waits[3] == pytest.approx(0.2, abs=0.01)
+    time.sleep(0.5)  # the two reservations are spent, then three more tokens came in, capped at the burst
+    assert [budget.take() for _ in range(3)] == [0.0, 0.0, pytest.approx(0.1, abs=0.01)]
+
+
+CRASH = ("import os\ndef reward(completion, prompt, **meta):\n    if meta.get('crash'):\n        os._exit(1)\n"
+         "    return 1.0\n")
+
+
+async def test_a_pool_whose_workers_keep_dying_backs_off(tmp_path: Path) -> None:
+    """A reward file that kills its worker on every item gets at most burst + rate * time replacements;
+    the rest of its items fail at once naming the back-off, other specs are served, and it recovers."""
+    burst, per_s = 3, 2.0
+    async with reward_service(tmp_path, workers_per_pool=2, burst_workers_per_pool=0, worker_respawn_burst=burst,
+                              worker_respawns_per_s=per_s) as stub:
+        crash = file_spec(CRASH)
+        start = time.monotonic()
+        reply = await stub.Score(reward_pb2.ScoreRequest(job_id="j", spec=crash, items=items(
+            *[("x", {"crash": True})] * 40)), timeout=30)
+        elapsed = time.monotonic() - start
+        statuses = [r.status for r in reply.results]
+        killed = statuses.count(common_pb2.REWARD_STATUS_KILLED)
+        backing_off = [r for r in reply.results if r.status == common_pb2.REWARD_STATUS_ERROR]
+        assert killed + len(backing_off) == 40, reply.results
+        assert killed <= 2 + burst + per_s * elapsed + 1, (killed, elapsed)
+        assert backing_off and all("reward pool backing off" in r.reason and "worker_respawns_per_s" in r.reason
+                                   for r in backing_off), backing_off[:1]
+        assert elapsed < 5.0
+        other = await stub.Score(reward_pb2.ScoreRequest(job_id="k", spec=file_spec(BENIGN), items=items(
+            ("x", {}))), timeout=10)
+        assert other.results[0].status == common_pb2.REWARD_STATUS_OK
+        deadline = time.monotonic() + 5.0
+        while True:  # a worker starts once the budget allows: the spec's good items score again
+            again = await stub.Score(reward_pb2.ScoreRequest(job_id="j", spec=crash, items=items(("x", {}))),
+                                     timeout=10)
+            if again.results[0].status == common_pb2.REWARD_STATUS_OK or time.monotonic() > deadline:
+                break
+            await asyncio.sleep(0.2)
+        assert again.results[0].status == common_pb2.REWARD_STATUS_OK, again.results[0].reason
