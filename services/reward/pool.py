@@ -197,7 +197,7 @@ class WorkerPool:
         self._delayed += 1
         try:
             if self._stalled():
-                log.warning("reward pool (%s) backing off: %s", self.boot["mode"], self._backoff_reason())
+                log.warning("%s (%s)", self._backoff_reason(), self.boot["mode"])
                 self._fail_waiters(BackingOff(self._backoff_reason()))
             await asyncio.sleep(delay)
         finally:
@@ -209,7 +209,7 @@ class WorkerPool:
         return 0 < self._delayed == self._starting and not self._live - self._held
 
     def _backoff_reason(self) -> str:
-        return (f"reward pool backing off: {self._replaced} workers replaced (the last after a {self._last_reason}), "
+        return (f"reward pool backing off: {self._replaced} workers replaced (the last for: {self._last_reason}), "
                 f"and it starts at most {self.cfg.respawn_burst} back to back, then "
                 f"{self.cfg.respawns_per_s:g} a second (worker_respawn_burst, worker_respawns_per_s)")
 
