@@ -108,6 +108,11 @@ class WorkerPool:
         return len(self._held)
 
     @property
+    def broken(self) -> str | None:
+        """Why the pool cannot serve (no worker could be started again), or None."""
+        return self._broken
+
+    @property
     def isolation(self) -> dict[str, Any]:
         return next(iter(self._live)).isolation if self._live else {}
 

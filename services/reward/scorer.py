@@ -5,7 +5,9 @@ returns one `Result` per item, in order: a hanging or crashing item costs only i
 A spec's pool loads in a task of its own (shared by every call for that spec, bounded by the
 workers' start and load deadlines); a Score call waits for it at most its items' timeout, so a
 reward file with slow top-level code makes that call's items errors naming the load instead of
-holding it, and other specs' calls never wait for it.
+holding it, and other specs' calls never wait for it. A spec that failed to load (or whose pool
+could not start a worker again) is not loaded again for 1 s, doubling per failure in a row up to
+60 s: meanwhile its calls' items are errors naming the reason, and no worker is started for them.
 Pools are cached by the spec's digest (sha256 of its JSON and file source), at most `max_pools`
 of them (least recently used closed first), and closed after `pool_idle_s` unused. Worker replies
 are re-checked here, since user code could have forged them: a reward must be a finite number,
@@ -38,6 +40,8 @@ from services.reward.sandbox import Limits, Outcome, PoolConfig, UidPool, sweep_
 log = logging.getLogger(__name__)
 
 MAX_COMPONENTS = 64
+LOAD_RETRY_S = 1.0
+LOAD_RETRY_MAX_S = 60.0
 
 
 class Status(enum.StrEnum):
@@ -139,7 +143,29 @@ def boot_message(spec: SpecInput) -> dict[str, Any]:
 
 
 def _kind(spec: SpecInput) -> str:
-    return "reward file" if isinstance(spec.spec, RewardSpec) and spec.spec.file is not None else "reward spec"
+    if isinstance(spec.spec, EnvironmentSpec):
+        return "environment file"
+    return "reward file" if spec.spec.file is not None else "reward spec"
+
+
+def _what(spec: SpecInput) -> str:
+    """The spec as load errors name it (as `sandbox.WorkerProcess.start` does)."""
+    return "environment" if isinstance(spec.spec, EnvironmentSpec) else "reward spec"
+
+
+def _field(spec: SpecInput) -> str:
+    if isinstance(spec.spec, EnvironmentSpec):
+        return "environment.file"
+    return "reward.file" if spec.spec.file is not None else "reward.params"
+
+
+@dataclass(frozen=True)
+class LoadFailure:
+    """A spec that failed to load count times in a row: its reason, and when a load is tried again."""
+
+    count: int
+    retry_at: float
+    violations: list[FieldViolation]
 
 
 def _finite(value: Any) -> bool:
@@ -219,6 +245,7 @@ class Scorer:
         self.settings = settings
         self.metrics = metrics or RewardMetrics()
         self._pools: dict[str, asyncio.Task[WorkerPool]] = {}
+        self._load_failures: dict[str, LoadFailure] = {}
         self._uids = UidPool(settings.sandbox_uid_base)
         if not self._uids.enabled:
             guard.hide_from_same_uid()  # workers run under our uid: keep them out of our /proc environ
@@ -284,24 +311,46 @@ class Scorer:
         return pool
 
     def _loading(self, spec: SpecInput) -> asyncio.Task[WorkerPool]:
-        """The task starting the spec's pool, started on first use; a failed one is forgotten when it ends,
-        so the next call tries again."""
+        """The task starting the spec's pool, started on first use. A failed one is forgotten when it ends;
+        after a spec failed to load, the next load waits LOAD_RETRY_S, doubling with each failure in a row
+        up to LOAD_RETRY_MAX_S (ConfigError naming the reason meanwhile), so a file that fails to load
+        (or whose pool broke) cannot make the service start a worker on every call."""
         task = self._pools.get(spec.digest)
         if task is None:
+            failed = self._load_failures.get(spec.digest)
+            if failed is not None and time.monotonic() < failed.retry_at:
+                raise ConfigError(f"{_what(spec)} cannot load (failed {failed.count} time(s) in a row; not tried "
+                                  f"again for {failed.retry_at - time.monotonic():.1f}s)", failed.violations)
             task = asyncio.get_running_loop().create_task(self._new_pool(spec))
             self._pools[spec.digest] = task
-            task.add_done_callback(lambda done: self._forget_failed(spec.digest, done))
+            task.add_done_callback(lambda done: self._loaded(spec.digest, done))
         return task
 
-    def _forget_failed(self, digest: str, task: asyncio.Task[WorkerPool]) -> None:
-        if (task.cancelled() or task.exception()) and self._pools.get(digest) is task:
+    def _loaded(self, digest: str, task: asyncio.Task[WorkerPool]) -> None:
+        if not task.cancelled() and task.exception() is None:
+            self._load_failures.pop(digest, None)
+            return
+        if self._pools.get(digest) is task:
             del self._pools[digest]
+        error = None if task.cancelled() else task.exception()
+        if isinstance(error, ConfigError):
+            self._failed_to_load(digest, error.violations)
+
+    def _failed_to_load(self, digest: str, violations: list[FieldViolation]) -> None:
+        count = self._load_failures[digest].count + 1 if digest in self._load_failures else 1
+        delay = min(LOAD_RETRY_MAX_S, LOAD_RETRY_S * 2 ** (count - 1))
+        self._load_failures[digest] = LoadFailure(count, time.monotonic() + delay, violations)
 
     async def pool(self, spec: SpecInput, wait_s: float | None = None) -> WorkerPool:
         """The spec's pool, started on first use; ConfigError when the spec cannot load or asks too much,
         TimeoutError when it has not loaded within wait_s (the load goes on for the next call)."""
         self.check_caps(spec.spec)
         pool = await asyncio.wait_for(asyncio.shield(self._loading(spec)), wait_s)
+        if pool.broken and self._pools.get(spec.digest) is not None:  # no worker of it could be started again
+            del self._pools[spec.digest]
+            self._failed_to_load(spec.digest, [FieldViolation(_field(spec), pool.broken)])
+            await pool.close()
+            raise ConfigError(f"{_what(spec)} cannot load", [FieldViolation(_field(spec), pool.broken)])
         pool.last_used = time.monotonic()
         await self._evict(keep=spec.digest)
         return pool

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -201,3 +202,46 @@ async def test_a_pool_whose_workers_keep_dying_backs_off(tmp_path: Path) -> None
                 break
             await asyncio.sleep(0.2)
         assert again.results[0].status == common_pb2.REWARD_STATUS_OK, again.results[0].reason
+
+
+async def test_a_spec_that_fails_to_load_is_retried_with_backoff(tmp_path: Path) -> None:
+    """Score of a file whose import fails: items are errors naming why, and the next loads wait 1 s, then
+    2 s (doubling), so calls in between start no worker."""
+    async with reward_service(tmp_path) as stub:
+        request = reward_pb2.ScoreRequest(job_id="j", spec=file_spec("raise ImportError('no luck')\n"),
+                                          items=items(("x", {})))
+
+        async def reason() -> str:
+            result = (await stub.Score(request, timeout=10)).results[0]
+            assert result.status == common_pb2.REWARD_STATUS_ERROR
+            return result.reason
+
+        assert "cannot load" in (first := await reason()) and "ImportError: no luck" in first, first
+        start = time.monotonic()
+        again = await reason()
+        assert time.monotonic() - start < 0.5
+        assert "cannot load (failed 1 time(s) in a row; not tried again for" in again and "no luck" in again, again
+        await asyncio.sleep(1.0)
+        assert "cannot load" in await reason()
+        second = await reason()
+        waits = re.findall(r"failed 2 time\(s\) in a row; not tried again for ([0-9.]+)s", second)
+        assert waits and 1.5 < float(waits[0]) <= 2.0, second
+
+
+async def test_a_pool_that_cannot_start_a_worker_again_is_dropped(tmp_path: Path) -> None:
+    """A file that loads only before a deadline: once its workers die after it, their replacements fail to
+    load, the pool breaks, and the spec's items are errors naming why (then the load back-off)."""
+    async with reward_service(tmp_path, worker_respawn_burst=100) as stub:
+        source = (f"import os, time\nif time.time() > {time.time() + 2.0}:\n    raise ImportError('too late')\n"
+                  "def reward(completion, prompt, **meta):\n    os._exit(1)\n")
+        request = reward_pb2.ScoreRequest(job_id="j", spec=file_spec(source), items=items(("x", {}), ("y", {})))
+        assert (await stub.Validate(reward_pb2.ValidateRequest(spec=request.spec), timeout=10)).ok
+        await asyncio.sleep(2.5)
+        killed = await stub.Score(request, timeout=10)
+        assert [r.status for r in killed.results] == [common_pb2.REWARD_STATUS_KILLED] * 2
+        await asyncio.sleep(2.0)  # three failed starts of each replacement
+        broken = await stub.Score(request, timeout=10)
+        assert all(r.status == common_pb2.REWARD_STATUS_ERROR and "no reward worker could be started" in r.reason
+                   for r in broken.results), broken.results
+        later = await stub.Score(request, timeout=10)
+        assert "cannot load (failed 1 time(s) in a row" in later.results[0].reason, later.results[0].reason
