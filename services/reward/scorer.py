@@ -346,11 +346,15 @@ class Scorer:
         TimeoutError when it has not loaded within wait_s (the load goes on for the next call)."""
         self.check_caps(spec.spec)
         pool = await asyncio.wait_for(asyncio.shield(self._loading(spec)), wait_s)
-        if pool.broken and self._pools.get(spec.digest) is not None:  # no worker of it could be started again
-            del self._pools[spec.digest]
-            self._failed_to_load(spec.digest, [FieldViolation(_field(spec), pool.broken)])
-            await pool.close()
-            raise ConfigError(f"{_what(spec)} cannot load", [FieldViolation(_field(spec), pool.broken)])
+        if pool.broken:  # no worker of it could be started again: drop it (once) and back off
+            violations = [FieldViolation(_field(spec), pool.broken)]
+            task = self._pools.get(spec.digest)
+            if task is not None and task.done() and not task.cancelled() and task.exception() is None \
+                    and task.result() is pool:
+                del self._pools[spec.digest]
+                self._failed_to_load(spec.digest, violations)
+                await pool.close()
+            raise ConfigError(f"{_what(spec)} cannot load", violations)
         pool.last_used = time.monotonic()
         await self._evict(keep=spec.digest)
         return pool
