@@ -25,7 +25,7 @@ class RewardSettings(InfraSettings):
     worker_respawn_burst: int = Field(8, ge=1, le=10_000)
     """Workers a pool may start back to back to replace ones that timed out, crashed or were recycled, and
     for bursts; past it the pool starts at most `worker_respawns_per_s` a second."""
-    worker_respawns_per_s: float = Field(1.0, gt=0, le=1000)
+    worker_respawns_per_s: float = Field(2.0, gt=0, le=1000)
     """Sustained rate at which a pool may start workers once its `worker_respawn_burst` is spent, so a
     reward file that kills its worker on every item cannot make the service spend its CPU on starting
     workers. While a pool waits for it with no worker to run on, its items fail at once, naming why."""

@@ -79,7 +79,7 @@ class PoolConfig:
     """Size of the jail's /sandbox tmpfs."""
     respawn_burst: int = 8
     """Replacement workers the pool may start back to back (see `pool.RespawnBudget`)."""
-    respawns_per_s: float = 1.0
+    respawns_per_s: float = 2.0
     """Replacement workers the pool may start per second once its burst is spent."""
 
 

@@ -377,7 +377,7 @@ CRASH_EVERY_ITEM = "import os\ndef reward(completion, prompt, **meta):\n    os._
 
 
 async def test_a_reward_file_killing_its_worker_on_every_item_is_rate_limited(hostile: Hostile) -> None:
-    """Its pool starts at most worker_respawn_burst (8) workers back to back, then 1 a second; the other
+    """Its pool starts at most worker_respawn_burst (8) workers back to back, then 2 a second; the other
     items fail at once naming the back-off, and another job is served right after."""
     async with channel(f"127.0.0.1:{hostile.port}") as chan:
         stub = reward_pb2_grpc.RewardServiceStub(chan)
@@ -389,7 +389,7 @@ async def test_a_reward_file_killing_its_worker_on_every_item_is_rate_limited(ho
         killed = [r for r in reply.results if r.status == common_pb2.REWARD_STATUS_KILLED]
         refused = [r for r in reply.results if r.status == ERROR]
         assert len(killed) + len(refused) == 30 and all(r.reward == 0.0 for r in reply.results)
-        assert len(killed) <= 1 + 8 + elapsed + 1, (hostile.mode, len(killed), elapsed)
+        assert len(killed) <= 1 + 8 + 2 * elapsed + 1, (hostile.mode, len(killed), elapsed)
         assert refused and all("reward pool backing off" in r.reason for r in refused), refused[:1]
         assert elapsed < 5.0, elapsed
         benign = await stub.Score(reward_pb2.ScoreRequest(
