@@ -108,7 +108,8 @@ async def isolation(workers: int, seconds: float, hang_timeout_s: float, hostile
         stub = reward_pb2_grpc.RewardServiceStub(chan)
         benign_request = reward_pb2.ScoreRequest(job_id="benign", spec=benign, items=batch())
         hanging_request = reward_pb2.ScoreRequest(job_id="hanging", spec=hanging, items=batch(hang_every=1)[:8])
-        await stub.Score(benign_request, timeout=120)  # the benign pool's workers up
+        await stub.Score(benign_request, timeout=120)  # the benign pool's first worker up
+        await benign_p50_ms(stub, benign_request, 1.0)  # warm-up: the pool's other workers start meanwhile
         alone = await benign_p50_ms(stub, benign_request, seconds)
         stop = asyncio.Event()
 
