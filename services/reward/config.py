@@ -22,12 +22,25 @@ class RewardSettings(InfraSettings):
     burst_workers_per_pool: int = Field(4, ge=0, le=512)
     """Extra workers a pool may start while items run past a quarter of their timeout, one per such
     item, so that slow or hanging items do not take the capacity of the rest (0: never)."""
+    worker_respawn_burst: int = Field(8, ge=1, le=10_000)
+    """Workers a pool may start back to back to replace ones that timed out, crashed or were recycled, and
+    for bursts; past it the pool starts at most `worker_respawns_per_s` a second."""
+    worker_respawns_per_s: float = Field(2.0, gt=0, le=1000)
+    """Sustained rate at which a pool may start workers once its `worker_respawn_burst` is spent, so a
+    reward file that kills its worker on every item cannot make the service spend its CPU on starting
+    workers. While a pool waits for it with no worker to run on, its items fail at once, naming why."""
     max_pools: int = Field(16, ge=1, le=1024)
     """Most reward specs with live workers; the least recently used pool is closed beyond it."""
     pool_idle_s: float = Field(600.0, gt=0, le=86400)
     """A pool unused this long is closed (its workers killed)."""
     worker_start_timeout_s: float = Field(30.0, gt=0, le=600)
-    """Limit for a worker to start and load its spec (import the reward file, sympy, ...)."""
+    """Limit for a worker to start and isolate itself (the jail, Python, the service's own modules and
+    the built-ins' imports such as sympy), before any submitted code runs."""
+    worker_load_timeout_s: float = Field(30.0, gt=0, le=600)
+    """Limit for a started worker to load its spec: a reward or environment file's top-level code (its
+    imports). A spec slower than this does not load (Validate says so). A Score call waits for a load at
+    most its items' timeout (`reward.timeout_per_item_s`): items whose spec is still loading then score as
+    errors naming why, while the load goes on in the background for the next call."""
     worker_max_processes: int = Field(2, ge=1, le=1024)
     """RLIMIT_NPROC of a worker's private uid (the worker plus one code_tests child)."""
     worker_max_open_files: int = Field(64, ge=16, le=65536)

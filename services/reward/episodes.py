@@ -187,7 +187,7 @@ class EpisodeSessions:
             self.metrics.open_episodes.set(self.open_episodes)
 
     async def _reset(self, session: Session, task: dict[str, Any], count: int) -> None:
-        wait_s = 2 * self.settings.worker_start_timeout_s
+        wait_s = 2 * (self.settings.worker_start_timeout_s + self.settings.worker_load_timeout_s)
         for index in range(count):
             try:
                 worker = await asyncio.wait_for(session.pool.hold(), wait_s)

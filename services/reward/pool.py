@@ -11,13 +11,19 @@ so the pool starts others for the items and episodes behind them. A hostile item
 at most its timeout. An item still running after a quarter of its timeout is overrunning: for each
 one the pool may start an extra worker (at most `cfg.burst`), so items that hang take the capacity
 they hold, not the capacity of the items queued behind them. Extra workers are retired when they
-are given back and the pool holds more than it needs. The pool logs which isolation layers its
-first worker reports.
+are given back and the pool holds more than it needs. Every start after the pool's first `size`
+workers (replacements, bursts) takes a token of the pool's `RespawnBudget`: `respawn_burst` back to
+back, then `respawns_per_s`; a start waits for its token, and while nothing can serve (no worker free
+or busy, every start waiting) the pool is backing off: callers waiting and arriving fail at once with
+`BackingOff` naming why (an item scores as an error), so a reward file that kills its worker on every
+item costs a bounded number of starts. Idle workers go to waiting callers in arrival order. The pool
+logs which isolation layers its first worker reports.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import logging
 import time
@@ -35,6 +41,28 @@ OVERRUN_FRACTION = 0.25
 LAYERS = ("netns", "pidns", "userns", "mountns", "seccomp", "dropped_uid", "audit_hook")
 
 ReplaceReason = Literal["timeout", "crash", "cancelled", "recycled", "abandoned", "episode_timeout"]
+
+
+class BackingOff(Unavailable):
+    """The pool's workers keep dying and every replacement waits for its start budget: nothing can serve now."""
+
+
+class RespawnBudget:
+    """A token bucket of worker starts: `burst` back to back, then `per_s` a second. `take` reserves the
+    next start and returns how long it must wait for it (reservations queue up, 1/per_s apart)."""
+
+    burst: int
+    per_s: float
+
+    def __init__(self, burst: int, per_s: float) -> None:
+        self.burst, self.per_s = burst, per_s
+        self._tokens, self._at = float(burst), time.monotonic()
+
+    def take(self) -> float:
+        now = time.monotonic()
+        self._tokens = min(float(self.burst), self._tokens + (now - self._at) * self.per_s) - 1.0
+        self._at = now
+        return max(0.0, -self._tokens / self.per_s)
 
 
 def describe_isolation(isolation: dict[str, Any]) -> str:
@@ -55,10 +83,16 @@ class WorkerPool:
     def __init__(self, boot: dict[str, Any], cfg: PoolConfig, uids: UidPool,
                  on_replace: Callable[[ReplaceReason], None] = lambda reason: None) -> None:
         self.boot, self.cfg, self._uids, self._on_replace = boot, cfg, uids, on_replace
-        self._idle: asyncio.Queue[WorkerProcess] = asyncio.Queue()
+        self._idle: collections.deque[WorkerProcess] = collections.deque()
+        self._waiters: collections.deque[asyncio.Future[WorkerProcess]] = collections.deque()
+        self._respawns = RespawnBudget(cfg.respawn_burst, cfg.respawns_per_s)
+        self._delayed = 0
+        self._replaced = 0
+        self._last_reason = ""
         self._live: set[WorkerProcess] = set()
         self._tasks: set[asyncio.Task[None]] = set()
         self._spawns: set[asyncio.Task[None]] = set()
+        self._starting = 0
         self._overrunning: set[object] = set()
         self._held: set[WorkerProcess] = set()
         self._broken: str | None = None
@@ -74,6 +108,11 @@ class WorkerPool:
         return len(self._held)
 
     @property
+    def broken(self) -> str | None:
+        """Why the pool cannot serve (no worker could be started again), or None."""
+        return self._broken
+
+    @property
     def isolation(self) -> dict[str, Any]:
         return next(iter(self._live)).isolation if self._live else {}
 
@@ -85,7 +124,7 @@ class WorkerPool:
                 describe_isolation(first.isolation))
         self._add(first)
         for _ in range(self.cfg.size - 1):
-            self._spawn()
+            self._spawn(budgeted=False)
 
     async def _start_worker(self) -> WorkerProcess:
         uid = await self._uids.take()
@@ -101,7 +140,7 @@ class WorkerPool:
         return self.cfg.size + min(len(self._overrunning), self.cfg.burst) + len(self._held)
 
     def _top_up(self) -> None:
-        while not self._closed and len(self._live) + len(self._spawns) < self._target():
+        while not self._closed and len(self._live) + self._starting < self._target():
             self._spawn()
 
     def _add(self, worker: WorkerProcess) -> None:
@@ -109,7 +148,16 @@ class WorkerPool:
             self._background(self._retire(worker))
             return
         self._live.add(worker)
-        self._idle.put_nowait(worker)
+        self._hand_out(worker)
+
+    def _hand_out(self, worker: WorkerProcess) -> None:
+        """Give an idle worker to the longest-waiting caller, else keep it idle."""
+        while self._waiters:
+            waiter = self._waiters.popleft()
+            if not waiter.done():
+                waiter.set_result(worker)
+                return
+        self._idle.append(worker)
 
     def _background(self, coro: Any, tasks: set[asyncio.Task[None]] | None = None) -> None:
         group = self._tasks if tasks is None else tasks
@@ -117,19 +165,64 @@ class WorkerPool:
         group.add(task)
         task.add_done_callback(group.discard)
 
-    def _spawn(self) -> None:
-        self._background(self._spawn_with_retries(), self._spawns)
+    def _spawn(self, budgeted: bool = True) -> None:
+        self._starting += 1
+        self._background(self._spawn_with_retries(budgeted), self._spawns)
 
-    async def _spawn_with_retries(self) -> None:
+    async def _spawn_with_retries(self, budgeted: bool) -> None:
+        """Start a worker and add it to the pool; `_starting` counts it until then (not until its task ends,
+        which is later than the caller it is handed to resumes)."""
+        try:
+            worker = await self._start_with_retries(budgeted)
+        finally:
+            self._starting -= 1
+        if worker is not None:
+            self._add(worker)
+        elif not self._live:
+            self._broken = f"no reward worker could be started ({SPAWN_ATTEMPTS} attempts)"
+            self._fail_waiters(Unavailable(self._broken))
+
+    async def _start_with_retries(self, budgeted: bool) -> WorkerProcess | None:
+        """A started worker, or None after SPAWN_ATTEMPTS failures; each attempt after the pool's first
+        workers waits for the start budget."""
         for attempt in range(1, SPAWN_ATTEMPTS + 1):
+            if budgeted:
+                await self._wait_for_budget()
             try:
-                self._add(await self._start_worker())
-                return
+                return await self._start_worker()
             except Exception as error:  # deliberate: a failed replacement is retried, then reported
                 log.warning("reward worker start failed (%d/%d): %s", attempt, SPAWN_ATTEMPTS, error)
                 await asyncio.sleep(0.2 * attempt)
-        if not self._live:
-            self._broken = f"no reward worker could be started ({SPAWN_ATTEMPTS} attempts)"
+        return None
+
+    async def _wait_for_budget(self) -> None:
+        delay = self._respawns.take()
+        if delay <= 0:
+            return
+        self._delayed += 1
+        try:
+            if self._stalled():
+                log.warning("%s (%s)", self._backoff_reason(), self.boot["mode"])
+                self._fail_waiters(BackingOff(self._backoff_reason()))
+            await asyncio.sleep(delay)
+        finally:
+            self._delayed -= 1
+
+    def _stalled(self) -> bool:
+        """No worker can serve a waiting caller until the start budget allows one: none is free or busy
+        outside an episode, and every start is waiting for its budget."""
+        return 0 < self._delayed == self._starting and not self._live - self._held
+
+    def _backoff_reason(self) -> str:
+        return (f"reward pool backing off: {self._replaced} workers replaced (the last for: {self._last_reason}), "
+                f"and it starts at most {self.cfg.respawn_burst} back to back, then "
+                f"{self.cfg.respawns_per_s:g} a second (worker_respawn_burst, worker_respawns_per_s)")
+
+    def _fail_waiters(self, error: Exception) -> None:
+        while self._waiters:
+            waiter = self._waiters.popleft()
+            if not waiter.done():
+                waiter.set_exception(error)
 
     async def _retire(self, worker: WorkerProcess) -> None:
         self._live.discard(worker)
@@ -139,21 +232,37 @@ class WorkerPool:
     def _replace(self, worker: WorkerProcess, reason: ReplaceReason) -> None:
         self._live.discard(worker)
         self._held.discard(worker)
+        self._replaced += 1
+        self._last_reason = reason
         self._on_replace(reason)
         self._background(self._retire(worker))
         self._top_up()
 
     async def _acquire(self) -> WorkerProcess:
-        while True:
-            if self._broken or self._closed:
-                raise Unavailable(self._broken or "reward pool closed")
-            with contextlib.suppress(TimeoutError):
-                return await asyncio.wait_for(self._idle.get(), 0.5)
+        """An idle worker, once one is free; Unavailable when the pool is broken or closed, BackingOff when
+        nothing can serve until the start budget allows a new worker."""
+        if self._broken or self._closed:
+            raise Unavailable(self._broken or "reward pool closed")
+        if self._idle:
+            return self._idle.popleft()
+        if self._stalled():
+            raise BackingOff(self._backoff_reason())
+        waiter: asyncio.Future[WorkerProcess] = asyncio.get_running_loop().create_future()
+        self._waiters.append(waiter)
+        try:
+            return await waiter
+        except asyncio.CancelledError:
+            if waiter.done() and not waiter.cancelled() and waiter.exception() is None:
+                self._hand_out(waiter.result())  # handed over as this caller was cancelled: pass it on
+            raise
 
     async def run(self, request: dict[str, Any], timeout_s: float) -> Outcome:
         """Score one item on an idle worker; every failure mode becomes an Outcome."""
         self.last_used = time.monotonic()
-        worker = await self._acquire()
+        try:
+            worker = await self._acquire()
+        except BackingOff as error:
+            return Outcome("error", reason=str(error))
         with self._overrun_watch(timeout_s):
             outcome = await self.call(worker, request, timeout_s)
         if outcome.kind == "reply":
@@ -227,11 +336,12 @@ class WorkerPool:
             self._live.discard(worker)
             self._background(self._retire(worker))
         else:
-            self._idle.put_nowait(worker)
+            self._hand_out(worker)
 
     async def close(self) -> None:
         """Kill every worker and stop starting new ones."""
         self._closed = True
+        self._fail_waiters(Unavailable("reward pool closed"))
         for task in list(self._spawns):
             task.cancel()
         while self._spawns or self._tasks:  # a spawn that finished meanwhile retires its worker in a new task

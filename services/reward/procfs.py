@@ -28,8 +28,15 @@ class Proc:
     zombie: bool
 
 
+def _field(status: str, name: str) -> str:
+    """The value of a line "name:\tvalue" of a /proc status file (never its first line, Name)."""
+    start = status.index(f"\n{name}:\t") + len(name) + 3
+    return status[start:status.index("\n", start)]
+
+
 def processes() -> Iterator[Proc]:
-    """Every process visible in /proc (ones that end while being read are skipped)."""
+    """Every process visible in /proc (ones that end while being read are skipped). Only the three
+    fields needed are looked up: the service scans /proc on every worker start and kill."""
     for name in os.listdir("/proc"):
         if name.isdigit():
             try:
@@ -37,9 +44,8 @@ def processes() -> Iterator[Proc]:
                     status = handle.read()
             except OSError:
                 continue
-            fields = dict(line.split(":\t", 1) for line in status.splitlines() if ":\t" in line)
-            yield Proc(int(name), int(fields["PPid"]), tuple(int(u) for u in fields["Uid"].split()),
-                       fields["State"].startswith("Z"))
+            yield Proc(int(name), int(_field(status, "PPid")), tuple(map(int, _field(status, "Uid").split())),
+                       _field(status, "State").startswith("Z"))
 
 
 def uids_in_use() -> set[int]:

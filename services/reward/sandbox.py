@@ -64,6 +64,9 @@ class PoolConfig:
     size: int
     limits: Limits
     start_timeout_s: float
+    """Limit for a worker to start and isolate itself (trusted code only)."""
+    load_timeout_s: float
+    """Limit for a started worker to load its spec (a reward file's top-level code runs here)."""
     max_items_per_worker: int
     max_reply_bytes: int
     sandbox_dir: Path | None = None
@@ -74,6 +77,10 @@ class PoolConfig:
     """The bwrap binary when workers run in the jail; None for the legacy sandbox."""
     tmp_mb: int = 64
     """Size of the jail's /sandbox tmpfs."""
+    respawn_burst: int = 8
+    """Replacement workers the pool may start back to back (see `pool.RespawnBudget`)."""
+    respawns_per_s: float = 2.0
+    """Replacement workers the pool may start per second once its burst is spent."""
 
 
 @dataclass
@@ -178,14 +185,16 @@ class WorkerProcess:
         message = {**boot, "limits": cfg.limits.__dict__, "uid": uid, "parent_pid": os.getpid(),
                    "namespaces": cfg.namespaces, "jail": cfg.bwrap is not None,
                    "tmpdir": worker.tmpdir or jail.WORKDIR, "root": jail.INSIDE_ROOT if cfg.bwrap else ROOT}
+        step = f"did not start within {cfg.start_timeout_s:g}s (worker_start_timeout_s)"
         try:
             ready = await worker._exchange(message, cfg.start_timeout_s, cfg.max_reply_bytes)
             if ready.get("ok"):
                 worker.isolation = dict(ready.get("isolation") or {})  # reported before any user code ran
-                ready = await worker._exchange({"load": True}, cfg.start_timeout_s, cfg.max_reply_bytes)
+                step = f"did not load within {cfg.load_timeout_s:g}s (worker_load_timeout_s)"
+                ready = await worker._exchange({"load": True}, cfg.load_timeout_s, cfg.max_reply_bytes)
         except (TimeoutError, WorkerDied, BadReply) as error:
             await worker.kill()
-            what = f"did not load within {cfg.start_timeout_s:g}s" if isinstance(error, TimeoutError) else str(error)
+            what = step if isinstance(error, TimeoutError) else str(error)
             raise ConfigError(f"{_what(boot)} cannot load", [FieldViolation(_spec_field(boot), what)]) from None
         except BaseException:
             await worker.kill()  # cancelled while loading: leave no process behind

@@ -2,6 +2,12 @@
 
 `Scorer.score(job_id, spec, items)` scores every item concurrently on the spec's pool and always
 returns one `Result` per item, in order: a hanging or crashing item costs only its own result.
+A spec's pool loads in a task of its own (shared by every call for that spec, bounded by the
+workers' start and load deadlines); a Score call waits for it at most its items' timeout, so a
+reward file with slow top-level code makes that call's items errors naming the load instead of
+holding it, and other specs' calls never wait for it. A spec that failed to load (or whose pool
+could not start a worker again) is not loaded again for 1 s, doubling per failure in a row up to
+60 s: meanwhile its calls' items are errors naming the reason, and no worker is started for them.
 Pools are cached by the spec's digest (sha256 of its JSON and file source), at most `max_pools`
 of them (least recently used closed first), and closed after `pool_idle_s` unused. Worker replies
 are re-checked here, since user code could have forged them: a reward must be a finite number,
@@ -34,6 +40,8 @@ from services.reward.sandbox import Limits, Outcome, PoolConfig, UidPool, sweep_
 log = logging.getLogger(__name__)
 
 MAX_COMPONENTS = 64
+LOAD_RETRY_S = 1.0
+LOAD_RETRY_MAX_S = 60.0
 
 
 class Status(enum.StrEnum):
@@ -134,6 +142,32 @@ def boot_message(spec: SpecInput) -> dict[str, Any]:
     return {"mode": "file", "spec": {"params": spec.spec.params}, "source": spec.source}
 
 
+def _kind(spec: SpecInput) -> str:
+    if isinstance(spec.spec, EnvironmentSpec):
+        return "environment file"
+    return "reward file" if spec.spec.file is not None else "reward spec"
+
+
+def _what(spec: SpecInput) -> str:
+    """The spec as load errors name it (as `sandbox.WorkerProcess.start` does)."""
+    return "environment" if isinstance(spec.spec, EnvironmentSpec) else "reward spec"
+
+
+def _field(spec: SpecInput) -> str:
+    if isinstance(spec.spec, EnvironmentSpec):
+        return "environment.file"
+    return "reward.file" if spec.spec.file is not None else "reward.params"
+
+
+@dataclass(frozen=True)
+class LoadFailure:
+    """A spec that failed to load count times in a row: its reason, and when a load is tried again."""
+
+    count: int
+    retry_at: float
+    violations: list[FieldViolation]
+
+
 def _finite(value: Any) -> bool:
     return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
 
@@ -211,6 +245,7 @@ class Scorer:
         self.settings = settings
         self.metrics = metrics or RewardMetrics()
         self._pools: dict[str, asyncio.Task[WorkerPool]] = {}
+        self._load_failures: dict[str, LoadFailure] = {}
         self._uids = UidPool(settings.sandbox_uid_base)
         if not self._uids.enabled:
             guard.hide_from_same_uid()  # workers run under our uid: keep them out of our /proc environ
@@ -237,9 +272,10 @@ class Scorer:
         s = self.settings
         limits = Limits(spec.memory_limit_mb, s.worker_cpu_limit_s, s.worker_max_file_mb,
                         s.worker_max_open_files, s.worker_max_processes)
-        return PoolConfig(s.workers_per_pool, limits, s.worker_start_timeout_s, s.max_items_per_worker,
-                          s.max_reply_bytes, s.sandbox_dir, s.worker_namespaces, s.burst_workers_per_pool,
-                          sandbox.bwrap, s.worker_tmp_mb)
+        return PoolConfig(s.workers_per_pool, limits, s.worker_start_timeout_s, s.worker_load_timeout_s,
+                          s.max_items_per_worker, s.max_reply_bytes, s.sandbox_dir, s.worker_namespaces,
+                          s.burst_workers_per_pool, sandbox.bwrap, s.worker_tmp_mb, s.worker_respawn_burst,
+                          s.worker_respawns_per_s)
 
     def check_caps(self, spec: RewardSpec | EnvironmentSpec) -> None:
         """ConfigError naming each field of spec above the operator's cap."""
@@ -274,19 +310,51 @@ class Scorer:
             raise
         return pool
 
-    async def pool(self, spec: SpecInput) -> WorkerPool:
-        """The spec's pool, started on first use; ConfigError when the spec cannot load or asks too much."""
-        self.check_caps(spec.spec)
+    def _loading(self, spec: SpecInput) -> asyncio.Task[WorkerPool]:
+        """The task starting the spec's pool, started on first use. A failed one is forgotten when it ends;
+        after a spec failed to load, the next load waits LOAD_RETRY_S, doubling with each failure in a row
+        up to LOAD_RETRY_MAX_S (ConfigError naming the reason meanwhile), so a file that fails to load
+        (or whose pool broke) cannot make the service start a worker on every call."""
         task = self._pools.get(spec.digest)
         if task is None:
+            failed = self._load_failures.get(spec.digest)
+            if failed is not None and time.monotonic() < failed.retry_at:
+                raise ConfigError(f"{_what(spec)} cannot load (failed {failed.count} time(s) in a row; not tried "
+                                  f"again for {failed.retry_at - time.monotonic():.1f}s)", failed.violations)
             task = asyncio.get_running_loop().create_task(self._new_pool(spec))
             self._pools[spec.digest] = task
-        try:
-            pool = await asyncio.shield(task)
-        except Exception:
-            if self._pools.get(spec.digest) is task:
+            task.add_done_callback(lambda done: self._loaded(spec.digest, done))
+        return task
+
+    def _loaded(self, digest: str, task: asyncio.Task[WorkerPool]) -> None:
+        if not task.cancelled() and task.exception() is None:
+            self._load_failures.pop(digest, None)
+            return
+        if self._pools.get(digest) is task:
+            del self._pools[digest]
+        error = None if task.cancelled() else task.exception()
+        if isinstance(error, ConfigError):
+            self._failed_to_load(digest, error.violations)
+
+    def _failed_to_load(self, digest: str, violations: list[FieldViolation]) -> None:
+        count = self._load_failures[digest].count + 1 if digest in self._load_failures else 1
+        delay = min(LOAD_RETRY_MAX_S, LOAD_RETRY_S * 2 ** (count - 1))
+        self._load_failures[digest] = LoadFailure(count, time.monotonic() + delay, violations)
+
+    async def pool(self, spec: SpecInput, wait_s: float | None = None) -> WorkerPool:
+        """The spec's pool, started on first use; ConfigError when the spec cannot load or asks too much,
+        TimeoutError when it has not loaded within wait_s (the load goes on for the next call)."""
+        self.check_caps(spec.spec)
+        pool = await asyncio.wait_for(asyncio.shield(self._loading(spec)), wait_s)
+        if pool.broken:  # no worker of it could be started again: drop it (once) and back off
+            violations = [FieldViolation(_field(spec), pool.broken)]
+            task = self._pools.get(spec.digest)
+            if task is not None and task.done() and not task.cancelled() and task.exception() is None \
+                    and task.result() is pool:
                 del self._pools[spec.digest]
-            raise
+                self._failed_to_load(spec.digest, violations)
+                await pool.close()
+            raise ConfigError(f"{_what(spec)} cannot load", violations)
         pool.last_used = time.monotonic()
         await self._evict(keep=spec.digest)
         return pool
@@ -313,9 +381,25 @@ class Scorer:
             return []
         if not isinstance(spec.spec, RewardSpec):
             raise InvalidArgument("not a reward spec", [FieldViolation("spec", "an environment cannot score items")])
-        pool = await self.pool(spec)
         timeout_s = spec.spec.timeout_per_item_s
+        start = time.monotonic()
+        try:
+            pool = await self.pool(spec, wait_s=timeout_s)
+        except TimeoutError:
+            return self._unscored(job_id, items, start, (
+                f"{_kind(spec)} not loaded within the item timeout {timeout_s:g}s (reward.timeout_per_item_s): its "
+                f"top-level code is still running (a load may take up to worker_load_timeout_s, "
+                f"{self.settings.worker_load_timeout_s:g}s)"))
+        except ConfigError as error:  # caps were checked above: the spec does not load
+            return self._unscored(job_id, items, start, str(error))
         return list(await asyncio.gather(*(self._score_one(job_id, pool, item, timeout_s) for item in items)))
+
+    def _unscored(self, job_id: str, items: list[Item], start: float, reason: str) -> list[Result]:
+        """Every item an error naming reason (the spec has no pool to score on)."""
+        latency_s = time.monotonic() - start
+        for _ in items:
+            self.metrics.observe(job_id, Status.ERROR.value, latency_s)
+        return [Result(0.0, {}, Status.ERROR, reason, latency_s) for _ in items]
 
     async def _score_one(self, job_id: str, pool: WorkerPool, item: Item, timeout_s: float) -> Result:
         request = {"completion": item.completion, "prompt": item.prompt, "metadata": item.metadata}
@@ -334,9 +418,13 @@ class Scorer:
         return len(idle)
 
     async def close(self) -> None:
-        """Close every pool (kills all workers)."""
+        """Close every pool (kills all workers); a pool still loading is cancelled (which kills its worker)."""
         tasks = list(self._pools.values())
         self._pools.clear()
         for task in tasks:
-            with contextlib.suppress(Exception):
-                await (await task).close()
+            task.cancel()  # a no-op for a pool that is up
+        await asyncio.gather(*tasks, return_exceptions=True)
+        for task in tasks:
+            if not task.cancelled() and task.exception() is None:
+                with contextlib.suppress(Exception):
+                    await task.result().close()

@@ -98,7 +98,8 @@ async def reward_server(sandbox_dir: Path,
     """A RewardService, a stub and the running service (its scorer, sessions and metrics); asserts every
     worker process and temp dir is gone after."""
     settings = {"workers_per_pool": 2, **settings}
-    config = RewardSettings(listen="127.0.0.1:0", worker_start_timeout_s=3.0, sandbox_uid_base=UID_BASE,
+    config = RewardSettings(listen="127.0.0.1:0", worker_start_timeout_s=3.0, worker_load_timeout_s=3.0,
+                            sandbox_uid_base=UID_BASE,
                             sandbox_dir=sandbox_dir, grace_s=0.5, **settings)
     before = set(descendants())  # servers that other tests' session fixtures keep running
     async with running(config) as service, channel(f"127.0.0.1:{service.port}") as chan:

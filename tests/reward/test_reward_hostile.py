@@ -13,6 +13,7 @@ mount namespace that exposes the Python installation under a private /root and n
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 import pwd
@@ -37,6 +38,7 @@ from tests.reward.conftest import UID_BASE, file_spec, items, uid_processes, wai
 ROOT = Path(__file__).resolve().parents[2]
 OK, ERROR = common_pb2.REWARD_STATUS_OK, common_pb2.REWARD_STATUS_ERROR
 TIMEOUT_S = 1.0
+LOAD_TIMEOUT_S = 4.0
 USER = "fleettest"
 BENIGN = "def reward(completion, prompt, **meta):\n    return float(completion.strip() == meta['answer'])\n"
 
@@ -291,7 +293,8 @@ def hostile(request: pytest.FixtureRequest) -> Iterator[Hostile]:
            "FLEETRL_TEST_SECRET": secret, "PYTHONPATH": str(ROOT)}
     argv = [*prefix, sys.executable, "-m", "services.reward", "--listen", f"127.0.0.1:{port}", "--workers", "1",
             "--set", f"sandbox_uid_base={UID_BASE}", "--set", f"run_dir={plant / 'run'}",
-            "--set", "burst_workers_per_pool=0", "--set", "worker_start_timeout_s=10"]
+            "--set", "burst_workers_per_pool=0", "--set", "worker_start_timeout_s=10",
+            "--set", f"worker_load_timeout_s={LOAD_TIMEOUT_S:g}"]
     canary = subprocess.Popen([*prefix, sys.executable, "-I", "-c", "import time; time.sleep(3600)"], env=env)
     with listeners(plant, abstract) as socks, open(plant / "run" / "reward.log", "wb") as log:
         os.chown(plant / "run" / "reward.log", uid, gid)
@@ -338,6 +341,60 @@ async def check_refused(attack: str, hostile: Hostile, stub: reward_pb2_grpc.Rew
         timeout=30)
     assert [(r.status, r.reward) for r in benign.results] == [(OK, 1.0), (OK, 0.0)]
     assert hostile.proc.poll() is None and _state(hostile.proc.pid) != "T", "the service was killed or stopped"
+
+
+SLOW_IMPORT = "import time\ntime.sleep(60)\ndef reward(completion, prompt, **meta):\n    return 1.0\n"
+
+
+async def test_slow_import_scores_errors_within_the_item_timeout(hostile: Hostile) -> None:
+    """A reward file whose top-level code sleeps holds no Score call past its items' timeout + 1 s (each item
+    an error naming the load), another job is served meanwhile, and Validate fails at the load deadline."""
+    async with channel(f"127.0.0.1:{hostile.port}") as chan:
+        stub = reward_pb2_grpc.RewardServiceStub(chan)
+        benign = reward_pb2.ScoreRequest(job_id="b", spec=file_spec(BENIGN), items=items(("57", {"answer": "57"})))
+        await stub.Score(benign, timeout=30)  # the other job's pool up
+        slow = reward_pb2.ScoreRequest(job_id="j", spec=file_spec(SLOW_IMPORT, timeout_s=TIMEOUT_S),
+                                       items=items(("x", {}), ("y", {})))
+        for _ in range(2):  # the second call finds the load still going
+            start = time.monotonic()
+            scoring = asyncio.ensure_future(stub.Score(slow, timeout=30))
+            await asyncio.sleep(0.1)
+            other = await stub.Score(benign, timeout=30)
+            assert time.monotonic() - start < 0.6, "another job's call waited for the slow load"
+            assert [(r.status, r.reward) for r in other.results] == [(OK, 1.0)]
+            reply = await scoring
+            assert time.monotonic() - start < TIMEOUT_S + 1.0
+            for result in reply.results:
+                assert result.status == ERROR and result.reward == 0.0, (hostile.mode, result)
+                assert "not loaded within the item timeout 1s" in result.reason, (hostile.mode, result.reason)
+        start = time.monotonic()
+        validated = await stub.Validate(reward_pb2.ValidateRequest(spec=slow.spec), timeout=30)
+        assert not validated.ok and f"did not load within {LOAD_TIMEOUT_S:g}s" in validated.reason, validated.reason
+        assert time.monotonic() - start < LOAD_TIMEOUT_S + 1.0
+
+
+CRASH_EVERY_ITEM = "import os\ndef reward(completion, prompt, **meta):\n    os._exit(1)\n"
+
+
+async def test_a_reward_file_killing_its_worker_on_every_item_is_rate_limited(hostile: Hostile) -> None:
+    """Its pool starts at most worker_respawn_burst (8) workers back to back, then 2 a second; the other
+    items fail at once naming the back-off, and another job is served right after."""
+    async with channel(f"127.0.0.1:{hostile.port}") as chan:
+        stub = reward_pb2_grpc.RewardServiceStub(chan)
+        start = time.monotonic()
+        reply = await stub.Score(reward_pb2.ScoreRequest(
+            job_id="j", spec=file_spec(CRASH_EVERY_ITEM, timeout_s=TIMEOUT_S), items=items(*[("x", {})] * 30)),
+            timeout=30)
+        elapsed = time.monotonic() - start
+        killed = [r for r in reply.results if r.status == common_pb2.REWARD_STATUS_KILLED]
+        refused = [r for r in reply.results if r.status == ERROR]
+        assert len(killed) + len(refused) == 30 and all(r.reward == 0.0 for r in reply.results)
+        assert len(killed) <= 1 + 8 + 2 * elapsed + 1, (hostile.mode, len(killed), elapsed)
+        assert refused and all("reward pool backing off" in r.reason for r in refused), refused[:1]
+        assert elapsed < 5.0, elapsed
+        benign = await stub.Score(reward_pb2.ScoreRequest(
+            job_id="b", spec=file_spec(BENIGN), items=items(("57", {"answer": "57"}))), timeout=30)
+        assert [(r.status, r.reward) for r in benign.results] == [(OK, 1.0)]
 
 
 def _state(pid: int) -> str:

@@ -1,10 +1,12 @@
 """What the operator of a reward service controls: caps on what a job may ask, the refusal to run
-reward code without the jail, and no worker or temp dir outliving a SIGKILLed service."""
+reward code without the jail, the rate at which a pool starts workers, and no worker or temp dir
+outliving a SIGKILLed service."""
 
 from __future__ import annotations
 
 import asyncio
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -19,6 +21,7 @@ from services.fleet.embedded import free_port, wait_for_port
 from services.proto.fleetrl.v1 import common_pb2, reward_pb2, reward_pb2_grpc
 from services.reward import jail
 from services.reward.config import RewardSettings
+from services.reward.pool import RespawnBudget
 from services.reward.scorer import Scorer
 from tests.reward.conftest import (
     UID_BASE,
@@ -154,3 +157,91 @@ def test_the_probe_accepts_a_virtualenv_under_a_hidden_dir_and_nothing_else_ther
     assert not jail._only_bound_paths({"tmp": ["clone", "secret"]})
     assert not jail._only_bound_paths({"var": ["log"]})
     assert jail._only_bound_paths({"run": []})  # an empty mount point holds nothing of the host
+
+
+def test_the_respawn_budget_allows_a_burst_then_a_rate() -> None:
+    budget = RespawnBudget(burst=2, per_s=10.0)
+    waits = [budget.take() for _ in range(4)]
+    assert waits[:2] == [0.0, 0.0]
+    assert waits[2] == pytest.approx(0.1, abs=0.01) and waits[3] == pytest.approx(0.2, abs=0.01)
+    time.sleep(0.5)  # the two reservations are spent, then three more tokens came in, capped at the burst
+    assert [budget.take() for _ in range(3)] == [0.0, 0.0, pytest.approx(0.1, abs=0.01)]
+
+
+CRASH = ("import os\ndef reward(completion, prompt, **meta):\n    if meta.get('crash'):\n        os._exit(1)\n"
+         "    return 1.0\n")
+
+
+async def test_a_pool_whose_workers_keep_dying_backs_off(tmp_path: Path) -> None:
+    """A reward file that kills its worker on every item gets at most burst + rate * time replacements;
+    the rest of its items fail at once naming the back-off, other specs are served, and it recovers."""
+    burst, per_s = 3, 2.0
+    async with reward_service(tmp_path, workers_per_pool=2, burst_workers_per_pool=0, worker_respawn_burst=burst,
+                              worker_respawns_per_s=per_s) as stub:
+        crash = file_spec(CRASH)
+        start = time.monotonic()
+        reply = await stub.Score(reward_pb2.ScoreRequest(job_id="j", spec=crash, items=items(
+            *[("x", {"crash": True})] * 40)), timeout=30)
+        elapsed = time.monotonic() - start
+        statuses = [r.status for r in reply.results]
+        killed = statuses.count(common_pb2.REWARD_STATUS_KILLED)
+        backing_off = [r for r in reply.results if r.status == common_pb2.REWARD_STATUS_ERROR]
+        assert killed + len(backing_off) == 40, reply.results
+        assert killed <= 2 + burst + per_s * elapsed + 1, (killed, elapsed)
+        assert backing_off and all("reward pool backing off" in r.reason and "worker_respawns_per_s" in r.reason
+                                   for r in backing_off), backing_off[:1]
+        assert elapsed < 5.0
+        other = await stub.Score(reward_pb2.ScoreRequest(job_id="k", spec=file_spec(BENIGN), items=items(
+            ("x", {}))), timeout=10)
+        assert other.results[0].status == common_pb2.REWARD_STATUS_OK
+        deadline = time.monotonic() + 5.0
+        while True:  # a worker starts once the budget allows: the spec's good items score again
+            again = await stub.Score(reward_pb2.ScoreRequest(job_id="j", spec=crash, items=items(("x", {}))),
+                                     timeout=10)
+            if again.results[0].status == common_pb2.REWARD_STATUS_OK or time.monotonic() > deadline:
+                break
+            await asyncio.sleep(0.2)
+        assert again.results[0].status == common_pb2.REWARD_STATUS_OK, again.results[0].reason
+
+
+async def test_a_spec_that_fails_to_load_is_retried_with_backoff(tmp_path: Path) -> None:
+    """Score of a file whose import fails: items are errors naming why, and the next loads wait 1 s, then
+    2 s (doubling), so calls in between start no worker."""
+    async with reward_service(tmp_path) as stub:
+        request = reward_pb2.ScoreRequest(job_id="j", spec=file_spec("raise ImportError('no luck')\n"),
+                                          items=items(("x", {})))
+
+        async def reason() -> str:
+            result = (await stub.Score(request, timeout=10)).results[0]
+            assert result.status == common_pb2.REWARD_STATUS_ERROR
+            return result.reason
+
+        assert "cannot load" in (first := await reason()) and "ImportError: no luck" in first, first
+        start = time.monotonic()
+        again = await reason()
+        assert time.monotonic() - start < 0.5
+        assert "cannot load (failed 1 time(s) in a row; not tried again for" in again and "no luck" in again, again
+        await asyncio.sleep(1.0)
+        assert "cannot load" in await reason()
+        second = await reason()
+        waits = re.findall(r"failed 2 time\(s\) in a row; not tried again for ([0-9.]+)s", second)
+        assert waits and 1.5 < float(waits[0]) <= 2.0, second
+
+
+async def test_a_pool_that_cannot_start_a_worker_again_is_dropped(tmp_path: Path) -> None:
+    """A file that loads only before a deadline: once its workers die after it, their replacements fail to
+    load, the pool breaks, and the spec's items are errors naming why (then the load back-off)."""
+    async with reward_service(tmp_path, worker_respawn_burst=100) as stub:
+        source = (f"import os, time\nif time.time() > {time.time() + 2.0}:\n    raise ImportError('too late')\n"
+                  "def reward(completion, prompt, **meta):\n    os._exit(1)\n")
+        request = reward_pb2.ScoreRequest(job_id="j", spec=file_spec(source), items=items(("x", {}), ("y", {})))
+        assert (await stub.Validate(reward_pb2.ValidateRequest(spec=request.spec), timeout=10)).ok
+        await asyncio.sleep(2.5)
+        killed = await stub.Score(request, timeout=10)
+        assert [r.status for r in killed.results] == [common_pb2.REWARD_STATUS_KILLED] * 2
+        await asyncio.sleep(2.0)  # three failed starts of each replacement
+        broken = await stub.Score(request, timeout=10)
+        assert all(r.status == common_pb2.REWARD_STATUS_ERROR and "no reward worker could be started" in r.reason
+                   for r in broken.results), broken.results
+        later = await stub.Score(request, timeout=10)
+        assert "cannot load (failed 1 time(s) in a row" in later.results[0].reason, later.results[0].reason
