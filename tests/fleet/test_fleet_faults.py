@@ -1,0 +1,152 @@
+"""Infrastructure faults mid-job on the shared fleet (conftest.py), each judged by the end-to-end ledger.
+
+- Valkey SIGKILLed (AOF `always`) just after replay acknowledged an insert, restarted on its port with
+  its data: the learner keeps its job lease, replay, the job store and the heartbeats come back, no
+  service is restarted, the job succeeds, the ledger balances;
+- SIGSTOP (not kill) of replay, reward, NATS and Valkey in turn during one job, each for longer than
+  the deadline of the calls made to it, then SIGCONT: callers time out and retry within their bounds,
+  nothing is acked before it is stored (a task acked and not stored would be lost in the ledger), the
+  job succeeds.
+
+Each test prints its counts: faults injected, services restarted, and the ledger (lost, duplicated).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import signal
+import time
+from collections.abc import Iterator
+
+import pytest
+import redis
+from e2e_fleet import FleetUnderTest, ledger, wait_for
+
+from services.common.jobs import job_key
+
+pytestmark = pytest.mark.slow
+
+VALKEY_STEPS = 8
+
+
+def restarts(fleet: FleetUnderTest) -> dict[str, int]:
+    return {name: fleet.restarts(name) for name in fleet.fleet.supervisor.children}
+
+
+def step_of(fleet: FleetUnderTest, job_id: str) -> int:
+    last = fleet.client.get_job(job_id).last
+    return last.step if last else 0
+
+
+def set_appendfsync(url: str, mode: str) -> None:
+    with redis.Redis.from_url(url, socket_timeout=5) as client:
+        client.config_set("appendfsync", mode)
+
+
+def lease_epoch(url: str, job_id: str) -> int:
+    with redis.Redis.from_url(url, socket_timeout=5) as client:
+        return int(client.hget(job_key(job_id), "lease_epoch") or 0)
+
+
+def test_valkey_killed_mid_job_and_restarted(fleet: FleetUnderTest) -> None:
+    """Valkey SIGKILLed right after replay acknowledged an insert (so with AOF `always` that group is on
+    disk), down 1.5 s (under the learner's 3 s job lease), restarted with the same AOF."""
+    assert fleet.fleet.infra is not None
+    valkey = fleet.fleet.infra.valkey
+    set_appendfsync(valkey.url, "always")
+    valkey.appendfsync = "always"  # the restarted server too
+    fleet.scale_actors(2)
+    before = restarts(fleet)
+    run = fleet.submit("valkey-kill", max_steps=VALKEY_STEPS)
+    job = run.job_id
+    started = time.monotonic()
+    wait_for(lambda: step_of(fleet, job) >= 2, 120, "step 2")
+    inserted = fleet.replay_stats(job).inserted
+    wait_for(lambda: fleet.replay_stats(job).inserted > inserted, 30, "an acknowledged insert", interval_s=0.02)
+    acked = fleet.replay_stats(job).inserted
+    valkey.kill()
+    time.sleep(1.5)
+    valkey.start()
+    try:
+        assert fleet.replay_stats(job).inserted >= acked  # every acknowledged insert survived (AOF always)
+        info = run.wait(timeout_s=240)
+        assert info.state == "succeeded", (info.reason, fleet.log("learner")[-3000:])
+        assert restarts(fleet) == before  # learner, replay, gateway, actors: all recovered by themselves
+        learner_log = fleet.log("learner")
+        assert f"job {job}: lease lost" not in learner_log and f"job {job} resumed from step" not in learner_log
+        assert lease_epoch(valkey.url, job) == 1  # claimed once: the learner's lease outlived the outage
+        wait_for(lambda: {m.member_id for m in fleet.client.fleet().members} >= set(fleet.actors()), 10,
+                 "actor heartbeats after the restart")
+        members = sorted(m.member_id for m in fleet.client.fleet().members)
+        fleet.stop_actors()
+        counts = ledger(fleet, job, VALKEY_STEPS)
+    finally:
+        set_appendfsync(valkey.url, "everysec")
+        valkey.appendfsync = "everysec"
+    print(f"valkey kill: injected 1 SIGKILL (after insert #{acked}), services restarted 0, heartbeats back "
+          f"{members}, {VALKEY_STEPS} steps in {time.monotonic() - started:.1f}s, ledger: {json.dumps(counts)}")
+
+
+# ---------------------------------------------------------------- SIGSTOP
+
+STOP_STEPS = 16
+STOP_ACTOR_ENV = {"FLEETRL_ACTOR_BACKEND": "fixed", "FLEETRL_ACTOR_FIXED_LATENCY_S": "0.2",
+                  "FLEETRL_ACTOR_REPLAY_TIMEOUT_S": "2", "FLEETRL_ACTOR_REWARD_TIMEOUT_S": "3"}
+"""The actors of the SIGSTOP test: short call deadlines, so a stop outlasts them quickly."""
+STOP_FOR_S = {"replay": 4.0, "reward": 4.0, "nats": 4.0, "valkey": 4.0}
+"""Each longer than the actors' deadline on calls to it (replay 2 s, reward 3 s; a NATS fetch 0.5 s and
+its in-progress beats ack_wait / 3 = 1 s; Valkey: the 3 s job lease and the 1 s heartbeats)."""
+
+
+@contextlib.contextmanager
+def stopped(pid: int) -> Iterator[None]:
+    """SIGSTOP a process for the block, SIGCONT it whatever happens."""
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        os.kill(pid, signal.SIGCONT)
+
+
+def stop_pid(fleet: FleetUnderTest, name: str) -> int:
+    infra = fleet.fleet.infra
+    assert infra is not None
+    server = {"nats": infra.nats, "valkey": infra.valkey}.get(name)
+    if server is None:
+        return fleet.pid(name)
+    assert server.proc is not None
+    return server.proc.pid
+
+
+def test_sigstop_replay_reward_nats_valkey_in_turn(fleet: FleetUnderTest) -> None:
+    fleet.scale_actors(0)
+    with fleet.actor_env(**STOP_ACTOR_ENV):
+        fleet.scale_actors(2)
+    before = restarts(fleet)
+    run = fleet.submit("sigstop", max_steps=STOP_STEPS)
+    job = run.job_id
+    started = time.monotonic()
+    at_step: dict[str, int] = {}
+    for name, seconds in STOP_FOR_S.items():
+        reached = wait_for(lambda: (s := step_of(fleet, job)) > max(at_step.values(), default=0) + 1 and s,
+                           120, f"progress before stopping {name}")
+        assert reached < STOP_STEPS, f"the job ended before {name} was stopped"
+        at_step[name] = reached
+        with stopped(stop_pid(fleet, name)):
+            time.sleep(seconds)
+    info = run.wait(timeout_s=240)
+    assert info.state == "succeeded", (info.reason, fleet.log("learner")[-3000:])
+    assert restarts(fleet) == before
+    actor_logs = "".join(fleet.log(a) for a in fleet.actors())
+    timed_out = sorted(set(re.findall(r"(\w+) failed \(DEADLINE_EXCEEDED\), retry", actor_logs)))
+    resumed = f"job {job} resumed from step" in fleet.log("learner")
+    fleet.stop_actors()
+    counts = ledger(fleet, job, STOP_STEPS)
+    print(f"sigstop: injected {len(at_step)} stops {json.dumps(at_step)} (steps), {json.dumps(STOP_FOR_S)} (s); "
+          f"actor calls that hit their deadline and were retried: {timed_out}; services restarted 0; "
+          f"learner lost its 3 s job lease to the Valkey stop and resumed from its checkpoint: {resumed}; "
+          f"{STOP_STEPS} steps in {time.monotonic() - started:.1f}s; ledger: {json.dumps(counts)}")
+    assert {"Insert", "Score"} <= set(timed_out), "the stops were too short to outlive the actors' deadlines"
