@@ -6,14 +6,20 @@
 - SIGSTOP (not kill) of replay, reward, NATS and Valkey in turn during one job, each for longer than
   the deadline of the calls made to it, then SIGCONT: callers time out and retry within their bounds,
   nothing is acked before it is stored (a task acked and not stored would be lost in the ledger), the
-  job succeeds.
+  job succeeds;
+- NATS SIGKILLed while the learner writes a weight object (its first chunk reached the server, so the
+  chunks' acks, the metadata and the pointer move are still to come), restarted: the publish is tried
+  again (it failed the job before `bus.retry_outage`), the pointer names a complete object whose
+  digest checks, every actor's loaded versions only go up and reach past the interrupted one.
 
 Each test prints its counts: faults injected, services restarted, and the ledger (lost, duplicated).
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import hashlib
 import json
 import os
 import re
@@ -24,8 +30,12 @@ from collections.abc import Iterator
 import pytest
 import redis
 from e2e_fleet import FleetUnderTest, ledger, wait_for
+from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
 
+from services.common import bus
 from services.common.jobs import job_key
+from services.common.weights import WeightStore
 
 pytestmark = pytest.mark.slow
 
@@ -150,3 +160,89 @@ def test_sigstop_replay_reward_nats_valkey_in_turn(fleet: FleetUnderTest) -> Non
           f"learner lost its 3 s job lease to the Valkey stop and resumed from its checkpoint: {resumed}; "
           f"{STOP_STEPS} steps in {time.monotonic() - started:.1f}s; ledger: {json.dumps(counts)}")
     assert {"Insert", "Score"} <= set(timed_out), "the stops were too short to outlive the actors' deadlines"
+
+
+# ---------------------------------------------------------------- NATS killed during a weight publish
+
+PUBLISH_STEPS = 8
+
+
+async def kill_nats_mid_publish(fleet: FleetUnderTest, job_id: str, after_version: int) -> dict[str, object]:
+    """Watch the job's object store subjects; SIGKILL nats-server as soon as a chunk of a new object
+    arrives after the pointer passed `after_version`, before that object's metadata. Returns what it saw."""
+    assert fleet.fleet.infra is not None
+    nats = fleet.fleet.infra.nats
+    bucket = bus.weights_bucket(job_id)
+    nc = NATS()
+    await nc.connect(nats.url, allow_reconnect=False)
+    seen: dict[str, object] = {}
+    killed = asyncio.Event()
+    store = WeightStore(nc, bus.jetstream(nc))
+    pointer = await store.latest(job_id)
+    assert pointer is not None and pointer.version >= after_version
+    seen["pointer_before"] = pointer.version
+
+    async def on_chunk(msg: Msg) -> None:
+        if killed.is_set():
+            return
+        nats.kill()
+        killed.set()
+        seen["chunk_subject"], seen["chunk_bytes"] = msg.subject, len(msg.data)
+
+    await nc.subscribe(f"$O.{bucket}.C.>", cb=on_chunk)
+    await nc.flush()
+    try:
+        await asyncio.wait_for(killed.wait(), 120)
+    finally:
+        with contextlib.suppress(Exception):
+            await nc.close()
+    return seen
+
+
+async def pointer_and_digest(url: str, job_id: str) -> tuple[int, str, str]:
+    nc = NATS()
+    await nc.connect(url)
+    try:
+        store = WeightStore(nc, bus.jetstream(nc))
+        pointer = await store.latest(job_id)
+        assert pointer is not None
+        payload = await store.pull(job_id, pointer)
+        return pointer.version, pointer.sha256, hashlib.sha256(payload).hexdigest()
+    finally:
+        await nc.close()
+
+
+def loaded_versions(log: str, job_id: str) -> list[int]:
+    return [int(v) for v in re.findall(rf"job {job_id}: loaded weights v(\d+)", log)]
+
+
+def test_nats_killed_during_a_weight_publish(fleet: FleetUnderTest) -> None:
+    assert fleet.fleet.infra is not None
+    nats = fleet.fleet.infra.nats
+    fleet.scale_actors(0)
+    with fleet.actor_env(FLEETRL_ACTOR_BACKEND="fixed", FLEETRL_ACTOR_FIXED_LATENCY_S="0.2"):
+        fleet.scale_actors(2)
+    before = restarts(fleet)
+    run = fleet.submit("publish-kill", max_steps=PUBLISH_STEPS)
+    job = run.job_id
+    started = time.monotonic()
+    wait_for(lambda: step_of(fleet, job) >= 2, 120, "step 2")
+    seen = asyncio.run(kill_nats_mid_publish(fleet, job, 2))
+    time.sleep(2.0)
+    nats.start()
+    info = run.wait(timeout_s=240)
+    assert info.state == "succeeded", (info.reason, fleet.log("learner")[-3000:])
+    assert restarts(fleet) == before
+    version, pointer_sha, payload_sha = asyncio.run(pointer_and_digest(nats.url, job))
+    assert version == PUBLISH_STEPS and pointer_sha == payload_sha
+    interrupted = int(seen["pointer_before"]) + 1  # type: ignore[call-overload]
+    assert f"job {job}: publish of weights v{interrupted} failed" in fleet.log("learner")  # the kill hit it
+    per_actor = {a: loaded_versions(fleet.log(a), job) for a in fleet.actors()}
+    for name, versions in per_actor.items():
+        assert versions == sorted(set(versions)), (name, versions)  # never backwards, never twice
+        assert versions and versions[-1] >= interrupted, (name, versions)
+    fleet.stop_actors()
+    counts = ledger(fleet, job, PUBLISH_STEPS)
+    print(f"nats kill during publish: injected 1 SIGKILL at {seen}, services restarted 0, versions loaded per "
+          f"actor {json.dumps(per_actor)}, {PUBLISH_STEPS} steps in {time.monotonic() - started:.1f}s, "
+          f"ledger: {json.dumps(counts)}")
