@@ -106,9 +106,11 @@ STOP_STEPS = 16
 STOP_ACTOR_ENV = {"FLEETRL_ACTOR_BACKEND": "fixed", "FLEETRL_ACTOR_FIXED_LATENCY_S": "0.2",
                   "FLEETRL_ACTOR_REPLAY_TIMEOUT_S": "2", "FLEETRL_ACTOR_REWARD_TIMEOUT_S": "3"}
 """The actors of the SIGSTOP test: short call deadlines, so a stop outlasts them quickly."""
-STOP_FOR_S = {"replay": 4.0, "reward": 4.0, "nats": 4.0, "valkey": 4.0}
-"""Each longer than the actors' deadline on calls to it (replay 2 s, reward 3 s; a NATS fetch 0.5 s and
-its in-progress beats ack_wait / 3 = 1 s; Valkey: the 3 s job lease and the 1 s heartbeats)."""
+STOP_FOR_S = {"replay": 4.0, "reward": 4.0, "nats": 11.0, "valkey": 11.0}
+"""Each longer than the deadline of the calls made to it: the actors' replay (2 s) and reward (3 s)
+deadlines; JetStream requests (`bus.REQUEST_TIMEOUT_S`, 10 s: the feeder's publishes, the learner's weight
+publishes) and the task ack wait (3 s); the job store's 10 s socket timeout (learner, gateway, actors'
+heartbeats) and the learner's 3 s job lease."""
 
 
 @contextlib.contextmanager
@@ -152,12 +154,16 @@ def test_sigstop_replay_reward_nats_valkey_in_turn(fleet: FleetUnderTest) -> Non
     assert restarts(fleet) == before
     actor_logs = "".join(fleet.log(a) for a in fleet.actors())
     timed_out = sorted(set(re.findall(r"(\w+) failed \(DEADLINE_EXCEEDED\), retry", actor_logs)))
-    resumed = f"job {job} resumed from step" in fleet.log("learner")
+    learner_log = fleet.log("learner")
+    resumed = f"job {job} resumed from step" in learner_log
+    retried = rf"job {job}: (publish of weights v\d+|task publish|dead-letter count) failed"
+    nats_retried = re.findall(retried, learner_log)
     fleet.stop_actors()
     counts = ledger(fleet, job, STOP_STEPS)
     print(f"sigstop: injected {len(at_step)} stops {json.dumps(at_step)} (steps), {json.dumps(STOP_FOR_S)} (s); "
           f"actor calls that hit their deadline and were retried: {timed_out}; services restarted 0; "
           f"learner lost its 3 s job lease to the Valkey stop and resumed from its checkpoint: {resumed}; "
+          f"learner NATS calls retried through the NATS stop: {nats_retried}; "
           f"{STOP_STEPS} steps in {time.monotonic() - started:.1f}s; ledger: {json.dumps(counts)}")
     assert {"Insert", "Score"} <= set(timed_out), "the stops were too short to outlive the actors' deadlines"
 
