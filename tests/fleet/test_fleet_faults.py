@@ -39,6 +39,14 @@ from services.common.weights import WeightStore
 
 pytestmark = pytest.mark.slow
 
+
+@pytest.fixture(scope="module", autouse=True)
+def two_default_actors_after(fleet: FleetUnderTest) -> Iterator[None]:
+    """The fleet is shared (conftest.py): leave it with the two default actors it started with."""
+    yield
+    fleet.scale_actors(0)
+    fleet.scale_actors(2)
+
 VALKEY_STEPS = 8
 
 
