@@ -26,7 +26,9 @@ It reports:
   ledger's `pub` and `fate` (bound: the tasks published) and `steps` (bound: the steps trained);
   JetStream: FLEET_TASKS messages of the job (bound: the feeder's in-flight bound) and the job's
   weight object store (bound: `keep_weight_versions` snapshots);
-- ledger: the final counts, `balanced`, and lost / duplicated at every sample.
+- ledger: the final counts, `balanced`, and lost / duplicated at every sample. A sample taken while the
+  feeder tops up can count a task as lost that it has recorded and not yet published (the ledger's
+  record-then-publish window, see `services.common.ledger`); the final accounting is the verdict.
 """
 
 from __future__ import annotations
@@ -145,7 +147,8 @@ def structures(redis_url: str, nats_url: str, job_id: str, steps: int, max_linea
             "replay_committed_leases": (int(r.zcard(p + "done")), None, "commits of the last 7 days"),
             "ledger_published": (published, published, "tasks published"),
             "ledger_fates": (int(r.hlen(ledger + "fate")), published, "tasks published"),
-            "ledger_steps": (int(r.hlen(ledger + "steps")), steps, "steps trained"),
+            "ledger_steps": (int(r.hlen(ledger + "steps")), steps + 1,
+                             "steps reported, + 1: a step is recorded in the ledger before it is reported"),
         }
         redis_mb = int(r.info("memory")["used_memory"]) / 1e6
     out: dict[str, Any] = {name: {"size": size, "bound": bound, "bound_is": what,
