@@ -18,13 +18,18 @@ KV `fleet_weights`: key `<job>` -> weight pointer JSON. Object store
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import re
+import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import nats
+import nats.errors
+import nats.js.errors
 from nats.aio.client import Client as NATS
 from nats.js import JetStreamContext, api
 from nats.js.errors import BadRequestError, NotFoundError
@@ -35,6 +40,7 @@ from services.common.config import JobSpec
 from services.common.errors import FieldViolation, InvalidArgument, Unavailable, clip
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 TASKS_STREAM = "FLEET_TASKS"
 DLQ_STREAM = "FLEET_DLQ"
@@ -43,6 +49,16 @@ ADVISORIES_STREAM = "FLEET_ADVISORIES"
 WEIGHTS_KV = "fleet_weights"
 CONNECT_TIMEOUT_S = 5.0
 REQUEST_TIMEOUT_S = 10.0
+NATS_UNREACHABLE: tuple[type[Exception], ...] = (
+    TimeoutError, nats.errors.ConnectionClosedError, nats.errors.ConnectionReconnectingError,
+    nats.errors.NoRespondersError, nats.errors.StaleConnectionError, nats.errors.OutboundBufferLimitError,
+    nats.js.errors.ServiceUnavailableError,
+)
+"""What a NATS call raises while the server is dead, restarting or stopped: a request sent to the dead
+server gets no reply (nats.errors.TimeoutError is a TimeoutError, as is asyncio.wait_for's), and
+JetStream answers 503 or nobody while it recovers its streams."""
+OUTAGE_RETRY_S = 60.0
+"""How long `retry_outage` repeats a call through a NATS outage before it lets the error through."""
 _JOB_ID_RE = re.compile(r"[A-Za-z0-9_-]{1,64}")
 
 
@@ -113,6 +129,25 @@ async def connect(url: str, name: str, *, max_reconnect_attempts: int = -1) -> N
         )
     except (TimeoutError, OSError, nats.errors.NoServersError) as error:
         raise Unavailable(f"cannot connect to NATS at {url}: {error}") from error
+
+
+async def retry_outage(call: Callable[[], Awaitable[T]], *, what: str, deadline_s: float = OUTAGE_RETRY_S,
+                       interval_s: float = 1.0) -> T:
+    """call() again while it fails with NATS_UNREACHABLE, every interval_s, until deadline_s after the
+    first try (then the error goes through); each failure is logged. Only for calls that are safe to
+    repeat: a JetStream publish with a `Nats-Msg-Id`, a read, a write that checks what landed."""
+    deadline = time.monotonic() + deadline_s
+    attempt = 0
+    while True:
+        attempt += 1
+        try:
+            return await call()
+        except NATS_UNREACHABLE as error:
+            if time.monotonic() + interval_s >= deadline:
+                raise
+            log.warning("%s failed (attempt %d: %s %s); again in %.1fs", what, attempt, type(error).__name__,
+                        error, interval_s)
+        await asyncio.sleep(interval_s)
 
 
 def jetstream(nc: NATS) -> JetStreamContext:

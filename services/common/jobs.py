@@ -15,6 +15,12 @@ Fencing: every claim increments the record's `lease_epoch`, and the claimant car
 on every write it makes for the job. `FENCE_LUA` is the one rule, used by the scripts here and by
 the ledger's: a write whose epoch is below the record's is refused (`Fenced`), so a learner that
 was stopped past its lease cannot write over the learner that took the job over.
+
+Reconnects: a call whose connection is refused or dropped (Redis restarting, or still loading its
+AOF) is retried every `REDIS_RETRY_INTERVAL_S` for up to `REDIS_RETRY_S` (`RetryFor`), so a Redis
+restart is a pause, not an error, for every service. A timeout (a stopped Redis) is not retried:
+the call raises after the socket timeout. Retried writes are safe: the scripts are idempotent or
+compare-and-set (`_APPEND_STEP` skips a step it holds).
 """
 
 from __future__ import annotations
@@ -30,6 +36,8 @@ from typing import Any, cast
 
 import redis.asyncio as aioredis
 import redis.exceptions
+from redis.asyncio.retry import Retry
+from redis.backoff import ConstantBackoff
 
 from services.common.config import JobSpec
 from services.common.errors import FailedPrecondition, Fenced, NotFound
@@ -39,6 +47,32 @@ REDIS_UNREACHABLE: tuple[type[Exception], ...] = (redis.exceptions.ConnectionErr
 """What redis-py raises when Redis is down, restarting (BusyLoadingError is a ConnectionError) or stopped
 past the socket timeout. Neither is a subclass of the builtin ConnectionError or TimeoutError: a retry
 path that catches the builtins lets these through (tests/common/test_redis_errors.py)."""
+REDIS_RETRY_S = 10.0
+"""How long a JobStore call keeps reconnecting to a Redis that refuses or drops its connection."""
+REDIS_RETRY_INTERVAL_S = 0.25
+
+
+class RetryFor(Retry):
+    """redis-py's Retry bounded by time, not by a count: a call retries a refused or dropped connection
+    until `deadline_s` after its first attempt, then raises that ConnectionError. redis-py nests the
+    connect's retry inside the command's, so one call waits at most about twice `deadline_s`."""
+
+    deadline_s: float
+
+    def __init__(self, deadline_s: float, interval_s: float = REDIS_RETRY_INTERVAL_S) -> None:
+        super().__init__(ConstantBackoff(interval_s), -1, supported_errors=(redis.exceptions.ConnectionError,))
+        self.deadline_s = deadline_s
+
+    async def call_with_retry(self, do: Any, fail: Any, is_retryable: Any = None,
+                              with_failure_count: bool = False) -> Any:
+        deadline = time.monotonic() + self.deadline_s
+
+        async def failed(error: Exception, *count: int) -> None:
+            await fail(error, *count)  # redis-py's cleanup (drop the connection) first
+            if time.monotonic() >= deadline:
+                raise error
+
+        return await super().call_with_retry(do, failed, is_retryable, with_failure_count)
 
 
 class JobState(enum.StrEnum):
@@ -183,8 +217,9 @@ class JobStore:
         self._fence = client.register_script(FENCE_LUA + "return fenced(KEYS[1], ARGV[1]) and 1 or 0")
 
     @classmethod
-    def from_url(cls, url: str) -> JobStore:
-        return cls(aioredis.Redis.from_url(url, socket_timeout=10, socket_connect_timeout=5))
+    def from_url(cls, url: str, retry_s: float = REDIS_RETRY_S) -> JobStore:
+        return cls(aioredis.Redis.from_url(url, socket_timeout=10, socket_connect_timeout=5,
+                                           retry=RetryFor(retry_s)))
 
     async def close(self) -> None:
         await self.redis.aclose()

@@ -10,6 +10,9 @@ Design choice: the staleness bound is enforced twice, by pure functions of count
 A task that actors dead-letter never produces a group: the learner reads the job's dead-letter
 count while it waits for data and settles the new ones (`settle_dead_lettered`), so they stop
 holding places in the bound (with max_staleness 0, one such task would stall every later step).
+Stale drops are settled the same way, from replay's count of them (`settle_stale`): a learner that
+resumed from a checkpoint never heard of the drops after it, and without them the bound filled up
+with tasks that will never bring a group (a resumed job stalled until its step timed out).
 Prompts are shuffled per epoch with `seeding.prompt_order(n, seed, epoch)`; each task carries
 `Nats-Msg-Id = bus.task_msg_id(job, epoch, index)`, so re-publishing after a resume is a no-op.
 The cursor (epoch, position, counters) is saved in every checkpoint. Every task is recorded in
@@ -50,6 +53,8 @@ class FeederCursor:
     """Published tasks whose groups were trained in a step or dropped as stale, or that were dead-lettered."""
     dead_lettered: int = 0
     """Tasks seen in the job's dead-letter subject (counted in settled)."""
+    stale: int = 0
+    """Groups replay dropped as stale, by its table's count for the job (counted in settled)."""
 
     def to_dict(self) -> dict[str, int]:
         return asdict(self)
@@ -130,6 +135,15 @@ class Feeder:
     def settle(self, groups: int) -> None:
         """Count groups that left the pipeline (trained in a step, or dropped as stale)."""
         self.cursor.settled += groups
+
+    def settle_stale(self, total: int) -> int:
+        """Settle the groups dropped as stale since the last call (`total`: replay's `stale_dropped` count for
+        the job). A total, not the drops each Sample reply reports: the drops reported to an incarnation that
+        died after its last checkpoint, or in a reply that was lost, never come back either."""
+        new = max(0, total - self.cursor.stale)
+        self.cursor.stale += new
+        self.settle(new)
+        return new
 
     def settle_dead_lettered(self, total: int) -> int:
         """Settle the tasks dead-lettered since the last call (`total`: the job's dead-letter count)."""

@@ -4,7 +4,8 @@
 job's shared task consumer (`prepare`, the same settings actors use), publishing a task with its
 dedup id (`publish_task`), purging queued tasks on cancel (`purge_tasks`), reading the job's
 dead-letter count (`dead_lettered`, which first moves the tasks the server stopped delivering) and
-publishing step and state events (`event`).
+publishing step and state events (`event`). Publishing a task and counting dead letters are
+repeated through a NATS outage (`bus.retry_outage`; a re-published task is dropped by its dedup id).
 """
 
 from __future__ import annotations
@@ -36,7 +37,8 @@ class JobBus:
 
     async def publish_task(self, data: bytes, headers: dict[str, str]) -> None:
         """One serialised Task (headers carry its `Nats-Msg-Id`, so a re-publish is dropped)."""
-        await self._js.publish(bus.task_subject(self.job_id), data, headers=headers)
+        await bus.retry_outage(lambda: self._js.publish(bus.task_subject(self.job_id), data, headers=headers),
+                               what=f"job {self.job_id}: task publish")
 
     async def purge_tasks(self) -> None:
         """Drop the job's queued tasks (the job was cancelled)."""
@@ -45,8 +47,11 @@ class JobBus:
     async def dead_lettered(self) -> int:
         """Tasks of the job in its dead-letter subject so far, after moving there the tasks the server
         stopped delivering (their actors died on every delivery)."""
-        await bus.dead_letter_exhausted(self._js, self.job_id)
-        return (await bus.task_queue(self._js, self.job_id)).dead_lettered
+        async def count() -> int:
+            await bus.dead_letter_exhausted(self._js, self.job_id)
+            return (await bus.task_queue(self._js, self.job_id)).dead_lettered
+
+        return await bus.retry_outage(count, what=f"job {self.job_id}: dead-letter count")
 
     async def event(self, payload: dict[str, Any]) -> None:
         """Publish a JSON event to `fleet.jobs.<job>.events`."""

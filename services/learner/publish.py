@@ -13,14 +13,20 @@ delta; after a restart it holds none, so its first version is a full snapshot. W
 data it rewrites its newest version as a full snapshot when an actor reported that version's chain
 broken (`repair_if_requested`, fenced like a publish), so a job whose actors cannot apply a delta
 does not wait for the next publish, which would need their groups.
+
+A publish that fails in a NATS outage (a chunk's or the pointer's reply lost with a killed server) is
+tried again through `bus.retry_outage`: the store deletes a half-written object of the version before
+writing it again, and a try whose pointer move landed though its reply was lost counts as done.
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
 
 import torch
 
+from services.common import bus
 from services.common.weights import HeldWeights, WeightPointer, WeightStore, encode_safetensors
 from services.learner.lora import publishable_state_dict
 
@@ -71,12 +77,27 @@ class WeightPublisher:
                      self.published_version)
             return None
         payload = encode_safetensors(publishable_state_dict(model, self.dtype))
-        pointer = await self._store.publish(self.job_id, version, payload, self.dtype, keep=self.keep,
-                                            base=self._base, full_interval=self.full_interval,
-                                            lease_epoch=self.lease_epoch)
+        tries = 0
+
+        async def attempt() -> WeightPointer:
+            nonlocal tries
+            tries += 1
+            landed = await self._landed(version, payload) if tries > 1 else None
+            return landed or await self._store.publish(
+                self.job_id, version, payload, self.dtype, keep=self.keep, base=self._base,
+                full_interval=self.full_interval, lease_epoch=self.lease_epoch)
+
+        pointer = await bus.retry_outage(attempt, what=f"job {self.job_id}: publish of weights v{version}")
         self.published_version = version
         self._base = HeldWeights(pointer, memoryview(payload)) if self.full_interval > 1 else None
         return pointer
+
+    async def _landed(self, version: int, payload: bytes) -> WeightPointer | None:
+        """The pointer, if a try that failed (its reply lost in a NATS outage) had moved it to this payload."""
+        pointer = await self._store.latest(self.job_id)
+        if pointer is None or pointer.version != version or pointer.epoch != self.lease_epoch:
+            return None
+        return pointer if pointer.sha256 == hashlib.sha256(payload).hexdigest() else None
 
     async def repair_if_requested(self) -> None:
         """Rewrite the newest version as a full snapshot if an actor reported its chain broken."""

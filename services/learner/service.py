@@ -5,7 +5,9 @@ the job store, the replay client and the status gRPC server. A job is claimed wi
 Redis (`JobStore.claim`), renewed every lease_s / 3 by a background task; a lease that cannot be
 renewed sets `lease_lost` and the run stops at once without committing anything; a write refused
 by the fencing token (`Fenced`: the learner was stopped past its lease and another claimed the job)
-ends the run the same way. A second
+ends the run the same way, and so does Redis unreachable past the job store's retries (the lease
+lapses and a claim, this learner's or another's, resumes the job from its checkpoint: an outage is
+not the job's failure). A second
 background task keeps the run's replay leases open (`leases.keep_alive`) until that moment. A job that
 raises is marked FAILED with the reason and the learner goes on to the next one. SIGTERM lets
 the current step finish, checkpoints, hands the job back (lease released, state RUNNING, so any
@@ -71,6 +73,9 @@ async def run_claimed(deps: Deps, record: JobRecord) -> None:
         log.warning("job %s stopped, fenced: %s", record.job_id, error)
     except (LeaseLost, Cancelled) as error:
         log.warning("job %s stopped: %s", record.job_id, error)
+    except REDIS_UNREACHABLE as error:  # Redis down past the store's retries: not the job's failure
+        deps.lease_lost.set()  # nothing more is written; the lease lapses and a claim resumes the job
+        log.warning("job %s stopped, Redis unreachable: %s", record.job_id, error)
     except Exception as error:  # deliberate: a failing job must not take the learner down
         log.exception("job %s failed", record.job_id)
         if not deps.lease_lost.is_set():
@@ -114,7 +119,11 @@ async def serve(settings: LearnerSettings, stop: asyncio.Event, *, once: bool = 
         stack.push_async_callback(reward.close)
         deps = Deps(settings, jobs, nc, js, replay, WeightStore(nc, js), board, stop, reward=reward)
         while not stop.is_set():
-            record = await jobs.claim(settings.learner_id, settings.lease_s)
+            try:
+                record = await jobs.claim(settings.learner_id, settings.lease_s)
+            except REDIS_UNREACHABLE as error:  # Redis down past the store's retries: ask again
+                log.warning("claim failed: %s", error)
+                record = None
             if record is None:
                 await wait_or_stop(stop, settings.claim_poll_s)
                 continue

@@ -253,7 +253,11 @@ class JobRun:
             wait_s = min(left, self.deps.settings.sample_wait_s)
             await self.sample_once(data, need - len(data.groups), min_version, wait_s)
             if len(data.groups) < need:
+                await self.settle_stale()
                 await self.replace_dead_lettered()
+                # After a resume the cursor may hold room that no settle announced: tasks settled before this
+                # incarnation published them again (deduplicated) are settled once, here or earlier.
+                await self.feeder.top_up(self.publisher.published_version)
                 await self.publisher.repair_if_requested()
                 try:
                     await self.check_cancelled()
@@ -268,7 +272,7 @@ class JobRun:
         self.obs.sampled(groups, started_ns)
         if stale:
             data.stale_dropped += stale
-            self.feeder.settle(stale)
+            await self.settle_stale()
             await self.feeder.top_up(self.publisher.published_version)
         if not lease_id:
             return
@@ -278,6 +282,10 @@ class JobRun:
         data.leases.append(LeaseRecord(lease_id, tuple(g.task_id for g in groups)))
         data.groups.extend(fresh)
         data.copies_skipped += copies
+
+    async def settle_stale(self) -> None:
+        """Groups dropped as stale never come back: settle them by replay's count of them."""
+        self.feeder.settle_stale((await self.deps.replay.stats(self.job_id)).stale_dropped)
 
     async def replace_dead_lettered(self) -> None:
         """Tasks dead-lettered by actors will never bring a group: settle them and publish others."""

@@ -2,13 +2,16 @@
 
 redis-py's ConnectionError and TimeoutError are not the builtins: a retry path written as
 `except (ConnectionError, TimeoutError)` lets them through. The learner's lease renewal was such a
-path (its task died on the first failed renewal); the last test fails on that code.
+path (its task died on the first failed renewal); the renewal test fails on that code. The job
+store retries a refused connection for a bounded time (`jobs.RetryFor`), so a Redis restart is a pause:
+a learner's step write during a Valkey kill no longer failed the job (the last test fails without it).
 """
 
 from __future__ import annotations
 
 import asyncio
 import signal
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -16,7 +19,7 @@ import redis.asyncio as aioredis
 
 from services.common.config import JobSpec
 from services.common.errors import Unavailable
-from services.common.jobs import REDIS_UNREACHABLE, JobStore
+from services.common.jobs import REDIS_RETRY_S, REDIS_UNREACHABLE, JobStore
 from services.fleet.embedded import EmbeddedValkey
 from services.learner.service import renew_loop
 from services.replay.table import ReplayTables
@@ -25,7 +28,7 @@ SPEC = JobSpec.model_validate({"model": "tiny-llama", "prompts": "p.jsonl", "rew
 
 
 async def test_dead_and_stopped_redis_raise_what_retry_paths_catch(valkey_server: EmbeddedValkey) -> None:
-    store = JobStore.from_url(valkey_server.url)
+    store = JobStore.from_url(valkey_server.url, retry_s=0.5)
     quick = aioredis.Redis.from_url(valkey_server.url, socket_timeout=0.5)
     await store.redis.ping() and await quick.ping()
     valkey_server.kill()
@@ -65,3 +68,26 @@ async def test_lease_renewal_survives_a_redis_restart(valkey_server: EmbeddedVal
     assert await store.lease_holder(job.job_id) == "L1"
     renewer.cancel()
     await store.close()
+
+
+async def test_a_store_call_waits_out_a_redis_restart_within_its_bound(valkey_server: EmbeddedValkey) -> None:
+    store = JobStore.from_url(valkey_server.url)
+    job = await store.create("t", SPEC, b"", None)
+    valkey_server.kill()
+    started = time.monotonic()
+    write = asyncio.create_task(store.append_step(job.job_id, {"step": 1}, lease_epoch=0))
+    await asyncio.sleep(1.5)  # the write's connection is refused meanwhile, and retried
+    assert not write.done(), write.exception() if write.done() else None
+    valkey_server.start()
+    await write
+    waited = time.monotonic() - started
+    assert 1.5 <= waited < 1.5 + REDIS_RETRY_S
+    assert [s["step"] for s in await store.steps(job.job_id)] == [1]
+    await store.close()
+    gone = JobStore.from_url(valkey_server.url, retry_s=1.0)
+    valkey_server.kill()
+    started = time.monotonic()
+    with pytest.raises(REDIS_UNREACHABLE):  # and not longer than its bound (twice: connect inside command)
+        await gone.redis.get("x")
+    assert time.monotonic() - started < 2 * 1.0 + 1.0
+    await gone.close()

@@ -1,7 +1,7 @@
 """Helpers of the end-to-end tests: `services.fleet.fleet.Fleet` run in-process, as `fleetrl up` runs it.
 
 `running_fleet` starts embedded NATS + Valkey, gateway, replay, reward, learner and actors as real
-child processes under the fleet's supervisor (conftest.py makes one fleet per module). The
+child processes under the fleet's supervisor (conftest.py makes one fleet per session). The
 supervision loop (`Fleet.serve`) runs in a thread; the SIGHUP handler `fleetrl scale` relies on is
 installed on the main thread, so `request_scale(run_dir, n)` works exactly as from another shell.
 Tests SIGKILL children by the pids the supervisor holds, and the supervisor restarts them. Every
@@ -12,6 +12,8 @@ job of a tiny model runs in seconds.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import io
 import json
 import os
 import signal
@@ -24,11 +26,14 @@ from pathlib import Path
 from typing import Any
 
 from services.fleet.fleet import Fleet, FleetLayout, FleetOptions, pid_alive, request_scale
+from services.gateway import cli
 from services.gateway.client import Client, Run
 from services.proto.fleetrl.v1 import replay_pb2
 from services.replay.client import ReplayClient
 
 MODEL = "tiny-llama"
+PPS = 4
+"""prompts_per_step of `job_params`."""
 FAST_ENV = {
     "FLEETRL_ACTOR_TORCH_THREADS": "1", "FLEETRL_ACTOR_POLL_INTERVAL_S": "0.3", "FLEETRL_ACTOR_FETCH_TIMEOUT_S": "0.5",
     "FLEETRL_ACTOR_NAK_BASE_DELAY_S": "0.2", "FLEETRL_ACTOR_NAK_MAX_DELAY_S": "2", "FLEETRL_ACTOR_GRACE_S": "5",
@@ -51,7 +56,7 @@ def job_params(**overrides: Any) -> dict[str, Any]:
     asserts no lease is left open).
     """
     params: dict[str, Any] = {
-        "seed": 5, "learning_rate": 1e-3, "prompts_per_step": 4, "samples_per_prompt": 4, "max_new_tokens": 8,
+        "seed": 5, "learning_rate": 1e-3, "prompts_per_step": PPS, "samples_per_prompt": 4, "max_new_tokens": 8,
         "max_steps": 10, "max_staleness": 1, "checkpoint_interval": 3, "timeout_per_step_s": 120,
         "train.task_ack_wait_s": 3, "train.micro_batch_samples": 16, "replay.lease_timeout_s": 10,
     }
@@ -171,3 +176,26 @@ def running_fleet(run_dir: Path, actors: int = 2) -> Iterator[FleetUnderTest]:
             serving.join(10)
         fleet.stop()
         signal.signal(signal.SIGHUP, previous)
+
+
+def ledger(fleet: FleetUnderTest, job_id: str, steps: int) -> dict[str, int]:
+    """The job's end-to-end ledger as `fleetrl jobs account JOB --tasks --json` prints it: every published
+    task trained in exactly the step metrics.jsonl names, or dropped stale, or still pending / in flight;
+    nothing lost, nothing trained twice."""
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        code = cli.main(["jobs", "account", job_id, "--tasks", "--json",
+                         "--gateway", fleet.layout.addresses["gateway"]])
+    accounting = json.loads(out.getvalue())
+    counts: dict[str, int] = accounting["counts"]
+    assert code == 0 and accounting["balanced"], counts
+    assert counts["lost"] == 0 and counts["duplicated"] == 0 and counts["unpublished"] == 0, counts
+    assert counts["trained"] == steps * PPS and counts["dead_lettered"] == counts["evicted"] == 0, counts
+    by_step = {m["step"]: sorted(m["task_ids"]) for m in fleet.metrics(job_id)}
+    ledger_steps: dict[int, list[str]] = {}
+    for task in accounting["tasks"]:
+        for step in task["steps"]:
+            ledger_steps.setdefault(step, []).append(task["task_id"])
+    assert {s: sorted(ids) for s, ids in ledger_steps.items()} == by_step
+    assert sum(counts[f] for f in ("trained", "stale", "pending", "in_flight")) == counts["published"], counts
+    return counts

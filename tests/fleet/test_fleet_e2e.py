@@ -16,8 +16,6 @@
 
 from __future__ import annotations
 
-import contextlib
-import io
 import json
 import random
 import time
@@ -25,18 +23,17 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from e2e_fleet import FleetUnderTest, job_params, wait_for
+from e2e_fleet import PPS, FleetUnderTest, job_params, ledger, wait_for
 from google.protobuf import json_format
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from services.common.jobs import now_ms
 from services.fleet import cores
-from services.gateway import cli
 from services.gateway.client import FLAT_PARAMS
 
 pytestmark = pytest.mark.slow
 
-STEPS, PPS = 10, 4
+STEPS = 10
 CHAOS_STEPS = 12
 ACTOR_KILL_EVERY_S = 4.0
 KILL_ONCE_AT_STEP = {"reward": 2, "replay": 4, "learner": 7}
@@ -82,29 +79,6 @@ def test_every_child_runs_with_its_thread_budget(fleet: FleetUnderTest) -> None:
         assert {env[key] for key in cores.THREAD_ENV} == {expected}, (name, threads)
     actors = len(fleet.actors())
     assert not cores.oversubscribed(threads, fleet.fleet.cores, actors) or threads["learner"] == threads["actor"] == 1
-
-
-def ledger(fleet: FleetUnderTest, job_id: str, steps: int) -> dict[str, int]:
-    """The job's end-to-end ledger as `fleetrl jobs account JOB --tasks --json` prints it: every published
-    task trained in exactly the step metrics.jsonl names, or dropped stale, or still pending / in flight;
-    nothing lost, nothing trained twice."""
-    out = io.StringIO()
-    with contextlib.redirect_stdout(out):
-        code = cli.main(["jobs", "account", job_id, "--tasks", "--json",
-                         "--gateway", fleet.layout.addresses["gateway"]])
-    accounting = json.loads(out.getvalue())
-    counts: dict[str, int] = accounting["counts"]
-    assert code == 0 and accounting["balanced"], counts
-    assert counts["lost"] == 0 and counts["duplicated"] == 0 and counts["unpublished"] == 0, counts
-    assert counts["trained"] == steps * PPS and counts["dead_lettered"] == counts["evicted"] == 0, counts
-    by_step = {m["step"]: sorted(m["task_ids"]) for m in fleet.metrics(job_id)}
-    ledger_steps: dict[int, list[str]] = {}
-    for task in accounting["tasks"]:
-        for step in task["steps"]:
-            ledger_steps.setdefault(step, []).append(task["task_id"])
-    assert {s: sorted(ids) for s, ids in ledger_steps.items()} == by_step
-    assert sum(counts[f] for f in ("trained", "stale", "pending", "in_flight")) == counts["published"], counts
-    return counts
 
 
 def account(fleet: FleetUnderTest, job_id: str) -> dict[str, int]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 from pathlib import Path
 
@@ -241,6 +242,63 @@ async def test_a_dead_lettered_task_is_replaced(nats_url: str, redis_url: str, t
     trained = [t for x in lines for t in x["task_ids"]]
     assert len(trained) == len(set(trained)) == 4 and poison not in trained
     assert stats.committed == 4
+
+
+async def hand_in(nats_url: str, replay_addr: str, record: JobRecord, honest: asyncio.Event,
+                  stop: asyncio.Event) -> None:
+    """An actor stand-in that hands in a group of version 0 for every task until `honest` is set (an actor
+    stuck on old weights: past step 1 its groups are dropped as stale), then of the task's version."""
+    nc = await bus.connect(nats_url, "fake-actor")
+    js = bus.jetstream(nc)
+    await bus.ensure_streams(js)
+    await bus.ensure_job_consumer(js, record.job_id, record.spec)
+    sub = await js.pull_subscribe_bind(durable=bus.task_consumer(record.job_id), stream=bus.TASKS_STREAM)
+    async with ReplayClient(replay_addr) as replay:
+        while not stop.is_set():
+            try:
+                msgs = await sub.fetch(1, timeout=0.3)
+            except nats.errors.TimeoutError:
+                continue
+            task = common_pb2.Task.FromString(msgs[0].data)
+            version = int(task.min_policy_version) if honest.is_set() else 0
+            await replay.insert([make_group(record.job_id, task.task_id, version,
+                                            record.spec.rollout.samples_per_prompt)])
+            await msgs[0].ack()
+    await nc.close()
+
+
+async def test_a_resumed_learner_settles_the_stale_drops_it_never_saw(
+        nats_url: str, redis_url: str, tmp_path: Path) -> None:
+    """max_staleness 0, no checkpoint before the end. The first learner trains step 1; then every group is
+    handed in stale and dropped, and the learner dies (its task cancelled). The second resumes from
+    nothing: the tasks the first published after step 1 are deduplicated when it publishes them again and
+    their groups are gone, so only replay's stale count can settle them. Before, they filled the in-flight
+    bound and the resumed job's step 2 waited for them until timeout_per_step_s."""
+    jobs = JobStore.from_url(redis_url)
+    record = await create_job(jobs, spec_for(max_steps=3, max_staleness=0, checkpoint_interval=100,
+                                             timeout_per_step_s=20))
+    honest, stop = asyncio.Event(), asyncio.Event()
+    async with replay_service(redis_url) as addr, ReplayClient(addr) as replay:
+        await replay.configure(record.job_id, record.spec.replay)
+        actor = asyncio.create_task(hand_in(nats_url, addr, record, honest, stop))
+        first = asyncio.create_task(serve(settings(nats_url, redis_url, addr, tmp_path), asyncio.Event(), once=True))
+        while (await replay.stats(record.job_id)).stale_dropped < 4:
+            assert not first.done(), (await jobs.get(record.job_id)).reason
+            await asyncio.sleep(0.2)
+        first.cancel()  # a learner process killed: no checkpoint, its lease and replay leases lapse
+        with contextlib.suppress(asyncio.CancelledError):
+            await first
+        dropped_by_first = (await replay.stats(record.job_id)).stale_dropped
+        honest.set()
+        second = settings(nats_url, redis_url, addr, tmp_path).model_copy(update={"learner_id": "L2"})
+        await asyncio.wait_for(serve(second, asyncio.Event(), once=True), 120)
+        stop.set()
+        await actor
+    done = await jobs.get(record.job_id)
+    await jobs.close()
+    assert done.state == JobState.SUCCEEDED, done.reason
+    lines = [json.loads(x) for x in (tmp_path / "jobs" / record.job_id / "metrics.jsonl").read_text().splitlines()]
+    assert [x["step"] for x in lines] == [1, 2, 3] and dropped_by_first >= 4
 
 
 async def test_get_status(redis_url: str, tmp_path: Path) -> None:
