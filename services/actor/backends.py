@@ -282,7 +282,7 @@ class HFBackend:
         """Wrap the base with fresh LoRA adapters (B = 0, so the base's outputs until `load_adapter`)."""
         from services.common.lora_weights import wrap
 
-        self.model = wrap(self.model, spec.model_copy(update={"dropout": 0.0})).eval()
+        self.model = wrap(self.model, spec.model_copy(update={"dropout": 0.0}), seed=0).eval()  # A is overwritten
 
     def load_adapter(self, tensors: Mapping[str, Tensor]) -> None:
         from peft import PeftModel

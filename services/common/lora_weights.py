@@ -30,11 +30,16 @@ ADAPTER = "default"
 """PEFT's name for the one adapter fleetrl puts on a model."""
 
 
-def wrap(model: PreTrainedModel, spec: LoraSpec) -> PeftModel:
-    """The model with fresh adapters (B = 0: the base's outputs) on `spec.target_modules`, the base frozen."""
+def wrap(model: PreTrainedModel, spec: LoraSpec, seed: int) -> PeftModel:
+    """The model with fresh adapters (B = 0: the base's outputs) on `spec.target_modules`, the base frozen.
+
+    A's random initialisation is drawn from `seed` (the job's), not from whatever the process's global
+    generator holds, so two runs of a job train the same adapters."""
     config = LoraConfig(r=spec.rank, lora_alpha=spec.alpha, lora_dropout=spec.dropout,
                         target_modules=list(spec.target_modules), task_type="CAUSAL_LM")
-    return get_peft_model(model, config)
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        return get_peft_model(model, config)
 
 
 def adapter_tensors(model: PeftModel, dtype: torch.dtype | str) -> dict[str, torch.Tensor]:

@@ -148,7 +148,7 @@ async def test_lora_actor_applies_adapters_and_agrees_with_the_learner(nats_url:
     job = f"jl-{dtype}"
     nc = await bus.connect(nats_url, "policy-lora")
     store = WeightStore(nc, bus.jetstream(nc))
-    learner_model = lora_weights.wrap(models.load("tiny-llama")[0], spec)
+    learner_model = lora_weights.wrap(models.load("tiny-llama")[0], spec, seed=1)
     backend = make_backend("hf", "tiny-llama", dtype="float32", device="cpu", lora=spec)
     assert isinstance(backend, HFBackend)
     base_before = {n: p.detach().clone() for n, p in backend.model.named_parameters() if ".lora_" not in n}
