@@ -4,8 +4,8 @@
 behaviour log-prob of every sampled token; `Backend.generate_batch(prompts, ...)` returns one
 completion for each of several different prompts (the next turn of every live episode of a group);
 `Backend.load_weights(tensors)` swaps the policy's weights in place, and `Backend.load_adapter(tensors)`
-a LoRA job's adapters (`common/lora_weights.py`: the base, loaded once and wrapped with PEFT adapters
-by `make_backend`, stays as it is). `make_backend("hf" | "vllm" | "fixed", ...)` picks one by config;
+merges a LoRA job's adapters into the base loaded once (`common/lora_weights.MergedAdapter`, set up by
+`make_backend`). `make_backend("hf" | "vllm" | "fixed", ...)` picks one by config;
 vLLM is imported only when asked for, and refuses LoRA jobs (untested on a GPU here). `FixedBackend` is a
 benchmark instrument (bench.pipeline): it sleeps a fixed time per group and returns deterministic
 tokens, so what remains of a task's cost is the fleet's orchestration. The chat template's rendering
@@ -45,13 +45,16 @@ import random
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 from torch import Tensor
 
 from services.common.config import LoraSpec, RolloutConfig
 from services.common.errors import FailedPrecondition
+
+if TYPE_CHECKING:
+    from services.common.lora_weights import MergedAdapter
 
 LOGPROB_TOL = {torch.float32: 1e-4, torch.bfloat16: 0.3}
 """Documented bound on max |actor behaviour log-prob - full-forward log-prob| per compute dtype."""
@@ -168,11 +171,14 @@ class HFBackend:
     model: Any
     tokenizer: Any
     eos_ids: set[int]
+    _adapter: MergedAdapter | None
+    """A LoRA job's base target weights and the merge of each version into them (`use_adapters`)."""
 
     def __init__(self, model: Any, tokenizer: Any) -> None:
         self.model = model.eval()
         self.tokenizer = tokenizer
         self.eos_ids = eos_ids_of(model, tokenizer)
+        self._adapter = None
 
     @property
     def device(self) -> torch.device:
@@ -279,19 +285,15 @@ class HFBackend:
         load_state_dict_inplace(self.model, tensors)
 
     def use_adapters(self, spec: LoraSpec) -> None:
-        """Wrap the base with fresh LoRA adapters (B = 0, so the base's outputs until `load_adapter`)."""
-        from services.common.lora_weights import wrap
+        """Serve a LoRA job: keep the base's target weights aside, so each `load_adapter` merges into them."""
+        from services.common.lora_weights import MergedAdapter
 
-        self.model = wrap(self.model, spec.model_copy(update={"dropout": 0.0}), seed=0).eval()  # A is overwritten
+        self._adapter = MergedAdapter(self.model, spec)
 
     def load_adapter(self, tensors: Mapping[str, Tensor]) -> None:
-        from peft import PeftModel
-
-        from services.common.lora_weights import load_adapter
-
-        if not isinstance(self.model, PeftModel):
+        if self._adapter is None:
             raise FailedPrecondition("adapter weights for a backend without adapters (make_backend with lora)")
-        load_adapter(self.model, tensors)
+        self._adapter.apply(tensors)
 
 
 class FixedBackend:

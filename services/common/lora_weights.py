@@ -4,13 +4,17 @@ Design choices:
 - The published tensors are PEFT's own file format (`get_peft_model_state_dict`: the names an
   `adapter_model.safetensors` holds, e.g. `base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight`),
   so a published version is an adapter directory's weights, and nothing else travels.
-- Actors apply an adapter to the base they loaded once by wrapping it with the same PEFT layers the
-  learner trains (`wrap`) and copying each version's tensors into them (`load_adapter`), not by
-  merging W_base + scale * B @ A into the base weights: the copy is a few MB whatever the model, where
-  a merge rewrites every target weight and needs a second copy of them to start from (the figures and
-  their command are in docs/ARCHITECTURE.md). The price is the adapters' extra matmuls per token.
-- The learner and the actor run the same PEFT forward on the same base, so their log-probs differ
-  only as full-sequence and KV-cache forwards do, plus the adapters' rounding to `train.weights_dtype`.
+- Actors merge each version into the plain base model they loaded once (`MergedAdapter`): every
+  target weight becomes W_base + (alpha / rank) * B @ A, computed from a kept copy of W_base, so
+  versions never accumulate rounding and applying B = 0 gives the base back bit for bit. Measured
+  against the alternative, the model wrapped with PEFT's adapter layers and each version copied into
+  them (`python -m bench.weights --json`, SmolLM2-135M, rank 16, figures in docs/ARCHITECTURE.md):
+  the merge costs about 0.06 s a version, the layers cost every generated token about 16% (their
+  extra small matmuls), and an actor spends far more time generating than applying versions. The
+  price of merging is the copy of the target weights (about 0.8x the model's size with the default
+  targets).
+- The learner trains through PEFT's layers and the actor samples from the merged weights: the
+  same function, rounded differently (float32: about 1e-6 in log-probs, `tests/actor/test_job_policy.py`).
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ from collections.abc import Mapping
 
 import torch
 from peft import LoraConfig, PeftModel, get_peft_model
-from peft.utils import get_peft_model_state_dict, set_peft_model_state_dict
+from peft.utils import get_peft_model_state_dict
 from transformers import PreTrainedModel
 
 from services.common import models
@@ -49,18 +53,56 @@ def adapter_tensors(model: PeftModel, dtype: torch.dtype | str) -> dict[str, tor
             for name, tensor in get_peft_model_state_dict(model, adapter_name=ADAPTER).items()}
 
 
-def load_adapter(model: PeftModel, tensors: Mapping[str, torch.Tensor]) -> None:
-    """Copy published adapter tensors (`adapter_tensors`' names) into the model's adapters, in place.
+PEFT_PREFIX = "base_model.model."
+"""What PEFT's file names put before a module's name in the base model."""
 
-    Every adapter of the model must be given and nothing else (InvalidArgument naming the tensors)."""
-    expected = get_peft_model_state_dict(model, adapter_name=ADAPTER)
-    violations = [FieldViolation(name, "missing") for name in expected if name not in tensors]
-    violations += [FieldViolation(name, "not an adapter of the model") for name in tensors if name not in expected]
-    violations += [FieldViolation(name, f"shape {tuple(t.shape)} != model's {tuple(expected[name].shape)}")
-                   for name, t in tensors.items() if name in expected and t.shape != expected[name].shape]
-    if violations:
-        detail = "; ".join(f"{v.field}: {v.description}" for v in violations[:5])
-        raise InvalidArgument(f"adapter tensors do not fit the model ({len(violations)} problems): {detail}",
-                              violations)
-    with torch.no_grad():
-        set_peft_model_state_dict(model, dict(tensors), adapter_name=ADAPTER)
+
+class MergedAdapter:
+    """A plain model whose target weights hold W_base + (alpha / rank) * B @ A for the adapters last
+    applied (`apply`), W_base kept aside when this is built (on the base as loaded)."""
+
+    scale: float
+    rank: int
+    _weights: dict[str, torch.Tensor]
+    """The target layers' weights, by module name."""
+    _bases: dict[str, torch.Tensor]
+    """Their base values."""
+
+    def __init__(self, model: torch.nn.Module, spec: LoraSpec) -> None:
+        self.scale, self.rank = spec.alpha / spec.rank, spec.rank
+        self._weights = {name: module.weight for name, module in model.named_modules()
+                         if isinstance(module, torch.nn.Linear) and _targeted(name, spec.target_modules)}
+        if not self._weights:
+            raise InvalidArgument("LoRA target modules match no linear layer of the model", [FieldViolation(
+                "train.lora.target_modules", f"{list(spec.target_modules)} match no torch.nn.Linear")])
+        self._bases = {name: weight.detach().clone() for name, weight in self._weights.items()}
+
+    def apply(self, tensors: Mapping[str, torch.Tensor]) -> None:
+        """Merge published adapter tensors (`adapter_tensors`' names, every one, nothing else) into the
+        target weights; InvalidArgument naming the tensors that do not fit, before anything changes."""
+        self._check(tensors)
+        with torch.no_grad():
+            for name, weight in self._weights.items():
+                a = tensors[f"{PEFT_PREFIX}{name}.lora_A.weight"].to(device=weight.device, dtype=torch.float32)
+                b = tensors[f"{PEFT_PREFIX}{name}.lora_B.weight"].to(device=weight.device, dtype=torch.float32)
+                weight.copy_(torch.addmm(self._bases[name].float(), b, a, alpha=self.scale))  # (out, in)
+
+    def _check(self, tensors: Mapping[str, torch.Tensor]) -> None:
+        expected: dict[str, tuple[int, ...]] = {}
+        for name, weight in self._weights.items():
+            out_features, in_features = weight.shape
+            expected[f"{PEFT_PREFIX}{name}.lora_A.weight"] = (self.rank, in_features)
+            expected[f"{PEFT_PREFIX}{name}.lora_B.weight"] = (out_features, self.rank)
+        violations = [FieldViolation(name, "missing") for name in expected if name not in tensors]
+        violations += [FieldViolation(name, "not an adapter of the model") for name in tensors if name not in expected]
+        violations += [FieldViolation(name, f"shape {tuple(t.shape)} != {expected[name]}")
+                       for name, t in tensors.items() if name in expected and tuple(t.shape) != expected[name]]
+        if violations:
+            detail = "; ".join(f"{v.field}: {v.description}" for v in violations[:5])
+            raise InvalidArgument(f"adapter tensors do not fit the model ({len(violations)} problems): {detail}",
+                                  violations)
+
+
+def _targeted(module_name: str, targets: tuple[str, ...]) -> bool:
+    """PEFT's rule for a list of target names: the module's name is one, or ends with "." + one."""
+    return any(module_name == t or module_name.endswith(f".{t}") for t in targets)

@@ -133,9 +133,8 @@ async def test_lora_job_trains_and_publishes_adapters_only(nats_url: str, redis_
     assert pointer.size_bytes == len(encode_safetensors(published))  # nothing else travels
     base, _ = models.load("tiny-llama")
     base_state = models.state_dict_for_publish(base, "float32")
-    actor_side = lora_weights.wrap(base, LoraSpec.model_validate(lora), seed=0)
-    lora_weights.load_adapter(actor_side, published)
-    applied = models.state_dict_for_publish(actor_side.merge_and_unload(), "float32")
+    lora_weights.MergedAdapter(base, LoraSpec.model_validate(lora)).apply(published)  # as an actor does
+    applied = models.state_dict_for_publish(base, "float32")
     exported = models.state_dict_for_publish(AutoModelForCausalLM.from_pretrained(done.model_uri), "float32")
     assert applied.keys() == exported.keys() == base_state.keys()
     for name, tensor in applied.items():
