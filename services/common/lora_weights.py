@@ -47,10 +47,14 @@ def wrap(model: PreTrainedModel, spec: LoraSpec, seed: int) -> PeftModel:
 
 
 def adapter_tensors(model: PeftModel, dtype: torch.dtype | str) -> dict[str, torch.Tensor]:
-    """CPU copies of the adapters in `dtype`, under PEFT's file names: what a LoRA job publishes."""
+    """CPU copies of the adapters in `dtype`, under PEFT's file names: what a LoRA job publishes.
+
+    Adapters only: with `lm_head` or an embedding among the targets PEFT's own state dict (and so an
+    exported adapter directory) would also hold that layer's full base weight."""
     torch_dtype = models.as_dtype(dtype)
     return {name: tensor.detach().to(device="cpu", dtype=torch_dtype, copy=True).contiguous()
-            for name, tensor in get_peft_model_state_dict(model, adapter_name=ADAPTER).items()}
+            for name, tensor in get_peft_model_state_dict(model, adapter_name=ADAPTER,
+                                                          save_embedding_layers=False).items()}
 
 
 PEFT_PREFIX = "base_model.model."
