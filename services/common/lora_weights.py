@@ -86,10 +86,10 @@ class MergedAdapter:
         target weights; InvalidArgument naming the tensors that do not fit, before anything changes."""
         self._check(tensors)
         with torch.no_grad():
-            for name, weight in self._weights.items():
-                a = tensors[f"{PEFT_PREFIX}{name}.lora_A.weight"].to(device=weight.device, dtype=torch.float32)
-                b = tensors[f"{PEFT_PREFIX}{name}.lora_B.weight"].to(device=weight.device, dtype=torch.float32)
-                weight.copy_(torch.addmm(self._bases[name].float(), b, a, alpha=self.scale))  # (out, in)
+            for name, weight in self._weights.items():  # in place: no (out, in) temporary to allocate
+                a = tensors[f"{PEFT_PREFIX}{name}.lora_A.weight"].to(device=weight.device, dtype=weight.dtype)
+                b = tensors[f"{PEFT_PREFIX}{name}.lora_B.weight"].to(device=weight.device, dtype=weight.dtype)
+                weight.copy_(self._bases[name]).addmm_(b, a, alpha=self.scale)  # (out, in) += (out, r) @ (r, in)
 
     def _check(self, tensors: Mapping[str, torch.Tensor]) -> None:
         expected: dict[str, tuple[int, ...]] = {}
