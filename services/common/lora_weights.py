@@ -6,15 +6,14 @@ Design choices:
   so a published version is an adapter directory's weights, and nothing else travels.
 - Actors merge each version into the plain base model they loaded once (`MergedAdapter`): every
   target weight becomes W_base + (alpha / rank) * B @ A, computed from a kept copy of W_base, so
-  versions never accumulate rounding and applying B = 0 gives the base back bit for bit. Measured
-  against the alternative, the model wrapped with PEFT's adapter layers and each version copied into
-  them (`python -m bench.weights --json`, SmolLM2-135M, rank 16, figures in docs/ARCHITECTURE.md):
-  the merge costs about 0.06 s a version, the layers cost every generated token about 16% (their
-  extra small matmuls), and an actor spends far more time generating than applying versions. The
-  price of merging is the copy of the target weights (about 0.8x the model's size with the default
-  targets).
+  versions never accumulate rounding and applying B = 0 gives the base back bit for bit. The
+  alternative, the model wrapped in PEFT's adapter layers with each version copied into them, applies
+  a version faster but makes every generated token slower (their extra small matmuls), and an actor
+  spends far more time generating than applying versions (`python -m bench.weights --json` measures
+  both; figures in docs/ARCHITECTURE.md). The price of merging is the copy of the target weights
+  (with the default targets, most of the model).
 - The learner trains through PEFT's layers and the actor samples from the merged weights: the
-  same function, rounded differently (float32: about 1e-6 in log-probs, `tests/actor/test_job_policy.py`).
+  same function, rounded differently (`tests/actor/test_job_policy.py` bounds the log-prob gap).
 """
 
 from __future__ import annotations
