@@ -171,7 +171,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     model, tokenizer = models.load(spec.model)
     reference: torch.nn.Module | None = None
     if args.lora_rank:
-        wrapped = lora.wrap(model, LoraSpec(rank=args.lora_rank, alpha=2 * args.lora_rank))
+        wrapped = lora.wrap(model, LoraSpec(rank=args.lora_rank, alpha=2 * args.lora_rank), spec.seed)
         reference = lora.FrozenBase(wrapped) if spec.algorithm.kl_coef > 0 else None
         model = wrapped
     elif spec.algorithm.kl_coef > 0:

@@ -10,6 +10,11 @@ Then (`--delta-steps`, 0 to skip) full snapshots against deltas on weights from 
 of the demo job (`bench.weight_deltas`): bytes per version, the fraction of bf16 values changed per
 step, and a reader's pull+apply seconds for each; skipped, with the reason in `delta_skipped`,
 when the model (`--delta-model`) is not available here.
+
+Then (`--lora-rank`, 0 to skip) a LoRA job's adapter versions against full bf16 snapshots of the
+same model (`bench.weight_adapters`): bytes per version and an actor's adapter pull+apply seconds
+against its full pull, measured in the same run; skipped, with the reason in `lora_skipped`, when
+the model (`--lora-model`) is not available here.
 """
 
 from __future__ import annotations
@@ -27,7 +32,7 @@ from typing import Any
 
 from nats.js.object_store import ObjectStore
 
-from bench import weight_deltas
+from bench import weight_adapters, weight_deltas
 from services.common import bus
 from services.common.weights import CHUNK_BYTES, WeightStore
 from services.fleet.embedded import EmbeddedNats
@@ -115,7 +120,11 @@ def main() -> None:
     parser.add_argument("--delta-steps", type=int, default=3,
                         help="learner steps whose weights compare full and delta publishing (0: skip)")
     parser.add_argument("--delta-model", default="smollm2-135m", help="model of those steps")
+    parser.add_argument("--lora-rank", type=int, default=16, help="rank of the LoRA adapter figure (0: skip)")
+    parser.add_argument("--lora-model", default="smollm2-135m", help="base model of the LoRA adapter figure")
+    parser.add_argument("--gen-tokens", type=int, default=16, help="new tokens of the LoRA generation figure")
     args = parser.parse_args()
+    lora_skipped = weight_deltas.model_available(args.lora_model) if args.lora_rank else "--lora-rank 0"
     skipped = weight_deltas.model_available(args.delta_model) if args.delta_steps else "--delta-steps 0"
     trained: tuple[list[bytes], dict[str, Any]] | None = None
     if skipped is None:
@@ -128,6 +137,11 @@ def main() -> None:
             figures.update(asyncio.run(weight_deltas.measure_deltas(server.url, trained[0], args.repeats)))
         else:
             figures["delta_skipped"] = skipped
+        if lora_skipped is None:
+            figures.update(asyncio.run(weight_adapters.measure_adapters(server.url, args.lora_model, args.lora_rank,
+                                                                        args.repeats, args.gen_tokens)))
+        else:
+            figures["lora_skipped"] = lora_skipped
     loopback = min(loopback_s(payload) for _ in range(args.repeats))
     figures["loopback_mb_s"] = len(payload) / 1e6 / loopback
     figures["ratio_vs_stock"] = figures["pull_mb_s"] / figures["nats_py_get_mb_s"]

@@ -3,8 +3,10 @@
 `Backend.generate(prompt_token_ids, n, ...)` returns `n` completions of one prompt, each with the
 behaviour log-prob of every sampled token; `Backend.generate_batch(prompts, ...)` returns one
 completion for each of several different prompts (the next turn of every live episode of a group);
-`Backend.load_weights(tensors)` swaps the policy's weights in place. `make_backend("hf" | "vllm" |
-"fixed", ...)` picks one by config; vLLM is imported only when asked for. `FixedBackend` is a
+`Backend.load_weights(tensors)` swaps the policy's weights in place, and `Backend.load_adapter(tensors)`
+merges a LoRA job's adapters into the base loaded once (`common/lora_weights.MergedAdapter`, set up by
+`make_backend`). `make_backend("hf" | "vllm" | "fixed", ...)` picks one by config;
+vLLM is imported only when asked for, and refuses LoRA jobs (untested on a GPU here). `FixedBackend` is a
 benchmark instrument (bench.pipeline): it sleeps a fixed time per group and returns deterministic
 tokens, so what remains of a task's cost is the fleet's orchestration. The chat template's rendering
 of prompts and of episode observations (`conversation_tokens`, `observation_tokens`) is here too.
@@ -43,12 +45,16 @@ import random
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 from torch import Tensor
 
-from services.common.config import RolloutConfig
+from services.common.config import LoraSpec, RolloutConfig
+from services.common.errors import FailedPrecondition
+
+if TYPE_CHECKING:
+    from services.common.lora_weights import MergedAdapter
 
 LOGPROB_TOL = {torch.float32: 1e-4, torch.bfloat16: 0.3}
 """Documented bound on max |actor behaviour log-prob - full-forward log-prob| per compute dtype."""
@@ -85,6 +91,10 @@ class Backend(Protocol):
 
     def load_weights(self, tensors: Mapping[str, Tensor]) -> None:
         """Replace the policy's weights in place (names as `models.state_dict_for_publish` writes them)."""
+        ...
+
+    def load_adapter(self, tensors: Mapping[str, Tensor]) -> None:
+        """Replace a LoRA job's adapters in place (names as `lora_weights.adapter_tensors` writes them)."""
         ...
 
 
@@ -163,11 +173,14 @@ class HFBackend:
     model: Any
     tokenizer: Any
     eos_ids: set[int]
+    _adapter: MergedAdapter | None
+    """A LoRA job's base target weights and the merge of each version into them (`use_adapters`)."""
 
     def __init__(self, model: Any, tokenizer: Any) -> None:
         self.model = model.eval()
         self.tokenizer = tokenizer
         self.eos_ids = eos_ids_of(model, tokenizer)
+        self._adapter = None
 
     @property
     def device(self) -> torch.device:
@@ -273,6 +286,17 @@ class HFBackend:
 
         load_state_dict_inplace(self.model, tensors)
 
+    def use_adapters(self, spec: LoraSpec) -> None:
+        """Serve a LoRA job: keep the base's target weights aside, so each `load_adapter` merges into them."""
+        from services.common.lora_weights import MergedAdapter
+
+        self._adapter = MergedAdapter(self.model, spec)
+
+    def load_adapter(self, tensors: Mapping[str, Tensor]) -> None:
+        if self._adapter is None:
+            raise FailedPrecondition("adapter weights for a backend without adapters (make_backend with lora)")
+        self._adapter.apply(tensors)
+
 
 class FixedBackend:
     """Generation that costs a fixed wall time and no compute: a benchmark instrument.
@@ -325,9 +349,18 @@ class FixedBackend:
     def load_weights(self, tensors: Mapping[str, Tensor]) -> None:
         self.weight_loads += 1
 
+    def load_adapter(self, tensors: Mapping[str, Tensor]) -> None:
+        self.weight_loads += 1
 
-def make_backend(kind: str, model_name: str, *, dtype: str, device: str, fixed_latency_s: float = 0.0) -> Backend:
-    """The configured backend for a job's base model (`models.load` names, directories, hub ids)."""
+
+def make_backend(kind: str, model_name: str, *, dtype: str, device: str, fixed_latency_s: float = 0.0,
+                 lora: LoraSpec | None = None) -> Backend:
+    """The configured backend for a job's base model (`models.load` names, directories, hub ids),
+    with LoRA adapters for a job that trains them (`lora`, the job's `train.lora`)."""
+    if kind == "vllm" and lora is not None:
+        raise FailedPrecondition("backend 'vllm' does not serve jobs with train.lora (LoRA adapters are applied by "
+                                 "the 'hf' backend only; vLLM's LoRA path is untested here): serve this job with "
+                                 "actors of backend 'hf'")
     if kind == "vllm":
         from services.actor.vllm_backend import VLLMBackend
 
@@ -337,4 +370,7 @@ def make_backend(kind: str, model_name: str, *, dtype: str, device: str, fixed_l
     model, tokenizer = load(model_name, dtype=dtype, device=device)
     if kind == "fixed":  # the model is loaded only for its tokenizer (the one the hf backend would use)
         return FixedBackend(tokenizer, fixed_latency_s)
-    return HFBackend(model, tokenizer)
+    backend = HFBackend(model, tokenizer)
+    if lora is not None:
+        backend.use_adapters(lora)
+    return backend

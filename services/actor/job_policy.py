@@ -9,6 +9,8 @@ a bounded number of times. The held version never decreases.
 For a job that publishes deltas (`train.full_publish_interval` > 1) the policy keeps the payload of
 the version it loaded, in the published dtype, so the next pull reads only the deltas after it
 (`WeightStore.update`); each pull that fell back to the full snapshot is counted by its reason.
+A LoRA job's versions (pointer kind "adapter") are adapter tensors, which the backend applies to the
+base it loaded (`Backend.load_adapter`).
 """
 
 from __future__ import annotations
@@ -132,7 +134,8 @@ class JobPolicy:
 
     async def _load(self, pointer: WeightPointer, payload: memoryview) -> None:
         tensors = await asyncio.to_thread(decode_safetensors, payload)
-        await asyncio.to_thread(self.backend.load_weights, tensors)
+        load = self.backend.load_adapter if pointer.kind == "adapter" else self.backend.load_weights
+        await asyncio.to_thread(load, tensors)
         self.version = pointer.version
         self.announced = max(self.announced, pointer.version)
         metrics.WEIGHT_LOADS.labels(self.job_id).inc()

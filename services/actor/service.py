@@ -159,7 +159,7 @@ class Actor:
         _, reward_file = await store.files(record.job_id)
         environment_file = await store.environment_file(record.job_id) if spec.environment is not None else None
         backend = await asyncio.to_thread(make_backend, s.backend, spec.model, dtype=s.dtype, device=s.device,
-                                          fixed_latency_s=s.fixed_latency_s)
+                                          fixed_latency_s=s.fixed_latency_s, lora=spec.train.lora)
         policy = JobPolicy(record.job_id, backend, weights, pull_attempts=s.weights_pull_attempts,
                            keep_payload=spec.train.full_publish_interval > 1)
         policy.start()

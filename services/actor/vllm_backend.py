@@ -12,7 +12,8 @@ own `max_tokens` and seed `seed + i`; vLLM's prefix cache reuses the KV cache of
 
 Weights are reloaded in place on every worker with `collective_rpc` calling the model's own
 `load_weights` (the API of vLLM's RLHF examples); older engines without `collective_rpc` are reached
-through `llm_engine.model_executor.driver_worker`. Built-in model names are resolved to HF
+through `llm_engine.model_executor.driver_worker`. LoRA jobs (adapter versions) are refused
+(`backends.make_backend`): vLLM's LoRA support is untested on a GPU here. Built-in model names are resolved to HF
 directories first: `smollm2-135m` to fleetrl's converted cache, `tiny-*` models exported once.
 """
 
@@ -26,6 +27,7 @@ from torch import Tensor
 
 from services.actor.backends import Completion
 from services.common import models
+from services.common.errors import FailedPrecondition
 
 
 def _load_on_worker(worker: Any, weights: list[tuple[str, Tensor]]) -> None:
@@ -90,6 +92,9 @@ class VLLMBackend:
         logprobs = [float(position[token].logprob) for token, position in zip(tokens, output.logprobs, strict=True)]
         reason = "length" if output.finish_reason == "length" else "eos"
         return Completion(tokens, logprobs, output.text, reason)
+
+    def load_adapter(self, tensors: Mapping[str, Tensor]) -> None:
+        raise FailedPrecondition("the vllm backend does not apply LoRA adapters (make_backend refuses LoRA jobs)")
 
     def load_weights(self, tensors: Mapping[str, Tensor]) -> None:
         weights = list(tensors.items())

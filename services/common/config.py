@@ -245,14 +245,16 @@ class TrainConfig(Strict):
     full_publish_interval: int = Field(1, ge=1, le=1000)
     """Every this many published versions one is a full snapshot; the others are deltas against the
     version before (a few percent of the bytes; actors keep one more copy of the weights, in
-    weights_dtype, to apply them). 1: every version is a full snapshot."""
+    weights_dtype, to apply them). 1: every version is a full snapshot. Full fine-tuning only: a LoRA
+    job publishes its adapters whole every version."""
     weights_dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
-    """dtype the learner publishes weights in (the learner trains in float32; each actor casts the
-    pulled weights to its own compute dtype, `ActorSettings.dtype`, float32 by default)."""
+    """dtype the learner publishes weights (or a LoRA job's adapters) in (the learner trains in float32;
+    each actor casts the pulled weights to its own compute dtype, `ActorSettings.dtype`, float32 by default)."""
     lora: LoraSpec | None = None
     """Train LoRA adapters instead of every weight (a `[train.lora]` table turns it on). The frozen base
-    is also the KL reference, so no second model copy is loaded. Actors still receive merged full
-    weights (full snapshots or deltas)."""
+    is also the KL reference, so no second model copy is loaded. Each published version is the adapter
+    tensors only; actors load the base model once and apply each version's adapters to it (the hf
+    backend; a vllm actor does not serve LoRA jobs)."""
     max_retries_per_episode: int = Field(3, ge=1, le=100)
     """Deliveries of a task before it goes to the dead-letter subject."""
     timeout_per_step_s: float = Field(600.0, gt=0, le=86_400)
@@ -266,6 +268,13 @@ class TrainConfig(Strict):
             raise ValueError(
                 f"max_staleness ({self.max_staleness}) must be >= publish_interval - 1 ({self.publish_interval - 1}), "
                 "or no group generated with published weights could ever be fresh enough")
+        return self
+
+    @model_validator(mode="after")
+    def _deltas_of_full_weights(self) -> TrainConfig:
+        if self.lora is not None and self.full_publish_interval > 1:
+            raise ValueError(f"full_publish_interval ({self.full_publish_interval}) applies to full fine-tuning: a job "
+                             "with [train.lora] publishes its adapters whole every version (set it to 1)")
         return self
 
 

@@ -90,6 +90,10 @@ class JobState(enum.StrEnum):
 ACTIVE = (JobState.QUEUED, JobState.RUNNING)
 
 
+ADAPTER_DIR = "adapter"
+"""A LoRA job's exported PEFT adapter directory: this name, beside its exported model (`model_uri`)."""
+
+
 @dataclass(frozen=True)
 class JobRecord:
     """A job as stored."""

@@ -3,8 +3,10 @@
 Layout (docs/ARCHITECTURE.md, data flow step 9): one object store bucket per job (`bus.weights_bucket`),
 objects `v<version>` holding safetensors bytes (full snapshots) and `d<version>` holding deltas
 (`weight_delta`: the changed words and their positions, zstd-compressed); a pointer in KV bucket `bus.WEIGHTS_KV`,
-key `<job>`, JSON {version, object, sha256, bytes, dtype, kind[, chain]}, moved only forward by
-compare-and-swap. Key `<job>.resync` is where a reader reports a chain it cannot apply.
+key `<job>`, JSON {version, object, sha256, bytes, dtype, kind[, chain][, base]}, moved only forward by
+compare-and-swap. A LoRA job's objects `v<version>` hold its adapter tensors only (kind "adapter",
+`base` the model they apply to; `lora_weights`): each is whole, never a delta. Key `<job>.resync`
+is where a reader reports a chain it cannot apply.
 
 Design choices:
 - Objects are written in nats-py's object store layout (chunks on `$O.<bucket>.C.<nuid>`, one
@@ -84,7 +86,7 @@ class WeightPointer:
     """The KV value naming one published weight version.
 
     On the wire it is JSON {version, object, sha256, bytes, dtype, kind, epoch} (the design's pointer
-    format plus `kind` and the fencing token), and `chain` for a delta: `object_name` travels as
+    format plus `kind` and the fencing token), `chain` for a delta and `base` for an adapter: `object_name` travels as
     "object" and `size_bytes` as "bytes"; a pointer without "epoch" reads as epoch 0. `sha256` and
     `size_bytes` are always those of the version's full payload, the weights a reader ends up with,
     whichever object carries them."""
@@ -101,9 +103,15 @@ class WeightPointer:
     each object `d<n>` turns the version before it in the chain into n. () for a full snapshot."""
     epoch: int = 0
     """Job-lease epoch of the learner that moved the pointer here: a lower epoch may not move it."""
+    base: str = ""
+    """For an adapter (a LoRA job): the base model the adapter applies to (the job's `model`); the
+    payload then holds adapter tensors only. "" for full weights."""
 
     @property
     def kind(self) -> str:
+        """"adapter" (LoRA tensors on `base`), "delta" (a chain's step) or "full" (every weight)."""
+        if self.base:
+            return "adapter"
         return "delta" if self.chain else "full"
 
     @property
@@ -117,6 +125,8 @@ class WeightPointer:
                                      "epoch": self.epoch}
         if self.chain:
             fields["chain"] = list(self.chain)
+        if self.base:
+            fields["base"] = self.base
         return json.dumps(fields, sort_keys=True).encode()
 
     @classmethod
@@ -126,6 +136,7 @@ class WeightPointer:
             version=int(fields["version"]), object_name=str(fields["object"]), sha256=str(fields["sha256"]),
             size_bytes=int(fields["bytes"]), dtype=str(fields["dtype"]),
             chain=tuple(int(v) for v in fields.get("chain", ())), epoch=int(fields.get("epoch", 0)),
+            base=str(fields.get("base", "")),
         )
 
 
@@ -201,9 +212,11 @@ class WeightStore:
         self._stores = {}
 
     async def publish(self, job_id: str, version: int, payload: bytes, dtype: str, *, keep: int = 3,
-                      base: HeldWeights | None = None, full_interval: int = 1, lease_epoch: int = 0) -> WeightPointer:
+                      base: HeldWeights | None = None, full_interval: int = 1, lease_epoch: int = 0,
+                      adapter_of: str = "") -> WeightPointer:
         """Write `version` as a full snapshot `v<version>` or as a delta `d<version>` against `base`,
-        move the pointer to it, prune (`_prune`).
+        move the pointer to it, prune (`_prune`). With `adapter_of` (a base model) the payload is a
+        LoRA job's adapter tensors, written whole as `v<version>` with a pointer of kind "adapter".
 
         A delta is written when `base` is the version the pointer names, the pointer's chain holds
         fewer than `full_interval` versions, and no reader has reported that chain broken
@@ -215,7 +228,8 @@ class WeightStore:
         current, revision = await self._pointer_entry(kv, job_id)
         _check_epoch(job_id, current, lease_epoch)
         _check_forward(current, version)
-        chain = await self._next_chain(kv, job_id, current, base, version, full_interval, len(payload))
+        chain = () if adapter_of else await self._next_chain(kv, job_id, current, base, version, full_interval,
+                                                             len(payload))
         await self._delete_unreferenced(job_id, f"v{version}", f"d{version}")
         if chain:
             assert base is not None
@@ -228,7 +242,7 @@ class WeightStore:
             name = f"v{version}"
             sha256_hex = await self._write_object(job_id, name, payload)
         pointer = WeightPointer(version=version, object_name=name, sha256=sha256_hex, size_bytes=len(payload),
-                                dtype=dtype, chain=chain, epoch=lease_epoch)
+                                dtype=dtype, chain=chain, epoch=lease_epoch, base=adapter_of)
         await self._move_pointer(kv, job_id, pointer, revision)
         await self._prune(job_id, keep, pointer)
         return pointer

@@ -75,9 +75,11 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--plot", type=Path, help="write reward curves of every combination to this PNG")
     p.add_argument("--timeout", type=float, default=None, help="give up waiting after this many seconds")
     p.add_argument("--poll", type=float, default=1.0, help="seconds between status polls")
-    p = sub.add_parser("download", parents=[common], help="download a succeeded job's model")
+    p = sub.add_parser("download", parents=[common], help="download a succeeded job's model (a LoRA job's adapters)")
     p.add_argument("job_id")
     p.add_argument("dir", type=Path)
+    p.add_argument("--merged", action="store_true",
+                   help="a LoRA job's merged full HF model instead of its PEFT adapter directory")
     return top
 
 
@@ -177,7 +179,7 @@ def cmd_cancel(client: Client, args: argparse.Namespace, out: Console) -> int:
 
 
 def cmd_download(client: Client, args: argparse.Namespace, out: Console) -> int:
-    path = client.download_model(args.job_id, args.dir)
+    path = client.download_model(args.job_id, args.dir, merged=args.merged)
     files = sorted(p for p in path.rglob("*") if p.is_file())
     size = sum(p.stat().st_size for p in files)
     if args.json:

@@ -253,8 +253,11 @@ class Client:
                     raise to_domain_error(error) from None
                 time.sleep(min(5.0, 0.2 * 2 ** failures) * (0.5 + random.random()))
 
-    def download_model(self, job_id: str, path: str | Path, timeout_s: float = 3600.0) -> Path:
-        """Write the succeeded job's exported model directory under path; returns path.
+    def download_model(self, job_id: str, path: str | Path, timeout_s: float = 3600.0, *,
+                       merged: bool = False) -> Path:
+        """Write the succeeded job's exported model directory under path; returns path. A LoRA job's
+        is its PEFT adapter directory (`PeftModel.from_pretrained` on the base), or with `merged` its
+        merged full HF model.
 
         ConfigError (naming `path`) if the directory or a file in it cannot be created or written."""
         root = Path(path)
@@ -262,7 +265,7 @@ class Client:
         try:
             with _writing(root):
                 root.mkdir(parents=True, exist_ok=True)
-            for chunk in self._stub.DownloadModel(gateway_pb2.DownloadModelRequest(job_id=job_id),
+            for chunk in self._stub.DownloadModel(gateway_pb2.DownloadModelRequest(job_id=job_id, merged=merged),
                                                   timeout=timeout_s, metadata=self._metadata):
                 with _writing(root):
                     if chunk.offset == 0:
@@ -316,8 +319,8 @@ class Run:
     def cancel(self, reason: str = "") -> JobInfo:
         return self.client.cancel_job(self.job_id, reason)
 
-    def download_model(self, path: str | Path) -> Path:
-        return self.client.download_model(self.job_id, path)
+    def download_model(self, path: str | Path, *, merged: bool = False) -> Path:
+        return self.client.download_model(self.job_id, path, merged=merged)
 
 
 @contextlib.contextmanager

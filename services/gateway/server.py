@@ -104,7 +104,7 @@ class JobServicer(gateway_pb2_grpc.JobServiceServicer):
     async def DownloadModel(self, request: gateway_pb2.DownloadModelRequest,
                             context: Any) -> AsyncIterator[gateway_pb2.FileChunk]:
         _require(request)
-        async for chunk in self.gateway.model_chunks(current_tenant(), request.job_id):
+        async for chunk in self.gateway.model_chunks(current_tenant(), request.job_id, request.merged):
             yield convert.chunk_to_proto(chunk)
 
 

@@ -41,7 +41,7 @@ from services.common.errors import (
     clip,
 )
 from services.common.heartbeat import Beat
-from services.common.jobs import ACTIVE, JobRecord, JobState, JobStore, now_ms
+from services.common.jobs import ACTIVE, ADAPTER_DIR, JobRecord, JobState, JobStore, now_ms
 from services.common.ledger import Accounting
 from services.gateway.checks import Limits, Submission, check_sizes, check_submission
 
@@ -243,9 +243,10 @@ class Gateway:
         except NotFound:
             return None
 
-    async def model_chunks(self, tenant: str, job_id: str) -> AsyncIterator[ModelChunk]:
-        """Every file of the succeeded job's exported model, in chunk_bytes pieces, sorted by path."""
-        root = model_dir(await self.get(tenant, job_id))
+    async def model_chunks(self, tenant: str, job_id: str, merged: bool = False) -> AsyncIterator[ModelChunk]:
+        """Every file of the succeeded job's exported model (a LoRA job's adapter directory unless
+        `merged`), in chunk_bytes pieces, sorted by path."""
+        root = model_dir(await self.get(tenant, job_id), merged)
         for path in sorted(p for p in root.rglob("*") if p.is_file()):
             async for chunk in file_chunks(path, path.relative_to(root).as_posix(), self.chunk_bytes):
                 yield chunk
@@ -266,13 +267,16 @@ def reported(violations: list[FieldViolation]) -> list[FieldViolation]:
     return out
 
 
-def model_dir(record: JobRecord) -> Path:
-    """The exported model directory of a succeeded job; FailedPrecondition otherwise."""
+def model_dir(record: JobRecord, merged: bool = False) -> Path:
+    """The exported model directory of a succeeded job, for a LoRA job its adapter directory unless
+    `merged`; FailedPrecondition otherwise."""
     if record.state is not JobState.SUCCEEDED:
         raise FailedPrecondition(f"job {record.job_id} is {record.state.value}; only a succeeded job has a model")
     if not record.model_uri:
         raise FailedPrecondition(f"job {record.job_id} succeeded but recorded no exported model")
     root = Path(record.model_uri.removeprefix("file://"))
+    if record.spec.train.lora is not None and not merged:
+        root = root.parent / ADAPTER_DIR
     if not root.is_dir():
         raise FailedPrecondition(f"exported model {root} of job {record.job_id} is not on this gateway's storage")
     return root

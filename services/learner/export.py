@@ -16,6 +16,7 @@ from peft import PeftModel
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from services.common import models
+from services.common.jobs import ADAPTER_DIR
 
 
 def job_dir(run_dir: Path, job_id: str) -> Path:
@@ -61,5 +62,5 @@ def export_model(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, run
 def export_adapter(model: PeftModel, run_dir: Path, job_id: str) -> Path:
     """`{run_dir}/jobs/{job}/adapter`: a LoRA job's adapters, loadable by `PeftModel.from_pretrained`
     on the base model (the merged model is `export_model`'s)."""
-    target = job_dir(run_dir, job_id) / "adapter"
+    target = job_dir(run_dir, job_id) / ADAPTER_DIR
     return models.write_dir_atomically(target, lambda tmp: model.save_pretrained(str(tmp)))

@@ -1,13 +1,15 @@
 """LoRA training on the learner (`train.lora`): PEFT adapters on a frozen base model.
 
 Design choices:
-- `wrap` injects the adapters with PEFT and freezes everything else, so `optim.build_optimizer`
-  (AdamW over trainable parameters) holds moments for the adapters only.
+- `wrap` (`common/lora_weights.py`, shared with actors) injects the adapters with PEFT and freezes
+  everything else, so `optim.build_optimizer` (AdamW over trainable parameters) holds moments for the
+  adapters only.
 - The KL reference is the same model with its adapters switched off (`FrozenBase`), not a second
   copy of the weights: the base never changes, so it is the initial policy.
-- What leaves the learner for actors and exports is the merged model: each target weight plus
-  (alpha / rank) * B @ A, under the base model's own parameter names (`merged_state_dict`), computed
-  without touching the trained model (merging in place and back is not exact in floating point).
+- What leaves the learner for actors is the adapter tensors only (`lora_weights.adapter_tensors`,
+  sent by `publish.WeightPublisher`). The `--merged` export is the merged model: each target weight
+  plus (alpha / rank) * B @ A, under the base model's own parameter names (`merged_state_dict`),
+  computed without touching the trained model (merging in place and back is not exact in floating point).
 - Checkpoints hold the adapters only (`adapter_state_dict`); the base is reloaded from the model name.
 """
 
@@ -17,22 +19,16 @@ from collections.abc import Mapping
 from typing import Any, cast
 
 import torch
-from peft import LoraConfig, PeftModel, get_peft_model
+from peft import PeftModel
 from peft.tuners.lora import LoraLayer
 from transformers import PreTrainedModel
 
 from services.common import models
-from services.common.config import LoraSpec
+from services.common.lora_weights import ADAPTER, wrap
 
-ADAPTER = "default"
+__all__ = ["FrozenBase", "adapter_state_dict", "load_adapters", "merged_model", "merged_state_dict", "wrap"]
+
 _BASE_LAYER = ".base_layer."
-
-
-def wrap(model: PreTrainedModel, spec: LoraSpec) -> PeftModel:
-    """The model with adapters on `spec.target_modules`; only the adapters train."""
-    config = LoraConfig(r=spec.rank, lora_alpha=spec.alpha, lora_dropout=spec.dropout,
-                        target_modules=list(spec.target_modules), task_type="CAUSAL_LM")
-    return get_peft_model(model, config)
 
 
 class FrozenBase(torch.nn.Module):
@@ -66,13 +62,6 @@ def merged_state_dict(model: PeftModel, dtype: torch.dtype | str) -> dict[str, t
             tensor = tensor + deltas[name].detach().to(device="cpu", dtype=torch.float32)
         merged[name] = tensor.to(torch_dtype).contiguous()
     return merged
-
-
-def publishable_state_dict(model: torch.nn.Module, dtype: torch.dtype | str) -> dict[str, torch.Tensor]:
-    """The weights actors receive: merged for a LoRA model, else the model's own."""
-    if isinstance(model, PeftModel):
-        return merged_state_dict(model, dtype)
-    return models.state_dict_for_publish(model, dtype)
 
 
 def merged_model(model: PeftModel, name: str) -> PreTrainedModel:

@@ -17,6 +17,10 @@ does not wait for the next publish, which would need their groups.
 A publish that fails in a NATS outage (a chunk's or the pointer's reply lost with a killed server) is
 tried again through `bus.retry_outage`: the store deletes a half-written object of the version before
 writing it again, and a try whose pointer move landed though its reply was lost counts as done.
+
+A LoRA job (`adapter_of`, the base model's name) publishes its adapter tensors only
+(`lora_weights.adapter_tensors`), each version whole: actors load the base once and apply each
+version's adapters to it.
 """
 
 from __future__ import annotations
@@ -25,10 +29,11 @@ import hashlib
 import logging
 
 import torch
+from peft import PeftModel
 
-from services.common import bus
+from services.common import bus, models
+from services.common.lora_weights import adapter_tensors
 from services.common.weights import HeldWeights, WeightPointer, WeightStore, encode_safetensors
-from services.learner.lora import publishable_state_dict
 
 log = logging.getLogger(__name__)
 
@@ -44,13 +49,16 @@ class WeightPublisher:
     published_version: int
     """Newest version in the store (by us or a previous incarnation); -1 before any."""
     lease_epoch: int
+    adapter_of: str
+    """The base model of a LoRA job, whose versions are adapters; "" for full weights."""
     _store: WeightStore
     _base: HeldWeights | None
     """The newest version this publisher wrote, kept when deltas are on."""
 
     def __init__(self, store: WeightStore, job_id: str, dtype: str, interval: int, keep: int,
-                 lease_epoch: int, full_interval: int = 1) -> None:
+                 lease_epoch: int, full_interval: int = 1, adapter_of: str = "") -> None:
         self._store = store
+        self.adapter_of = adapter_of
         self.lease_epoch = lease_epoch
         self.full_interval = full_interval
         self._base = None
@@ -70,13 +78,17 @@ class WeightPublisher:
         return step % self.interval == 0 or final
 
     async def publish(self, model: torch.nn.Module, version: int) -> WeightPointer | None:
-        """Publish `version` unless the store already has it or a newer one (a LoRA model's merged
-        weights)."""
+        """Publish `version` unless the store already has it or a newer one (a LoRA model's adapters)."""
         if version <= self.published_version:
             log.info("job %s: version %d already published (store at %d)", self.job_id, version,
                      self.published_version)
             return None
-        payload = encode_safetensors(publishable_state_dict(model, self.dtype))
+        if self.adapter_of:
+            assert isinstance(model, PeftModel), "adapter_of is set for LoRA jobs only"
+            tensors = adapter_tensors(model, self.dtype)
+        else:
+            tensors = models.state_dict_for_publish(model, self.dtype)
+        payload = encode_safetensors(tensors)
         tries = 0
 
         async def attempt() -> WeightPointer:
@@ -85,7 +97,7 @@ class WeightPublisher:
             landed = await self._landed(version, payload) if tries > 1 else None
             return landed or await self._store.publish(
                 self.job_id, version, payload, self.dtype, keep=self.keep, base=self._base,
-                full_interval=self.full_interval, lease_epoch=self.lease_epoch)
+                full_interval=self.full_interval, lease_epoch=self.lease_epoch, adapter_of=self.adapter_of)
 
         pointer = await bus.retry_outage(attempt, what=f"job {self.job_id}: publish of weights v{version}")
         self.published_version = version

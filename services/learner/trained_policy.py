@@ -118,7 +118,7 @@ class Policy:
         self.model, self.tokenizer = models.load(spec.model, device=device)
         self.ref_model = None
         if spec.train.lora is not None:
-            self.model = lora.wrap(self.model, spec.train.lora)
+            self.model = lora.wrap(self.model, spec.train.lora, spec.seed)
             if spec.algorithm.kl_coef > 0:
                 self.ref_model = lora.FrozenBase(self.model)  # the base itself: no second copy
         elif spec.algorithm.kl_coef > 0:

@@ -170,7 +170,8 @@ class JobRun:
         self.feeder = Feeder(self.job_bus, self.ledger, self.epoch, self.spec, prompts, cursor)
         self.publisher = WeightPublisher(self.deps.weights, self.job_id, self.spec.train.weights_dtype,
                                          self.spec.train.publish_interval, self.spec.train.keep_weight_versions,
-                                         self.epoch, self.spec.train.full_publish_interval)
+                                         self.epoch, self.spec.train.full_publish_interval,
+                                         adapter_of=self.spec.model if self.spec.train.lora is not None else "")
         await self.publisher.sync()
         await self.publisher.publish(self.policy.model, self.step)
         await self.feeder.top_up(self.publisher.published_version)

@@ -61,6 +61,7 @@ def test_good_spec_parses_with_defaults_filled() -> None:
         ("[replay]\nsampler = 'lifo'", "replay.sampler"),
         ("[train]\nbatch_size = 8", "train.batch_size"),
         ("[train]\npublish_interval = 4\nmax_staleness = 2", "train"),  # cross-field: staleness < interval - 1
+        ("[train]\nfull_publish_interval = 4\n[train.lora]\nrank = 8", "train"),  # LoRA versions are adapters
     ],
 )
 def test_each_bad_field_is_named(patch: str, field: str) -> None:

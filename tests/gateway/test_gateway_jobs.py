@@ -15,7 +15,7 @@ import pytest
 
 from services.common import bus
 from services.common.errors import ConfigError, FailedPrecondition, NotFound
-from services.common.jobs import JobState, JobStore
+from services.common.jobs import ADAPTER_DIR, JobState, JobStore
 from services.gateway import cli
 from services.gateway.client import Client, Run
 from tests.gateway.conftest import ROOT, TOKENS, Infra, Proc
@@ -126,6 +126,25 @@ def test_download_model(infra: Infra, client_for: Callable[..., Client], job_dir
     play_learner(infra, run.job_id, 1, model)
     out = run.download_model(tmp_path / "got")
     assert {p.relative_to(out).as_posix(): p.read_bytes() for p in out.rglob("*") if p.is_file()} == files
+
+
+def test_download_of_a_lora_job_is_its_adapter_directory_or_with_merged_its_full_model(
+        infra: Infra, client_for: Callable[..., Client], job_dir: Path, tmp_path: Path) -> None:
+    run = builtin_run(client_for("bob"), job_dir / "prompts.jsonl", train__lora={"rank": 4})
+    exported = tmp_path / "jobs" / run.job_id
+    trees = {"model": {"model.safetensors": b"merged" * 1000, "config.json": b"{}"},
+             ADAPTER_DIR: {"adapter_model.safetensors": b"adapter" * 100, "adapter_config.json": b"{}"}}
+    for name, files in trees.items():
+        (exported / name).mkdir(parents=True)
+        for file, data in files.items():
+            (exported / name / file).write_bytes(data)
+    play_learner(infra, run.job_id, 1, exported / "model")
+
+    def got(out: Path) -> dict[str, bytes]:
+        return {p.relative_to(out).as_posix(): p.read_bytes() for p in out.rglob("*") if p.is_file()}
+
+    assert got(run.download_model(tmp_path / "adapter")) == trees[ADAPTER_DIR]
+    assert got(run.download_model(tmp_path / "merged", merged=True)) == trees["model"]
 
 
 # ----------------------------------------------------------------------------- CLI

@@ -4,7 +4,8 @@ Job A runs uninterrupted. Job B, with the same spec, seed and groups, is killed 
 (mid-step: checkpoint 2 is the last complete one), resumed, killed again while checkpoint 4 is
 being written (a partial step-00000004.tmp exists), and resumed to the end. B must reproduce A
 step for step: same groups per step, same losses, same final weights, and replay's counters must
-show every group trained exactly once.
+show every group trained exactly once. A LoRA job killed mid-step ends with the same adapters as an
+uninterrupted one, in its checkpoint and in its published (adapter) version.
 """
 
 from __future__ import annotations
@@ -21,7 +22,9 @@ import torch
 from learner_fleet import create_job, insert_groups, learner_process, replay_service, spec_for
 from safetensors.torch import load_file
 
+from services.common import bus
 from services.common.jobs import JobState, JobStore
+from services.common.weights import WeightStore, decode_safetensors
 from services.learner import checkpoint as ckpt
 from services.replay.client import ReplayClient
 
@@ -97,3 +100,42 @@ async def test_kill_mid_step_and_mid_checkpoint_resumes_exactly(nats_url: str, r
     final_a = load_file(str(ckpt.checkpoint_root(run_dir, a.job_id) / f"step-{STEPS:08d}" / "model.safetensors"))
     final_b = load_file(str(root / f"step-{STEPS:08d}" / "model.safetensors"))
     assert all(torch.equal(final_a[k], final_b[k]) for k in final_a)
+
+
+async def test_lora_kill_mid_step_resumes_with_identical_adapters(nats_url: str, redis_url: str,
+                                                                   tmp_path: Path) -> None:
+    """A LoRA job killed (SIGKILL) after step 3 resumes from checkpoint 2 and ends with the adapters an
+    uninterrupted run of the same spec ends with: bit-identical in the checkpoint and as published."""
+    jobs = JobStore.from_url(redis_url)
+    spec = spec_for(max_steps=STEPS, checkpoint_interval=2, keep_checkpoints=3, lora={"rank": 4, "alpha": 8})
+    run_dir, log = tmp_path / "run", tmp_path / "learner.log"
+    async with replay_service(redis_url) as addr, ReplayClient(addr) as replay:
+        a = await create_job(jobs, spec)
+        await insert_groups(replay, a, STEPS * PPS + 2)
+        await finish(learner_process(nats_url, redis_url, addr, run_dir, log))
+
+        b = await create_job(jobs, spec)
+        await insert_groups(replay, b, STEPS * PPS + 2)
+        first = learner_process(nats_url, redis_url, addr, run_dir, log)
+        await wait_until("step 3", lambda: len(metrics(run_dir, b.job_id)) >= 3, first)
+        kill(first)
+        assert ckpt.complete_steps(ckpt.checkpoint_root(run_dir, b.job_id))[-1] == 2
+        await finish(learner_process(nats_url, redis_url, addr, run_dir, log))
+    done = await jobs.get(b.job_id)
+    await jobs.close()
+    assert done.state == JobState.SUCCEEDED, done.reason
+    assert f"job {b.job_id} resumed from step 2" in log.read_text()
+    assert [m["loss"] for m in metrics(run_dir, b.job_id)] == [m["loss"] for m in metrics(run_dir, a.job_id)]
+    final_a, final_b = (load_file(str(ckpt.checkpoint_root(run_dir, job.job_id) / f"step-{STEPS:08d}" /
+                                      "model.safetensors")) for job in (a, b))
+    assert final_a.keys() == final_b.keys() and all(".lora_" in k for k in final_a)
+    assert all(torch.equal(final_a[k], final_b[k]) for k in final_a)
+    nc = await bus.connect(nats_url, "crash-test")
+    store = WeightStore(nc, bus.jetstream(nc))
+    pointers = [await store.latest(job.job_id) for job in (a, b)]
+    published = [decode_safetensors(await store.pull(job.job_id, p)) for job, p in zip((a, b), pointers, strict=True)
+                 if p is not None]
+    await nc.close()
+    assert [(p.version, p.kind) for p in pointers if p is not None] == [(STEPS, "adapter")] * 2
+    assert pointers[0].sha256 == pointers[1].sha256  # type: ignore[union-attr]
+    assert all(".lora_A." in k or ".lora_B." in k for k in published[1])

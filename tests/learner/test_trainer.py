@@ -12,9 +12,11 @@ import nats.errors
 import torch
 from learner_fleet import create_job, insert_groups, make_group, replay_service, spec_for
 from peft import PeftModel
+from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from services.common import bus, models
+from services.common import bus, lora_weights, models
+from services.common.config import LoraSpec
 from services.common.jobs import JobRecord, JobState, JobStore
 from services.common.weights import WeightStore, decode_safetensors, encode_safetensors
 from services.learner import checkpoint as ckpt
@@ -94,11 +96,12 @@ async def test_delta_job_publishes_chains_that_rebuild_the_exported_weights(
     assert bytes(rebuilt) == encode_safetensors(models.state_dict_for_publish(exported, "bfloat16"))
 
 
-async def test_lora_job_trains_adapters_only_and_publishes_merged_weights(
-        nats_url: str, redis_url: str, tmp_path: Path) -> None:
+async def test_lora_job_trains_and_publishes_adapters_only(nats_url: str, redis_url: str, tmp_path: Path) -> None:
     """train.lora: AdamW state and checkpoints hold the adapters only; the KL reference is the frozen
-    base (KL exactly 0 at step 1, where B = 0); actors get the merged weights under the base model's
-    names, equal to the exported model's; layers without adapters keep the base's weights."""
+    base (KL exactly 0 at step 1, where B = 0); every published version is the adapter tensors only
+    (pointer kind "adapter" on the job's model), equal to the exported adapter directory's
+    (weights_dtype float32 here); the base with them applied is the exported merged model, and layers
+    without adapters keep the base's weights."""
     jobs = JobStore.from_url(redis_url)
     lora = {"rank": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj"]}
     spec = spec_for(max_steps=3, checkpoint_interval=3, lora=lora, algorithm={"kl_coef": 0.1})
@@ -119,21 +122,30 @@ async def test_lora_job_trains_adapters_only_and_publishes_merged_weights(
     store = WeightStore(nc, bus.jetstream(nc))
     pointer = await store.latest(record.job_id)
     assert pointer is not None and pointer.version == 3
+    assert (pointer.kind, pointer.base, pointer.object_name) == ("adapter", "tiny-llama", "v3")
     published = decode_safetensors(await store.pull(record.job_id, pointer))
     await nc.close()
-    base, _ = models.load("tiny-llama")
-    exported = AutoModelForCausalLM.from_pretrained(done.model_uri)
-    assert published.keys() == models.state_dict_for_publish(base, "float32").keys()
-    exported_state = models.state_dict_for_publish(exported, "float32")
-    base_state = models.state_dict_for_publish(base, "float32")
+    adapter_dir = tmp_path / "jobs" / record.job_id / "adapter"
+    exported_adapter = load_file(adapter_dir / "adapter_model.safetensors")
+    assert published.keys() == exported_adapter.keys() and len(published) == 8
+    assert all(".lora_A.weight" in k or ".lora_B.weight" in k for k in published)
     for name, tensor in published.items():
-        assert torch.equal(tensor, exported_state[name]), name
+        assert tensor.dtype == torch.float32 and torch.equal(tensor, exported_adapter[name])
+    assert pointer.size_bytes == len(encode_safetensors(published))  # nothing else travels
+    base, _ = models.load("tiny-llama")
+    base_state = models.state_dict_for_publish(base, "float32")
+    lora_weights.MergedAdapter(base, LoraSpec.model_validate(lora)).apply(published)  # as an actor does
+    applied = models.state_dict_for_publish(base, "float32")
+    exported = models.state_dict_for_publish(AutoModelForCausalLM.from_pretrained(done.model_uri), "float32")
+    assert applied.keys() == exported.keys() == base_state.keys()
+    for name, tensor in applied.items():
+        assert torch.allclose(tensor, exported[name], atol=1e-6), name
         adapted = name.endswith(("q_proj.weight", "v_proj.weight"))
-        assert torch.equal(tensor, base_state[name]) != adapted, name
-    # the adapter directory: PEFT loads it on the base, and merging it gives the published weights
-    peft_model = PeftModel.from_pretrained(base, str(tmp_path / "jobs" / record.job_id / "adapter"))
+        assert torch.equal(exported[name], base_state[name]) != adapted, name
+    # the adapter directory: PEFT loads it on the base
+    peft_model = PeftModel.from_pretrained(models.load("tiny-llama")[0], str(adapter_dir))
     merged = models.state_dict_for_publish(peft_model.merge_and_unload(), "float32")
-    assert all(torch.allclose(published[name], merged[name], atol=1e-6) for name in published)
+    assert all(torch.allclose(exported[name], merged[name], atol=1e-6) for name in exported)
 
 
 async def test_staleness_drops_old_groups(nats_url: str, redis_url: str, tmp_path: Path) -> None:

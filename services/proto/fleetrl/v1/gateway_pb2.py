@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from services.proto.fleetrl.v1 import learner_pb2 as fleetrl_dot_v1_dot_learner__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18\x66leetrl/v1/gateway.proto\x12\nfleetrl.v1\x1a\x18\x66leetrl/v1/learner.proto\"\xa4\x01\n\x10SubmitJobRequest\x12\x0c\n\x04spec\x18\x01 \x01(\t\x12\x13\n\x0bspec_format\x18\x02 \x01(\t\x12\x0f\n\x07prompts\x18\x03 \x01(\x0c\x12\x13\n\x0breward_file\x18\x04 \x01(\x0c\x12\x17\n\x0fidempotency_key\x18\x05 \x01(\t\x12\x14\n\x0c\x65val_prompts\x18\x06 \x01(\x0c\x12\x18\n\x10\x65nvironment_file\x18\x07 \x01(\x0c\"\xf8\x01\n\x03Job\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0e\n\x06tenant\x18\x02 \x01(\t\x12\x0c\n\x04name\x18\x03 \x01(\t\x12#\n\x05state\x18\x04 \x01(\x0e\x32\x14.fleetrl.v1.JobState\x12\x0e\n\x06reason\x18\x05 \x01(\t\x12\x11\n\tspec_json\x18\x06 \x01(\t\x12\x17\n\x0f\x63reated_unix_ms\x18\x07 \x01(\x03\x12\x17\n\x0fupdated_unix_ms\x18\x08 \x01(\x03\x12%\n\x04last\x18\t \x01(\x0b\x32\x17.fleetrl.v1.StepMetrics\x12\x11\n\tmodel_uri\x18\n \x01(\t\x12\x0f\n\x07sandbox\x18\x0b \x01(\t\"\x1f\n\rGetJobRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\" \n\x0fListJobsRequest\x12\r\n\x05limit\x18\x01 \x01(\r\"1\n\x10ListJobsResponse\x12\x1d\n\x04jobs\x18\x01 \x03(\x0b\x32\x0f.fleetrl.v1.Job\"2\n\x10\x43\x61ncelJobRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\"4\n\x0fWatchJobRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x11\n\tfrom_step\x18\x02 \x01(\x04\"\x81\x01\n\x08JobEvent\x12\x1c\n\x03job\x18\x01 \x01(\x0b\x32\x0f.fleetrl.v1.Job\x12%\n\x05state\x18\x02 \x01(\x0e\x32\x14.fleetrl.v1.JobStateH\x00\x12\'\n\x04step\x18\x03 \x01(\x0b\x32\x17.fleetrl.v1.StepMetricsH\x00\x42\x07\n\x05\x65vent\"&\n\x14\x44ownloadModelRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\"E\n\tFileChunk\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\x0e\n\x06offset\x18\x02 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\x12\x0c\n\x04last\x18\x04 \x01(\x08\"\x11\n\x0fGetFleetRequest\"\xa8\x01\n\x0b\x46leetMember\x12\x0c\n\x04kind\x18\x01 \x01(\t\x12\x11\n\tmember_id\x18\x02 \x01(\t\x12\r\n\x05state\x18\x03 \x01(\t\x12\x0e\n\x06job_id\x18\x04 \x01(\t\x12\x16\n\x0epolicy_version\x18\x05 \x01(\x04\x12\x14\n\x0ctokens_per_s\x18\x06 \x01(\x01\x12\x15\n\rbusy_fraction\x18\x07 \x01(\x01\x12\x14\n\x0cseen_unix_ms\x18\x08 \x01(\x03\"k\n\tTaskQueue\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0f\n\x07pending\x18\x02 \x01(\x04\x12\x11\n\tin_flight\x18\x03 \x01(\x04\x12\x13\n\x0bredelivered\x18\x04 \x01(\x04\x12\x15\n\rdead_lettered\x18\x05 \x01(\x04\"\x87\x01\n\x0b\x46leetStatus\x12(\n\x07members\x18\x01 \x03(\x0b\x32\x17.fleetrl.v1.FleetMember\x12%\n\x06queues\x18\x02 \x03(\x0b\x32\x15.fleetrl.v1.TaskQueue\x12\x0f\n\x07unix_ms\x18\x03 \x01(\x03\x12\x16\n\x0ereward_sandbox\x18\x04 \x01(\t\"@\n\x17GetJobAccountingRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x15\n\rinclude_tasks\x18\x02 \x01(\x08\"\x86\x01\n\x0bTaskAccount\x12\x0f\n\x07task_id\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\r\x12\x14\n\x0cprompt_index\x18\x03 \x01(\r\x12\"\n\x04\x66\x61te\x18\x04 \x01(\x0e\x32\x14.fleetrl.v1.TaskFate\x12\r\n\x05steps\x18\x05 \x03(\r\x12\x0e\n\x06reason\x18\x06 \x01(\t\"\xd0\x01\n\rJobAccounting\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x35\n\x06\x63ounts\x18\x02 \x03(\x0b\x32%.fleetrl.v1.JobAccounting.CountsEntry\x12\x10\n\x08\x62\x61lanced\x18\x03 \x01(\x08\x12&\n\x05tasks\x18\x04 \x03(\x0b\x32\x17.fleetrl.v1.TaskAccount\x12\x0f\n\x07unix_ms\x18\x05 \x01(\x03\x1a-\n\x0b\x43ountsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01*\x9a\x01\n\x08JobState\x12\x19\n\x15JOB_STATE_UNSPECIFIED\x10\x00\x12\x14\n\x10JOB_STATE_QUEUED\x10\x01\x12\x15\n\x11JOB_STATE_RUNNING\x10\x02\x12\x17\n\x13JOB_STATE_SUCCEEDED\x10\x03\x12\x14\n\x10JOB_STATE_FAILED\x10\x04\x12\x17\n\x13JOB_STATE_CANCELLED\x10\x05*\xc9\x01\n\x08TaskFate\x12\x19\n\x15TASK_FATE_UNSPECIFIED\x10\x00\x12\x15\n\x11TASK_FATE_TRAINED\x10\x01\x12\x13\n\x0fTASK_FATE_STALE\x10\x02\x12\x15\n\x11TASK_FATE_EVICTED\x10\x03\x12\x15\n\x11TASK_FATE_PENDING\x10\x04\x12\x1b\n\x17TASK_FATE_DEAD_LETTERED\x10\x05\x12\x17\n\x13TASK_FATE_IN_FLIGHT\x10\x06\x12\x12\n\x0eTASK_FATE_LOST\x10\x07\x32\xa4\x04\n\nJobService\x12:\n\tSubmitJob\x12\x1c.fleetrl.v1.SubmitJobRequest\x1a\x0f.fleetrl.v1.Job\x12\x34\n\x06GetJob\x12\x19.fleetrl.v1.GetJobRequest\x1a\x0f.fleetrl.v1.Job\x12\x45\n\x08ListJobs\x12\x1b.fleetrl.v1.ListJobsRequest\x1a\x1c.fleetrl.v1.ListJobsResponse\x12:\n\tCancelJob\x12\x1c.fleetrl.v1.CancelJobRequest\x1a\x0f.fleetrl.v1.Job\x12?\n\x08WatchJob\x12\x1b.fleetrl.v1.WatchJobRequest\x1a\x14.fleetrl.v1.JobEvent0\x01\x12J\n\rDownloadModel\x12 .fleetrl.v1.DownloadModelRequest\x1a\x15.fleetrl.v1.FileChunk0\x01\x12@\n\x08GetFleet\x12\x1b.fleetrl.v1.GetFleetRequest\x1a\x17.fleetrl.v1.FleetStatus\x12R\n\x10GetJobAccounting\x12#.fleetrl.v1.GetJobAccountingRequest\x1a\x19.fleetrl.v1.JobAccountingb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18\x66leetrl/v1/gateway.proto\x12\nfleetrl.v1\x1a\x18\x66leetrl/v1/learner.proto\"\xa4\x01\n\x10SubmitJobRequest\x12\x0c\n\x04spec\x18\x01 \x01(\t\x12\x13\n\x0bspec_format\x18\x02 \x01(\t\x12\x0f\n\x07prompts\x18\x03 \x01(\x0c\x12\x13\n\x0breward_file\x18\x04 \x01(\x0c\x12\x17\n\x0fidempotency_key\x18\x05 \x01(\t\x12\x14\n\x0c\x65val_prompts\x18\x06 \x01(\x0c\x12\x18\n\x10\x65nvironment_file\x18\x07 \x01(\x0c\"\xf8\x01\n\x03Job\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0e\n\x06tenant\x18\x02 \x01(\t\x12\x0c\n\x04name\x18\x03 \x01(\t\x12#\n\x05state\x18\x04 \x01(\x0e\x32\x14.fleetrl.v1.JobState\x12\x0e\n\x06reason\x18\x05 \x01(\t\x12\x11\n\tspec_json\x18\x06 \x01(\t\x12\x17\n\x0f\x63reated_unix_ms\x18\x07 \x01(\x03\x12\x17\n\x0fupdated_unix_ms\x18\x08 \x01(\x03\x12%\n\x04last\x18\t \x01(\x0b\x32\x17.fleetrl.v1.StepMetrics\x12\x11\n\tmodel_uri\x18\n \x01(\t\x12\x0f\n\x07sandbox\x18\x0b \x01(\t\"\x1f\n\rGetJobRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\" \n\x0fListJobsRequest\x12\r\n\x05limit\x18\x01 \x01(\r\"1\n\x10ListJobsResponse\x12\x1d\n\x04jobs\x18\x01 \x03(\x0b\x32\x0f.fleetrl.v1.Job\"2\n\x10\x43\x61ncelJobRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\"4\n\x0fWatchJobRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x11\n\tfrom_step\x18\x02 \x01(\x04\"\x81\x01\n\x08JobEvent\x12\x1c\n\x03job\x18\x01 \x01(\x0b\x32\x0f.fleetrl.v1.Job\x12%\n\x05state\x18\x02 \x01(\x0e\x32\x14.fleetrl.v1.JobStateH\x00\x12\'\n\x04step\x18\x03 \x01(\x0b\x32\x17.fleetrl.v1.StepMetricsH\x00\x42\x07\n\x05\x65vent\"6\n\x14\x44ownloadModelRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0e\n\x06merged\x18\x02 \x01(\x08\"E\n\tFileChunk\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\x0e\n\x06offset\x18\x02 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\x12\x0c\n\x04last\x18\x04 \x01(\x08\"\x11\n\x0fGetFleetRequest\"\xa8\x01\n\x0b\x46leetMember\x12\x0c\n\x04kind\x18\x01 \x01(\t\x12\x11\n\tmember_id\x18\x02 \x01(\t\x12\r\n\x05state\x18\x03 \x01(\t\x12\x0e\n\x06job_id\x18\x04 \x01(\t\x12\x16\n\x0epolicy_version\x18\x05 \x01(\x04\x12\x14\n\x0ctokens_per_s\x18\x06 \x01(\x01\x12\x15\n\rbusy_fraction\x18\x07 \x01(\x01\x12\x14\n\x0cseen_unix_ms\x18\x08 \x01(\x03\"k\n\tTaskQueue\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0f\n\x07pending\x18\x02 \x01(\x04\x12\x11\n\tin_flight\x18\x03 \x01(\x04\x12\x13\n\x0bredelivered\x18\x04 \x01(\x04\x12\x15\n\rdead_lettered\x18\x05 \x01(\x04\"\x87\x01\n\x0b\x46leetStatus\x12(\n\x07members\x18\x01 \x03(\x0b\x32\x17.fleetrl.v1.FleetMember\x12%\n\x06queues\x18\x02 \x03(\x0b\x32\x15.fleetrl.v1.TaskQueue\x12\x0f\n\x07unix_ms\x18\x03 \x01(\x03\x12\x16\n\x0ereward_sandbox\x18\x04 \x01(\t\"@\n\x17GetJobAccountingRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x15\n\rinclude_tasks\x18\x02 \x01(\x08\"\x86\x01\n\x0bTaskAccount\x12\x0f\n\x07task_id\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\r\x12\x14\n\x0cprompt_index\x18\x03 \x01(\r\x12\"\n\x04\x66\x61te\x18\x04 \x01(\x0e\x32\x14.fleetrl.v1.TaskFate\x12\r\n\x05steps\x18\x05 \x03(\r\x12\x0e\n\x06reason\x18\x06 \x01(\t\"\xd0\x01\n\rJobAccounting\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x35\n\x06\x63ounts\x18\x02 \x03(\x0b\x32%.fleetrl.v1.JobAccounting.CountsEntry\x12\x10\n\x08\x62\x61lanced\x18\x03 \x01(\x08\x12&\n\x05tasks\x18\x04 \x03(\x0b\x32\x17.fleetrl.v1.TaskAccount\x12\x0f\n\x07unix_ms\x18\x05 \x01(\x03\x1a-\n\x0b\x43ountsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01*\x9a\x01\n\x08JobState\x12\x19\n\x15JOB_STATE_UNSPECIFIED\x10\x00\x12\x14\n\x10JOB_STATE_QUEUED\x10\x01\x12\x15\n\x11JOB_STATE_RUNNING\x10\x02\x12\x17\n\x13JOB_STATE_SUCCEEDED\x10\x03\x12\x14\n\x10JOB_STATE_FAILED\x10\x04\x12\x17\n\x13JOB_STATE_CANCELLED\x10\x05*\xc9\x01\n\x08TaskFate\x12\x19\n\x15TASK_FATE_UNSPECIFIED\x10\x00\x12\x15\n\x11TASK_FATE_TRAINED\x10\x01\x12\x13\n\x0fTASK_FATE_STALE\x10\x02\x12\x15\n\x11TASK_FATE_EVICTED\x10\x03\x12\x15\n\x11TASK_FATE_PENDING\x10\x04\x12\x1b\n\x17TASK_FATE_DEAD_LETTERED\x10\x05\x12\x17\n\x13TASK_FATE_IN_FLIGHT\x10\x06\x12\x12\n\x0eTASK_FATE_LOST\x10\x07\x32\xa4\x04\n\nJobService\x12:\n\tSubmitJob\x12\x1c.fleetrl.v1.SubmitJobRequest\x1a\x0f.fleetrl.v1.Job\x12\x34\n\x06GetJob\x12\x19.fleetrl.v1.GetJobRequest\x1a\x0f.fleetrl.v1.Job\x12\x45\n\x08ListJobs\x12\x1b.fleetrl.v1.ListJobsRequest\x1a\x1c.fleetrl.v1.ListJobsResponse\x12:\n\tCancelJob\x12\x1c.fleetrl.v1.CancelJobRequest\x1a\x0f.fleetrl.v1.Job\x12?\n\x08WatchJob\x12\x1b.fleetrl.v1.WatchJobRequest\x1a\x14.fleetrl.v1.JobEvent0\x01\x12J\n\rDownloadModel\x12 .fleetrl.v1.DownloadModelRequest\x1a\x15.fleetrl.v1.FileChunk0\x01\x12@\n\x08GetFleet\x12\x1b.fleetrl.v1.GetFleetRequest\x1a\x17.fleetrl.v1.FleetStatus\x12R\n\x10GetJobAccounting\x12#.fleetrl.v1.GetJobAccountingRequest\x1a\x19.fleetrl.v1.JobAccountingb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,10 +34,10 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_JOBACCOUNTING_COUNTSENTRY']._loaded_options = None
   _globals['_JOBACCOUNTING_COUNTSENTRY']._serialized_options = b'8\001'
-  _globals['_JOBSTATE']._serialized_start=1803
-  _globals['_JOBSTATE']._serialized_end=1957
-  _globals['_TASKFATE']._serialized_start=1960
-  _globals['_TASKFATE']._serialized_end=2161
+  _globals['_JOBSTATE']._serialized_start=1819
+  _globals['_JOBSTATE']._serialized_end=1973
+  _globals['_TASKFATE']._serialized_start=1976
+  _globals['_TASKFATE']._serialized_end=2177
   _globals['_SUBMITJOBREQUEST']._serialized_start=67
   _globals['_SUBMITJOBREQUEST']._serialized_end=231
   _globals['_JOB']._serialized_start=234
@@ -55,25 +55,25 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_JOBEVENT']._serialized_start=709
   _globals['_JOBEVENT']._serialized_end=838
   _globals['_DOWNLOADMODELREQUEST']._serialized_start=840
-  _globals['_DOWNLOADMODELREQUEST']._serialized_end=878
-  _globals['_FILECHUNK']._serialized_start=880
-  _globals['_FILECHUNK']._serialized_end=949
-  _globals['_GETFLEETREQUEST']._serialized_start=951
-  _globals['_GETFLEETREQUEST']._serialized_end=968
-  _globals['_FLEETMEMBER']._serialized_start=971
-  _globals['_FLEETMEMBER']._serialized_end=1139
-  _globals['_TASKQUEUE']._serialized_start=1141
-  _globals['_TASKQUEUE']._serialized_end=1248
-  _globals['_FLEETSTATUS']._serialized_start=1251
-  _globals['_FLEETSTATUS']._serialized_end=1386
-  _globals['_GETJOBACCOUNTINGREQUEST']._serialized_start=1388
-  _globals['_GETJOBACCOUNTINGREQUEST']._serialized_end=1452
-  _globals['_TASKACCOUNT']._serialized_start=1455
-  _globals['_TASKACCOUNT']._serialized_end=1589
-  _globals['_JOBACCOUNTING']._serialized_start=1592
-  _globals['_JOBACCOUNTING']._serialized_end=1800
-  _globals['_JOBACCOUNTING_COUNTSENTRY']._serialized_start=1755
-  _globals['_JOBACCOUNTING_COUNTSENTRY']._serialized_end=1800
-  _globals['_JOBSERVICE']._serialized_start=2164
-  _globals['_JOBSERVICE']._serialized_end=2712
+  _globals['_DOWNLOADMODELREQUEST']._serialized_end=894
+  _globals['_FILECHUNK']._serialized_start=896
+  _globals['_FILECHUNK']._serialized_end=965
+  _globals['_GETFLEETREQUEST']._serialized_start=967
+  _globals['_GETFLEETREQUEST']._serialized_end=984
+  _globals['_FLEETMEMBER']._serialized_start=987
+  _globals['_FLEETMEMBER']._serialized_end=1155
+  _globals['_TASKQUEUE']._serialized_start=1157
+  _globals['_TASKQUEUE']._serialized_end=1264
+  _globals['_FLEETSTATUS']._serialized_start=1267
+  _globals['_FLEETSTATUS']._serialized_end=1402
+  _globals['_GETJOBACCOUNTINGREQUEST']._serialized_start=1404
+  _globals['_GETJOBACCOUNTINGREQUEST']._serialized_end=1468
+  _globals['_TASKACCOUNT']._serialized_start=1471
+  _globals['_TASKACCOUNT']._serialized_end=1605
+  _globals['_JOBACCOUNTING']._serialized_start=1608
+  _globals['_JOBACCOUNTING']._serialized_end=1816
+  _globals['_JOBACCOUNTING_COUNTSENTRY']._serialized_start=1771
+  _globals['_JOBACCOUNTING_COUNTSENTRY']._serialized_end=1816
+  _globals['_JOBSERVICE']._serialized_start=2180
+  _globals['_JOBSERVICE']._serialized_end=2728
 # @@protoc_insertion_point(module_scope)

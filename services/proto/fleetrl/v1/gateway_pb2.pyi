@@ -131,10 +131,12 @@ class JobEvent(_message.Message):
     def __init__(self, job: _Optional[_Union[Job, _Mapping]] = ..., state: _Optional[_Union[JobState, str]] = ..., step: _Optional[_Union[_learner_pb2.StepMetrics, _Mapping]] = ...) -> None: ...
 
 class DownloadModelRequest(_message.Message):
-    __slots__ = ("job_id",)
+    __slots__ = ("job_id", "merged")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    MERGED_FIELD_NUMBER: _ClassVar[int]
     job_id: str
-    def __init__(self, job_id: _Optional[str] = ...) -> None: ...
+    merged: bool
+    def __init__(self, job_id: _Optional[str] = ..., merged: _Optional[bool] = ...) -> None: ...
 
 class FileChunk(_message.Message):
     __slots__ = ("path", "offset", "data", "last")

@@ -124,7 +124,9 @@ class JobServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def DownloadModel(self, request, context):
-        """Stream the exported model directory of a succeeded job as files in chunks.
+        """Stream the exported model directory of a succeeded job as files in chunks:
+        a LoRA job's PEFT adapter directory unless `merged` asks for its merged
+        full model; any other job's full model.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
