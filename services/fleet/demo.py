@@ -228,7 +228,8 @@ def train(client: Client, job_file: Path, overrides: list[str], run_dir: Path, o
         out.print(f"[bold red]job {final.job_id} ended {final.state}[/]: {final.reason}")
         return Trained(final, steps, None, wall_s)
     out.print(f"job {final.job_id} succeeded in {wall_s:.0f}s; downloading the model ...")
-    return Trained(final, steps, handle.download_model(run_dir / "model"), wall_s)
+    # merged: the report evaluates a whole model, also for a LoRA job (whose default download is its adapters)
+    return Trained(final, steps, handle.download_model(run_dir / "model", merged=True), wall_s)
 
 
 def follow(handle: Run, out: Console) -> tuple[JobInfo, list[StepInfo]]:

@@ -148,7 +148,7 @@ def resolve(args: argparse.Namespace, scratch: Path) -> Target:
     if JOB_ID.match(args.target):
         with Client(args.gateway, token=args.token) as client:
             spec = JobSpec.model_validate(client.get_job(args.target).spec)
-            model_dir = client.download_model(args.target, scratch / "model")
+            model_dir = client.download_model(args.target, scratch / "model", merged=True)  # a LoRA job: merged
         if explicit is None:
             job_reward = _reward_of(spec, f"job {args.target}")
             if job_reward.file is not None:
