@@ -51,6 +51,10 @@ PLOTTED = (("mean reward of the training samples", ("reward_mean",)),
            ("reward components of the training samples (correct = accuracy)", (COMPONENTS,)),
            ("KL(policy || base model)", ("kl",)))
 """Panels: title and metric keys; COMPONENTS stands for every `reward/<name>` key."""
+SMOOTH_STEPS = 5
+SMOOTHED = ("reward_mean",)
+"""Metrics drawn with a trailing mean over SMOOTH_STEPS steps (so are the reward components): at 4
+prompts per step the per-step reward is noisy."""
 HELD_OUT = ("held-out pass@k (eval.interval)", ("eval_pass_at_1", "eval_pass_at_k", "eval_greedy_pass_at_1"))
 """A panel drawn only when the job evaluated on its eval set."""
 LABELS = {"reward_mean": "reward", "kl": "KL", "eval_pass_at_1": "pass@1", "eval_pass_at_k": "pass@k",
@@ -103,8 +107,15 @@ def plot(path: Path, steps: list[StepInfo]) -> None:
     for ax, (title, keys) in zip(axes, panels, strict=True):
         for key in _expand(keys, steps):
             points = [(s.step, s.values[key]) for s in steps if key in s.values]
-            if points:
-                ax.plot(*zip(*points, strict=True), marker=".", label=LABELS.get(key, key.removeprefix(COMPONENTS)))
+            if not points:
+                continue
+            label = LABELS.get(key, key.removeprefix(COMPONENTS))
+            smoothed = key in SMOOTHED or key.startswith(COMPONENTS)
+            line, = ax.plot(*zip(*points, strict=True), marker=".", alpha=0.45 if smoothed else 1.0, label=label)
+            if smoothed:
+                smooth = trailing_mean([v for _, v in points], SMOOTH_STEPS)
+                ax.plot([x for x, _ in points], smooth, color=line.get_color(), linewidth=2.2,
+                        label=f"{label}, mean of {SMOOTH_STEPS} steps")
         ax.set_title(title)
         ax.grid(alpha=0.3)
         if ax.get_legend_handles_labels()[0]:
@@ -114,6 +125,11 @@ def plot(path: Path, steps: list[StepInfo]) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
+
+
+def trailing_mean(values: list[float], window: int) -> list[float]:
+    """Each value's mean with the (up to) window - 1 values before it."""
+    return [sum(values[max(0, i + 1 - window): i + 1]) / (i + 1 - max(0, i + 1 - window)) for i in range(len(values))]
 
 
 def _expand(keys: tuple[str, ...], steps: list[StepInfo]) -> list[str]:
