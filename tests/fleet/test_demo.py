@@ -122,5 +122,6 @@ def test_the_report_of_a_job_with_an_environment_plays_held_out_episodes(tmp_pat
 
 
 def test_the_plot_smooths_the_reward_with_a_trailing_mean() -> None:
-    assert report.trailing_mean([0.0, 1.0, 0.0, 1.0, 1.0, 1.0], 3) == pytest.approx([0.0, 0.5, 1 / 3, 2 / 3, 2 / 3, 1.0])
+    smooth = report.trailing_mean([0.0, 1.0, 0.0, 1.0, 1.0, 1.0], 3)
+    assert smooth == pytest.approx([0.0, 0.5, 1 / 3, 2 / 3, 2 / 3, 1.0])
     assert report.trailing_mean([], 5) == []
