@@ -23,10 +23,12 @@ class RewardSettings(InfraSettings):
     """Extra workers a pool may start while items run past a quarter of their timeout, one per such
     item, so that slow or hanging items do not take the capacity of the rest (0: never)."""
     worker_respawn_burst: int = Field(8, ge=1, le=10_000)
-    """Workers a pool may start back to back to replace ones that timed out, crashed or were recycled, and
-    for bursts; past it the pool starts at most `worker_respawns_per_s` a second."""
+    """Workers a pool may start back to back to replace ones that timed out, crashed or were recycled;
+    past it the pool starts replacements at most `worker_respawns_per_s` a second. Starts for demand
+    (the workers episodes hold, bursts for overrunning items) are not counted: `max_episodes` and
+    `burst_workers_per_pool` bound those."""
     worker_respawns_per_s: float = Field(2.0, gt=0, le=1000)
-    """Sustained rate at which a pool may start workers once its `worker_respawn_burst` is spent, so a
+    """Sustained rate at which a pool may start replacements once its `worker_respawn_burst` is spent, so a
     reward file that kills its worker on every item cannot make the service spend its CPU on starting
     workers. While a pool waits for it with no worker to run on, its items fail at once, naming why."""
     max_pools: int = Field(16, ge=1, le=1024)

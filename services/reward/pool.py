@@ -11,13 +11,14 @@ so the pool starts others for the items and episodes behind them. A hostile item
 at most its timeout. An item still running after a quarter of its timeout is overrunning: for each
 one the pool may start an extra worker (at most `cfg.burst`), so items that hang take the capacity
 they hold, not the capacity of the items queued behind them. Extra workers are retired when they
-are given back and the pool holds more than it needs. Every start after the pool's first `size`
-workers (replacements, bursts) takes a token of the pool's `RespawnBudget`: `respawn_burst` back to
-back, then `respawns_per_s`; a start waits for its token, and while nothing can serve (no worker free
-or busy, every start waiting) the pool is backing off: callers waiting and arriving fail at once with
-`BackingOff` naming why (an item scores as an error), so a reward file that kills its worker on every
-item costs a bounded number of starts. Idle workers go to waiting callers in arrival order. The pool
-logs which isolation layers its first worker reports.
+are given back and the pool holds more than it needs. Every replacement of a killed worker (timeout,
+crash, cancellation, age) takes a token of the pool's `RespawnBudget`: `respawn_burst` back to back,
+then `respawns_per_s`; starts for demand (the pool's size, the workers episodes hold, bursts) take
+none, as max_episodes and the burst bound them. A replacement waits for its token, and while nothing
+can serve (no worker free or busy, every start waiting) the pool is backing off: callers waiting and
+arriving fail at once with `BackingOff` naming why (an item scores as an error), so a reward file
+that kills its worker on every item costs a bounded number of starts. Idle workers go to waiting
+callers in arrival order. The pool logs which isolation layers its first worker reports.
 """
 
 from __future__ import annotations
@@ -139,9 +140,12 @@ class WorkerPool:
         the workers episodes hold."""
         return self.cfg.size + min(len(self._overrunning), self.cfg.burst) + len(self._held)
 
-    def _top_up(self) -> None:
+    def _top_up(self, replacing: bool = False) -> None:
+        """Start the workers the target lacks; a replacement of a killed worker waits for the start budget,
+        a start for demand (an episode's hold, an overrunning item's burst) does not: those are bounded by
+        max_episodes and the burst."""
         while not self._closed and len(self._live) + self._starting < self._target():
-            self._spawn()
+            self._spawn(budgeted=replacing)
 
     def _add(self, worker: WorkerProcess) -> None:
         if self._closed or len(self._live) >= self._target():  # closed, or a burst no longer needed
@@ -236,7 +240,7 @@ class WorkerPool:
         self._last_reason = reason
         self._on_replace(reason)
         self._background(self._retire(worker))
-        self._top_up()
+        self._top_up(replacing=True)
 
     async def _acquire(self) -> WorkerProcess:
         """An idle worker, once one is free; Unavailable when the pool is broken or closed, BackingOff when

@@ -33,6 +33,7 @@ from tests.reward.conftest import (
     uid_processes,
     wait_gone,
 )
+from tests.reward.test_reward_episodes import SCRIPTED, env_spec, open_session
 
 ROOT = Path(__file__).resolve().parents[2]
 BENIGN = "def reward(completion, prompt, **meta):\n    return 1.0\n"
@@ -245,3 +246,14 @@ async def test_a_pool_that_cannot_start_a_worker_again_is_dropped(tmp_path: Path
                    for r in broken.results), broken.results
         later = await stub.Score(request, timeout=10)
         assert "cannot load (failed 1 time(s) in a row" in later.results[0].reason, later.results[0].reason
+
+
+async def test_the_respawn_budget_does_not_throttle_the_workers_episodes_hold(tmp_path: Path) -> None:
+    """Opening a group's episodes starts a held worker for each: demand, not replacements, so a budget of
+    one start and then almost none still opens all of them at once (each episode used to wait for a token)."""
+    async with reward_service(tmp_path, workers_per_pool=1, worker_respawn_burst=1,
+                              worker_respawns_per_s=0.01) as stub:
+        start = time.monotonic()
+        opened = await open_session(stub, "s", env_spec(SCRIPTED), 6)
+        assert [e.status for e in opened.episodes] == [common_pb2.REWARD_STATUS_OK] * 6, opened.episodes
+        assert time.monotonic() - start < 20
