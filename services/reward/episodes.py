@@ -16,7 +16,7 @@ live episodes their actions; `close` gives the workers back. Design choices:
   episode's episode_timeout_s (counted from the open). A session not called for
   `episode_idle_timeout_s` (its actor died) is reaped by `reap_idle`: its workers are killed,
   counted as "abandoned".
-- WorkerProcess replies are checked again here: user code could have forged them.
+- Worker replies are checked again here: user code could have forged them.
 """
 
 from __future__ import annotations

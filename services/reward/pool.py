@@ -169,7 +169,7 @@ class WorkerPool:
         group.add(task)
         task.add_done_callback(group.discard)
 
-    def _spawn(self, budgeted: bool = True) -> None:
+    def _spawn(self, *, budgeted: bool) -> None:
         self._starting += 1
         self._background(self._spawn_with_retries(budgeted), self._spawns)
 
@@ -187,8 +187,8 @@ class WorkerPool:
             self._fail_waiters(Unavailable(self._broken))
 
     async def _start_with_retries(self, budgeted: bool) -> WorkerProcess | None:
-        """A started worker, or None after SPAWN_ATTEMPTS failures; each attempt after the pool's first
-        workers waits for the start budget."""
+        """A started worker, or None after SPAWN_ATTEMPTS failures; each attempt of a budgeted start (a
+        replacement of a killed worker) waits for the start budget."""
         for attempt in range(1, SPAWN_ATTEMPTS + 1):
             if budgeted:
                 await self._wait_for_budget()
