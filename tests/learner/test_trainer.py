@@ -5,12 +5,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import grpc
 import nats.errors
 import torch
 from learner_fleet import create_job, insert_groups, make_group, replay_service, spec_for
+from nats.js import JetStreamContext
 from peft import PeftModel
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -208,9 +210,13 @@ async def test_cancel_ends_a_step_that_waits_for_data(nats_url: str, redis_url: 
     assert queued.pending == 0
 
 
-async def take_tasks(nats_url: str, replay_addr: str, record: JobRecord, poison: str, stop: asyncio.Event) -> None:
-    """An actor stand-in: a synthetic group for each task, except `poison`, which goes to the dead-letter
-    subject (as an actor does after max_retries_per_episode failed deliveries)."""
+TaskHandler = Callable[[common_pb2.Task, bytes, JetStreamContext, ReplayClient], Awaitable[None]]
+
+
+async def fake_actor(nats_url: str, replay_addr: str, record: JobRecord, stop: asyncio.Event,
+                     handle: TaskHandler) -> None:
+    """An actor stand-in: pulls the job's tasks until `stop`, hands each to `handle` (the task, its raw
+    message data, JetStream and a replay client), then acks it."""
     nc = await bus.connect(nats_url, "fake-actor")
     js = bus.jetstream(nc)
     await bus.ensure_streams(js)
@@ -222,16 +228,22 @@ async def take_tasks(nats_url: str, replay_addr: str, record: JobRecord, poison:
                 msgs = await sub.fetch(1, timeout=0.3)
             except nats.errors.TimeoutError:
                 continue
-            task = common_pb2.Task.FromString(msgs[0].data)
-            if task.task_id == poison:
-                await js.publish(bus.dlq_subject(record.job_id), msgs[0].data,
-                                 headers={"Nats-Msg-Id": f"dlq/{record.job_id}/{poison}"})
-            else:
-                group = make_group(record.job_id, task.task_id, int(task.min_policy_version),
-                                   record.spec.rollout.samples_per_prompt)
-                await replay.insert([group])
+            await handle(common_pb2.Task.FromString(msgs[0].data), msgs[0].data, js, replay)
             await msgs[0].ack()
     await nc.close()
+
+
+async def take_tasks(nats_url: str, replay_addr: str, record: JobRecord, poison: str, stop: asyncio.Event) -> None:
+    """A synthetic group for each task, except `poison`, which goes to the dead-letter subject (as an actor
+    does after max_retries_per_episode failed deliveries)."""
+    async def handle(task: common_pb2.Task, raw: bytes, js: JetStreamContext, replay: ReplayClient) -> None:
+        if task.task_id == poison:
+            await js.publish(bus.dlq_subject(record.job_id), raw,
+                             headers={"Nats-Msg-Id": f"dlq/{record.job_id}/{poison}"})
+        else:
+            await replay.insert([make_group(record.job_id, task.task_id, int(task.min_policy_version),
+                                            record.spec.rollout.samples_per_prompt)])
+    await fake_actor(nats_url, replay_addr, record, stop, handle)
 
 
 async def test_a_dead_lettered_task_is_replaced(nats_url: str, redis_url: str, tmp_path: Path) -> None:
@@ -258,25 +270,12 @@ async def test_a_dead_lettered_task_is_replaced(nats_url: str, redis_url: str, t
 
 async def hand_in(nats_url: str, replay_addr: str, record: JobRecord, honest: asyncio.Event,
                   stop: asyncio.Event) -> None:
-    """An actor stand-in that hands in a group of version 0 for every task until `honest` is set (an actor
-    stuck on old weights: past step 1 its groups are dropped as stale), then of the task's version."""
-    nc = await bus.connect(nats_url, "fake-actor")
-    js = bus.jetstream(nc)
-    await bus.ensure_streams(js)
-    await bus.ensure_job_consumer(js, record.job_id, record.spec)
-    sub = await js.pull_subscribe_bind(durable=bus.task_consumer(record.job_id), stream=bus.TASKS_STREAM)
-    async with ReplayClient(replay_addr) as replay:
-        while not stop.is_set():
-            try:
-                msgs = await sub.fetch(1, timeout=0.3)
-            except nats.errors.TimeoutError:
-                continue
-            task = common_pb2.Task.FromString(msgs[0].data)
-            version = int(task.min_policy_version) if honest.is_set() else 0
-            await replay.insert([make_group(record.job_id, task.task_id, version,
-                                            record.spec.rollout.samples_per_prompt)])
-            await msgs[0].ack()
-    await nc.close()
+    """A group of version 0 for every task until `honest` is set (an actor stuck on old weights: past
+    step 1 its groups are dropped as stale), then of the task's version."""
+    async def handle(task: common_pb2.Task, raw: bytes, js: JetStreamContext, replay: ReplayClient) -> None:
+        version = int(task.min_policy_version) if honest.is_set() else 0
+        await replay.insert([make_group(record.job_id, task.task_id, version, record.spec.rollout.samples_per_prompt)])
+    await fake_actor(nats_url, replay_addr, record, stop, handle)
 
 
 async def test_a_resumed_learner_settles_the_stale_drops_it_never_saw(
