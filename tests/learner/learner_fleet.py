@@ -103,10 +103,12 @@ async def create_job(jobs: JobStore, spec: JobSpec, num_prompts: int = 16) -> Jo
 
 
 async def insert_groups(replay: ReplayClient, record: JobRecord, count: int, version: int = 0,
-                        num_prompts: int = 16) -> list[str]:
-    """Insert the first `count` groups in the feeder's task order; returns their task ids."""
-    await replay.configure(record.job_id, record.spec.replay)
-    ids = task_ids_in_order(num_prompts, record.spec.seed, count)
+                        num_prompts: int = 16, skip: int = 0) -> list[str]:
+    """Insert the first `count` groups in the feeder's task order, less the first `skip` (inserted
+    already, into the table configured then: a learner may hold it now); returns their task ids."""
+    if not skip:
+        await replay.configure(record.job_id, record.spec.replay)
+    ids = task_ids_in_order(num_prompts, record.spec.seed, count)[skip:]
     groups = [make_group(record.job_id, t, version, record.spec.rollout.samples_per_prompt) for t in ids]
     await replay.insert(groups)
     return ids

@@ -29,6 +29,9 @@ from services.learner import checkpoint as ckpt
 from services.replay.client import ReplayClient
 
 STEPS, PPS = 6, 2
+FIRST_STEPS = 3
+"""Steps job B's first learner gets data for: it is killed waiting for step 4's, so the kill can never
+land after step 4 and its checkpoint (a fast step once outran the test's poll)."""
 
 
 def metrics(run_dir: Path, job_id: str) -> list[dict[str, Any]]:
@@ -67,10 +70,11 @@ async def test_kill_mid_step_and_mid_checkpoint_resumes_exactly(nats_url: str, r
         await finish(learner_process(nats_url, redis_url, addr, run_dir, log))
 
         b = await create_job(jobs, spec)
-        await insert_groups(replay, b, STEPS * PPS + 2)
+        await insert_groups(replay, b, FIRST_STEPS * PPS)  # step 4 then waits for data: killed mid-step
         first = learner_process(nats_url, redis_url, addr, run_dir, log)
-        await wait_until("step 3", lambda: len(metrics(run_dir, b.job_id)) >= 3, first)
+        await wait_until("step 3", lambda: len(metrics(run_dir, b.job_id)) >= FIRST_STEPS, first)
         kill(first)
+        await insert_groups(replay, b, STEPS * PPS + 2, skip=FIRST_STEPS * PPS)
         root = ckpt.checkpoint_root(run_dir, b.job_id)
         assert ckpt.complete_steps(root)[-1] == 2
 
@@ -115,10 +119,11 @@ async def test_lora_kill_mid_step_resumes_with_identical_adapters(nats_url: str,
         await finish(learner_process(nats_url, redis_url, addr, run_dir, log))
 
         b = await create_job(jobs, spec)
-        await insert_groups(replay, b, STEPS * PPS + 2)
+        await insert_groups(replay, b, FIRST_STEPS * PPS)  # step 4 then waits for data: killed mid-step
         first = learner_process(nats_url, redis_url, addr, run_dir, log)
-        await wait_until("step 3", lambda: len(metrics(run_dir, b.job_id)) >= 3, first)
+        await wait_until("step 3", lambda: len(metrics(run_dir, b.job_id)) >= FIRST_STEPS, first)
         kill(first)
+        await insert_groups(replay, b, STEPS * PPS + 2, skip=FIRST_STEPS * PPS)
         assert ckpt.complete_steps(ckpt.checkpoint_root(run_dir, b.job_id))[-1] == 2
         await finish(learner_process(nats_url, redis_url, addr, run_dir, log))
     done = await jobs.get(b.job_id)
