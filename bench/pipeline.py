@@ -16,10 +16,12 @@ Fleet vs reference (tiny-llama, the same job: spec, seed, prompts, steps):
 
 With `--job FILE` (`python -m bench.pipeline --job examples/addition/job.toml --steps 6 --actors 1`), only
 this instead: the job file's job (the demo's: SmolLM2-135M) cut to --steps steps, on the whole local
-fleet with the launcher's thread budget, against the reference loop with every core, in the same
-run: fleet_groups_per_s, reference_groups_per_s, ratio (goal >= 1.2 on 2 cores), both mean step
-times, the fleet's threads per process, each process's share of the CPU seconds the fleet spent
-(`fleet_cpu_share`, from /proc) and how busy the cores were (`fleet_cpu_busy_fraction`).
+fleet with the launcher's thread budget in each of `--cores-modes` (default split,lend,turns; see
+services/fleet/cores.py), against the reference loop with every core, in the same run. Per mode:
+fleet_groups_per_s, ratio (fleet / reference; goal >= 1.2 on 2 cores), mean step time, threads per
+process, each process's share of the CPU seconds the fleet spent (`cpu_share`, from /proc) and how
+busy the cores were (`cpu_busy_fraction`); then reference_groups_per_s and its step time. The
+top-level fleet_* fields and `ratio` are the launcher's default mode's.
 
 Orchestration scaling, with the fixed backend (`FLEETRL_ACTOR_BACKEND=fixed`: every group's
 generation sleeps `--latency-s` and costs no CPU, so what is left is the fleet's own cost: fetch,
@@ -65,6 +67,7 @@ from services.common import bus, models
 from services.common.config import JobSpec
 from services.common.jobs import JobState, JobStore
 from services.common.weights import WeightStore, encode_safetensors
+from services.fleet import cores
 from services.fleet.embedded import EmbeddedNats, EmbeddedValkey, free_port, wait_for_port
 from services.fleet.fleet import Fleet, FleetOptions
 from services.fleet.supervisor import ChildSpec, Supervisor
@@ -128,15 +131,16 @@ def cpu_seconds(pid: int) -> float:
     return sum(int(v) for v in fields[11:15]) / os.sysconf("SC_CLK_TCK")
 
 
-def fleet_rate(spec: JobSpec, run_dir: Path, actors: int, one_thread: bool) -> dict[str, Any]:
+def fleet_rate(spec: JobSpec, run_dir: Path, actors: int, one_thread: bool,
+               cores_mode: str = cores.DEFAULT_MODE) -> dict[str, Any]:
     """Steady groups/s, wall seconds from submission to success, mean step seconds and each process's
     share of the CPU time the fleet spent, for the job on a whole local fleet. one_thread: every
-    process one torch thread (the tiny job); else the launcher's thread budget (the demo's)."""
+    process one torch thread (the tiny job); else the launcher's thread budget in `cores_mode` (the demo's)."""
     env = {**QUIET, "FLEETRL_ACTOR_POLL_INTERVAL_S": "0.3", "FLEETRL_LEARNER_CLAIM_POLL_S": "0.3",
            "FLEETRL_LEARNER_SAMPLE_WAIT_S": "0.5", "FLEETRL_ACTOR_GRACE_S": "5"}
     if one_thread:
         env.update({"FLEETRL_ACTOR_TORCH_THREADS": "1", "FLEETRL_LEARNER_TORCH_THREADS": "1"})
-    fleet = Fleet(FleetOptions(run_dir=run_dir, actors=actors, metrics=False, extra_env=env))
+    fleet = Fleet(FleetOptions(run_dir=run_dir, actors=actors, metrics=False, extra_env=env, cores_mode=cores_mode))
     try:
         layout = fleet.start()
         pids = {name: child.pid for name, child in fleet.supervisor.children.items() if child.pid}
@@ -335,22 +339,32 @@ async def tracing_rounds(tmp: Path, actors: int, latency_s: float, tasks: int, r
 
 
 def run_demo(args: argparse.Namespace) -> dict[str, Any]:
-    """The demo's job (SmolLM2-135M) on the whole local fleet, with the launcher's thread budget,
-    against the reference loop with every core, in the same run."""
+    """The demo's job (SmolLM2-135M) on the whole local fleet, with the launcher's thread budget in
+    each cores mode, against the reference loop with every core, in the same run."""
     spec = demo_spec(Path(args.job), args.steps)
-    with tempfile.TemporaryDirectory(prefix="bench-pipeline-") as tmp_dir:
-        fleet = fleet_rate(spec, Path(tmp_dir) / "fleet", args.actors, one_thread=False)
+    modes = args.cores_modes.split(",")
+    if unknown := set(modes) - set(cores.MODES):
+        raise SystemExit(f"--cores-modes: unknown {', '.join(sorted(unknown))} (choose from {', '.join(cores.MODES)})")
+    fleets = {}
+    for mode in modes:
+        with tempfile.TemporaryDirectory(prefix="bench-pipeline-") as tmp_dir:
+            fleets[mode] = fleet_rate(spec, Path(tmp_dir) / "fleet", args.actors, one_thread=False, cores_mode=mode)
     threads = len(os.sched_getaffinity(0)) if args.threads is None else args.threads
     reference_gps, reference_step_s = reference_rate(spec, threads)
+    by_mode = {mode: {"fleet_groups_per_s": round(f["groups_per_s"], 4),
+                      "ratio": round(f["groups_per_s"] / reference_gps, 3), "fleet_step_s": round(f["step_s"], 1),
+                      "fleet_wall_s": round(f["wall_s"], 1), "threads": f["threads"], "cpu_share": f["cpu_share"],
+                      "cpu_busy_fraction": f["cpu_busy_fraction"]} for mode, f in fleets.items()}
+    default = by_mode.get(cores.DEFAULT_MODE, by_mode[modes[0]])
     return {
         "job": args.job, "model": spec.model, "steps": args.steps, "groups_per_step": spec.rollout.prompts_per_step,
         "samples_per_group": spec.rollout.samples_per_prompt, "max_new_tokens": spec.rollout.max_new_tokens,
-        "fleet_actors": args.actors, "fleet_groups_per_s": round(fleet["groups_per_s"], 4),
-        "fleet_step_s": round(fleet["step_s"], 1), "fleet_wall_s": round(fleet["wall_s"], 1),
-        "fleet_threads": fleet["threads"], "fleet_cpu_share": fleet["cpu_share"],
-        "fleet_cpu_busy_fraction": fleet["cpu_busy_fraction"],
+        "fleet_actors": args.actors, "default_cores_mode": cores.DEFAULT_MODE, "by_cores_mode": by_mode,
+        "fleet_groups_per_s": default["fleet_groups_per_s"], "fleet_step_s": default["fleet_step_s"],
+        "fleet_threads": default["threads"], "fleet_cpu_share": default["cpu_share"],
+        "fleet_cpu_busy_fraction": default["cpu_busy_fraction"],
         "reference_groups_per_s": round(reference_gps, 4), "reference_step_s": round(reference_step_s, 1),
-        "reference_threads": torch.get_num_threads(), "ratio": round(fleet["groups_per_s"] / reference_gps, 3),
+        "reference_threads": torch.get_num_threads(), "ratio": default["ratio"],
     }
 
 
@@ -395,6 +409,8 @@ def main(argv: list[str] | None = None) -> int:
                              "job; with --job, every core; 0: torch's default)")
     parser.add_argument("--job", help="instead: this job file (e.g. examples/addition/job.toml, the demo's) on the "
                                       "fleet with its thread budget vs the reference loop, --steps steps, nothing else")
+    parser.add_argument("--cores-modes", default=",".join(cores.MODES),
+                        help="with --job: the launcher's cores modes to run the fleet in, one after the other")
     parser.add_argument("--scale", default="1,2,4,8", help="actor counts of the fixed-backend runs")
     parser.add_argument("--latency-s", type=float, default=0.5, help="fixed backend seconds per group")
     parser.add_argument("--tasks-per-actor", type=int, default=10, help="tasks per actor in each scaling run")

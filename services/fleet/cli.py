@@ -31,6 +31,10 @@ def add_placement_flags(parser: argparse.ArgumentParser) -> None:
     share = round(cores.ACTOR_SHARE * 100)
     parser.add_argument("--actor-threads", type=_positive,
                         help=f"each actor's compute threads (default: {share}%% of the cores, shared)")
+    parser.add_argument("--cores-mode", choices=cores.MODES, default=cores.DEFAULT_MODE,
+                        help="split: a fixed learner-heavy split; lend: the learner also computes, at the lowest "
+                             "priority, on cores idle actors leave; turns: the actors take every core while "
+                             f"they generate, the learner between (default {cores.DEFAULT_MODE})")
     parser.add_argument("--gpus", type=_gpus, help="GPU ids for the learner (the first) and the actors (the "
                                                    "others, in turn), e.g. 0,1, or none (default: the machine's)")
 
@@ -54,7 +58,7 @@ def options_from(args: argparse.Namespace) -> FleetOptions:
         raise SystemExit("--actors must be >= 0")
     return FleetOptions(run_dir=args.dir, actors=args.actors, nats_url=args.nats_url, redis_url=args.redis_url,
                         tracing=args.tracing, cores=args.cores, learner_threads=args.learner_threads,
-                        actor_threads=args.actor_threads, gpus=args.gpus)
+                        actor_threads=args.actor_threads, cores_mode=args.cores_mode, gpus=args.gpus)
 
 
 def print_layout(layout: FleetLayout, actors: int) -> None:

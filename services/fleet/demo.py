@@ -177,7 +177,8 @@ def fleet_address(args: argparse.Namespace, run_dir: Path, out: Console) -> Iter
     if args.actors < 1:
         raise ConfigError("bad option", [FieldViolation("--actors", "must be >= 1")])
     options = FleetOptions(run_dir=run_dir, actors=args.actors, cores=args.cores,
-                           learner_threads=args.learner_threads, actor_threads=args.actor_threads, gpus=args.gpus)
+                           learner_threads=args.learner_threads, actor_threads=args.actor_threads,
+                           cores_mode=args.cores_mode, gpus=args.gpus)
     with started_fleet(options, out) as layout:
         yield layout.addresses["gateway"]
 

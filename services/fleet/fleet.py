@@ -31,6 +31,7 @@ SCALE_FILE = "fleet.scale"
 SERVICES = ("replay", "reward", "gateway", "learner")
 # Seconds a service may take to listen: imports of torch/transformers take tens of seconds on a busy 2-core box.
 SERVICE_START_S = 120.0
+DEFAULT_CORES_MODE = cores.DEFAULT_MODE  # (FleetOptions.cores, a field, hides the module in its body)
 ACTOR_STOP_MARGIN_S = 5.0
 """Beyond an actor's grace_s, for it to release its task and drain its connections."""
 
@@ -54,6 +55,8 @@ class FleetOptions:
     """The learner's compute threads (None: the budget's rule, see `cores`)."""
     actor_threads: int | None = None
     """Each actor's compute threads (None: the budget's rule)."""
+    cores_mode: str = DEFAULT_CORES_MODE
+    """How the learner and the actors divide the cores: one of `cores.MODES`."""
     gpus: list[str] | None = None
     """GPU ids to place the learner and actors on (None: the machine's, see `devices`; []: none)."""
 
@@ -99,7 +102,8 @@ class Fleet:
         self._actor_ids = 0
         self._rescale = threading.Event()
         self.cores = options.cores or cores.machine_cores()
-        self.threads = cores.budget(self.cores, options.actors, options.learner_threads, options.actor_threads)
+        self.threads = cores.budget(self.cores, options.actors, options.learner_threads, options.actor_threads,
+                                    options.cores_mode)
         self.gpus = options.gpus if options.gpus is not None else devices.visible_gpus()
 
     def start(self) -> FleetLayout:
@@ -119,13 +123,15 @@ class Fleet:
 
     def _log_threads(self) -> None:
         summary = ", ".join(f"{name} {n}" for name, n in self.threads.items())
-        log.info("compute threads on %d cores: %s (each actor)", self.cores, summary)
-        if cores.oversubscribed(self.threads, self.cores, self.options.actors):
+        log.info("compute threads on %d cores (%s): %s (each actor)", self.cores, self.options.cores_mode, summary)
+        if cores.oversubscribed(self.threads, self.cores, self.options.actors, self.options.cores_mode):
             log.warning("the learner and %d actor(s) run more compute threads than the %d cores",
                         self.options.actors, self.cores)
 
     def _actor_threads(self, count: int) -> int:
         """Threads of an actor started when the fleet runs `count` actors: the running learner keeps its own."""
+        if cores.lends(self.options.cores_mode):  # the learner yields: the actors' share is the rule's
+            return cores.budget(self.cores, count, None, self.options.actor_threads, self.options.cores_mode)["actor"]
         share = cores.budget(self.cores, count, self.threads["learner"], self.options.actor_threads)
         return share["actor"]
 
@@ -171,8 +177,8 @@ class Fleet:
         out = {prefix + key: value for key, value in env.items()}
         out["FLEETRL_TRACING"] = "1" if self.options.tracing else "0"
         out["TOKENIZERS_PARALLELISM"] = "false"
-        return {**out, **cores.thread_env(service, threads), **devices.device_env(service, self.gpus, actor_index),
-                **self.options.extra_env}
+        return {**out, **cores.thread_env(service, threads, self.options.cores_mode),
+                **devices.device_env(service, self.gpus, actor_index), **self.options.extra_env}
 
     def actor_names(self) -> list[str]:
         return sorted((n for n in self.supervisor.children if n.startswith("actor-")), key=lambda n: int(n[6:]))

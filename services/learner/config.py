@@ -43,6 +43,11 @@ class LearnerSettings(InfraSettings):
     torch_threads: int = Field(0, ge=0, le=1024)
     """torch intra-op threads, set with torch.set_num_threads at start (0: torch's default, one per
     core). The local launcher sets it from its thread budget (services/fleet/cores.py)."""
+    compute_nice: int = Field(0, ge=0, le=19)
+    """Niceness of the one thread that builds the model and trains (and of the OpenMP threads it
+    starts): 0 is normal priority. The local launcher's lending modes set 19, so actors on the same
+    cores come first and the learner computes on what they leave idle; the service's own threads
+    (gRPC, NATS, lease renewal) keep normal priority."""
     sample_wait_s: float = Field(2.0, gt=0, le=60)
     """Longest one replay Sample call waits for groups (the step deadline is the job's
     train.timeout_per_step_s)."""

@@ -33,7 +33,7 @@ from services.learner.config import LearnerSettings
 from services.learner.leases import keep_alive
 from services.learner.observe import clear_beat, observe_loop
 from services.learner.status import StatusBoard
-from services.learner.trainer import Deps, JobRun, LeaseLost
+from services.learner.trainer import Deps, JobRun, LeaseLost, compute_executor
 from services.replay.client import ReplayClient
 from services.reward.client import RewardClient
 
@@ -117,7 +117,9 @@ async def serve(settings: LearnerSettings, stop: asyncio.Event, *, once: bool = 
         reward = RewardClient(settings.reward_addr, timeout_s=settings.rpc_timeout_s,
                               retry=RetryPolicy(deadline_s=settings.rpc_timeout_s * 4))
         stack.push_async_callback(reward.close)
-        deps = Deps(settings, jobs, nc, js, replay, WeightStore(nc, js), board, stop, reward=reward)
+        compute = compute_executor(settings.compute_nice)
+        stack.callback(compute.shutdown, wait=False)
+        deps = Deps(settings, jobs, nc, js, replay, WeightStore(nc, js), board, stop, reward=reward, compute=compute)
         while not stop.is_set():
             try:
                 record = await jobs.claim(settings.learner_id, settings.lease_s)

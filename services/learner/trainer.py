@@ -19,8 +19,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
+import threading
 import time
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable
+from concurrent.futures import Executor, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TypeVar
@@ -75,6 +78,20 @@ class Deps:
     lease_lost: asyncio.Event = field(default_factory=asyncio.Event)
     reward: RewardClient | None = None
     """Scores held-out evaluations (eval.interval); None: jobs that ask for one fail at setup."""
+    compute: Executor | None = None
+    """Runs building the model and training steps (`compute_executor`); None: asyncio's default executor."""
+
+
+def compute_executor(nice: int) -> ThreadPoolExecutor:
+    """The one thread that builds models and trains, at niceness `nice` before it runs anything, so the
+    OpenMP threads its first parallel op starts inherit that priority (Linux niceness is per thread)."""
+    return ThreadPoolExecutor(1, thread_name_prefix="learner-compute", initializer=_lower_priority, initargs=(nice,))
+
+
+def _lower_priority(nice: int) -> None:
+    thread = threading.get_native_id()
+    if nice > os.getpriority(os.PRIO_PROCESS, thread):  # only ever lower it: raising needs privilege
+        os.setpriority(os.PRIO_PROCESS, thread, nice)
 
 
 @dataclass
@@ -162,7 +179,7 @@ class JobRun:
         prompts = parse_prompts(prompts_bytes)
         self.held_out = await self.held_out_eval(reward_file)
         device = resolve_device(self.deps.settings.device)
-        self.policy = self._policy if self._policy is not None else await asyncio.to_thread(
+        self.policy = self._policy if self._policy is not None else await self.compute(
             Policy, self.spec, device, Followers.if_distributed())
         await self.fenced_replay(self.deps.replay.configure(self.job_id, self.spec.replay, self.epoch))
         await self.job_bus.prepare(self.spec)
@@ -306,7 +323,7 @@ class JobRun:
     async def train(self, data: StepData) -> dict[str, float]:
         self.phase("training")
         started = time.monotonic()
-        values = await asyncio.to_thread(self.policy.step, data.groups)
+        values = await self.compute(self.policy.step, data.groups)
         elapsed = time.monotonic() - started
         self.check_lease()
         staleness = [self.step - g.policy_version for g in data.groups]
@@ -414,3 +431,7 @@ class JobRun:
 
     def phase(self, name: str) -> None:
         self.deps.board.phase = name
+
+    async def compute(self, fn: Callable[..., T], *args: object) -> T:
+        """fn(*args) on the learner's compute thread (see `compute_executor`)."""
+        return await asyncio.get_running_loop().run_in_executor(self.deps.compute, fn, *args)

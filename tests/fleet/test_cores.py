@@ -71,3 +71,37 @@ def test_flags_reach_the_fleet_and_a_scaled_fleet_keeps_the_learners_threads(tmp
     assert fleet._actor_threads(1) == 6 and fleet._actor_threads(6) == 1  # the learner's 10 stay its own
     with pytest.raises(SystemExit):
         _up_parser("fleetrl up").parse_args(["--learner-threads", "0"])
+
+
+@pytest.mark.parametrize(("cores_", "actors", "mode", "learner", "actor"), [
+    (2, 1, "lend", 2, 1),
+    (8, 1, "lend", 8, 3),
+    (8, 2, "lend", 8, 1),
+    (2, 1, "turns", 2, 2),
+    (8, 2, "turns", 8, 4),
+    (2, 3, "turns", 2, 1),
+])
+def test_a_lending_learner_runs_on_every_core_and_yields_them(cores_: int, actors: int, mode: str, learner: int,
+                                                              actor: int) -> None:
+    threads = cores.budget(cores_, actors, mode=mode)
+    assert (threads["learner"], threads["actor"]) == (learner, actor)
+    # the learner runs at the lowest priority, so only the actors' threads count against the cores
+    assert cores.oversubscribed(threads, cores_, actors, mode) == (actors > cores_)
+    env = cores.thread_env("learner", threads["learner"], mode)
+    assert env["FLEETRL_LEARNER_COMPUTE_NICE"] == str(cores.LENT_NICE)
+    assert env["FLEETRL_LEARNER_TORCH_THREADS"] == env["OMP_NUM_THREADS"] == str(cores_)
+    assert "FLEETRL_ACTOR_COMPUTE_NICE" not in cores.thread_env("actor", actor, mode)
+    assert "FLEETRL_LEARNER_COMPUTE_NICE" not in cores.thread_env("learner", 1, "split")
+
+
+def test_cores_mode_reaches_the_children_and_bad_modes_are_refused(tmp_path: Path) -> None:
+    args = _up_parser("fleetrl up").parse_args(["--dir", str(tmp_path), "--actors", "1", "--cores", "4",
+                                                "--cores-mode", "lend"])
+    fleet = Fleet(options_from(args))
+    assert fleet.threads["learner"] == 4 and fleet.threads["actor"] == 1
+    assert fleet._actor_threads(2) == 1 and fleet._actor_threads(1) == 1  # the actors' share, as the rule gives it
+    assert cores.budget(4, 1, learner_threads=2, mode="lend")["actor"] == 1  # a fixed learner count takes nothing
+    with pytest.raises(SystemExit):
+        _up_parser("fleetrl up").parse_args(["--cores-mode", "greedy"])
+    with pytest.raises(ValueError, match="mode must be one of"):
+        cores.budget(2, 1, mode="greedy")
