@@ -21,7 +21,8 @@ services/fleet/cores.py), against the reference loop with every core, in the sam
 fleet_groups_per_s, ratio (fleet / reference; goal >= 1.2 on 2 cores), mean step time, threads per
 process, each process's share of the CPU seconds the fleet spent (`cpu_share`, from /proc) and how
 busy the cores were (`cpu_busy_fraction`); then reference_groups_per_s and its step time. The
-top-level fleet_* fields and `ratio` are the launcher's default mode's.
+top-level fleet_* fields and `ratio` are those of `fleet_cores_mode`: the launcher's default mode
+when it ran, else the first.
 
 Orchestration scaling, with the fixed backend (`FLEETRL_ACTOR_BACKEND=fixed`: every group's
 generation sleeps `--latency-s` and costs no CPU, so what is left is the fleet's own cost: fetch,
@@ -355,11 +356,12 @@ def run_demo(args: argparse.Namespace) -> dict[str, Any]:
                       "ratio": round(f["groups_per_s"] / reference_gps, 3), "fleet_step_s": round(f["step_s"], 1),
                       "fleet_wall_s": round(f["wall_s"], 1), "threads": f["threads"], "cpu_share": f["cpu_share"],
                       "cpu_busy_fraction": f["cpu_busy_fraction"]} for mode, f in fleets.items()}
-    default = by_mode.get(cores.DEFAULT_MODE, by_mode[modes[0]])
+    top = cores.DEFAULT_MODE if cores.DEFAULT_MODE in by_mode else modes[0]
+    default = by_mode[top]
     return {
         "job": args.job, "model": spec.model, "steps": args.steps, "groups_per_step": spec.rollout.prompts_per_step,
         "samples_per_group": spec.rollout.samples_per_prompt, "max_new_tokens": spec.rollout.max_new_tokens,
-        "fleet_actors": args.actors, "default_cores_mode": cores.DEFAULT_MODE, "by_cores_mode": by_mode,
+        "fleet_actors": args.actors, "fleet_cores_mode": top, "by_cores_mode": by_mode,
         "fleet_groups_per_s": default["fleet_groups_per_s"], "fleet_step_s": default["fleet_step_s"],
         "fleet_threads": default["threads"], "fleet_cpu_share": default["cpu_share"],
         "fleet_cpu_busy_fraction": default["cpu_busy_fraction"],

@@ -69,10 +69,12 @@ def budget(cores: int, actors: int, learner_threads: int | None = None,
     if mode not in MODES:
         raise ValueError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
     if actor_threads is None:
-        if learner_threads is not None and mode == "split":
+        if mode == "turns":
+            pool = cores
+        elif mode == "split" and learner_threads is not None:
             pool = cores - learner_threads
-        else:
-            pool = cores if mode == "turns" else int(cores * ACTOR_SHARE)
+        else:  # the rule's share; a lending learner's count takes nothing from the actors
+            pool = int(cores * ACTOR_SHARE)
         actor_threads = max(1, pool // actors) if actors else 1
     if learner_threads is None:
         learner_threads = cores if lends(mode) else max(1, cores - actors * actor_threads)

@@ -130,9 +130,8 @@ class Fleet:
 
     def _actor_threads(self, count: int) -> int:
         """Threads of an actor started when the fleet runs `count` actors: the running learner keeps its own."""
-        if cores.lends(self.options.cores_mode):  # the learner yields: the actors' share is the rule's
-            return cores.budget(self.cores, count, None, self.options.actor_threads, self.options.cores_mode)["actor"]
-        share = cores.budget(self.cores, count, self.threads["learner"], self.options.actor_threads)
+        share = cores.budget(self.cores, count, self.threads["learner"], self.options.actor_threads,
+                             self.options.cores_mode)
         return share["actor"]
 
     def _wait_listening(self) -> None:

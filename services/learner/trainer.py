@@ -90,7 +90,7 @@ def compute_executor(nice: int) -> ThreadPoolExecutor:
 
 def _lower_priority(nice: int) -> None:
     thread = threading.get_native_id()
-    if nice > os.getpriority(os.PRIO_PROCESS, thread):  # only ever lower it: raising needs privilege
+    if nice > os.getpriority(os.PRIO_PROCESS, thread):  # only ever raise niceness: lowering it needs privilege
         os.setpriority(os.PRIO_PROCESS, thread, nice)
 
 
