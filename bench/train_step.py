@@ -9,17 +9,21 @@ step is `services.learner.optim.train_step` with the job's algorithm, micro-batc
 reference (when `kl_coef` > 0), as the learner runs it. After one warm-up step (it allocates the
 AdamW state), `steps` timed steps run on the learner's log-prob path, then `steps` on the path it
 replaced (logits at T + 1 positions, full-vocabulary log_softmax, entropy always, also for the
-reference; swapped in for `optim.completion_logprobs`), on the same model. A job with a critic
-(ppo) trains the policy and its value head (`critic.ActorCritic`) as the learner does; its policy
-passes read logits and values from one forward, so the naive path changes only its reference pass.
+reference; swapped in for `optim.completion_logprobs`), and `steps` with `train.share_prompts`
+off (one padded row per sequence: the layout before shared prompts), on the same model. A job
+with a critic (ppo) trains the policy and its value head (`critic.ActorCritic`) as the learner
+does; its policy passes read logits and values from one forward, so the naive path changes only
+its reference pass.
 
-- model_flops_per_step = 6 * N_body * padded_tokens + 6 * d * V * scored_positions
-  (+ 2 * N_body * padded_tokens + 2 * d * V * scored_positions for the reference's forward, and
-  as much again for a critic's no-grad value pass; the value head's own FLOPs are left out),
-  with N_body the parameters without the token embedding, padded_tokens the tokens the
-  micro-batches hold (padding included: it is computed), scored_positions the B * T positions
-  whose logits are taken, d x V the output projection. Attention scores are left out (under 1%
-  at these lengths).
+- model_flops_per_step = 3 * F (full fine-tuning: forward, and a backward for activations and
+  weights) or 2 * F (LoRA: the frozen weights get no weight gradients; the adapters' own FLOPs
+  are left out), + F for the reference's forward and as much again for a critic's no-grad value
+  pass, with F = 2 * N_body * computed_tokens + 2 * d * V * scored_positions the forward, N_body
+  the parameters without the token embedding, computed_tokens the tokens the micro-batches'
+  forwards hold (padding included: it is computed; with shared prompts, each shared prompt
+  once), scored_positions the positions whose logits are taken, d x V the output projection.
+  Attention scores are left out (under 1% at these lengths). Each path's FLOPs are its own:
+  the unshared path computes more tokens for the same samples.
 - matmul_gflops: the best of `--matmul-repeats` float32 2048 x 2048 products, same threads.
 - mfu: model_flops_per_step / step_s / (matmul_gflops * 1e9).
 - state_gb: weights + gradients + AdamW's two moments (+ the reference's weights), float32.
@@ -50,10 +54,11 @@ from services.actor.backends import prompt_tokens
 from services.common import models
 from services.common.config import JobSpec, LoraSpec, parse_job_spec
 from services.learner import lora, optim
-from services.learner.batch import TrainBatch, build_batch, group_rewards, micro_batches
+from services.learner.batch import TrainBatch, build_batch, group_rewards, micro_batches, share_prompts
 from services.learner.critic import with_critic
 from services.learner.logprobs import naive_token_logprobs
 from services.learner.losses import loss_config_for
+from services.learner.trained_policy import checkpoint_activations
 from services.proto.fleetrl.v1 import common_pb2
 
 DEFAULT_JOB = Path(__file__).resolve().parents[1] / "examples" / "addition" / "job.toml"
@@ -126,20 +131,26 @@ def peak_rss_gb() -> float:
 
 
 def step_flops(
-    model: PreTrainedModel | PeftModel, spec: JobSpec, groups: list[common_pb2.Group], reference: bool
+    model: PreTrainedModel | PeftModel, module: torch.nn.Module, spec: JobSpec, groups: list[common_pb2.Group],
+    reference: bool,
 ) -> dict[str, float]:
-    """Padded tokens and scored positions of the step's micro-batches, and its model FLOPs (see above)."""
+    """Computed tokens and scored positions of the step's micro-batches, and its model FLOPs (see above)."""
     cfg = loss_config_for(spec)
     batch = build_batch(groups, [group_rewards(group) for group in groups], optim.PAD_ID)
-    micros = micro_batches(batch, spec.train.micro_batch_samples)
-    padded = sum(m.input_ids.numel() for m in micros)
-    scored = sum(m.completion_mask.numel() for m in micros)
+    ratio = optim.packing_cost_ratio(module) if spec.train.share_prompts else None
+    micros = [share_prompts(m, ratio) for m in micro_batches(batch, spec.train.micro_batch_samples)]
+    computed = sum((m.input_ids if m.packed is None else m.packed.input_ids).numel() for m in micros)
+    scored = sum(m.completion_mask.numel() if m.packed is None else m.packed.keep.numel() * m.packed.input_ids.shape[0]
+                 for m in micros)
     head = model.config.vocab_size * model.config.hidden_size  # d x V: the embedding, and the output projection
     n_total = sum(p.numel() for p in model.parameters())  # a tied weight counts once
     n_body = n_total - head * (1 if model.config.tie_word_embeddings else 2)
-    forward = 2 * n_body * padded + 2 * head * scored
-    flops = 3 * forward * spec.train.epochs_per_step + forward * (int(reference) + int(cfg.uses_critic))
-    return {"params": n_total, "params_body": n_body, "padded_tokens": padded, "scored_positions": scored,
+    forward = 2 * n_body * computed + 2 * head * scored
+    train = 2 if isinstance(model, PeftModel) else 3
+    flops = train * forward * spec.train.epochs_per_step + forward * (int(reference) + int(cfg.uses_critic))
+    return {"params": n_total, "params_body": n_body, "computed_tokens": computed,
+            "padded_tokens": batch.input_ids.numel(), "scored_positions": scored,
+            "packed_micro_batches": sum(m.packed is not None for m in micros),
             "completion_tokens": batch.num_tokens, "model_flops_per_step": flops}
 
 
@@ -168,7 +179,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     prompts_file = args.job.parent / spec.prompts
     prompts = [json.loads(line)["prompt"] for line in prompts_file.read_text().splitlines()[:64] if line.strip()]
     model: PreTrainedModel | PeftModel
+    if args.activation_checkpointing:
+        spec = spec.model_copy(update={"train": spec.train.model_copy(update={"activation_checkpointing": True})})
     model, tokenizer = models.load(spec.model)
+    if spec.train.activation_checkpointing:
+        checkpoint_activations(model)
     reference: torch.nn.Module | None = None
     if args.lora_rank:
         wrapped = lora.wrap(model, LoraSpec(rank=args.lora_rank, alpha=2 * args.lora_rank), spec.seed)
@@ -184,13 +199,24 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     groups = job_groups(spec, prompts, tokenizer, seed=0)
     last: dict[str, float] = {}
 
+    unshared = spec.model_copy(update={"train": spec.train.model_copy(update={"share_prompts": False})})
+    job = spec
+
     def train() -> None:
-        last.update(optim.train_step(module, optimizer, scheduler, groups, cfg, spec, reference))
+        last.update(optim.train_step(module, optimizer, scheduler, groups, cfg, job, reference))
 
     gflops = matmul_gflops(args.matmul_repeats)
     timed_steps(train, 1, "warm-up")  # AdamW state, allocator
     new_times, new_rss = timed_steps(train, args.steps, "learner path")
     new_fb = last["forward_backward_s"]
+    old_layout: dict[str, Any] = {}
+    if args.unshared_steps and spec.train.share_prompts:
+        job = unshared
+        times, rss = timed_steps(train, args.unshared_steps, "unshared prompts")
+        job = spec
+        old_layout = {"unshared_step_s": round(min(times), 3), "unshared_step_s_all": [round(t, 3) for t in times],
+                      "unshared_peak_rss_gb": round(rss, 3),
+                      "unshared_over_shared_step_time": round(min(times) / min(new_times), 3)}
     naive: dict[str, Any] = {}
     if args.naive_steps:
         with naive_path():
@@ -202,7 +228,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "naive_over_new_step_time": round(old_step_s / min(new_times), 3),
         }
     gflops = max(gflops, matmul_gflops(args.matmul_repeats))
-    figures = step_flops(model, spec, groups, reference is not None)
+    figures = step_flops(model, module, spec, groups, reference is not None)
+    if old_layout:
+        flops = step_flops(model, module, unshared, groups, reference is not None)["model_flops_per_step"]
+        old_layout["unshared_mfu"] = round(flops / old_layout["unshared_step_s"] / (gflops * 1e9), 3)
     n = figures["params"]
     trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
     copies = 1 + (reference is not None and not args.lora_rank)  # LoRA's reference is the frozen base itself
@@ -215,7 +244,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "prompts_per_step": spec.rollout.prompts_per_step, "samples_per_prompt": spec.rollout.samples_per_prompt,
         "max_new_tokens": spec.rollout.max_new_tokens, "micro_batch_samples": spec.train.micro_batch_samples,
         "algorithm": spec.algorithm.name, "kl_coef": spec.algorithm.kl_coef,
-        "entropy_coef": spec.algorithm.entropy_coef,
+        "entropy_coef": spec.algorithm.entropy_coef, "activation_checkpointing": spec.train.activation_checkpointing,
         **figures,
         "step_s": round(step_s, 3), "step_s_all": [round(t, 3) for t in new_times],
         "forward_backward_s": round(new_fb, 3),
@@ -225,6 +254,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "state_gb": round(state / 1e9, 3), "peak_rss_gb": round(new_rss, 3),
         "peak_rss_over_state": round(new_rss / (state / 1e9), 3),
         "peak_rss_reset": PEAK_RESET,
+        **old_layout,
         **naive,
     }
 
@@ -242,10 +272,16 @@ def main(argv: list[str] | None = None) -> int:
                              "base is the KL reference) instead of every weight (0, the default)")
     parser.add_argument("--naive-steps", type=int, default=None,
                         help="timed steps on the replaced log-prob path (default: --steps; 0 skips it)")
+    parser.add_argument("--unshared-steps", type=int, default=None,
+                        help="timed steps with train.share_prompts off (default: --steps; 0 skips it)")
+    parser.add_argument("--activation-checkpointing", action="store_true",
+                        help="train.activation_checkpointing on (default: the job's setting)")
     parser.add_argument("--json", action="store_true", help="print one JSON object (the default output)")
     args = parser.parse_args(argv)
     if args.naive_steps is None:
         args.naive_steps = args.steps
+    if args.unshared_steps is None:
+        args.unshared_steps = args.steps
     result = run(args)
     print(json.dumps(result) if args.json else json.dumps(result, indent=2))
     return 0

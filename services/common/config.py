@@ -232,6 +232,15 @@ class TrainConfig(Strict):
     """Passes over each step's batch (PPO-style inner epochs)."""
     micro_batch_samples: int = Field(16, ge=1, le=65536)
     """Sequences per forward/backward pass; gradients accumulate to the full batch."""
+    share_prompts: bool = True
+    """Compute a prompt that several sequences of a micro-batch share once, with each completion after
+    it (a 4D attention mask keeps them apart), wherever a cost model says that is cheaper than one
+    padded row per sequence (services/learner/batch.py); false: always one row per sequence. The
+    losses are the same up to float rounding."""
+    activation_checkpointing: bool = False
+    """Keep only each decoder layer's input during the forward and recompute the layer's activations
+    in the backward (transformers' gradient checkpointing, non-reentrant): less peak memory for more
+    compute (one more forward of the policy per pass)."""
     max_staleness: int = Field(1, ge=0, le=1000)
     """Most policy versions a trained group may lag the learner (0: strictly on-policy)."""
     publish_interval: int = Field(1, ge=1, le=100_000)

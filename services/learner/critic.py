@@ -75,9 +75,9 @@ class ActorCritic(nn.Module):
         self.head = head
 
     def forward(self, input_ids: Tensor, attention_mask: Tensor, logits_to_keep: Tensor,
-                use_cache: bool = False) -> ValuedOutput:
+                use_cache: bool = False, position_ids: Tensor | None = None) -> ValuedOutput:
         out = self.policy(input_ids=input_ids, attention_mask=attention_mask, logits_to_keep=logits_to_keep,
-                          use_cache=use_cache, output_hidden_states=True)
+                          use_cache=use_cache, position_ids=position_ids, output_hidden_states=True)
         hidden = out.hidden_states[-1][:, logits_to_keep]  # (B, T, H), after the final norm
         return ValuedOutput(logits=out.logits, state_values=self.head(hidden.float()).squeeze(-1))
 
@@ -163,7 +163,9 @@ def gae_micro_batches(
     old_values, raw, returns = [], [], []
     with torch.no_grad():
         for micro in micros:
-            values = completion_forward(module, micro).state_values * micro.completion_mask  # (B, T)
+            state_values = completion_forward(module, micro).state_values
+            assert state_values is not None  # an ActorCritic's forward has them
+            values = state_values * micro.completion_mask  # (B, T)
             adv, ret = gae(terminal_rewards(micro.rewards, micro.completion_mask), values, micro.completion_mask,
                            cfg.gamma, cfg.lam)
             old_values.append(values)

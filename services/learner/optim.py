@@ -26,6 +26,7 @@ import time
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any, cast
 
 import torch
 from torch import Tensor
@@ -34,6 +35,7 @@ from torch.optim.lr_scheduler import LambdaLR
 from services.common.config import JobSpec, OptimConfig
 from services.learner.batch import (
     TrainBatch,
+    attention_cost_ratio,
     build_batch,
     completion_forward,
     completion_logprobs,
@@ -42,6 +44,7 @@ from services.learner.batch import (
     has_signal,
     micro_batches,
     policy_tokens,
+    share_prompts,
     target_logprobs,
 )
 from services.learner.critic import (
@@ -76,12 +79,18 @@ def build_optimizer(
     critic_lr: float | None = None,
 ) -> torch.optim.AdamW:
     """AdamW over the model's trainable parameters, and the critic's (ppo) as a second parameter group
-    at `critic_lr` (None: the policy's learning rate); the schedule scales both alike."""
+    at `critic_lr` (None: the policy's learning rate); the schedule scales both alike.
+
+    The fused implementation (one kernel per parameter, no temporary copies of the whole state)
+    where every parameter is on a CPU or CUDA device: on the demo's full fine-tuning step it took
+    the optimizer from 0.25-0.55 s to about 0.1 s (2 cores, 2026-12-05)."""
     groups: list[dict[str, object]] = [{"params": [p for p in model.parameters() if p.requires_grad]}]
     if critic is not None:
         groups.append({"params": list(critic.parameters()), "lr": critic_lr or optim_cfg.learning_rate})
+    devices = {p.device.type for group in groups for p in cast(list[Tensor], group["params"])}
     return torch.optim.AdamW(
-        groups, lr=optim_cfg.learning_rate, betas=optim_cfg.betas, weight_decay=optim_cfg.weight_decay
+        groups, lr=optim_cfg.learning_rate, betas=optim_cfg.betas, weight_decay=optim_cfg.weight_decay,
+        fused=devices <= {"cpu", "cuda"},
     )
 
 
@@ -168,12 +177,13 @@ def _one_pass(
     train_entropy = cfg.entropy_coef > 0
     totals = _Totals()
     for index, micro in enumerate(micros):
+        if first:  # before the policy's forward, so its graph and the reference's pass are never alive together
+            cached.ref_logprobs.append(_ref_logprobs(ref_model, micro, cfg, temperature))
         with _sync_context(model, last=index == len(micros) - 1):
             logprobs, entropy, values = _forward(model, micro, temperature, entropy=first or train_entropy,
                                                  entropy_grad=train_entropy, critic=value_targets is not None)
             if first:
                 cached.old_logprobs.append(logprobs.detach())
-                cached.ref_logprobs.append(_ref_logprobs(ref_model, micro, cfg, temperature))
             inputs = LossInputs(
                 logprobs=logprobs,
                 old_logprobs=cached.old_logprobs[index],
@@ -198,7 +208,7 @@ def _forward(
     if not critic:
         return (*completion_logprobs(model, micro, temperature, entropy=entropy, entropy_grad=entropy_grad), None)
     out = completion_forward(model, micro)
-    logprobs, ent = target_logprobs(out.logits, micro, temperature, entropy=entropy, entropy_grad=entropy_grad)
+    logprobs, ent = target_logprobs(out, micro, temperature, entropy=entropy, entropy_grad=entropy_grad)
     return logprobs, ent, out.state_values
 
 
@@ -265,6 +275,16 @@ def _counts(groups: list[common_pb2.Group]) -> tuple[float, float]:
     return float(tokens), float(sum(len(group.samples) for group in groups))
 
 
+def packing_cost_ratio(model: torch.nn.Module) -> float | None:
+    """`batch.attention_cost_ratio` of the policy that `model` (train_step's module) wraps."""
+    inner = model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
+    policy: torch.nn.Module = getattr(inner, "policy", inner)  # critic.ActorCritic's policy
+    config: Any = getattr(policy, "config")  # noqa: B009  # a transformers config (untyped)
+    head = config.vocab_size * config.hidden_size  # the token embedding, and the output projection
+    body = sum(p.numel() for p in policy.parameters()) - head * (1 if config.tie_word_embeddings else 2)
+    return attention_cost_ratio(config, body)
+
+
 IDLE_METRICS = dict.fromkeys([*TOKEN_MEANS, *STEP_SUMS, *SEQUENCE_MEANS, "grad_norm", *RANK_TIMINGS], 0.0)
 """What a step with nothing to train reports in place of `_update`'s metrics: all 0."""
 
@@ -277,11 +297,12 @@ def _advantaged_micro_batches(
     Group estimators give each sequence one advantage; ppo's critic gives token-level GAE from a
     no-grad pass over the micro-batches (services/learner/critic.py)."""
     device = next(model.parameters()).device  # batches are built on the CPU; the micro-batches go to the model
+    advantages = group_advantages(groups, cfg) if not cfg.uses_critic else [group_rewards(g) for g in groups]
+    batch = build_batch(groups, advantages, PAD_ID)
+    ratio = packing_cost_ratio(model) if spec.train.share_prompts else None
+    micros = [share_prompts(m, ratio).to(device) for m in micro_batches(batch, spec.train.micro_batch_samples)]
     if not cfg.uses_critic:
-        batch = build_batch(groups, group_advantages(groups, cfg), PAD_ID)
-        return [m.to(device) for m in micro_batches(batch, spec.train.micro_batch_samples)], batch, None
-    batch = build_batch(groups, [group_rewards(group) for group in groups], PAD_ID)
-    micros = [m.to(device) for m in micro_batches(batch, spec.train.micro_batch_samples)]
+        return micros, batch, None
     micros, targets = gae_micro_batches(model, micros, cfg, counted=counted)
     return micros, batch, targets
 

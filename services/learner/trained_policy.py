@@ -48,6 +48,13 @@ def resolve_device(device: str) -> str:
     return device
 
 
+def checkpoint_activations(model: PreTrainedModel) -> None:
+    """`train.activation_checkpointing`: each decoder layer's activations recomputed in the backward
+    (non-reentrant checkpointing: it needs no input that requires grad, so it works under LoRA's
+    frozen embedding and in DDP)."""
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+
+
 def reduce_over_ranks(metrics: dict[str, float], device: str) -> dict[str, float]:
     """One rank's train_step metrics -> the whole step's, on every rank (one all_reduce on `device`:
     NCCL reduces only CUDA tensors).
@@ -117,6 +124,8 @@ class Policy:
             followers.send("job", spec.model_dump_json(), device)
         self.model, self.tokenizer = models.load(spec.model, device=device)
         self.ref_model = None
+        if spec.train.activation_checkpointing:
+            checkpoint_activations(self.model)
         if spec.train.lora is not None:
             self.model = lora.wrap(self.model, spec.train.lora, spec.seed)
             if spec.algorithm.kl_coef > 0:

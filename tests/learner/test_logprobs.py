@@ -78,6 +78,28 @@ def test_no_entropy_unless_asked_and_half_precision_logits() -> None:
     got_lp.sum().backward()
 
 
+def test_rows_read_shared_logits_and_add_their_gradients() -> None:
+    """With `rows`, targets read (and repeat) rows of (N, V) logits: the same values and gradient as
+    the naive form on the gathered copy, whose gradient flows back through the gather."""
+    logits, targets, w_lp, w_ent = random_case(5)
+    flat = logits.reshape(-1, V)[:150]  # N = 150 rows for B * T = 600 targets: every row read ~4 times
+    rows = torch.randint(0, 150, (B, T), generator=torch.Generator().manual_seed(1))
+
+    def naive_loss(x: torch.Tensor) -> torch.Tensor:
+        lp_, ent_ = naive_token_logprobs(x[rows], targets, 0.7)
+        return (lp_ * w_lp).sum() + (ent_ * w_ent).sum()
+
+    def rows_loss(x: torch.Tensor) -> torch.Tensor:
+        lp_, ent_ = token_logprobs(x, targets, 0.7, entropy=True, entropy_grad=True, rows=rows)
+        assert ent_ is not None
+        return (lp_ * w_lp.float()).sum() + (ent_ * w_ent.float()).sum()
+
+    torch.testing.assert_close(token_logprobs(flat.float(), targets, 0.7, rows=rows)[0].double(),
+                               naive_token_logprobs(flat[rows], targets, 0.7)[0], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(grad_of(flat.float(), rows_loss).double(), grad_of(flat, naive_loss), atol=1e-5,
+                               rtol=1e-4)
+
+
 def test_completion_logprobs_score_the_completion_targets_of_a_real_model() -> None:
     """The positions asked of the model line up with the targets: the same as full logits sliced."""
     model, groups = tiny_model(), random_groups(5, behaviour_noise=0.3)
