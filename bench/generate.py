@@ -8,6 +8,15 @@ prints one JSON object:
   sampling settings and number of new tokens (eos ignored on both sides, so lengths are equal);
 - ratio: tok_s / hf_generate_tok_s (goal >= 1.0).
 Each side is warmed up once, then timed `repeats` times, alternating; the best time counts.
+
+With `--turns K` (K > 1) it also times an episode group: `batch` conversations of K assistant
+turns through `HFBackend.generate_batch` (each turn up to `--turn-tokens` new tokens, eos
+allowed, the rows' prompts differing in their numbers), every turn answered by the same user
+message through the chat template (`observation_tokens`), as retry_feedback's environment
+answers a wrong sum. Timed twice in the same run, with the same seeds and so the same tokens:
+with the turn cache (each turn prefills only what it adds) and with it dropped before every call
+(each turn prefills the whole conversation):
+- episode_s / episode_uncached_s: a group's K turns; turn_cache_speedup: their ratio.
 """
 
 from __future__ import annotations
@@ -20,7 +29,7 @@ from typing import Any
 
 import torch
 
-from services.actor.backends import HFBackend, prompt_tokens
+from services.actor.backends import HFBackend, observation_tokens, prompt_tokens
 from services.common import models
 from services.common.config import RolloutConfig
 
@@ -66,6 +75,40 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "prompt_tokens": len(prompt), "threads": torch.get_num_threads(),
         "tok_s": round(tokens / ours_s, 2), "hf_generate_tok_s": round(tokens / hf_s, 2),
         "ratio": round(hf_s / ours_s, 3),
+        **(episode_turns(backend, args) if args.turns > 1 else {}),
+    }
+
+
+def episode_turns(backend: HFBackend, args: argparse.Namespace) -> dict[str, Any]:
+    """The --turns figures (module docstring)."""
+    rollout = RolloutConfig()
+    firsts = [prompt_tokens(backend.tokenizer, f"What is {37 + row} + {45 + 2 * row}? Answer with just the number.",
+                            rollout) for row in range(args.batch)]
+    feedback = [{"role": "user", "content": "Not quite. Try again: answer with just the number."}]
+    lengths: list[list[int]] = []
+
+    def episode(keep_cache: bool) -> None:
+        rows = [list(first) for first in firsts]
+        lengths.clear()
+        backend._turns = None
+        for turn in range(args.turns):
+            if not keep_cache:
+                backend._turns = None
+            out = backend.generate_batch(rows, max_new_tokens=[args.turn_tokens] * len(rows), seed=turn,
+                                         temperature=args.temperature, top_p=args.top_p)
+            lengths.append([len(c.token_ids) for c in out])
+            rows = [row + c.token_ids + observation_tokens(backend.tokenizer, feedback, rollout,
+                                                           after_eos=c.finish_reason == "eos")
+                    for row, c in zip(rows, out, strict=True)]
+
+    cached_s = best_time(lambda: episode(True), args.repeats)
+    cached_lengths = [list(turn) for turn in lengths]
+    uncached_s = best_time(lambda: episode(False), args.repeats)
+    return {
+        "turns": args.turns, "turn_tokens": args.turn_tokens,
+        "episode_tokens_generated": sum(map(sum, lengths)), "same_tokens": cached_lengths == lengths,
+        "episode_s": round(cached_s, 3), "episode_uncached_s": round(uncached_s, 3),
+        "turn_cache_speedup": round(uncached_s / cached_s, 3),
     }
 
 
@@ -79,6 +122,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--top-p", type=float, default=1.0)
     parser.add_argument("--repeats", type=int, default=3, help="timed runs per side (best counts)")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    parser.add_argument("--turns", type=int, default=3, help="assistant turns of the episode figures (1: none)")
+    parser.add_argument("--turn-tokens", type=int, default=16, help="new tokens per turn, at most (default 16)")
     parser.add_argument("--json", action="store_true", help="print one JSON object (the default output)")
     args = parser.parse_args(argv)
     result = run(args)

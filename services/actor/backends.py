@@ -26,8 +26,13 @@ things `generate` does not give cheaply or reproducibly:
   KV cache repeated n times, then all n rows decode together (`python -m bench.generate` compares it
   with `model.generate`).
 - `generate_batch` left-pads different prompts (attention mask, position ids counted over real
-  tokens) and decodes them together, each row to its own token budget. Each turn is prefilled
-  anew: the KV cache of earlier turns is not kept between calls.
+  tokens) and decodes them together, each row to its own token budget. It keeps the KV cache it
+  leaves (`_TurnCache`: per row, the real tokens the cache holds; tokens decoded after a row ended
+  stay in the cache, masked out): when every prompt of the next call extends a distinct cached row
+  (an episode's next turn: its tokens so far, then the last action's unfed token and the
+  observation), only those new tokens are prefilled, left-padded into one chunk, at their true
+  positions. Otherwise (a new group, a finished episode's row dropped is fine) the prompts are
+  prefilled whole. Loading weights drops the cache (it holds the old policy's keys and values).
 
 Actor and learner log-probs differ by float rounding: the KV-cache decode and the full-sequence
 forward round their matmuls differently, far more in bfloat16 than in float32, and the error grows
@@ -167,6 +172,30 @@ def nucleus(probs: Tensor, top_p: float) -> Tensor:
     return probs.scatter(-1, order, sorted_probs.masked_fill(outside, 0.0))
 
 
+@dataclass
+class _TurnCache:
+    """The KV cache `generate_batch` left (module docstring), for the next call to extend."""
+
+    cache: Any  # transformers' DynamicCache, one row per prompt of the call
+    attention: Tensor  # (B, W) long: 1 where the cache holds one of the row's real tokens
+    tokens: list[tuple[int, ...]]  # per row, the real tokens its cache holds, in order
+
+    def rows_extended_by(self, prompts: list[list[int]]) -> list[int] | None:
+        """For each prompt, a distinct cached row whose tokens are a proper prefix of it, or None."""
+        free: dict[tuple[int, ...], list[int]] = {}
+        for row, tokens in enumerate(self.tokens):
+            free.setdefault(tokens, []).append(row)
+        lengths = sorted({len(tokens) for tokens in self.tokens}, reverse=True)
+        rows = []
+        for prompt in prompts:
+            match = next((free[key] for key in (tuple(prompt[:n]) for n in lengths if n < len(prompt))
+                          if free.get(key)), None)
+            if match is None:
+                return None
+            rows.append(match.pop())
+        return rows
+
+
 class HFBackend:
     """Batched sampling with a KV cache on a transformers causal LM (CPU or GPU)."""
 
@@ -175,12 +204,15 @@ class HFBackend:
     eos_ids: set[int]
     _adapter: MergedAdapter | None
     """A LoRA job's base target weights and the merge of each version into them (`use_adapters`)."""
+    _turns: _TurnCache | None
+    """What the last `generate_batch` left in its KV cache (None after a weight load)."""
 
     def __init__(self, model: Any, tokenizer: Any) -> None:
         self.model = model.eval()
         self.tokenizer = tokenizer
         self.eos_ids = eos_ids_of(model, tokenizer)
         self._adapter = None
+        self._turns = None
 
     @property
     def device(self) -> torch.device:
@@ -242,18 +274,10 @@ class HFBackend:
         generator: torch.Generator,
     ) -> tuple[list[Tensor], list[Tensor]]:
         """Per position: sampled tokens (B,) and their log-probs (B,), until every row hit eos or its budget."""
-        device, rows, width = self.device, len(prompts), max(len(p) for p in prompts)
-        input_ids = torch.zeros((rows, width), dtype=torch.long, device=device)  # (B, L) left-padded
-        attention = torch.zeros((rows, width), dtype=torch.long, device=device)
-        for row, prompt in enumerate(prompts):
-            input_ids[row, width - len(prompt):] = torch.tensor(prompt, device=device)
-            attention[row, width - len(prompt):] = 1
-        positions = (attention.cumsum(-1) - 1).clamp(min=0)  # (B, L) each real token at its true position
-        out = self.model(input_ids=input_ids, attention_mask=attention, position_ids=positions, use_cache=True,
-                         logits_to_keep=1)
+        device, rows = self.device, len(prompts)
+        out, attention, next_position, held = self._prefill_rows(prompts)
         eos = torch.tensor(sorted(self.eos_ids), device=device)
         budget = torch.tensor(max_new_tokens, device=device)  # (B,)
-        next_position = positions[:, -1:] + 1  # (B, 1)
         done = torch.zeros(rows, dtype=torch.bool, device=device)  # (B,)
         tokens_T: list[Tensor] = []
         logprobs_T: list[Tensor] = []
@@ -269,8 +293,52 @@ class HFBackend:
             out = self.model(input_ids=token, attention_mask=attention, position_ids=next_position, cache=out.cache,
                              use_cache=True)
             next_position = next_position + 1
+        self._turns = self._left_in_cache(out.cache, attention, held, tokens_T, max_new_tokens)
         return tokens_T, logprobs_T
 
+    def _prefill_rows(self, prompts: list[list[int]]) -> tuple[Any, Tensor, Tensor, list[tuple[int, ...]]]:
+        """(model output, attention (B, W), next positions (B, 1), real tokens held per row) after
+        prefilling the prompts: only what each adds to a cached row when all of them extend one."""
+        device, rows = self.device, len(prompts)
+        turns, self._turns = self._turns, None
+        extended = turns.rows_extended_by(prompts) if turns is not None else None
+        if turns is None or extended is None:
+            held: list[tuple[int, ...]] = [() for _ in prompts]
+            cache, past = None, torch.zeros((rows, 0), dtype=torch.long, device=device)
+        else:
+            held = [turns.tokens[row] for row in extended]
+            index = torch.tensor(extended, device=device)
+            cache, past = turns.cache, turns.attention[index]
+            cache.batch_select_indices(index)
+        news = [prompt[len(before):] for prompt, before in zip(prompts, held, strict=True)]
+        width = max(len(new) for new in news)
+        input_ids = torch.zeros((rows, width), dtype=torch.long, device=device)  # (B, C) left-padded
+        fresh = torch.zeros((rows, width), dtype=torch.long, device=device)
+        for row, new in enumerate(news):
+            input_ids[row, width - len(new):] = torch.tensor(new, device=device)
+            fresh[row, width - len(new):] = 1
+        held_lens = torch.tensor([len(h) for h in held], device=device)[:, None]  # (B, 1)
+        positions = (held_lens + fresh.cumsum(-1) - 1).clamp(min=0)  # (B, C) each real token at its true position
+        attention = torch.cat([past, fresh], dim=-1)
+        out = self.model(input_ids=input_ids, attention_mask=attention, position_ids=positions, cache=cache,
+                         use_cache=True, logits_to_keep=1)
+        held = [(*before, *new) for before, new in zip(held, news, strict=True)]
+        return out, attention, positions[:, -1:] + 1, held
+
+    def _left_in_cache(self, cache: Any, attention: Tensor, held: list[tuple[int, ...]], tokens_T: list[Tensor],
+                       max_new_tokens: list[int]) -> _TurnCache:
+        """The cache after decoding: each row holds its prompt and the sampled tokens fed back to the
+        model (all but the last position) up to its own end; what was fed after that is masked out."""
+        fed = len(tokens_T) - 1  # the last sampled position is never fed
+        attention = attention.clone()
+        tokens = torch.stack(tokens_T[:fed], dim=1).tolist() if fed else [[] for _ in held]  # (B, fed)
+        kept = []
+        for row, before in enumerate(held):
+            sampled = tokens[row][: max_new_tokens[row]]
+            end = next((i + 1 for i, t in enumerate(sampled) if t in self.eos_ids), len(sampled))  # through eos
+            attention[row, attention.shape[1] - fed + end:] = 0
+            kept.append((*before, *sampled[:end]))
+        return _TurnCache(cache, attention, kept)
     def _cut(self, tokens: list[int], logprobs: list[float], eos_ids: set[int]) -> Completion:
         """A row up to and including its first eos."""
         end, reason = len(tokens), "length"
@@ -284,6 +352,7 @@ class HFBackend:
     def load_weights(self, tensors: Mapping[str, Tensor]) -> None:
         from services.common.models import load_state_dict_inplace
 
+        self._turns = None
         load_state_dict_inplace(self.model, tensors)
 
     def use_adapters(self, spec: LoraSpec) -> None:
@@ -295,6 +364,7 @@ class HFBackend:
     def load_adapter(self, tensors: Mapping[str, Tensor]) -> None:
         if self._adapter is None:
             raise FailedPrecondition("adapter weights for a backend without adapters (make_backend with lora)")
+        self._turns = None
         self._adapter.apply(tensors)
 
 

@@ -147,3 +147,37 @@ def test_an_environments_tools_reach_a_chat_template_with_a_tool_format() -> Non
 def _calc(expression: str) -> str:
     """Evaluate an arithmetic expression."""
     return expression
+
+
+def test_episode_turns_prefill_only_what_they_add_to_the_cached_rows() -> None:
+    """generate_batch's turn cache: each call after the first prefills only the tokens a row adds
+    (the unfed last action token and the observation), and every behaviour log-prob still matches a
+    full forward of the row's whole sequence. Rows have their own budgets (a short row's decoded
+    tokens after its budget stay in the cache, masked) and one episode ends after turn 1."""
+    model, tokenizer = models.load("tiny-llama")
+    cached, fresh = HFBackend(model, tokenizer), HFBackend(model, tokenizer)
+    widths: list[int] = []
+    hook = model.register_forward_pre_hook(lambda _m, _a, kw: widths.append(kw["input_ids"].shape[1]),
+                                           with_kwargs=True)
+    gen = torch.Generator().manual_seed(0)
+    rows = [prompt_tokens(tokenizer, f"What is {a} + 7?", ROLLOUT) for a in (1, 22, 333, 4444)]
+    budgets = [3, 10, 6, 10]
+    for turn in range(3):
+        widths.clear()
+        got = cached.generate_batch(rows, max_new_tokens=budgets, temperature=0.7, top_p=0.9, seed=turn)
+        prefill = widths[0]
+        fresh._turns = None
+        want = fresh.generate_batch(rows, max_new_tokens=budgets, temperature=0.7, top_p=0.9, seed=turn)
+        assert prefill < max(len(r) for r in rows) if turn else prefill == max(len(r) for r in rows)
+        for row, g, w in zip(rows, got, want, strict=True):
+            assert g.token_ids == w.token_ids
+            full = _full_forward_logprobs(model, row, g.token_ids, 0.7)
+            assert float((full - torch.tensor(g.logprobs)).abs().max()) <= LOGPROB_TOL[torch.float32]
+        sizes = torch.randint(2, 9, (len(rows),), generator=gen).tolist()
+        observations = [torch.randint(5, 200, (n,), generator=gen).tolist() for n in sizes]
+        rows = [row + c.token_ids + obs for row, c, obs in zip(rows, got, observations, strict=True)]
+        if turn == 0:  # the second episode ends: the next call has three rows
+            rows, budgets = [rows[0], *rows[2:]], [budgets[0], *budgets[2:]]
+    hook.remove()
+    cached.load_weights(dict(model.state_dict()))
+    assert cached._turns is None  # a weight load drops the cache: it holds the old policy's keys and values
