@@ -22,8 +22,10 @@ Three ways to divide them (`mode`):
   asynchronous: rewards, replay and weight publishing still overlap).
 
 "split" is the default by measurement (bench.pipeline --job on the demo's job, 2 cores, all modes in
-one run): split 1.21x the single-process loop, lend 1.13x, turns 1.15x. Lending kept the cores busier
-(91-95% against 71%) but got less work out of each CPU second.
+one run, 2026-12-05): split 1.52x the single-process loop, lend 1.09x, turns 0.31x (the actor's and
+the learner's OpenMP threads, two each on two cores, collide on every short learner step; with the
+learner's step 2.5x longer, before shared prompts, it was 1.21x, 1.13x, 1.15x). Lending kept the
+cores busier but got less work out of each CPU second.
 
 The small services (gateway, replay, reward) wait on the network and get one thread each, outside
 the compute budget. With more compute processes than cores every one still gets a thread, and the
