@@ -19,6 +19,12 @@ its tools' JSON schemas (`tool_schemas`) to the actor, which renders them with t
 template where that template takes `tools` (e.g. Qwen2.5's, SmolLM3's); SmolLM2's does not, and
 `describe_tools`' system prompt is what tells its model about them.
 
+Untagged calls (`parse_tool_calls(..., untagged=True)`, `ToolEnv.untagged_calls`): with no tag in
+the action, a one-parameter tool's short form written in the text, `calc(83 * 57)` (also
+`calculator.calc(...)`), is a call too. Small models drop the tags: SmolLM2-135M-Instruct, given
+calculator_agent's system prompt, wrote `calculator.calc(83 * 57 + 11 * 37)` but never a tagged
+call in 256 episodes. Off by default: a prose answer that mentions `f(x)` would become a call.
+
 `ToolEnv` is an `Env` base class: its `step` runs the calls an action makes and returns their
 outputs, or, when the action calls no tool, hands it to the subclass's `finish(action)`.
 Stdlib only: it is imported inside the worker.
@@ -55,15 +61,36 @@ def _one_string_parameter(tool: Tool) -> str | None:
     return parameters[0].name if len(parameters) == 1 else None
 
 
-def parse_tool_calls(text: str, tools: list[Tool] | None = None) -> list[ToolCall]:
+def parse_tool_calls(text: str, tools: list[Tool] | None = None, *, untagged: bool = False) -> list[ToolCall]:
     """Every <tool_call> of text, in order. The short form `name(text)` needs `tools` to know the
-    parameter's name (the tool must have exactly one parameter)."""
+    parameter's name (the tool must have exactly one parameter). With no tag: a bare JSON call, or,
+    when `untagged`, the short forms of `tools` written in the text (module docstring)."""
     by_name = {t.__name__: t for t in tools or []}
     bodies = TAG.findall(text)
     if not bodies:
         bare = _bare_json_call(text)
+        if bare is None and untagged:
+            return _untagged_calls(text, by_name)
         return [bare] if bare is not None else []
     return [_parse_one(body.strip(), by_name) for body in bodies]
+
+
+def _untagged_calls(text: str, by_name: dict[str, Tool]) -> list[ToolCall]:
+    """`name(argument)` for each one-parameter tool name in text, the argument up to the matching
+    parenthesis; a call left unclosed (the turn ran out of tokens) is not a call."""
+    names = [name for name, tool in by_name.items() if _one_string_parameter(tool) is not None]
+    if not names:
+        return []
+    calls = []
+    for match in re.finditer(rf"(?<![A-Za-z0-9_])({'|'.join(map(re.escape, names))})\s*\(", text):
+        depth, end = 1, match.end()
+        while end < len(text) and depth:
+            depth += {"(": 1, ")": -1}.get(text[end], 0)
+            end += 1
+        if depth == 0:
+            name = match.group(1)
+            calls.append(ToolCall(name, {str(_one_string_parameter(by_name[name])): text[match.end():end - 1].strip()}))
+    return calls
 
 
 def _bare_json_call(text: str) -> ToolCall | None:
@@ -178,6 +205,8 @@ class ToolEnv:
 
     tools: list[Tool] = []
     max_tool_calls: int = 8
+    untagged_calls: bool = False
+    """Also take a one-parameter tool's `name(argument)` written without tags as a call (module docstring)."""
 
     def __init__(self, task: dict[str, Any], **params: Any) -> None:
         self.task, self.params, self.tool_calls = task, params, 0
@@ -189,7 +218,7 @@ class ToolEnv:
         raise NotImplementedError("a ToolEnv defines finish(action) -> (observation, reward, done)")
 
     def step(self, action: str) -> tuple[str | list[dict[str, str]] | None, float, bool]:
-        calls = parse_tool_calls(action, self.tools)
+        calls = parse_tool_calls(action, self.tools, untagged=self.untagged_calls)
         if not calls or self.tool_calls >= self.max_tool_calls:
             return self.finish(action)
         self.tool_calls += len(calls)

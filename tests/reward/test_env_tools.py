@@ -36,6 +36,14 @@ def test_parse_both_forms_and_errors() -> None:
     assert "<tool_call>" in prompt and "- calc(expression: str) -> str: Evaluate an arithmetic expression." in prompt
 
 
+def test_untagged_short_calls_only_when_asked() -> None:
+    text = "To find it, use calculator.calc(83 * (57 + 11)) then add(2, 3) and recalc(1); calc(7 * "
+    assert parse_tool_calls(text, [calc, add]) == []  # the tag format alone by default
+    assert parse_tool_calls(text, [calc, add], untagged=True) == [ToolCall("calc", {"expression": "83 * (57 + 11)"})]
+    tagged = "<tool_call>calc(1 + 1)</tool_call> and calc(2 + 2)"  # tags present: only they count
+    assert parse_tool_calls(tagged, [calc], untagged=True) == [ToolCall("calc", {"expression": "1 + 1"})]
+
+
 def test_the_formats_chat_templates_use_parse_too() -> None:
     """Hermes/Qwen tags with "parameters", and Llama 3.1's bare JSON call (only when it is the whole action)."""
     tagged = '<tool_call>{"name": "add", "parameters": {"a": 1, "b": 2}}</tool_call>'

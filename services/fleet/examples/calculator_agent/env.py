@@ -36,6 +36,7 @@ def calc(expression: str) -> str:
 class Env(ToolEnv):
     tools = [calc]
     max_tool_calls = 4
+    untagged_calls = True  # SmolLM2-135M writes calc(...) without the tags (env_tools' docstring)
 
     def reset(self):
         return [{"role": "system", "content": self.system_prompt()},
