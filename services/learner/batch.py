@@ -302,12 +302,17 @@ def completion_forward(model: torch.nn.Module, batch: TrainBatch) -> Scores:
                   None if values is None else values.reshape(-1)[packed.index])
 
 
-def _attention_kernel(model: torch.nn.Module) -> str | None:
+def policy_of(model: torch.nn.Module) -> torch.nn.Module:
+    """The policy model (the one with a transformers config) inside the wrappers a forward may be given."""
     for part in ("module", "policy", "_wrapped"):  # DDP, critic.ActorCritic, lora.FrozenBase
         inner = getattr(model, part, None)
         if inner is not None:
-            return _attention_kernel(inner[0] if isinstance(inner, tuple) else inner)
-    return getattr(getattr(model, "config", None), "_attn_implementation", None)
+            return policy_of(inner[0] if isinstance(inner, tuple) else inner)
+    return model
+
+
+def _attention_kernel(model: torch.nn.Module) -> str | None:
+    return getattr(getattr(policy_of(model), "config", None), "_attn_implementation", None)
 
 
 def completion_logprobs(

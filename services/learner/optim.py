@@ -43,6 +43,7 @@ from services.learner.batch import (
     group_rewards,
     has_signal,
     micro_batches,
+    policy_of,
     policy_tokens,
     share_prompts,
     target_logprobs,
@@ -277,8 +278,7 @@ def _counts(groups: list[common_pb2.Group]) -> tuple[float, float]:
 
 def packing_cost_ratio(model: torch.nn.Module) -> float | None:
     """`batch.attention_cost_ratio` of the policy that `model` (train_step's module) wraps."""
-    inner = model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
-    policy: torch.nn.Module = getattr(inner, "policy", inner)  # critic.ActorCritic's policy
+    policy = policy_of(model)
     config: Any = getattr(policy, "config")  # noqa: B009  # a transformers config (untyped)
     head = config.vocab_size * config.hidden_size  # the token embedding, and the output projection
     body = sum(p.numel() for p in policy.parameters()) - head * (1 if config.tie_word_embeddings else 2)
