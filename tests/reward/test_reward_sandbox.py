@@ -207,8 +207,10 @@ def reward(completion, prompt, secret, **meta):
 
 
 async def test_the_services_environment_does_not_reach_user_code(tmp_path: Path) -> None:
-    """A service process started with a secret in its real environment: the same /proc scan that
-    finds it from this test's process finds nothing from a reward file, nor does os.environ."""
+    """A service process started with a secret in its real environment: the /proc scan that finds
+    the secret in a plain process from this test finds nothing from a reward file, nor does
+    os.environ. (The control is a separate process because an unprivileged service makes itself
+    non-dumpable, which hides its environ from this test too.)"""
     secret = f"hunter2-{uuid.uuid4().hex}"
     port = free_port()
     env = {**os.environ, "FLEETRL_TEST_SECRET": secret}
@@ -220,7 +222,12 @@ async def test_the_services_environment_does_not_reach_user_code(tmp_path: Path)
         await asyncio.to_thread(wait_for_port, "127.0.0.1", port, 60.0, proc)
         scan: dict[str, Any] = {}
         exec(SECRET_SCAN, scan)
-        assert scan["reward"]("x", "p", secret=secret)["found"] >= 1, "the scan cannot find the secret even here"
+        control = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"], env=env)
+        try:
+            assert scan["reward"]("x", "p", secret=secret)["found"] >= 1, "the scan cannot find the secret even here"
+        finally:
+            control.kill()
+            control.wait()
         async with channel(f"127.0.0.1:{port}") as chan:
             reply = await reward_pb2_grpc.RewardServiceStub(chan).Score(reward_pb2.ScoreRequest(
                 job_id="j", spec=file_spec(SECRET_SCAN), items=items(("x", {"secret": secret}))), timeout=30)
