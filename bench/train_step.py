@@ -29,6 +29,10 @@ its reference pass.
 - state_gb: weights + gradients + AdamW's two moments (+ the reference's weights), float32.
 - peak_rss_gb: the process's peak resident memory during the timed steps of a path (VmHWM,
   reset through /proc/self/clear_refs before each path; without that, the peak since start).
+- base_rss_gb: resident memory before the model loads (the interpreter, torch, transformers and
+  peft: what any learner holds before its first weight); rest_rss_gb: after the timed steps, between
+  steps; peak_beyond_base_over_state: (peak_rss_gb - base_rss_gb) / state_gb, the peak's ratio with
+  the libraries' fixed cost left out.
 """
 
 from __future__ import annotations
@@ -123,11 +127,19 @@ def reset_peak_rss() -> bool:
     return True
 
 
-def peak_rss_gb() -> float:
+def _status_gb(field: str) -> float:
     for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
+        if line.startswith(f"{field}:"):
             return int(line.split()[1]) * 1024 / 1e9
-    raise RuntimeError("no VmHWM in /proc/self/status")
+    raise RuntimeError(f"no {field} in /proc/self/status")
+
+
+def peak_rss_gb() -> float:
+    return _status_gb("VmHWM")
+
+
+def rss_gb() -> float:
+    return _status_gb("VmRSS")
 
 
 def step_flops(
@@ -179,6 +191,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     prompts_file = args.job.parent / spec.prompts
     prompts = [json.loads(line)["prompt"] for line in prompts_file.read_text().splitlines()[:64] if line.strip()]
     model: PreTrainedModel | PeftModel
+    gc.collect()
+    base_rss = rss_gb()
     if args.activation_checkpointing:
         spec = spec.model_copy(update={"train": spec.train.model_copy(update={"activation_checkpointing": True})})
     model, tokenizer = models.load(spec.model)
@@ -209,6 +223,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     timed_steps(train, 1, "warm-up")  # AdamW state, allocator
     new_times, new_rss = timed_steps(train, args.steps, "learner path")
     new_fb = last["forward_backward_s"]
+    gc.collect()
+    rest_rss = rss_gb()
     old_layout: dict[str, Any] = {}
     if args.unshared_steps and spec.train.share_prompts:
         job = unshared
@@ -254,6 +270,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "state_gb": round(state / 1e9, 3), "peak_rss_gb": round(new_rss, 3),
         "peak_rss_over_state": round(new_rss / (state / 1e9), 3),
         "peak_rss_reset": PEAK_RESET,
+        "base_rss_gb": round(base_rss, 3), "rest_rss_gb": round(rest_rss, 3),
+        "peak_beyond_base_over_state": round((new_rss - base_rss) / (state / 1e9), 3),
         **old_layout,
         **naive,
     }
