@@ -21,11 +21,14 @@ Three ways to divide them (`mode`):
   the learner waits; between their turns the learner has it all (a colocated "hybrid engine", kept
   asynchronous: rewards, replay and weight publishing still overlap).
 
+Where the learner and the actors share cores ("lend", "turns") their OpenMP threads wait
+passively (`SHARED_CORES_ENV`): a thread spinning for a sibling that the other process displaced
+burns the core that sibling needs.
+
 "split" is the default by measurement (bench.pipeline --job on the demo's job, 2 cores, all modes in
-one run, 2026-12-05): split 1.52x the single-process loop, lend 1.09x, turns 0.31x (the actor's and
-the learner's OpenMP threads, two each on two cores, collide on every short learner step; with the
-learner's step 2.5x longer, before shared prompts, it was 1.21x, 1.13x, 1.15x). Lending kept the
-cores busier but got less work out of each CPU second.
+one run, 2026-12-05): split 1.44x the single-process loop, lend 1.30x, turns 1.39x. Before the
+passive wait the same command gave split 1.52x, lend 1.09x, turns 0.31x (a step 34.7 s with the
+cores 97% busy). Lending keeps the cores busier but gets a little less work out of each CPU second.
 
 The small services (gateway, replay, reward) wait on the network and get one thread each, outside
 the compute budget. With more compute processes than cores every one still gets a thread, and the
@@ -51,6 +54,11 @@ MODES = ("split", "lend", "turns")
 DEFAULT_MODE = "split"
 LENT_NICE = 19
 """Niceness of a lending learner's compute threads: the lowest priority, so actors come first."""
+SHARED_CORES_ENV = {"OMP_WAIT_POLICY": "PASSIVE"}
+"""Where the learner and the actors share cores ("lend", "turns"): OpenMP threads that wait sleep
+instead of spinning. A spinning thread burns the core that a descheduled sibling, or the other
+process, needs; with the default policy "turns" ran at 0.31x the single-process loop, with this at
+1.47x (see the module's docstring)."""
 
 
 def machine_cores() -> int:
@@ -100,6 +108,8 @@ def thread_env(service: str, threads: int, mode: str = "split") -> dict[str, str
     env = dict.fromkeys(THREAD_ENV, str(threads))
     if service in TORCH_THREADS_SERVICES:
         env[f"FLEETRL_{service.upper()}_TORCH_THREADS"] = str(threads)
+    if service in TORCH_THREADS_SERVICES and lends(mode):
+        env.update(SHARED_CORES_ENV)
     if service == "learner" and lends(mode):
         env["FLEETRL_LEARNER_COMPUTE_NICE"] = str(LENT_NICE)
     return env

@@ -92,6 +92,10 @@ def test_a_lending_learner_runs_on_every_core_and_yields_them(cores_: int, actor
     assert env["FLEETRL_LEARNER_TORCH_THREADS"] == env["OMP_NUM_THREADS"] == str(cores_)
     assert "FLEETRL_ACTOR_COMPUTE_NICE" not in cores.thread_env("actor", actor, mode)
     assert "FLEETRL_LEARNER_COMPUTE_NICE" not in cores.thread_env("learner", 1, "split")
+    # processes that share cores wait passively; a split keeps OpenMP's default
+    assert env["OMP_WAIT_POLICY"] == cores.thread_env("actor", actor, mode)["OMP_WAIT_POLICY"] == "PASSIVE"
+    assert "OMP_WAIT_POLICY" not in cores.thread_env("learner", 1, "split")
+    assert "OMP_WAIT_POLICY" not in cores.thread_env("reward", 1, mode)
 
 
 def test_cores_mode_reaches_the_children_and_bad_modes_are_refused(tmp_path: Path) -> None:
