@@ -190,9 +190,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         spec = spec.model_copy(update={"algorithm": spec.algorithm.model_copy(update={"name": args.algorithm})})
     prompts_file = args.job.parent / spec.prompts
     prompts = [json.loads(line)["prompt"] for line in prompts_file.read_text().splitlines()[:64] if line.strip()]
-    model: PreTrainedModel | PeftModel
     gc.collect()
     base_rss = rss_gb()
+    model: PreTrainedModel | PeftModel
     if args.activation_checkpointing:
         spec = spec.model_copy(update={"train": spec.train.model_copy(update={"activation_checkpointing": True})})
     model, tokenizer = models.load(spec.model)

@@ -56,9 +56,8 @@ LENT_NICE = 19
 """Niceness of a lending learner's compute threads: the lowest priority, so actors come first."""
 SHARED_CORES_ENV = {"OMP_WAIT_POLICY": "PASSIVE"}
 """Where the learner and the actors share cores ("lend", "turns"): OpenMP threads that wait sleep
-instead of spinning. A spinning thread burns the core that a descheduled sibling, or the other
-process, needs; with the default policy "turns" ran at 0.31x the single-process loop, with this at
-1.47x (see the module's docstring)."""
+instead of spinning on a core that a descheduled sibling, or the other process, needs (figures in
+the module's docstring)."""
 
 
 def machine_cores() -> int:
@@ -110,6 +109,6 @@ def thread_env(service: str, threads: int, mode: str = "split") -> dict[str, str
         env[f"FLEETRL_{service.upper()}_TORCH_THREADS"] = str(threads)
     if service in TORCH_THREADS_SERVICES and lends(mode):
         env.update(SHARED_CORES_ENV)
-    if service == "learner" and lends(mode):
-        env["FLEETRL_LEARNER_COMPUTE_NICE"] = str(LENT_NICE)
+        if service == "learner":
+            env["FLEETRL_LEARNER_COMPUTE_NICE"] = str(LENT_NICE)
     return env
