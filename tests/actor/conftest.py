@@ -7,6 +7,7 @@ Actors are `python -m services.actor` subprocesses that tests SIGKILL, SIGSTOP a
 
 from __future__ import annotations
 
+import subprocess
 from collections.abc import AsyncIterator, Iterator
 
 import pytest
@@ -28,14 +29,13 @@ def services(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Services]:
     root = tmp_path_factory.mktemp("fleet")
     with EmbeddedNats(data_dir=root / "nats") as nats_server, EmbeddedValkey(data_dir=root / "valkey") as valkey:
         replay_port, reward_port = free_port(), free_port()
-        procs = [
-            start_service(["services.replay", "--listen", f"127.0.0.1:{replay_port}", "--redis-url", valkey.url],
-                     root / "replay.log", replay_port),
-            start_service(["services.reward", "--listen", f"127.0.0.1:{reward_port}", "--workers", "1",
-                           "--set", f"episode_idle_timeout_s={EPISODE_IDLE_TIMEOUT_S}"],
-                     root / "reward.log", reward_port),
-        ]
-        try:
+        procs: list[subprocess.Popen[bytes]] = []
+        try:  # a failed start of the second service must not leave the first one running
+            procs.append(start_service(["services.replay", "--listen", f"127.0.0.1:{replay_port}",
+                                        "--redis-url", valkey.url], root / "replay.log", replay_port))
+            procs.append(start_service(["services.reward", "--listen", f"127.0.0.1:{reward_port}", "--workers", "1",
+                                        "--set", f"episode_idle_timeout_s={EPISODE_IDLE_TIMEOUT_S}"],
+                                       root / "reward.log", reward_port))
             yield Services(nats_server.url, valkey.url, f"127.0.0.1:{replay_port}", f"127.0.0.1:{reward_port}", root)
         finally:
             for proc in procs:

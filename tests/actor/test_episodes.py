@@ -243,11 +243,11 @@ async def test_reward_service_restart_mid_episode_redelivers_the_task(fleet: Fle
     port = free_port()
     argv = ["services.reward", "--listen", f"127.0.0.1:{port}", "--workers", "1"]
     reward = start_service(argv, tmp_path / "reward.log", port)
-    spec = env_job(max_turns=4, step_timeout_s=5.0)
-    job = await fleet.create_job(spec, [], environment_file=SLOW_ENV)
-    await fleet.publish_weights(job, 0, dtype="float32")
-    fleet.start_actor("ep2", "nak_base_delay_s=0.1", reward_addr=f"127.0.0.1:{port}")
-    try:
+    try:  # from here on: a failure anywhere (even creating the job) must not leave the reward service running
+        spec = env_job(max_turns=4, step_timeout_s=5.0)
+        job = await fleet.create_job(spec, [], environment_file=SLOW_ENV)
+        await fleet.publish_weights(job, 0, dtype="float32")
+        fleet.start_actor("ep2", "nak_base_delay_s=0.1", reward_addr=f"127.0.0.1:{port}")
         await fleet.publish_task(job, 0, "restart me", "")
         log = tmp_path / "reward.log"
         await wait_until(lambda: "reward pool (env" in log.read_text(errors="replace"), 90, "the episodes' pool")
@@ -257,9 +257,10 @@ async def test_reward_service_restart_mid_episode_redelivers_the_task(fleet: Fle
         reward = start_service(argv, log, port)
         group = await stored_group(fleet, job)
     finally:
-        fleet.kill("ep2")
         reward.kill()
         reward.wait(10)
+        if "ep2" in fleet.actors:
+            fleet.kill("ep2")
     assert "no episode session" in fleet.log_text("ep2")  # the step after the restart failed cleanly
     assert group.lineage.delivery_attempt == 2
     assert (await fleet.replay.stats(job)).inserted == 1
@@ -284,10 +285,10 @@ async def test_actor_sigkilled_mid_episode(fleet: Fleet, tmp_path: Path) -> None
             f"metrics_port={metrics_port}", "--set", f"episode_idle_timeout_s={idle_s}"]
     log = tmp_path / "reward.log"
     reward = start_service(argv, log, port)
-    spec = env_job(max_turns=4, step_timeout_s=5.0, episode_timeout_s=60.0)
-    job = await fleet.create_job(spec, [], environment_file=SLOW_ENV)
-    await fleet.publish_weights(job, 0, dtype="float32")
-    try:
+    try:  # from here on: a failure anywhere (even creating the job) must not leave the reward service running
+        spec = env_job(max_turns=4, step_timeout_s=5.0, episode_timeout_s=60.0)
+        job = await fleet.create_job(spec, [], environment_file=SLOW_ENV)
+        await fleet.publish_weights(job, 0, dtype="float32")
         fleet.start_actor("doomed", reward_addr=f"127.0.0.1:{port}")
         await fleet.publish_task(job, 0, "kill me", "")
         await wait_until(lambda: scrape(metrics_port, "fleetrl_reward_env_seconds_count", op="step") >= 3, 90,
@@ -306,9 +307,10 @@ async def test_actor_sigkilled_mid_episode(fleet: Fleet, tmp_path: Path) -> None
         await asyncio.sleep(1.0)
         assert scrape(metrics_port, "fleetrl_reward_open_episodes") == 0
     finally:
-        fleet.kill("heir")
         reward.kill()
         reward.wait(10)
+        if "heir" in fleet.actors:
+            fleet.kill("heir")
     assert group.lineage.actor_id == "heir" and group.lineage.delivery_attempt == 2
     assert (await fleet.replay.stats(job)).inserted == 1
     assert all(s.episode_status == common_pb2.EPISODE_STATUS_DONE and len(s.turns) == 4 for s in group.samples)
