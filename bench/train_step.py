@@ -47,7 +47,7 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 from peft import PeftModel
@@ -207,7 +207,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         reference, _ = models.load(spec.model)
         reference.requires_grad_(False)
     cfg = loss_config_for(spec)
-    module, critic = with_critic(model, cfg)
+    module, critic = with_critic(cast(PreTrainedModel, model), cfg)  # a PeftModel passes for one, as in trained_policy
     optimizer = optim.build_optimizer(model, spec.optim, critic, spec.algorithm.value_learning_rate)
     scheduler = optim.build_scheduler(optimizer, spec.optim, spec.train.max_steps)
     groups = job_groups(spec, prompts, tokenizer, seed=0)

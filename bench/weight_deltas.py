@@ -1,9 +1,12 @@
 """Full snapshots against deltas on weights from real learner steps (part of `python -m bench.weights`).
 
-The model (SmolLM2-135M by default) takes `steps` optimizer steps of the demo job
-(examples/addition/job.toml: its learning rate, algorithm, KL reference and batch shape, through
+The model (SmolLM2-135M by default) takes `steps` full fine-tuning optimizer steps of the demo job
+(examples/addition/job.toml: its algorithm, KL reference and batch shape, through
 `services.learner.optim.train_step`, on the batch `bench.train_step` builds: the job's prompts,
-random completions of max_new_tokens, rewards alternating 0/1). After each step its bf16 payload is
+random completions of max_new_tokens, rewards alternating 0/1) at `learning_rate`: FULL_FT_LR by
+default, not the job's, because the demo job trains LoRA adapters (lr 1e-4) and deltas are for full
+fine-tuning, where a step 10x larger would change about 3x more bf16 values than such a job does.
+After each step its bf16 payload is
 published twice through one WeightStore: as a full snapshot (job `bench-full`) and as a delta
 against the step before (job `bench-delta`). Per step it records the bytes of each object, the
 fraction of bf16 values that changed, publish seconds, and the seconds a reader takes to get the
@@ -28,6 +31,9 @@ from services.common.weights import HeldWeights, WeightStore, encode_safetensors
 from services.learner import optim
 from services.learner.losses import loss_config_for
 
+FULL_FT_LR = 1e-5
+"""The learning rate at which the demo job's full fine-tuning variant was measured (examples/addition/job.toml)."""
+
 
 def _changed_fraction(before: bytes, after: bytes) -> float:
     a, b = np.frombuffer(before, dtype=np.uint8), np.frombuffer(after, dtype=np.uint8)
@@ -35,10 +41,14 @@ def _changed_fraction(before: bytes, after: bytes) -> float:
     return float(differs.mean())
 
 
-def train_payloads(model_name: str, steps: int) -> tuple[list[bytes], dict[str, Any]]:
-    """The bf16 payload before and after each of `steps` demo-job learner steps, and the step times."""
+def train_payloads(model_name: str, steps: int, learning_rate: float = FULL_FT_LR
+                   ) -> tuple[list[bytes], dict[str, Any]]:
+    """The bf16 payload before and after each of `steps` demo-job full fine-tuning steps at
+    `learning_rate`, and the step times."""
     torch.manual_seed(0)
-    spec = parse_job_spec(DEFAULT_JOB.read_text()).model_copy(update={"model": model_name})
+    spec = parse_job_spec(DEFAULT_JOB.read_text())
+    spec = spec.model_copy(update={"model": model_name,
+                                   "optim": spec.optim.model_copy(update={"learning_rate": learning_rate})})
     prompts_file = DEFAULT_JOB.parent / spec.prompts
     prompts = [json.loads(line)["prompt"] for line in prompts_file.read_text().splitlines()[:64] if line.strip()]
     model, tokenizer = models.load(spec.model)

@@ -6,10 +6,10 @@ WeightStore, pulls it back, reads the same object with stock `ObjectStore.get`, 
 bytes over a 127.0.0.1 socket, and prints one JSON object with the timings and ratios. For
 context it also times stock put + get (128 KiB chunks) of the first STOCK_LAYOUT_MB MB.
 
-Then (`--delta-steps`, 0 to skip) full snapshots against deltas on weights from real learner steps
-of the demo job (`bench.weight_deltas`): bytes per version, the fraction of bf16 values changed per
-step, and a reader's pull+apply seconds for each; skipped, with the reason in `delta_skipped`,
-when the model (`--delta-model`) is not available here.
+Then (`--delta-steps`, 0 to skip) full snapshots against deltas on weights from real full
+fine-tuning steps of the demo job at `--delta-lr` (`bench.weight_deltas`): bytes per version, the
+fraction of bf16 values changed per step, and a reader's pull+apply seconds for each; skipped, with
+the reason in `delta_skipped`, when the model (`--delta-model`) is not available here.
 
 Then (`--lora-rank`, 0 to skip) a LoRA job's adapter versions against full bf16 snapshots of the
 same model (`bench.weight_adapters`): bytes per version and an actor's adapter pull+apply seconds
@@ -120,6 +120,8 @@ def main() -> None:
     parser.add_argument("--delta-steps", type=int, default=3,
                         help="learner steps whose weights compare full and delta publishing (0: skip)")
     parser.add_argument("--delta-model", default="smollm2-135m", help="model of those steps")
+    parser.add_argument("--delta-lr", type=float, default=weight_deltas.FULL_FT_LR,
+                        help="learning rate of those full fine-tuning steps (the demo job's own is a LoRA rate)")
     parser.add_argument("--lora-rank", type=int, default=16, help="rank of the LoRA adapter figure (0: skip)")
     parser.add_argument("--lora-model", default="smollm2-135m", help="base model of the LoRA adapter figure")
     parser.add_argument("--gen-tokens", type=int, default=16, help="new tokens of the LoRA generation figure")
@@ -128,7 +130,7 @@ def main() -> None:
     skipped = weight_deltas.model_available(args.delta_model) if args.delta_steps else "--delta-steps 0"
     trained: tuple[list[bytes], dict[str, Any]] | None = None
     if skipped is None:
-        trained = weight_deltas.train_payloads(args.delta_model, args.delta_steps)
+        trained = weight_deltas.train_payloads(args.delta_model, args.delta_steps, args.delta_lr)
     payload = os.urandom(args.payload_mb * 10**6)
     with tempfile.TemporaryDirectory() as tmp, EmbeddedNats(data_dir=Path(tmp)) as server:
         figures = asyncio.run(measure(server.url, payload, args.stock_mb, args.repeats))
