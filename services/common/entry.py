@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Generic, TypeVar
 
+from services.common import heap
 from services.common.config import InfraSettings, load_settings
 from services.common.errors import ConfigError, FleetError
 
@@ -127,6 +128,7 @@ def run_service(
         entry.fail(error)
         return 2
     logging.basicConfig(level=settings.log_level, format=LOG_FORMAT)
+    heap.set_mmap_threshold(getattr(settings, "malloc_mmap_threshold_bytes", 0))  # before torch allocates
     threads = getattr(settings, "torch_threads", 0)
     if threads:
         import torch
