@@ -6,13 +6,12 @@ The model (SmolLM2-135M by default) takes `steps` full fine-tuning optimizer ste
 random completions of max_new_tokens, rewards alternating 0/1) at `learning_rate`: FULL_FT_LR by
 default, not the job's, because the demo job trains LoRA adapters (lr 1e-4) and deltas are for full
 fine-tuning, where a step 10x larger would change about 3x more bf16 values than such a job does.
-After each step its bf16 payload is
-published twice through one WeightStore: as a full snapshot (job `bench-full`) and as a delta
-against the step before (job `bench-delta`). Per step it records the bytes of each object, the
-fraction of bf16 values that changed, publish seconds, and the seconds a reader takes to get the
-new version's verified payload: `update` from nothing (full pull) against `update` from the
-previous version held (delta pull + scatter of the changed words + sha256 of the result). Pulls are
-timed `repeats` times, the fastest kept.
+After each step its bf16 payload is published twice through one WeightStore: as a full snapshot
+(job `bench-full`) and as a delta against the step before (job `bench-delta`). Per step it records
+the bytes of each object, the fraction of bf16 values that changed, publish seconds, and the
+seconds a reader takes to get the new version's verified payload: `update` from nothing (full pull)
+against `update` from the previous version held (delta pull + scatter of the changed words + sha256
+of the result). Pulls are timed `repeats` times, the fastest kept.
 """
 
 from __future__ import annotations
