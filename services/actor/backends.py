@@ -9,7 +9,8 @@ merges a LoRA job's adapters into the base loaded once (`common/lora_weights.Mer
 vLLM is imported only when asked for, and refuses LoRA jobs (untested on a GPU here). `FixedBackend` is a
 benchmark instrument (bench.pipeline): it sleeps a fixed time per group and returns deterministic
 tokens, so what remains of a task's cost is the fleet's orchestration. The chat template's rendering
-of prompts and of episode observations (`conversation_tokens`, `observation_tokens`) is here too.
+of prompts and of episode observations (`conversation_tokens`, `observation_tokens`) is here too; the
+environment's text reaches them escaped (`chat_escape`), so it never becomes a special token.
 
 `HFBackend` is a plain KV-cache sampling loop (not `model.generate`), because the actor needs three
 things `generate` does not give cheaply or reproducibly:

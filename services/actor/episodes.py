@@ -15,6 +15,10 @@ assistant turn of every live episode in one batch (`Backend.generate_batch`), se
   `episode_status`. Its reward is the sum of its turns' rewards (`environment.unfinished_reward`, when
   set, replaces it for an episode truncated or out of turns); an environment failure (raised, bad
   value, timeout, worker died) ends the episode as ENV_ERROR with reward 0, like a failed reward.
+  A total that is not finite (the turns' sum overflowed a double) fails the episode's reward too:
+  REWARD_STATUS_ERROR with a reason naming the total, reward 0, no components.
+- The environment's text (observation contents, tool schemas) is escaped before the chat template
+  (`chat_escape`), so it can never become a special token; the job's prompt is not.
 - A job with a built-in verifier beside its environment (`[reward] builtin`) has the verifier score
   each episode's last action against the task (one Score call for the group, as a single-turn group
   is scored): its value is added to the last turn's reward, and the sample's components are the
@@ -37,6 +41,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import math
 import uuid
 from collections.abc import Awaitable, Callable, Sequence
 from contextlib import AbstractContextManager
@@ -45,6 +50,7 @@ from typing import Any, Protocol
 
 from services.actor import metrics
 from services.actor.backends import Backend, Completion, conversation_tokens, observation_tokens, prompt_tokens
+from services.actor.chat_escape import escape_json, escape_messages
 from services.actor.config import ActorSettings
 from services.common.config import EnvironmentSpec, RolloutConfig
 from services.common.seeding import task_seed
@@ -127,6 +133,14 @@ class Episode:
         self.logprobs += [0.0] * len(token_ids)
         self.mask += [False] * len(token_ids)
 
+    def check_total(self) -> None:
+        """Fails the episode's reward (REWARD_STATUS_ERROR) when the sum of its turns' rewards is not finite."""
+        total = sum(t.reward for t in self.turns)
+        if self.reward_status == OK and not math.isfinite(total):
+            self.reward_status = common_pb2.REWARD_STATUS_ERROR
+            self.reason = f"the episode's total reward (the sum of its turns' rewards) is {total}, not finite"
+            self.components = {}
+
     def reward(self, unfinished_reward: float | None) -> float:
         """The sum of the turns' rewards; 0 after an environment failure; unfinished_reward (unless None)
         for an episode truncated or out of turns."""
@@ -146,8 +160,9 @@ class Episode:
             loss_mask=self.mask, turns=self.turns, episode_status=self.status, reward_components=self.components)
 
 
-def messages_of(result: reward_pb2.EpisodeResult) -> list[dict[str, str]]:
-    return [{"role": m.role, "content": m.content} for m in result.observation]
+def messages_of(tokenizer: Any, result: reward_pb2.EpisodeResult) -> list[dict[str, str]]:
+    """The environment's observation messages, their contents escaped for the chat template (`chat_escape`)."""
+    return escape_messages(tokenizer, [{"role": m.role, "content": m.content} for m in result.observation])
 
 
 class EpisodeRunner:
@@ -186,6 +201,8 @@ class EpisodeRunner:
                 await asyncio.wait_for(self._host.close_episodes(session), self.settings.reward_timeout_s)
         if verifier is not None:
             await self._verify(verifier, episodes)
+        for episode in episodes:
+            episode.check_total()
         return [e.sample(backend.tokenizer, env.unfinished_reward) for e in episodes]
 
     @staticmethod
@@ -207,8 +224,9 @@ class EpisodeRunner:
             episode = Episode(result.episode, prompt_tokens(tokenizer, task.prompt, rollout))
             episode.end(common_pb2.EPISODE_STATUS_ENV_ERROR, result.status, result.reason)
             return episode
-        tools = json.loads(result.tools_json) if result.tools_json else None
-        episode = Episode(result.episode, conversation_tokens(tokenizer, messages_of(result), rollout, tools))
+        tools = escape_json(tokenizer, json.loads(result.tools_json)) if result.tools_json else None
+        first = conversation_tokens(tokenizer, messages_of(tokenizer, result), rollout, tools)
+        episode = Episode(result.episode, first)
         if result.done:
             episode.end(common_pb2.EPISODE_STATUS_DONE)
         elif len(episode.prompt_ids) >= env.max_total_tokens:
@@ -246,7 +264,7 @@ class EpisodeRunner:
         elif result.done:
             episode.end(common_pb2.EPISODE_STATUS_DONE)
         else:
-            observed = observation_tokens(tokenizer, messages_of(result), rollout,
+            observed = observation_tokens(tokenizer, messages_of(tokenizer, result), rollout,
                                           after_eos=completion.finish_reason == "eos")
             if len(episode.tokens) + len(observed) >= env.max_total_tokens:
                 episode.end(common_pb2.EPISODE_STATUS_TRUNCATED)
