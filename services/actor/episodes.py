@@ -66,12 +66,13 @@ class EpisodeHost(Protocol):
     """Where episodes run (services.reward.client.RewardClient)."""
 
     async def open_episodes(self, job_id: str, session_id: str, spec: reward_pb2.EnvironmentSpec,
-                            task: Any, count: int, timeout_s: float) -> list[reward_pb2.EpisodeResult]: ...
+                            task: Any, count: int, timeout_s: float,
+                            tenant: str = "") -> list[reward_pb2.EpisodeResult]: ...
 
-    async def step_episodes(self, session_id: str, actions: Sequence[reward_pb2.Action],
+    async def step_episodes(self, job_id: str, session_id: str, actions: Sequence[reward_pb2.Action],
                             timeout_s: float) -> list[reward_pb2.EpisodeResult]: ...
 
-    async def close_episodes(self, session_id: str) -> None: ...
+    async def close_episodes(self, job_id: str, session_id: str) -> None: ...
 
 
 Stage = Callable[[str, str], AbstractContextManager[None]]
@@ -177,14 +178,15 @@ class EpisodeRunner:
 
     async def play(self, job_id: str, spec_seed: int, rollout: RolloutConfig, env: EnvironmentSpec,
                    env_proto: reward_pb2.EnvironmentSpec, backend: Backend, task: common_pb2.Task,
-                   verifier: Verifier | None = None) -> list[common_pb2.Sample]:
+                   verifier: Verifier | None = None, tenant: str = "") -> list[common_pb2.Sample]:
         """The group's samples, one per episode, in episode order (verifier: the job's built-in
-        verifier, which scores each episode's last action)."""
+        verifier, which scores each episode's last action; tenant: the job's, for the reward service's
+        per-tenant share of episode slots)."""
         session = f"{self.settings.actor_id}/{task.task_id}/{uuid.uuid4().hex[:12]}"[-128:]
         timeout_s = env.step_timeout_s + self.settings.reward_timeout_s
         with self._stage("env_open", "stepping_env"):
             opened = await self._host.open_episodes(job_id, session, env_proto, task, rollout.samples_per_prompt,
-                                                    timeout_s)
+                                                    timeout_s, tenant=tenant)
         try:
             episodes = [self._first(backend.tokenizer, result, rollout, env, task) for result in opened]
             for turn in range(env.max_turns):
@@ -198,7 +200,7 @@ class EpisodeRunner:
                     episode.end(common_pb2.EPISODE_STATUS_MAX_TURNS)
         finally:
             with contextlib.suppress(Exception):  # the service reaps a session left open
-                await asyncio.wait_for(self._host.close_episodes(session), self.settings.reward_timeout_s)
+                await asyncio.wait_for(self._host.close_episodes(job_id, session), self.settings.reward_timeout_s)
         if verifier is not None:
             await self._verify(verifier, episodes)
         for episode in episodes:
@@ -247,7 +249,7 @@ class EpisodeRunner:
         actions = [reward_pb2.Action(episode=e.index, turn=turn, text=c.text)
                    for e, c in zip(live, completions, strict=True)]
         with self._stage("env_step", "stepping_env"):
-            results = await self._host.step_episodes(session, actions, timeout_s)
+            results = await self._host.step_episodes(job_id, session, actions, timeout_s)
         if len(results) != len(actions):
             raise RuntimeError(f"reward service returned {len(results)} results for {len(actions)} actions")
         for episode, completion, result in zip(live, completions, results, strict=True):

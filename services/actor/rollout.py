@@ -52,8 +52,8 @@ class GroupSink(Protocol):
 class Rewarder(Protocol):
     """Who scores completions (services.reward.client.RewardClient)."""
 
-    async def score(self, job_id: str, spec: reward_pb2.RewardSpec,
-                    items: Sequence[reward_pb2.ScoreItem]) -> list[reward_pb2.ScoreResult]: ...
+    async def score(self, job_id: str, spec: reward_pb2.RewardSpec, items: Sequence[reward_pb2.ScoreItem],
+                    tenant: str = "") -> list[reward_pb2.ScoreResult]: ...
 
 
 @dataclass
@@ -68,6 +68,8 @@ class JobContext:
     policy: JobPolicy
     environment: reward_pb2.EnvironmentSpec | None = None
     """The job's environment and its file on the wire (`services.reward.client.environment_to_proto`)."""
+    tenant: str = ""
+    """The tenant owning the job (the reward service shares its pools and episode slots out by tenant)."""
 
 
 class TaskFailed(Exception):
@@ -116,7 +118,7 @@ class Rollout:
             raise TaskFailed("this actor has no episode host for a job with an environment")
         self._check_fault(task)
         samples = await self._episodes.play(job.job_id, spec.seed, spec.rollout, environment, job.environment,
-                                            job.policy.backend, task, self.verifier(job, task))
+                                            job.policy.backend, task, self.verifier(job, task), tenant=job.tenant)
         policy_tokens = sum(sum(s.loss_mask) for s in samples)
         self.activity.add_tokens(policy_tokens)
         for sample in samples:
@@ -176,7 +178,7 @@ class Rollout:
         if job.reward_spec is None:
             raise TaskFailed("the job has no reward spec")
         with self._stage("score", "scoring"):
-            results = await self._reward.score(job.job_id, job.reward_spec, items)
+            results = await self._reward.score(job.job_id, job.reward_spec, items, tenant=job.tenant)
         if len(results) != len(items):
             raise TaskFailed(f"reward service returned {len(results)} results for {len(items)} items")
         return results

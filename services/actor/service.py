@@ -168,7 +168,7 @@ class Actor:
         log.info("serving job %s (model %s)", record.job_id, spec.model)
         queue = JobQueue(record.job_id, spec.train, js, sub, s, self.activity)
         return ServedJob(JobContext(record.job_id, spec, job_reward_spec(spec, reward_file), policy,
-                                    job_environment(spec, environment_file)), queue)
+                                    job_environment(spec, environment_file), tenant=record.tenant), queue)
 
     async def _beat_loop(self, store: JobStore, activity: metrics.Activity) -> None:
         """Write this actor's heartbeat every heartbeat.INTERVAL_S; a failed write is retried next time."""

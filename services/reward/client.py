@@ -64,10 +64,10 @@ class RewardClient:
         self._channel: grpc.aio.Channel = channel(addr)
         self._stub = reward_pb2_grpc.RewardServiceStub(self._channel)
 
-    async def score(self, job_id: str, spec: reward_pb2.RewardSpec,
-                    items: Sequence[reward_pb2.ScoreItem]) -> list[reward_pb2.ScoreResult]:
+    async def score(self, job_id: str, spec: reward_pb2.RewardSpec, items: Sequence[reward_pb2.ScoreItem],
+                    tenant: str = "") -> list[reward_pb2.ScoreResult]:
         """One result per item, in order (spec: from `spec_to_proto`, built once per job)."""
-        request = reward_pb2.ScoreRequest(job_id=job_id, spec=spec, items=items)
+        request = reward_pb2.ScoreRequest(job_id=job_id, spec=spec, items=items, tenant=tenant)
         response = await retry(
             lambda: self._stub.Score(request, timeout=self.timeout_s, metadata=telemetry.grpc_metadata()),
             what="reward Score", policy=self.retry)
@@ -75,27 +75,28 @@ class RewardClient:
 
     async def open_episodes(self, job_id: str, session_id: str, spec: reward_pb2.EnvironmentSpec,
                             task: reward_pb2.OpenEpisodesRequest, count: int,
-                            timeout_s: float) -> list[reward_pb2.EpisodeResult]:
+                            timeout_s: float, tenant: str = "") -> list[reward_pb2.EpisodeResult]:
         """The first observations of `count` new episodes of task (its prompt and metadata_json are used)."""
         request = reward_pb2.OpenEpisodesRequest(job_id=job_id, session_id=session_id, spec=spec, prompt=task.prompt,
-                                                 metadata_json=task.metadata_json, count=count)
+                                                 metadata_json=task.metadata_json, count=count, tenant=tenant)
         response = await retry(
             lambda: self._stub.OpenEpisodes(request, timeout=timeout_s, metadata=telemetry.grpc_metadata()),
             what="reward OpenEpisodes", policy=self.episode_retry)
         return list(response.episodes)
 
-    async def step_episodes(self, session_id: str, actions: Sequence[reward_pb2.Action],
+    async def step_episodes(self, job_id: str, session_id: str, actions: Sequence[reward_pb2.Action],
                             timeout_s: float) -> list[reward_pb2.EpisodeResult]:
         """One result per action, in order."""
-        request = reward_pb2.StepEpisodesRequest(session_id=session_id, actions=actions)
+        request = reward_pb2.StepEpisodesRequest(job_id=job_id, session_id=session_id, actions=actions)
         response = await retry(
             lambda: self._stub.StepEpisodes(request, timeout=timeout_s, metadata=telemetry.grpc_metadata()),
             what="reward StepEpisodes", policy=self.episode_retry)
         return list(response.results)
 
-    async def close_episodes(self, session_id: str) -> None:
+    async def close_episodes(self, job_id: str, session_id: str) -> None:
         """Free a session's workers (tried once)."""
-        await retry(lambda: self._stub.CloseEpisodes(reward_pb2.CloseEpisodesRequest(session_id=session_id),
+        request = reward_pb2.CloseEpisodesRequest(job_id=job_id, session_id=session_id)
+        await retry(lambda: self._stub.CloseEpisodes(request,
                                                       timeout=self.timeout_s, metadata=telemetry.grpc_metadata()),
                     what="reward CloseEpisodes", policy=RetryPolicy(attempts=1))
 

@@ -32,7 +32,12 @@ class RewardSettings(InfraSettings):
     reward file that kills its worker on every item cannot make the service spend its CPU on starting
     workers. While a pool waits for it with no worker to run on, its items fail at once, naming why."""
     max_pools: int = Field(16, ge=1, le=1024)
-    """Most reward specs with live workers; the least recently used pool is closed beyond it."""
+    """Most worker pools (one per job and spec: jobs never share one) with live workers; the least recently
+    used idle pool is closed beyond it."""
+    max_pools_per_tenant: int = Field(8, ge=1, le=1024)
+    """Most worker pools one tenant's jobs hold: a new one first closes that tenant's least recently used
+    idle pool, and is refused (RESOURCE_EXHAUSTED) when each of them is busy with episodes. With
+    `workers_per_pool` it bounds the sandboxed processes one tenant keeps."""
     pool_idle_s: float = Field(600.0, gt=0, le=86400)
     """A pool unused this long is closed (its workers killed)."""
     worker_start_timeout_s: float = Field(30.0, gt=0, le=600)
@@ -79,6 +84,11 @@ class RewardSettings(InfraSettings):
     max_episodes: int = Field(256, ge=1, le=100_000)
     """Most episodes (each holding one sandboxed worker) open at once; OpenEpisodes beyond it is
     RESOURCE_EXHAUSTED."""
+    max_episodes_per_job: int = Field(64, ge=1, le=100_000)
+    """Most episodes one job holds open at once, so one job cannot take every slot of `max_episodes`;
+    OpenEpisodes beyond it is RESOURCE_EXHAUSTED naming this setting (the actor releases the task)."""
+    max_episodes_per_tenant: int = Field(128, ge=1, le=100_000)
+    """Most episodes all jobs of one tenant hold open at once."""
     episode_idle_timeout_s: float = Field(120.0, gt=0, le=86_400)
     """A session of episodes not stepped for this long (its actor died) is reaped: its workers are
     killed, counted as abandoned. Keep it above the longest generation of one turn."""

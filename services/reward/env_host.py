@@ -1,23 +1,26 @@
 """The environment side of a sandboxed worker (boot mode "env"): one episode at a time.
 
-`worker.load` builds an `EnvHost` from the environment file's `Env` class. The service sends
-{"op": "reset", "task": {...}, "params": {...}} (builds `Env(task, **params)` and calls `reset()`),
-{"op": "step", "action": text} (calls `step(action)`) and {"op": "close"} (drops the episode, so the
-worker can serve the next one). Replies are {"observation": [messages], "reward": x, "done": bool}
-(a reset's also "tools": the JSON schemas of the environment's `tools`, for the chat template)
-or {"error": reason}. An observation may be a string (one user message), None (nothing) or a list of
-{"role": "user" | "tool" | "system", "content": str} dicts. The values are checked here, for a clear
-message, and again by the service (`services.reward.episodes`), since user code could forge a reply.
-Stdlib only: imported inside the worker before isolation.
+`worker.load` builds an `EnvHost` from the environment file's `Env` class. The service sends {"op":
+"reset", "task": {...}, "params": {...}} (builds `Env(task, **params)` and calls `reset()`), {"op":
+"step", "action": text} (calls `step(action)`) and {"op": "close"} (drops the episode, so the worker
+can serve the next one); a reset first empties the worker's temp dir, so an episode never sees the
+files of the one before it on the same worker. Replies are {"observation": [messages], "reward": x,
+"done": bool} (a reset's also "tools": the JSON schemas of the environment's `tools`, for the chat
+template) or {"error": reason}. An observation may be a string (one user message), None (nothing) or
+a list of {"role": "user" | "tool" | "system", "content": str} dicts. The values are checked here,
+for a clear message, and again by the service (`services.reward.episodes`), since user code could
+forge a reply. Stdlib only: imported inside the worker before isolation.
 """
 
 from __future__ import annotations
 
-import math
+import contextlib
+import os
+import shutil
 import traceback
 from typing import Any
 
-from services.reward import env_tools
+from services.reward import env_tools, protocol
 
 ROLES = ("user", "tool", "system")
 
@@ -50,11 +53,13 @@ def step_reply(value: Any) -> dict[str, Any]:
     if not isinstance(value, tuple | list) or len(value) != 3:
         raise EnvError(f"step returned {type(value).__name__}, expected (observation, reward, done)")
     observation, reward, done = value
-    if isinstance(reward, bool) or not isinstance(reward, int | float) or not math.isfinite(reward):
-        raise EnvError(f"step's reward is {reward!r:.80}, expected a finite number")
+    number = protocol.finite_number(reward)
+    if number is None:
+        shown = f"{reward!r:.80}" if not isinstance(reward, int) else "an int too large for a float"
+        raise EnvError(f"step's reward is {shown}, expected a finite number")
     if not isinstance(done, bool):
         raise EnvError(f"step's done is {type(done).__name__}, expected bool")
-    return {"observation": observation_messages(observation), "reward": float(reward), "done": done}
+    return {"observation": observation_messages(observation), "reward": number, "done": done}
 
 
 def declared_tools(env: Any) -> list[dict[str, Any]]:
@@ -65,14 +70,25 @@ def declared_tools(env: Any) -> list[dict[str, Any]]:
     return env_tools.tool_schemas(tools)
 
 
+def _empty(directory: str) -> None:
+    """Remove everything in directory (the worker's private temp dir), leaving the directory."""
+    for entry in os.scandir(directory):
+        if entry.is_dir(follow_symlinks=False):
+            shutil.rmtree(entry.path, ignore_errors=True)
+        else:
+            with contextlib.suppress(OSError):
+                os.unlink(entry.path)
+
+
 class EnvHost:
     """Runs the episodes of one environment class, one at a time."""
 
     cls: Any
     env: Any
+    tmpdir: str
 
-    def __init__(self, cls: Any) -> None:
-        self.cls, self.env = cls, None
+    def __init__(self, cls: Any, tmpdir: str) -> None:
+        self.cls, self.env, self.tmpdir = cls, None, tmpdir
 
     def handle(self, request: dict[str, Any]) -> dict[str, Any]:
         """The reply to one request; anything the user's code raises becomes {"error": its last frames}."""
@@ -88,6 +104,7 @@ class EnvHost:
         op = request.get("op")
         if op == "reset":
             self.env = None
+            _empty(self.tmpdir)  # an episode starts with none of the previous episode's files
             self.env = self.cls(request["task"], **request["params"])
             reply = {"observation": observation_messages(self.env.reset()), "reward": 0.0, "done": False}
             return {**reply, "tools": declared_tools(self.env)}

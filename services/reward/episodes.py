@@ -16,7 +16,15 @@ live episodes their actions; `close` gives the workers back. Design choices:
   episode's episode_timeout_s (counted from the open). A session not called for
   `episode_idle_timeout_s` (its actor died) is reaped by `reap_idle`: its workers are killed,
   counted as "abandoned".
-- Worker replies are checked again here: user code could have forged them.
+- Worker replies are checked again here: user code could have forged them. A turn's reward must be a
+  finite number, and so must the sum of an episode's turn rewards: otherwise the episode ends as an
+  environment error.
+- Sessions are per job: found by (job, session id), so a job's calls never reach another job's
+  session, and their workers come from the job's own pool (`Scorer.pool`). Episode slots are shared
+  out: at most `max_episodes` in all, `max_episodes_per_job` for one job and `max_episodes_per_tenant`
+  for one tenant's jobs; an open past any of them is RESOURCE_EXHAUSTED naming the setting.
+- User code must not outlive its call: a reset or step after which the environment left a thread or
+  process running (`WorkerProcess.leftovers`) ends its episode as an error, and the worker is killed.
 """
 
 from __future__ import annotations
@@ -27,6 +35,7 @@ import json
 import logging
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -43,6 +52,7 @@ from services.reward.config import RewardSettings
 from services.reward.env_host import EnvError, observation_messages
 from services.reward.metrics import RewardMetrics
 from services.reward.pool import ReplaceReason, WorkerPool
+from services.reward.protocol import finite_number
 from services.reward.sandbox import Outcome, WorkerProcess
 from services.reward.scorer import Scorer, SpecInput, Status
 
@@ -50,7 +60,7 @@ log = logging.getLogger(__name__)
 
 MAX_SESSION_ID = 128
 KILL_REASONS: dict[str, ReplaceReason] = {"episode_timeout": "episode_timeout", "abandoned": "abandoned",
-                                          "cancelled": "cancelled"}
+                                          "cancelled": "cancelled", "dirty": "dirty"}
 """Episode ends that kill the worker (the pool counts the reason); other ends give it back. A step that
 timed out or crashed has had its worker killed by the pool already."""
 
@@ -83,6 +93,8 @@ class Episode:
     turn: int = 0
     """The turn of the next action."""
     last: EpisodeResult | None = None
+    total_reward: float = 0.0
+    """The sum of the rewards of its turns so far (which must stay finite)."""
 
 
 @dataclass
@@ -91,6 +103,7 @@ class Session:
 
     session_id: str
     job_id: str
+    tenant: str
     spec: EnvironmentSpec
     pool: WorkerPool
     opened: float
@@ -108,13 +121,12 @@ def check_reply(index: int, outcome: Outcome) -> EpisodeResult:
     reply = outcome.reply
     if "error" in reply:
         return EpisodeResult(index, [], 0.0, True, Status.ERROR, str(reply["error"])[:4000], outcome.latency_s)
-    reward, done = reply.get("reward"), reply.get("done")
+    reward, done = finite_number(reply.get("reward")), reply.get("done")
     try:
         observation = observation_messages(reply.get("observation"))
     except EnvError as error:
         return EpisodeResult(index, [], 0.0, True, Status.ERROR, str(error), outcome.latency_s)
-    if isinstance(reward, bool) or not isinstance(reward, int | float) or not math.isfinite(reward) \
-            or not isinstance(done, bool):
+    if reward is None or not isinstance(done, bool):
         return EpisodeResult(index, [], 0.0, True, Status.ERROR, "malformed reply from the environment worker",
                              outcome.latency_s)
     tools = reply.get("tools", [])
@@ -122,7 +134,7 @@ def check_reply(index: int, outcome: Outcome) -> EpisodeResult:
     if not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools) or len(tools_json) > MAX_TOOLS_JSON:
         return EpisodeResult(index, [], 0.0, True, Status.ERROR, f"the environment's tools are not a list of "
                              f"function schemas of at most {MAX_TOOLS_JSON} bytes", outcome.latency_s)
-    return EpisodeResult(index, observation, float(reward), done, Status.OK, "", outcome.latency_s, tools_json)
+    return EpisodeResult(index, observation, reward, done, Status.OK, "", outcome.latency_s, tools_json)
 
 
 class EpisodeSessions:
@@ -135,17 +147,36 @@ class EpisodeSessions:
         self._scorer = scorer
         self.settings = scorer.settings
         self.metrics = scorer.metrics
-        self._sessions: dict[str, Session] = {}
-        self._opening: dict[str, asyncio.Task[Session]] = {}
-        self._reserved = 0
+        self._sessions: dict[tuple[str, str], Session] = {}
+        self._opening: dict[tuple[str, str], asyncio.Task[Session]] = {}
+        self._reserved: dict[tuple[str, str], int] = {}
+        """Episodes being opened, by (job, tenant)."""
 
     @property
     def open_episodes(self) -> int:
         """Episodes holding a worker, plus those being opened."""
-        return self._reserved + sum(1 for s in self._sessions.values() for e in s.episodes if e.worker is not None)
+        return self._holding(lambda job, tenant: True)
+
+    def _holding(self, counts: Callable[[str, str], bool]) -> int:
+        """Open and opening episodes of the (job, tenant) pairs counts accepts."""
+        live = sum(1 for s in self._sessions.values() if counts(s.job_id, s.tenant)
+                   for e in s.episodes if e.worker is not None)
+        return live + sum(n for (job, tenant), n in self._reserved.items() if counts(job, tenant))
+
+    def _check_shares(self, job_id: str, tenant: str, count: int) -> None:
+        """ResourceExhausted naming the setting when count more episodes would pass the service's, the
+        job's or the tenant's share of episode slots."""
+        s = self.settings
+        for held, limit, name in (
+                (self.open_episodes, s.max_episodes, "max_episodes"),
+                (self._holding(lambda job, _: job == job_id), s.max_episodes_per_job, "max_episodes_per_job"),
+                (self._holding(lambda _, owner: owner == tenant), s.max_episodes_per_tenant,
+                 "max_episodes_per_tenant")):
+            if held + count > limit:
+                raise ResourceExhausted(f"{held} episodes are open; {count} more would exceed {name} {limit}")
 
     async def open(self, session_id: str, job_id: str, spec: SpecInput, task: dict[str, Any],
-                   count: int) -> list[EpisodeResult]:
+                   count: int, tenant: str = "") -> list[EpisodeResult]:
         """The first observation of each of count new episodes (those of the session, if it is open already).
 
         The opening runs shielded from the caller: if the caller gives up, the session still opens and
@@ -153,37 +184,38 @@ class EpisodeSessions:
         if not isinstance(spec.spec, EnvironmentSpec):
             raise InvalidArgument("not an environment spec", [FieldViolation("spec", "expected an environment")])
         _check_open(session_id, count)
-        opening = self._opening.get(session_id)
+        key, tenant = (job_id, session_id), tenant or f"job:{job_id}"
+        opening = self._opening.get(key)
         if opening is None:
-            if session_id in self._sessions:
-                return self._sessions[session_id].first
-            if self.open_episodes + count > self.settings.max_episodes:
-                raise ResourceExhausted(f"{self.open_episodes} episodes are open; {count} more would exceed "
-                                        f"max_episodes {self.settings.max_episodes}")
-            opening = asyncio.get_running_loop().create_task(self._open(session_id, job_id, spec.spec, spec, task,
-                                                                        count))
-            self._opening[session_id] = opening
-            opening.add_done_callback(lambda _: self._opening.pop(session_id, None))
+            if key in self._sessions:
+                return self._sessions[key].first
+            self._check_shares(job_id, tenant, count)
+            opening = asyncio.get_running_loop().create_task(self._open(key, tenant, spec.spec, spec, task, count))
+            self._opening[key] = opening
+            opening.add_done_callback(lambda _: self._opening.pop(key, None))
         return (await asyncio.shield(opening)).first
 
-    async def _open(self, session_id: str, job_id: str, env: EnvironmentSpec, spec: SpecInput,
+    async def _open(self, key: tuple[str, str], tenant: str, env: EnvironmentSpec, spec: SpecInput,
                     task: dict[str, Any], count: int) -> Session:
-        self._reserved += count
+        job_id, session_id = key
+        self._reserved[job_id, tenant] = self._reserved.get((job_id, tenant), 0) + count
         try:
-            pool = await self._scorer.pool(spec)
+            pool = await self._scorer.pool(job_id, spec, tenant=tenant)
             now = time.monotonic()
-            session = Session(session_id, job_id, env, pool, now, now)
+            session = Session(session_id, job_id, tenant, env, pool, now, now)
             async with session.lock:
-                self._sessions[session_id] = session
+                self._sessions[key] = session
                 try:
                     await self._reset(session, task, count)
                 except BaseException:
-                    self._sessions.pop(session_id, None)
+                    self._sessions.pop(key, None)
                     self._end_all(session, "cancelled")
                     raise
             return session
         finally:
-            self._reserved -= count
+            self._reserved[job_id, tenant] -= count
+            if not self._reserved[job_id, tenant]:
+                del self._reserved[job_id, tenant]
             self.metrics.open_episodes.set(self.open_episodes)
 
     async def _reset(self, session: Session, task: dict[str, Any], count: int) -> None:
@@ -199,12 +231,12 @@ class EpisodeSessions:
                                                     for e in session.episodes)))
         session.touched = time.monotonic()
 
-    async def step(self, session_id: str, actions: list[tuple[int, int, str]]) -> list[EpisodeResult]:
+    async def step(self, job_id: str, session_id: str, actions: list[tuple[int, int, str]]) -> list[EpisodeResult]:
         """One result per (episode, turn, text) action, in order."""
-        session = self._sessions.get(session_id)
+        session = self._sessions.get((job_id, session_id))
         if session is None:
-            raise NotFound(f"no episode session {session_id!r} (closed, reaped after idle, or the reward "
-                           "service restarted)")
+            raise NotFound(f"no episode session {session_id!r} of job {job_id!r} (closed, reaped after idle, or the "
+                           "reward service restarted)")
         episodes = [index for index, _, _ in actions]
         if len(set(episodes)) != len(episodes):
             raise InvalidArgument("one action per episode", [FieldViolation("actions", "an episode appears twice")])
@@ -248,6 +280,17 @@ class EpisodeSessions:
         episode.last = result
         return result
 
+    def _add_reward(self, session: Session, episode: Episode, result: EpisodeResult) -> EpisodeResult:
+        """result, or an environment error ending the episode when its turns' rewards no longer sum to a
+        finite number."""
+        total = episode.total_reward + result.reward
+        if math.isfinite(total):
+            episode.total_reward = total
+            return result
+        self._end(session, episode, "error")
+        return EpisodeResult(episode.index, [], 0.0, True, Status.ERROR,
+                             "the episode's turn rewards sum to a non-finite total", result.latency_s)
+
     async def _call(self, session: Session, episode: Episode, request: dict[str, Any], op: str) -> EpisodeResult:
         """A reset or step of one episode under its deadlines; an episode that ends frees its worker."""
         worker = episode.worker
@@ -261,8 +304,12 @@ class EpisodeSessions:
                                  f"episode ran past episode_timeout_s {session.spec.episode_timeout_s:g}")
         outcome = await session.pool.call(worker, request, min(session.spec.step_timeout_s, left))
         self.metrics.env_latency.labels(op=op).observe(outcome.latency_s)
-        result = check_reply(episode.index, outcome)
-        if result.done:
+        if worker.dirty and outcome.kind == "reply":
+            self._end(session, episode, "dirty")
+            return EpisodeResult(episode.index, [], 0.0, True, Status.ERROR,
+                                 f"the environment's {op} {worker.dirty}", outcome.latency_s)
+        result = self._add_reward(session, episode, check_reply(episode.index, outcome))
+        if result.done and episode.worker is not None:
             self._end(session, episode, "done" if result.status == Status.OK else result.status.value)
         return result
 
@@ -283,13 +330,14 @@ class EpisodeSessions:
         for episode in session.episodes:
             self._end(session, episode, status)
 
-    async def close(self, session_id: str) -> None:
+    async def close(self, job_id: str, session_id: str) -> None:
         """Give back the workers of a session's live episodes; unknown sessions are ignored."""
-        opening = self._opening.get(session_id)
+        key = (job_id, session_id)
+        opening = self._opening.get(key)
         if opening is not None:
             with contextlib.suppress(Exception):
                 await asyncio.shield(opening)
-        session = self._sessions.pop(session_id, None)
+        session = self._sessions.pop(key, None)
         if session is None:
             return
         async with session.lock:
@@ -300,7 +348,7 @@ class EpisodeSessions:
         limit = time.monotonic() - self.settings.episode_idle_timeout_s
         idle = [s for s in self._sessions.values() if s.touched < limit and not s.lock.locked()]
         for session in idle:
-            del self._sessions[session.session_id]
+            del self._sessions[session.job_id, session.session_id]
             self._end_all(session, "abandoned")
             log.warning("reaped abandoned episode session %s of job %s (%d episodes)", session.session_id,
                         session.job_id, len(session.episodes))

@@ -5,7 +5,9 @@ mount, PID, network, IPC, UTS and cgroup namespaces: the root is an empty tmpfs 
 what Python needs is bound read-only (/usr and its /lib, /bin links, /etc/ld.so.cache, the Python
 installation and virtualenv, and services/reward of this checkout at /fleetrl), plus a fresh /proc
 of the PID namespace, a minimal /dev and a size-limited tmpfs at /sandbox as the worker's only
-writable place. Nothing else of the host is there: no home directory, no run directory, logs, keys
+writable place: the root and /dev (bwrap makes both tmpfs mounts, unbounded, and /dev/shm a directory
+of the latter) are remounted read-only once set up, so nothing user code writes escapes the
+`worker_tmp_mb` bound. Nothing else of the host is there: no home directory, no run directory, logs, keys
 or other workers' files, no host /proc, no filesystem socket; the network namespace has only a
 down loopback, and abstract Unix sockets are per network namespace. The worker is PID 1 of its
 namespace (`--as-pid-1`): when it dies, the kernel kills everything it left.
@@ -35,6 +37,9 @@ INSIDE_ROOT = "/fleetrl"
 WORKDIR = "/sandbox"
 """The worker's private writable temp dir inside the jail (a tmpfs)."""
 ROOT_CAPS = ("CAP_SETUID", "CAP_SETGID", "CAP_CHOWN")
+SINGLE_THREADED_ENV = {"OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+"""Native libraries a reward file imports (numpy's BLAS) start no thread pool of their own, so a worker's
+threads are its user code's (see `sandbox.WorkerProcess.leftovers`)."""
 PROBE_TIMEOUT_S = 30.0
 
 
@@ -115,8 +120,10 @@ def command(bwrap: str, argv: list[str], tmp_mb: int) -> list[str]:
             *_system_binds(), *_binds(),
             "--proc", "/proc", "--dev", "/dev",
             "--size", str(tmp_mb * 1024 * 1024), "--perms", "0700", "--tmpfs", WORKDIR,
+            "--remount-ro", "/dev", "--remount-ro", "/",
             "--chdir", WORKDIR, "--clearenv", "--setenv", "HOME", WORKDIR, "--setenv", "TMPDIR", WORKDIR,
-            "--setenv", "PATH", "/usr/bin:/bin", "--setenv", "LANG", "C.UTF-8", *argv]
+            "--setenv", "PATH", "/usr/bin:/bin", "--setenv", "LANG", "C.UTF-8",
+            *(arg for name, value in SINGLE_THREADED_ENV.items() for arg in ("--setenv", name, value)), *argv]
 
 
 HOST_ONLY = ("home", "var", "tmp", "run")

@@ -28,9 +28,10 @@ class RewardMetrics:
                                  ["status"], buckets=LATENCY_BUCKETS_S, registry=self.registry)
         self.worker_restarts = Counter(
             "fleetrl_reward_worker_restarts_total",
-            "Workers killed and replaced, by reason (timeout, crash, cancelled, recycled)",
+            "Workers killed and replaced, by reason (timeout, crash, cancelled, recycled, dirty: user code outlived "
+            "its call)",
             ["reason"], registry=self.registry)
-        self.pools = Gauge("fleetrl_reward_pools", "Live worker pools (one per reward spec)", registry=self.registry)
+        self.pools = Gauge("fleetrl_reward_pools", "Live worker pools (one per job and spec)", registry=self.registry)
         self.sandbox_layer = Gauge("fleetrl_reward_sandbox_layer",
                                    "1 when a sandbox layer held at start-up (bwrap, mountns, pidns, netns, seccomp)",
                                    ["layer"], registry=self.registry)

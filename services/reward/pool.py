@@ -1,24 +1,25 @@
 """A pool of sandboxed workers for one reward spec.
 
-The first worker is started before the pool is used, so a spec that cannot load fails the call
-that brought it (and Validate) with the reason; the other workers start in the background. Each
-item takes an idle worker, runs with the spec's wall-clock timeout and gives the worker back, or,
-when the item timed out, crashed the worker, or the call was cancelled, kills it and starts a
-replacement (so does a worker that has served max_items_per_worker items or used half its CPU
-limit); `on_replace` hears each replacement's reason. An episode holds one worker for its whole
-life (`hold`, `call`, `give_back`, `discard`); held workers do not count against the pool's size,
-so the pool starts others for the items and episodes behind them. A hostile item therefore holds one worker for
-at most its timeout. An item still running after a quarter of its timeout is overrunning: for each
-one the pool may start an extra worker (at most `cfg.burst`), so items that hang take the capacity
-they hold, not the capacity of the items queued behind them. Extra workers are retired when they
-are given back and the pool holds more than it needs. Every replacement of a killed worker (timeout,
-crash, cancellation, age) takes a token of the pool's `RespawnBudget`: `respawn_burst` back to back,
-then `respawns_per_s`; starts for demand (the pool's size, the workers episodes hold, bursts) take
-none, as max_episodes and the burst bound them. A replacement waits for its token, and while nothing
-can serve (no worker free or busy, every start waiting) the pool is backing off: callers waiting and
-arriving fail at once with `BackingOff` naming why (an item scores as an error), so a reward file
-that kills its worker on every item costs a bounded number of starts. Idle workers go to waiting
-callers in arrival order. The pool logs which isolation layers its first worker reports.
+The first worker is started before the pool is used, so a spec that cannot load fails the call that
+brought it (and Validate) with the reason; the other workers start in the background. Each item
+takes an idle worker, runs with the spec's wall-clock timeout and gives the worker back, or, when
+the item timed out, crashed the worker, or the call was cancelled, kills it and starts a replacement
+(so does a worker that has served max_items_per_worker items or used half its CPU limit, or that
+user code left a thread or process in); `on_replace` hears each replacement's reason. An episode
+holds one worker for its whole life (`hold`, `call`, `give_back`, `discard`); held workers do not
+count against the pool's size, so the pool starts others for the items and episodes behind them. A
+hostile item therefore holds one worker for at most its timeout. An item still running after a
+quarter of its timeout is overrunning: for each one the pool may start an extra worker (at most
+`cfg.burst`), so items that hang take the capacity they hold, not the capacity of the items queued
+behind them. Extra workers are retired when they are given back and the pool holds more than it
+needs. Every replacement of a killed worker (timeout, crash, cancellation, age) takes a token of the
+pool's `RespawnBudget`: `respawn_burst` back to back, then `respawns_per_s`; starts for demand (the
+pool's size, the workers episodes hold, bursts) take none, as max_episodes and the burst bound them.
+A replacement waits for its token, and while nothing can serve (no worker free or busy, every start
+waiting) the pool is backing off: callers waiting and arriving fail at once with `BackingOff` naming
+why (an item scores as an error), so a reward file that kills its worker on every item costs a
+bounded number of starts. Idle workers go to waiting callers in arrival order. The pool logs which
+isolation layers its first worker reports.
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ OVERRUN_FRACTION = 0.25
 """An item running longer than this share of its timeout is overrunning (it earns a burst worker)."""
 LAYERS = ("netns", "pidns", "userns", "mountns", "seccomp", "dropped_uid", "audit_hook")
 
-ReplaceReason = Literal["timeout", "crash", "cancelled", "recycled", "abandoned", "episode_timeout"]
+ReplaceReason = Literal["timeout", "crash", "cancelled", "recycled", "abandoned", "episode_timeout", "dirty"]
 
 
 class BackingOff(Unavailable):
@@ -334,7 +335,9 @@ class WorkerPool:
 
     def _release(self, worker: WorkerProcess) -> None:
         worn = worker.items >= self.cfg.max_items_per_worker or worker.cpu_s > self.cfg.limits.cpu_s / 2
-        if worn:
+        if worker.dirty:  # user code left a thread or process behind: it must not see the next item
+            self._replace(worker, "dirty")
+        elif worn:
             self._replace(worker, "recycled")
         elif len(self._live) > self._target():  # a burst worker whose overrunning item has ended
             self._live.discard(worker)

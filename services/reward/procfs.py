@@ -82,6 +82,31 @@ def pidfds_of_children(parent: int) -> list[int]:
     return pidfds
 
 
+def tree(root: int) -> tuple[int, set[int]]:
+    """The threads of root and of every process below it, counted, and those processes' pids, found
+    through the kernel's children lists (no scan of /proc); (0, set()) when root has ended. A process
+    that left the tree (re-parented to an init outside it) is not in it: the jail's PID namespace,
+    whose init is in the tree, keeps every process of a jailed worker below it."""
+    threads, pids, todo = 0, set(), [root]
+    while todo:
+        pid = todo.pop()
+        try:
+            tids = os.listdir(f"/proc/{pid}/task")
+        except OSError:
+            continue
+        threads += len(tids)
+        pids.add(pid)
+        for tid in tids:
+            with contextlib.suppress(OSError), open(f"/proc/{pid}/task/{tid}/children") as handle:
+                todo.extend(int(child) for child in handle.read().split())
+    return threads, pids
+
+
+def pids_of_uid(uid: int) -> set[int]:
+    """The live processes any of whose uids is uid."""
+    return {proc.pid for proc in processes() if uid in proc.uids and not proc.zombie}
+
+
 def wait_ended(pidfds: list[int], within_s: float) -> None:
     """Wait until every process of pidfds has ended (a pidfd turns readable then), at most within_s."""
     deadline = time.monotonic() + within_s

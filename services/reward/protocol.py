@@ -1,8 +1,10 @@
 """Length-prefixed JSON frames between the reward service and its sandboxed workers.
 
 A frame is a 4-byte big-endian length followed by that many bytes of UTF-8 JSON. JSON is the only
-encoding in both directions, so the service never unpickles anything a worker produced, and a
-frame nested too deeply to parse is a ProtocolError like any other malformed frame.
+encoding in both directions, so the service never unpickles anything a worker produced; a frame
+nested too deeply to parse, holding an integer too long to convert, or holding text that is not
+valid Unicode (a lone surrogate, which JSON's escapes can carry but protobuf refuses) is a
+ProtocolError like any other malformed frame, so it fails only the item it answers.
 
 Requests travel on a Unix socket (the worker's stdin, which the worker shuts for writing); each
 request carries, as SCM_RIGHTS ancillary data on one marker byte before its frame, the write end of
@@ -15,6 +17,7 @@ This module is stdlib-only because it is imported inside the worker before any i
 from __future__ import annotations
 
 import json
+import math
 import os
 import socket
 import struct
@@ -38,13 +41,41 @@ def decode(body: bytes) -> dict[str, Any]:
     """The message of a frame body; ProtocolError unless it is a JSON object."""
     try:
         message = json.loads(body)
-    except (UnicodeDecodeError, json.JSONDecodeError) as error:
-        raise ProtocolError(f"frame is not JSON: {error}") from None
+        _check_text(message)
+    except (UnicodeDecodeError, UnicodeEncodeError) as error:
+        raise ProtocolError(f"frame holds text that is not valid Unicode: {error.reason}") from None
+    except ValueError as error:  # JSONDecodeError, and an integer past Python's digit limit
+        raise ProtocolError(f"frame is not JSON: {str(error)[:200]}") from None
     except RecursionError:
         raise ProtocolError("frame is nested too deeply") from None
     if not isinstance(message, dict):
         raise ProtocolError("frame is not a JSON object")
     return message
+
+
+def finite_number(value: Any) -> float | None:
+    """value as a float when it is a finite int or float (not a bool), else None; an int too large for a
+    float is not finite. Worker and service check rewards with this one rule."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return None
+    try:
+        number = float(value)
+    except OverflowError:
+        return None
+    return number if math.isfinite(number) else None
+
+
+def _check_text(value: Any) -> None:
+    """UnicodeEncodeError when any string of a decoded frame (key or value) cannot be encoded as UTF-8."""
+    if isinstance(value, str):
+        value.encode()
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            key.encode()
+            _check_text(item)
+    elif isinstance(value, list):
+        for item in value:
+            _check_text(item)
 
 
 def _read_exact(fd: int, size: int) -> bytes:

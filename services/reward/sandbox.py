@@ -12,6 +12,10 @@ answer for an item it is not running. Every item has a wall-clock timeout (CPU l
 the worker is SIGKILLed (its children by pidfd, its process group, every process of its private
 uid), it is reaped, its temp dir removed and a fresh worker started, so the rest of the batch keeps
 being scored. Only JSON crosses from worker to service.
+User code must not outlive its call: before any user code runs, the service counts the worker's
+threads and processes from outside (`procfs.tree`, which user code cannot forge); after a load or a
+call it counts again, and a worker with more than before is not clean: a load fails, and a worker
+that answered a call is killed and replaced instead of serving the next one (`leftovers`).
 `WorkerPool` keeps `size` workers for one spec and hands each item to an idle one.
 """
 
@@ -27,6 +31,7 @@ import signal
 import socket
 import sys
 import tempfile
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -38,6 +43,8 @@ log = logging.getLogger(__name__)
 
 ROOT = str(Path(__file__).resolve().parents[2])
 KILL_WAIT_S = 1.0
+LEFTOVER_GRACE_S = 0.05
+"""How long a thread or process that user code started may take to end after its call returned."""
 TMPDIR_PREFIX = "fleetrl-reward-"
 
 
@@ -149,7 +156,8 @@ def death_reason(returncode: int | None) -> str:
 
 def worker_env(tmpdir: str) -> dict[str, str]:
     """The whole environment a worker gets: nothing of the service's (no credentials)."""
-    return {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8", "HOME": tmpdir, "TMPDIR": tmpdir}
+    return {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8", "HOME": tmpdir, "TMPDIR": tmpdir,
+            **jail.SINGLE_THREADED_ENV}
 
 
 def sweep_tmpdirs(sandbox_dir: Path | None) -> list[str]:
@@ -173,10 +181,16 @@ class WorkerProcess:
     isolation: dict[str, Any]
     items: int
     cpu_s: float
+    baseline_threads: int
+    """Threads of the worker's process tree before any user code ran."""
+    dirty: str
+    """What of user code outlived its last call ("" while the worker is clean)."""
 
-    def __init__(self, proc: asyncio.subprocess.Process, sock: socket.socket, tmpdir: str | None, uid: int) -> None:
-        self.proc, self.sock, self.tmpdir, self.uid = proc, sock, tmpdir, uid
+    def __init__(self, proc: asyncio.subprocess.Process, sock: socket.socket, tmpdir: str | None, uid: int,
+                 jailed: bool = False) -> None:
+        self.proc, self.sock, self.tmpdir, self.uid, self._jailed = proc, sock, tmpdir, uid, jailed
         self.isolation, self.items, self.cpu_s = {}, 0, 0.0
+        self.baseline_threads, self.dirty = 0, ""
 
     @classmethod
     async def start(cls, boot: dict[str, Any], uid: int, cfg: PoolConfig) -> WorkerProcess:
@@ -190,8 +204,11 @@ class WorkerProcess:
             ready = await worker._exchange(message, cfg.start_timeout_s, cfg.max_reply_bytes)
             if ready.get("ok"):
                 worker.isolation = dict(ready.get("isolation") or {})  # reported before any user code ran
+                worker.baseline_threads = procfs.tree(worker.proc.pid)[0]
                 step = f"did not load within {cfg.load_timeout_s:g}s (worker_load_timeout_s)"
                 ready = await worker._exchange({"load": True}, cfg.load_timeout_s, cfg.max_reply_bytes)
+                if ready.get("ok") and await worker.leftovers():
+                    ready = {"ok": False, "reason": f"its top-level code {worker.dirty}"}
         except (TimeoutError, WorkerDied, BadReply) as error:
             await worker.kill()
             what = step if isinstance(error, TimeoutError) else str(error)
@@ -230,7 +247,7 @@ class WorkerProcess:
         finally:
             theirs.close()
         ours.setblocking(False)
-        return cls(proc, ours, tmpdir, uid)
+        return cls(proc, ours, tmpdir, uid, jailed=cfg.bwrap is not None)
 
     async def _exchange(self, message: dict[str, Any], timeout_s: float, max_bytes: int) -> dict[str, Any]:
         """Send message with a fresh reply pipe and read the first frame on that pipe."""
@@ -281,12 +298,31 @@ class WorkerProcess:
         return death_reason(self.proc.returncode)
 
     async def call(self, request: dict[str, Any], timeout_s: float, max_bytes: int) -> dict[str, Any]:
-        """The worker's reply to one item; TimeoutError, WorkerDied or BadReply otherwise."""
+        """The worker's reply to one item; TimeoutError, WorkerDied or BadReply otherwise. A worker that
+        user code left threads or processes in is marked `dirty` (see `leftovers`)."""
         reply = await self._exchange(request, timeout_s, max_bytes)
         self.items += 1
         cpu = reply.get("cpu_s")
         self.cpu_s = float(cpu) if isinstance(cpu, int | float) else self.cpu_s
+        await self.leftovers()
         return reply
+
+    async def leftovers(self) -> int:
+        """Threads and processes user code left running beyond the worker's own, counted from outside and
+        given LEFTOVER_GRACE_S to end; when there are any, `dirty` names them. Outside the jail's PID
+        namespace a process that left the worker's tree is found by the worker's private uid."""
+        deadline = time.monotonic() + LEFTOVER_GRACE_S
+        while True:
+            threads, pids = procfs.tree(self.proc.pid)
+            strays = procfs.pids_of_uid(self.uid) - pids if self.uid and not self._jailed else set()
+            extra = max(0, threads - self.baseline_threads) + len(strays)
+            if not extra or time.monotonic() > deadline:
+                break
+            await asyncio.sleep(0.005)
+        if extra:
+            self.dirty = (f"left {extra} thread(s) or process(es) running after it returned (user code must not "
+                          "outlive its call: join the threads and wait for the processes it starts)")
+        return extra
 
     async def kill(self) -> None:
         """SIGKILL every process of the worker, reap it and remove its temp dir.

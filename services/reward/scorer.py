@@ -8,8 +8,10 @@ reward file with slow top-level code makes that call's items errors naming the l
 holding it, and other specs' calls never wait for it. A spec that failed to load (or whose pool
 could not start a worker again) is not loaded again for 1 s, doubling per failure in a row up to
 60 s: meanwhile its calls' items are errors naming the reason, and no worker is started for them.
-Pools are cached by the spec's digest (sha256 of its JSON and file source), at most `max_pools`
-of them (least recently used closed first), and closed after `pool_idle_s` unused. Worker replies
+Pools are per job: one per (job, spec digest), never shared between jobs even when their specs are
+byte-identical, at most `max_pools_per_tenant` for one tenant and `max_pools` in all (the least
+recently used idle pool is closed first), and closed after `pool_idle_s` unused. Validate loads the
+spec in a pool of its own that is closed when it answers. Worker replies
 are re-checked here, since user code could have forged them: a reward must be a finite number,
 or a dict of finite numbers whose "reward" entry (else their sum) is the reward.
 """
@@ -30,11 +32,18 @@ from typing import Any
 from pydantic import ValidationError
 
 from services.common.config import EnvironmentSpec, RewardSpec, validate
-from services.common.errors import ConfigError, FailedPrecondition, FieldViolation, InvalidArgument
+from services.common.errors import (
+    ConfigError,
+    FailedPrecondition,
+    FieldViolation,
+    InvalidArgument,
+    ResourceExhausted,
+)
 from services.reward import guard, jail, verifiers
 from services.reward.config import RewardSettings
 from services.reward.metrics import RewardMetrics
 from services.reward.pool import WorkerPool
+from services.reward.protocol import finite_number
 from services.reward.sandbox import Limits, Outcome, PoolConfig, UidPool, sweep_tmpdirs
 
 log = logging.getLogger(__name__)
@@ -160,16 +169,22 @@ def _field(spec: SpecInput) -> str:
 
 
 @dataclass(frozen=True)
+class PoolKey:
+    """What a pool serves: one job's one spec. Two jobs never share a pool (nor its workers, their temp
+    dirs or anything user code left in them), even with byte-identical specs."""
+
+    job_id: str
+    tenant: str
+    digest: str
+
+
+@dataclass(frozen=True)
 class LoadFailure:
     """A spec that failed to load count times in a row: its reason, and when a load is tried again."""
 
     count: int
     retry_at: float
     violations: list[FieldViolation]
-
-
-def _finite(value: Any) -> bool:
-    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def to_result(outcome: Outcome) -> Result:
@@ -181,20 +196,24 @@ def to_result(outcome: Outcome) -> Result:
     if "error" in reply:
         return Result(0.0, {}, Status.ERROR, str(reply["error"])[:4000], outcome.latency_s)
     if "value" in reply:
-        if not _finite(reply["value"]):
-            return Result(0.0, {}, Status.ERROR, f"reward is not a finite number: {reply['value']!r:.80}",
+        value = finite_number(reply["value"])
+        if value is None:
+            return Result(0.0, {}, Status.ERROR, f"reward is not a finite number: {str(reply['value'])[:80]!r}",
                           outcome.latency_s)
-        return Result(float(reply["value"]), {}, Status.OK, "", outcome.latency_s)
+        return Result(value, {}, Status.OK, "", outcome.latency_s)
     return _components_result(reply.get("components"), outcome.latency_s)
 
 
 def _components_result(components: Any, latency_s: float) -> Result:
     if not isinstance(components, dict) or len(components) > MAX_COMPONENTS:
         return Result(0.0, {}, Status.ERROR, "malformed reply from the reward worker", latency_s)
-    if not all(isinstance(k, str) and _finite(v) for k, v in components.items()):
+    numbers = {k: finite_number(v) for k, v in components.items()}
+    if not all(isinstance(k, str) and v is not None for k, v in numbers.items()):
         return Result(0.0, {}, Status.ERROR, "reward dict values must be finite numbers", latency_s)
-    parts = {k: float(v) for k, v in components.items() if k != "reward"}
-    reward = float(components["reward"]) if "reward" in components else sum(parts.values())
+    parts = {k: float(v or 0.0) for k, v in numbers.items() if k != "reward"}
+    reward = numbers["reward"] if "reward" in numbers else sum(parts.values())
+    if reward is None or not math.isfinite(reward):
+        return Result(0.0, {}, Status.ERROR, "the reward dict's components sum to a non-finite total", latency_s)
     return Result(reward, parts, Status.OK, "", latency_s)
 
 
@@ -244,8 +263,8 @@ class Scorer:
     def __init__(self, settings: RewardSettings, metrics: RewardMetrics | None = None) -> None:
         self.settings = settings
         self.metrics = metrics or RewardMetrics()
-        self._pools: dict[str, asyncio.Task[WorkerPool]] = {}
-        self._load_failures: dict[str, LoadFailure] = {}
+        self._pools: dict[PoolKey, asyncio.Task[WorkerPool]] = {}
+        self._load_failures: dict[PoolKey, LoadFailure] = {}
         self._uids = UidPool(settings.sandbox_uid_base)
         if not self._uids.enabled:
             guard.hide_from_same_uid()  # workers run under our uid: keep them out of our /proc environ
@@ -310,69 +329,99 @@ class Scorer:
             raise
         return pool
 
-    def _loading(self, spec: SpecInput) -> asyncio.Task[WorkerPool]:
-        """The task starting the spec's pool, started on first use. A failed one is forgotten when it ends;
-        after a spec failed to load, the next load waits LOAD_RETRY_S, doubling with each failure in a row
-        up to LOAD_RETRY_MAX_S (ConfigError naming the reason meanwhile), so a file that fails to load
+    def _loading(self, key: PoolKey, spec: SpecInput) -> asyncio.Task[WorkerPool]:
+        """The task starting a job's pool for spec, started on first use. A failed one is forgotten when it
+        ends; after a pool failed to load, the next load waits LOAD_RETRY_S, doubling with each failure in a
+        row up to LOAD_RETRY_MAX_S (ConfigError naming the reason meanwhile), so a file that fails to load
         (or whose pool broke) cannot make the service start a worker on every call."""
-        task = self._pools.get(spec.digest)
+        task = self._pools.get(key)
         if task is None:
-            failed = self._load_failures.get(spec.digest)
+            failed = self._load_failures.get(key)
             if failed is not None and time.monotonic() < failed.retry_at:
                 raise ConfigError(f"{_what(spec)} cannot load (failed {failed.count} time(s) in a row; not tried "
                                   f"again for {failed.retry_at - time.monotonic():.1f}s)", failed.violations)
             task = asyncio.get_running_loop().create_task(self._new_pool(spec))
-            self._pools[spec.digest] = task
-            task.add_done_callback(lambda done: self._loaded(spec.digest, done))
+            self._pools[key] = task
+            task.add_done_callback(lambda done: self._loaded(key, done))
         return task
 
-    def _loaded(self, digest: str, task: asyncio.Task[WorkerPool]) -> None:
+    def _loaded(self, key: PoolKey, task: asyncio.Task[WorkerPool]) -> None:
         if not task.cancelled() and task.exception() is None:
-            self._load_failures.pop(digest, None)
+            self._load_failures.pop(key, None)
             return
-        if self._pools.get(digest) is task:
-            del self._pools[digest]
+        if self._pools.get(key) is task:
+            del self._pools[key]
         error = None if task.cancelled() else task.exception()
         if isinstance(error, ConfigError):
-            self._failed_to_load(digest, error.violations)
+            self._failed_to_load(key, error.violations)
 
-    def _failed_to_load(self, digest: str, violations: list[FieldViolation]) -> None:
-        count = self._load_failures[digest].count + 1 if digest in self._load_failures else 1
+    def _failed_to_load(self, key: PoolKey, violations: list[FieldViolation]) -> None:
+        count = self._load_failures[key].count + 1 if key in self._load_failures else 1
         delay = min(LOAD_RETRY_MAX_S, LOAD_RETRY_S * 2 ** (count - 1))
-        self._load_failures[digest] = LoadFailure(count, time.monotonic() + delay, violations)
+        self._load_failures[key] = LoadFailure(count, time.monotonic() + delay, violations)
 
-    async def pool(self, spec: SpecInput, wait_s: float | None = None) -> WorkerPool:
-        """The spec's pool, started on first use; ConfigError when the spec cannot load or asks too much,
-        TimeoutError when it has not loaded within wait_s (the load goes on for the next call)."""
+    async def pool(self, job_id: str, spec: SpecInput, wait_s: float | None = None, tenant: str = "") -> WorkerPool:
+        """The job's pool for spec, started on first use; ConfigError when the spec cannot load or asks too
+        much, ResourceExhausted when the tenant holds its share of pools, TimeoutError when it has not loaded
+        within wait_s (the load goes on for the next call)."""
         self.check_caps(spec.spec)
-        pool = await asyncio.wait_for(asyncio.shield(self._loading(spec)), wait_s)
+        key = PoolKey(job_id, tenant or f"job:{job_id}", spec.digest)
+        if key not in self._pools:
+            await self._make_room(key)
+        pool = await asyncio.wait_for(asyncio.shield(self._loading(key, spec)), wait_s)
         if pool.broken:  # no worker of it could be started again: drop it (once) and back off
             violations = [FieldViolation(_field(spec), pool.broken)]
-            task = self._pools.get(spec.digest)
+            task = self._pools.get(key)
             if task is not None and task.done() and not task.cancelled() and task.exception() is None \
                     and task.result() is pool:
-                del self._pools[spec.digest]
-                self._failed_to_load(spec.digest, violations)
+                del self._pools[key]
+                self._failed_to_load(key, violations)
                 await pool.close()
             raise ConfigError(f"{_what(spec)} cannot load", violations)
         pool.last_used = time.monotonic()
-        await self._evict(keep=spec.digest)
         return pool
 
-    async def _evict(self, keep: str) -> None:
-        ready = {d: t.result() for d, t in self._pools.items()
-                 if t.done() and not t.exception() and not t.result().held_workers}
-        while len(self._pools) > self.settings.max_pools and len(ready) > 1:
-            digest = min((d for d in ready if d != keep), key=lambda d: ready[d].last_used)
-            del self._pools[digest]
-            await ready.pop(digest).close()
+    def _idle_pools(self) -> dict[PoolKey, WorkerPool]:
+        """Pools that are up and hold no episode's worker (those may be closed)."""
+        return {k: t.result() for k, t in self._pools.items()
+                if t.done() and not t.cancelled() and not t.exception() and not t.result().held_workers}
+
+    async def _make_room(self, key: PoolKey) -> None:
+        """Before a new pool starts: close the tenant's least recently used idle pool while the tenant holds
+        `max_pools_per_tenant` (ResourceExhausted when none of them is idle), then anyone's while the service
+        holds `max_pools`."""
+        idle = self._idle_pools()
+        for limit, mine in ((self.settings.max_pools_per_tenant, lambda k: k.tenant == key.tenant),
+                            (self.settings.max_pools, lambda k: True)):
+            while sum(1 for k in self._pools if mine(k)) >= limit:
+                candidates = [k for k in idle if mine(k)]
+                if not candidates:
+                    if limit == self.settings.max_pools:
+                        break  # every pool holds episodes: the episode caps bound those
+                    raise ResourceExhausted(
+                        f"tenant {key.tenant} holds {limit} reward worker pools, each busy with episodes "
+                        f"(max_pools_per_tenant {limit})")
+                oldest = min(candidates, key=lambda k: idle[k].last_used)
+                del self._pools[oldest]
+                await idle.pop(oldest).close()
         self.metrics.pools.set(len(self._pools))
 
     async def validate(self, spec: SpecInput) -> None:
-        """Load the spec in a sandboxed worker; ConfigError with the reason when it cannot."""
-        await self.pool(spec)
+        """Load the spec in a sandboxed worker of its own; ConfigError with the reason when it cannot. The
+        worker is closed afterwards: a job's items run only on its own pool."""
+        self.check_caps(spec.spec)
+        key = PoolKey("", "validate", spec.digest)
+        task = self._loading(key, spec)
+        try:
+            pool = await asyncio.shield(task)
+        finally:
+            if self._pools.get(key) is task:
+                del self._pools[key]
+        await pool.close()
+        if pool.broken:
+            raise ConfigError(f"{_what(spec)} cannot load", [FieldViolation(_field(spec), pool.broken)])
 
-    async def score(self, job_id: str, spec: SpecInput, items: list[Item]) -> list[Result]:
+    async def score(self, job_id: str, spec: SpecInput, items: list[Item], tenant: str = "") -> list[Result]:
         """One Result per item, in order, scored concurrently on the spec's pool."""
         if len(items) > self.settings.max_items_per_request:
             raise InvalidArgument("too many items", [FieldViolation(
@@ -384,7 +433,7 @@ class Scorer:
         timeout_s = spec.spec.timeout_per_item_s
         start = time.monotonic()
         try:
-            pool = await self.pool(spec, wait_s=timeout_s)
+            pool = await self.pool(job_id, spec, wait_s=timeout_s, tenant=tenant)
         except TimeoutError:
             return self._unscored(job_id, items, start, (
                 f"{_kind(spec)} not loaded within the item timeout {timeout_s:g}s (reward.timeout_per_item_s): its "
@@ -410,10 +459,9 @@ class Scorer:
     async def reap_idle(self) -> int:
         """Close pools unused for pool_idle_s; returns how many were closed."""
         now = time.monotonic()
-        idle = [d for d, t in self._pools.items() if t.done() and not t.exception()
-                and not t.result().held_workers and now - t.result().last_used > self.settings.pool_idle_s]
-        for digest in idle:
-            await self._pools.pop(digest).result().close()
+        idle = [key for key, pool in self._idle_pools().items() if now - pool.last_used > self.settings.pool_idle_s]
+        for key in idle:
+            await self._pools.pop(key).result().close()
         self.metrics.pools.set(len(self._pools))
         return len(idle)
 

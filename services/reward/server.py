@@ -45,7 +45,7 @@ class RewardServicer(reward_pb2_grpc.RewardServiceServicer):
     async def Score(self, request: reward_pb2.ScoreRequest,
                     context: grpc.aio.ServicerContext) -> reward_pb2.ScoreResponse:
         spec = convert.to_spec(request.spec)
-        results = await self.scorer.score(request.job_id, spec, convert.to_items(request))
+        results = await self.scorer.score(request.job_id, spec, convert.to_items(request), tenant=request.tenant)
         return convert.score_response(results)
 
     @map_errors
@@ -72,19 +72,19 @@ class RewardServicer(reward_pb2_grpc.RewardServiceServicer):
     async def OpenEpisodes(self, request: reward_pb2.OpenEpisodesRequest,
                            context: grpc.aio.ServicerContext) -> reward_pb2.OpenEpisodesResponse:
         results = await self.sessions.open(request.session_id, request.job_id, convert.to_environment(request.spec),
-                                           convert.to_task(request), request.count)
+                                           convert.to_task(request), request.count, tenant=request.tenant)
         return reward_pb2.OpenEpisodesResponse(episodes=[convert.episode_to_proto(r) for r in results])
 
     @map_errors
     async def StepEpisodes(self, request: reward_pb2.StepEpisodesRequest,
                            context: grpc.aio.ServicerContext) -> reward_pb2.StepEpisodesResponse:
-        results = await self.sessions.step(request.session_id, convert.to_actions(request))
+        results = await self.sessions.step(request.job_id, request.session_id, convert.to_actions(request))
         return reward_pb2.StepEpisodesResponse(results=[convert.episode_to_proto(r) for r in results])
 
     @map_errors
     async def CloseEpisodes(self, request: reward_pb2.CloseEpisodesRequest,
                             context: grpc.aio.ServicerContext) -> reward_pb2.CloseEpisodesResponse:
-        await self.sessions.close(request.session_id)
+        await self.sessions.close(request.job_id, request.session_id)
         return reward_pb2.CloseEpisodesResponse()
 
 

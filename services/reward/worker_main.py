@@ -17,7 +17,6 @@ the built-in registry in "builtin" mode (both imported before the uid drop).
 from __future__ import annotations
 
 import contextlib
-import math
 import os
 import resource
 import socket
@@ -142,7 +141,7 @@ def load_env(source: str, tmpdir: str, root: str) -> env_host.EnvHost:
     missing = [name for name in ("reset", "step") if not callable(getattr(cls, name, None))]
     if missing:
         raise TypeError(f"class Env has no method {' or '.join(missing)}")
-    return env_host.EnvHost(cls)
+    return env_host.EnvHost(cls, tmpdir)
 
 
 def load_scorer(boot: dict[str, Any]) -> RewardFn:
@@ -166,20 +165,19 @@ def load(boot: dict[str, Any]) -> Handler:
     return lambda request: score_one(fn, request)
 
 
-def _number(value: Any) -> float | None:
-    if isinstance(value, bool | int | float):
-        return float(value)
-    return None
-
-
 def encode_value(value: Any) -> dict[str, Any]:
     """The reply for a reward function's return value (the service re-checks it)."""
-    number = _number(value)
-    if number is not None:
-        return {"value": number if math.isfinite(number) else repr(number)}
+    if isinstance(value, bool):
+        return {"value": float(value)}
+    if isinstance(value, int | float):
+        number = protocol.finite_number(value)
+        if number is None:
+            shown = value if isinstance(value, float) else "an int too large for a float"
+            return {"error": f"reward is not a finite number: {shown}"}
+        return {"value": number}
     if isinstance(value, dict):
-        components = {str(k): _number(v) for k, v in value.items()}
-        bad = [k for k, v in components.items() if v is None or not math.isfinite(v)]
+        components = {str(k): protocol.finite_number(float(v) if isinstance(v, bool) else v) for k, v in value.items()}
+        bad = [k for k, v in components.items() if v is None]
         if bad:
             return {"error": f"reward dict has non-finite or non-numeric entries: {bad[:5]}"}
         return {"components": components}

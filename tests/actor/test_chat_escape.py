@@ -59,12 +59,13 @@ class ScriptedHost:
         self.first, self.tools, self.steps = first, tools, steps
 
     async def open_episodes(self, job_id: str, session_id: str, spec: reward_pb2.EnvironmentSpec,
-                            task: Any, count: int, timeout_s: float) -> list[reward_pb2.EpisodeResult]:
+                            task: Any, count: int, timeout_s: float,
+                            tenant: str = "") -> list[reward_pb2.EpisodeResult]:
         return [reward_pb2.EpisodeResult(episode=i, observation=[reward_pb2.Message(role="user", content=self.first)],
                                          status=OK, tools_json=json.dumps(self.tools) if self.tools else "")
                 for i in range(count)]
 
-    async def step_episodes(self, session_id: str, actions: Sequence[reward_pb2.Action],
+    async def step_episodes(self, job_id: str, session_id: str, actions: Sequence[reward_pb2.Action],
                             timeout_s: float) -> list[reward_pb2.EpisodeResult]:
         results = []
         for action in actions:
@@ -74,7 +75,7 @@ class ScriptedHost:
                                                     done=done, status=OK))
         return results
 
-    async def close_episodes(self, session_id: str) -> None:
+    async def close_episodes(self, job_id: str, session_id: str) -> None:
         return None
 
 

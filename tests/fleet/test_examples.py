@@ -104,7 +104,7 @@ async def test_environment_plays_a_scripted_episode_in_the_sandbox(path: Path, t
         (first,) = await sessions.open("s", "examples", checked, task, 1)
         assert first.status == Status.OK and first.observation, first.reason
         for turn, (action, observed, reward, done) in enumerate(GOLD_EPISODES[path.parent.name]):
-            (result,) = await sessions.step("s", [(0, turn, action.format(**task))])
+            (result,) = await sessions.step("examples", "s", [(0, turn, action.format(**task))])
             assert result.status == Status.OK, result.reason
             assert (result.reward, result.done) == (reward, done)
             assert [m["content"] for m in result.observation] == ([observed.format(**task)] if observed else [])

@@ -48,14 +48,14 @@ def env_spec(source: str, step_timeout_s: float = 2.0, **params: object) -> rewa
 
 
 async def open_session(stub: reward_pb2_grpc.RewardServiceStub, session: str, spec: reward_pb2.EnvironmentSpec,
-                       count: int) -> reward_pb2.OpenEpisodesResponse:
-    request = reward_pb2.OpenEpisodesRequest(job_id="j", session_id=session, spec=spec, prompt="2+2",
-                                             metadata_json=json.dumps({"answer": "4"}), count=count)
+                       count: int, job: str = "j", tenant: str = "") -> reward_pb2.OpenEpisodesResponse:
+    request = reward_pb2.OpenEpisodesRequest(job_id=job, session_id=session, spec=spec, prompt="2+2",
+                                             metadata_json=json.dumps({"answer": "4"}), count=count, tenant=tenant)
     return await stub.OpenEpisodes(request, timeout=30)
 
 
-def step(session: str, *actions: tuple[int, int, str]) -> reward_pb2.StepEpisodesRequest:
-    return reward_pb2.StepEpisodesRequest(session_id=session, actions=[
+def step(session: str, *actions: tuple[int, int, str], job: str = "j") -> reward_pb2.StepEpisodesRequest:
+    return reward_pb2.StepEpisodesRequest(job_id=job, session_id=session, actions=[
         reward_pb2.Action(episode=e, turn=t, text=text) for e, t, text in actions])
 
 
@@ -91,7 +91,7 @@ async def test_scripted_episodes_answer_exactly_and_repeat_steps(tmp_path: Path)
             await stub.StepEpisodes(step("s1", (1, 0, "x"), (1, 0, "y")), timeout=10)
         assert twice.value.code() == grpc.StatusCode.INVALID_ARGUMENT
 
-        await stub.CloseEpisodes(reward_pb2.CloseEpisodesRequest(session_id="s1"), timeout=10)
+        await stub.CloseEpisodes(reward_pb2.CloseEpisodesRequest(job_id="j", session_id="s1"), timeout=10)
         with pytest.raises(grpc.aio.AioRpcError) as closed:
             await stub.StepEpisodes(step("s1", (1, 0, "x")), timeout=10)
         assert closed.value.code() == grpc.StatusCode.NOT_FOUND

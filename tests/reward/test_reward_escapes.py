@@ -1,5 +1,7 @@
 """Reward files that start processes the service did not ask for: each one, and everything it
-started, is gone within timeout + 1 s of its item, while the same service keeps serving.
+started, is gone within 1 s of the call that left them running (user code must not outlive its call:
+the worker is replaced), or within timeout + 1 s of an item that hangs, while the same service keeps
+serving.
 
 The processes escape the worker's process group (setsid, setpgid) or are created through
 `_posixsubprocess.fork_exec`, which raises no audit event, so the audit hook cannot stop them; the
@@ -93,14 +95,6 @@ async def gone(uid: int, within_s: float) -> list[int]:
     return left
 
 
-async def census_reaching(uid: int, count: int, within_s: float) -> list[int]:
-    """The uid's processes once there are at least count of them, or after within_s."""
-    deadline = time.monotonic() + within_s
-    while len(pids := uid_processes(lambda u: u == uid)) < count and time.monotonic() < deadline:
-        await asyncio.sleep(0.05)
-    return pids
-
-
 @pytest.mark.parametrize(("case", "mode", "namespaces"), [
     ("setsid", "jail", True), ("fork_exec_bomb", "jail", True),
     ("setsid", "legacy", True), ("setpgid", "legacy", True),  # without a PID namespace the worker leads its session
@@ -116,11 +110,10 @@ async def test_escaped_processes_die_with_their_worker(case: str, mode: str, nam
             assert started == 0, "the seccomp filter let fork_exec start a process"
         elif case == "fork_exec_bomb":
             assert started >= 1, "fork_exec started no process"
-            census = await census_reaching(uid, MAX_PROCESSES, within_s=15.0)
-            assert len(census) == MAX_PROCESSES, f"the bomb should fill the process limit: {census}"
-            await asyncio.sleep(0.5)
+            left = await gone(uid, within_s=1.0)  # they outlived the call: the worker went, and they with it
+            assert left == [], f"processes left by the call (uid {uid}) still run: {left}"
         census = uid_processes(lambda u: u == uid)
-        assert len(census) == (MAX_PROCESSES if case == "fork_exec_bomb" and mode == "legacy" else 1), census
+        assert len(census) == (0 if case == "fork_exec_bomb" and mode == "legacy" else 1), census
 
         start = time.monotonic()
         hang = await score_one(stub, spec, {})  # the escape happened above; this item hangs

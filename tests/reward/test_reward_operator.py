@@ -234,9 +234,11 @@ async def test_a_pool_that_cannot_start_a_worker_again_is_dropped(tmp_path: Path
     load, the pool breaks, and the spec's items are errors naming why (then the load back-off)."""
     async with reward_service(tmp_path, worker_respawn_burst=100) as stub:
         source = (f"import os, time\nif time.time() > {time.time() + 2.0}:\n    raise ImportError('too late')\n"
-                  "def reward(completion, prompt, **meta):\n    os._exit(1)\n")
+                  "def reward(completion, prompt, **meta):\n    return 1.0 if completion == 'ok' else os._exit(1)\n")
         request = reward_pb2.ScoreRequest(job_id="j", spec=file_spec(source), items=items(("x", {}), ("y", {})))
-        assert (await stub.Validate(reward_pb2.ValidateRequest(spec=request.spec), timeout=10)).ok
+        loaded = await stub.Score(reward_pb2.ScoreRequest(job_id="j", spec=request.spec, items=items(("ok", {}))),
+                                  timeout=10)  # the job's pool, loaded before the deadline
+        assert loaded.results[0].status == common_pb2.REWARD_STATUS_OK, loaded.results[0].reason
         await asyncio.sleep(2.5)
         killed = await stub.Score(request, timeout=10)
         assert [r.status for r in killed.results] == [common_pb2.REWARD_STATUS_KILLED] * 2

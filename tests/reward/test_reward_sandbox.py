@@ -133,7 +133,7 @@ async def test_workers_are_isolated_and_the_pool_logs_how(tmp_path: Path, caplog
     scorer = Scorer(RewardSettings(workers_per_pool=1, sandbox_uid_base=UID_BASE, sandbox_dir=tmp_path))
     spec = file_spec(BENIGN)
     with caplog.at_level(logging.INFO, logger="services.reward.pool"):
-        pool = await scorer.pool(parse_spec(spec.spec_json, spec.file_source))
+        pool = await scorer.pool("j", parse_spec(spec.spec_json, spec.file_source))
     isolation = pool.isolation
     await scorer.close()
     assert [r.getMessage() for r in caplog.records if "isolation" in r.getMessage()] == [
@@ -175,7 +175,7 @@ async def test_an_item_that_hangs_does_not_take_the_capacity_of_the_next(tmp_pat
     spec = file_spec(source, timeout_s=20)
     parsed = parse_spec(spec.spec_json, spec.file_source)
     try:
-        pool = await scorer.pool(parsed)
+        pool = await scorer.pool("j", parsed)
         hang = asyncio.create_task(scorer.score("j", parsed, [Item("hang", "p")]))
         await asyncio.sleep(0.2)
         benign = asyncio.create_task(scorer.score("j", parsed, [Item("ok", "p")]))

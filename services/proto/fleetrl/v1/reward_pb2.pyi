@@ -34,14 +34,16 @@ class ScoreItem(_message.Message):
     def __init__(self, completion: _Optional[str] = ..., prompt: _Optional[str] = ..., metadata_json: _Optional[str] = ...) -> None: ...
 
 class ScoreRequest(_message.Message):
-    __slots__ = ("job_id", "spec", "items")
+    __slots__ = ("job_id", "spec", "items", "tenant")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     SPEC_FIELD_NUMBER: _ClassVar[int]
     ITEMS_FIELD_NUMBER: _ClassVar[int]
+    TENANT_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     spec: RewardSpec
     items: _containers.RepeatedCompositeFieldContainer[ScoreItem]
-    def __init__(self, job_id: _Optional[str] = ..., spec: _Optional[_Union[RewardSpec, _Mapping]] = ..., items: _Optional[_Iterable[_Union[ScoreItem, _Mapping]]] = ...) -> None: ...
+    tenant: str
+    def __init__(self, job_id: _Optional[str] = ..., spec: _Optional[_Union[RewardSpec, _Mapping]] = ..., items: _Optional[_Iterable[_Union[ScoreItem, _Mapping]]] = ..., tenant: _Optional[str] = ...) -> None: ...
 
 class ScoreResult(_message.Message):
     __slots__ = ("reward", "components", "status", "reason", "latency_s")
@@ -140,20 +142,22 @@ class EpisodeResult(_message.Message):
     def __init__(self, episode: _Optional[int] = ..., observation: _Optional[_Iterable[_Union[Message, _Mapping]]] = ..., reward: _Optional[float] = ..., done: _Optional[bool] = ..., status: _Optional[_Union[_common_pb2.RewardStatus, str]] = ..., reason: _Optional[str] = ..., latency_s: _Optional[float] = ..., tools_json: _Optional[str] = ...) -> None: ...
 
 class OpenEpisodesRequest(_message.Message):
-    __slots__ = ("job_id", "session_id", "spec", "prompt", "metadata_json", "count")
+    __slots__ = ("job_id", "session_id", "spec", "prompt", "metadata_json", "count", "tenant")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     SPEC_FIELD_NUMBER: _ClassVar[int]
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     METADATA_JSON_FIELD_NUMBER: _ClassVar[int]
     COUNT_FIELD_NUMBER: _ClassVar[int]
+    TENANT_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     session_id: str
     spec: EnvironmentSpec
     prompt: str
     metadata_json: str
     count: int
-    def __init__(self, job_id: _Optional[str] = ..., session_id: _Optional[str] = ..., spec: _Optional[_Union[EnvironmentSpec, _Mapping]] = ..., prompt: _Optional[str] = ..., metadata_json: _Optional[str] = ..., count: _Optional[int] = ...) -> None: ...
+    tenant: str
+    def __init__(self, job_id: _Optional[str] = ..., session_id: _Optional[str] = ..., spec: _Optional[_Union[EnvironmentSpec, _Mapping]] = ..., prompt: _Optional[str] = ..., metadata_json: _Optional[str] = ..., count: _Optional[int] = ..., tenant: _Optional[str] = ...) -> None: ...
 
 class OpenEpisodesResponse(_message.Message):
     __slots__ = ("episodes",)
@@ -172,12 +176,14 @@ class Action(_message.Message):
     def __init__(self, episode: _Optional[int] = ..., turn: _Optional[int] = ..., text: _Optional[str] = ...) -> None: ...
 
 class StepEpisodesRequest(_message.Message):
-    __slots__ = ("session_id", "actions")
+    __slots__ = ("session_id", "actions", "job_id")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     ACTIONS_FIELD_NUMBER: _ClassVar[int]
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     actions: _containers.RepeatedCompositeFieldContainer[Action]
-    def __init__(self, session_id: _Optional[str] = ..., actions: _Optional[_Iterable[_Union[Action, _Mapping]]] = ...) -> None: ...
+    job_id: str
+    def __init__(self, session_id: _Optional[str] = ..., actions: _Optional[_Iterable[_Union[Action, _Mapping]]] = ..., job_id: _Optional[str] = ...) -> None: ...
 
 class StepEpisodesResponse(_message.Message):
     __slots__ = ("results",)
@@ -186,10 +192,12 @@ class StepEpisodesResponse(_message.Message):
     def __init__(self, results: _Optional[_Iterable[_Union[EpisodeResult, _Mapping]]] = ...) -> None: ...
 
 class CloseEpisodesRequest(_message.Message):
-    __slots__ = ("session_id",)
+    __slots__ = ("session_id", "job_id")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
     session_id: str
-    def __init__(self, session_id: _Optional[str] = ...) -> None: ...
+    job_id: str
+    def __init__(self, session_id: _Optional[str] = ..., job_id: _Optional[str] = ...) -> None: ...
 
 class CloseEpisodesResponse(_message.Message):
     __slots__ = ()
