@@ -268,6 +268,9 @@ class TrainConfig(Strict):
     """Deliveries of a task before it goes to the dead-letter subject."""
     timeout_per_step_s: float = Field(600.0, gt=0, le=86_400)
     """Longest the learner waits for one step's groups before failing the job."""
+    max_nonfinite_steps_in_a_row: int = Field(3, ge=1, le=1000)
+    """Steps in a row whose loss or gradient is not finite before the learner fails the job. Each such
+    step applies no update and its groups are consumed (services/learner/optim.py)."""
     task_ack_wait_s: float = Field(30.0, ge=1, le=3600)
     """Seconds an actor may hold a task without progress before it is redelivered."""
 

@@ -32,7 +32,7 @@ from opentelemetry import context as otel_context
 
 from services.common import bus, seeding, telemetry
 from services.common.config import JobSpec
-from services.common.errors import InvalidArgument
+from services.common.errors import FailedPrecondition, InvalidArgument
 from services.common.ledger import Ledger
 from services.learner.jobbus import JobBus
 from services.proto.fleetrl.v1 import common_pb2
@@ -60,8 +60,21 @@ class FeederCursor:
         return asdict(self)
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> FeederCursor:
-        return cls(**{k: int(v) for k, v in data.items()})
+    def from_dict(cls, data: dict[str, Any], trained_groups: int) -> FeederCursor:
+        """The cursor a checkpoint saved; `trained_groups`: the groups its steps trained (each step trains
+        prompts_per_step). A cursor saved before `stale` existed has it recomputed: learners then settled
+        the drops each Sample reply reported, so the drops counted in `settled` are what remains of it
+        after the trained groups and the dead-lettered tasks. Taken as 0, every drop replay ever counted
+        would be settled a second time, and the feeder would publish that many tasks beyond its bound."""
+        cursor = cls(**{k: int(v) for k, v in data.items()})
+        if "stale" not in data:
+            cursor.stale = cursor.settled - cursor.dead_lettered - trained_groups
+            if cursor.stale < 0:
+                raise FailedPrecondition(
+                    f"checkpoint cursor {data} holds no stale count, and its settled count is below the "
+                    f"{trained_groups} trained groups plus the {cursor.dead_lettered} dead-lettered tasks, "
+                    "so the stale drops it settled cannot be recomputed; resubmit the job")
+        return cursor
 
 
 # --------------------------------------------------------------------------- the bound, as pure functions

@@ -20,10 +20,15 @@ group's rewards (`ADVANTAGES`), or, for ppo (`advantage == GAE`), per token from
 (services/learner/critic.py, which adds the value loss). Normalisers take the WHOLE step batch's
 token and sequence counts when `LossInputs.num_tokens` / `num_sequences` are given, so summing
 the gradients of micro-batches gives exactly the full-batch gradient.
+
+Masked columns (prompt, padding, environment tokens) are taken out with `torch.where` before any
+exp, log or sum, never multiplied by the mask (`_on_real`): their log-probs may be -1e4 or -inf, and
+0 * inf is NaN, in the loss and in its gradient.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
@@ -205,21 +210,27 @@ class LossOutputs:
     metrics: dict[str, float] = field(default_factory=dict)
 
 
+def _on_real(values_BT: Tensor, mask: Tensor) -> Tensor:
+    """values_BT on the real tokens of mask (B, T), 0 on the others: a select, so a masked column's
+    inf or NaN reaches neither the result nor, when the select comes before an exp or a log, its gradient."""
+    return torch.where(mask > 0, values_BT, 0.0)
+
+
 def _token_mean(loss_BT: Tensor, inputs: LossInputs, cfg: LossConfig) -> Tensor:
     """Sum over every real token of the step, divided by the step's token count (DAPO)."""
     num_tokens = inputs.num_tokens if inputs.num_tokens is not None else inputs.mask.sum().clamp(min=1)
-    return (loss_BT * inputs.mask).sum() / num_tokens
+    return _on_real(loss_BT, inputs.mask).sum() / num_tokens
 
 
 def _seq_mean_token_mean(loss_BT: Tensor, inputs: LossInputs, cfg: LossConfig) -> Tensor:
     """Mean over each sequence's tokens, then mean over the step's sequences (GRPO paper)."""
-    per_seq = (loss_BT * inputs.mask).sum(-1) / inputs.mask.sum(-1).clamp(min=1)
+    per_seq = _on_real(loss_BT, inputs.mask).sum(-1) / inputs.mask.sum(-1).clamp(min=1)
     return per_seq.sum() / _num_sequences(inputs)
 
 
 def _seq_mean_token_sum_norm(loss_BT: Tensor, inputs: LossInputs, cfg: LossConfig) -> Tensor:
     """Sum over each sequence's tokens / max_new_tokens, mean over sequences (Dr. GRPO): no length bias."""
-    per_seq = (loss_BT * inputs.mask).sum(-1) / cfg.max_new_tokens
+    per_seq = _on_real(loss_BT, inputs.mask).sum(-1) / cfg.max_new_tokens
     return per_seq.sum() / _num_sequences(inputs)
 
 
@@ -248,9 +259,20 @@ class Surrogate:
     clip_high_BT: Tensor  # (B, T) bool: the upper clip bound did
 
 
+def _log_ratio(inputs: LossInputs) -> Tensor:
+    """log r_t = logprobs_t - old_logprobs_t on real tokens, 0 (r = 1) on masked columns (B, T)."""
+    return _on_real(inputs.logprobs - inputs.old_logprobs, inputs.mask)
+
+
+def _log_tis_raw(inputs: LossInputs) -> Tensor:
+    """log of the uncapped IS weight, old_logprobs_t - behaviour_logprobs_t, on real tokens, 0 on
+    masked columns (B, T), detached."""
+    return _on_real(inputs.old_logprobs - inputs.behaviour_logprobs, inputs.mask).detach()
+
+
 def _clip_surrogate(inputs: LossInputs, adv: Tensor, tis_w: Tensor, cfg: LossConfig) -> Surrogate:
     """PPO's clipped surrogate on token ratios: a clipped token's gradient is zero."""
-    ratio = torch.exp(inputs.logprobs - inputs.old_logprobs)  # (B, T)
+    ratio = torch.exp(_log_ratio(inputs))  # (B, T)
     clipped = ratio.clamp(1 - cfg.clip_eps, 1 + cfg.clip_eps_high)
     pg_BT = -torch.minimum(ratio * adv, clipped * adv)
     ratio = ratio.detach()
@@ -262,14 +284,17 @@ def _gspo_surrogate(inputs: LossInputs, adv: Tensor, tis_w: Tensor, cfg: LossCon
     """GSPO: one length-normalised ratio per sequence, clipped per sequence, on each of its tokens.
 
     Token-level advantages are averaged over the sequence's tokens (GSPO defines A per sequence);
-    the truncated IS weights enter as their geometric mean over the sequence, like the ratio.
+    the truncated IS weights enter as their geometric mean over the sequence, like the ratio. Both
+    means are taken of log-prob differences (`_log_ratio`, `_log_tis_raw`), never of the log of an exp
+    that may underflow to 0 (so `tis_w` itself is not used here).
     """
     mask = inputs.mask
     lengths_B = mask.sum(-1).clamp(min=1)
-    log_s_B = ((inputs.logprobs - inputs.old_logprobs) * mask).sum(-1) / lengths_B
+    log_s_B = _log_ratio(inputs).sum(-1) / lengths_B
     s_B1 = torch.exp(log_s_B)[:, None]  # (B, 1)
-    adv_B1 = adv if adv.shape[-1] == 1 else ((adv * mask).sum(-1) / lengths_B)[:, None]
-    w_B1 = torch.exp((torch.log(tis_w) * mask).sum(-1) / lengths_B)[:, None]
+    adv_B1 = adv if adv.shape[-1] == 1 else (_on_real(adv, mask).sum(-1) / lengths_B)[:, None]
+    log_w_BT = _log_tis_raw(inputs).clamp(max=math.log(cfg.tis_cap))  # log of tis_w, on real tokens
+    w_B1 = torch.exp(log_w_BT.sum(-1) / lengths_B)[:, None]
     clipped = s_B1.clamp(1 - cfg.clip_eps, 1 + cfg.clip_eps_high)
     pg_B1 = -w_B1 * torch.minimum(s_B1 * adv_B1, clipped * adv_B1)
     s_BT = s_B1.detach().expand_as(mask)
@@ -283,9 +308,9 @@ def _cispo_surrogate(inputs: LossInputs, adv: Tensor, tis_w: Tensor, cfg: LossCo
     The loss's value is -w * A * logprob (its gradient is what matters); a clipped token's
     gradient is scaled by the clip bound instead of zeroed as in PPO.
     """
-    ratio = torch.exp(inputs.logprobs - inputs.old_logprobs).detach()  # (B, T)
+    ratio = torch.exp(_log_ratio(inputs)).detach()  # (B, T)
     weight = ratio.clamp(1 - cfg.clip_eps, 1 + cfg.clip_eps_high)
-    pg_BT = -tis_w * weight * adv * inputs.logprobs
+    pg_BT = -tis_w * weight * adv * _on_real(inputs.logprobs, inputs.mask)
     return Surrogate(pg_BT, ratio, ratio < 1 - cfg.clip_eps, ratio > 1 + cfg.clip_eps_high)
 
 
@@ -304,12 +329,13 @@ def policy_loss(inputs: LossInputs, cfg: LossConfig) -> LossOutputs:
     """The surrogate of cfg with truncated importance sampling, KL and entropy terms, aggregated by cfg."""
     inputs = replace(inputs, mask=inputs.mask.to(inputs.logprobs.dtype))
     adv = inputs.advantages if inputs.advantages.dim() == 2 else inputs.advantages[:, None]  # (B, T) | (B, 1)
-    tis_raw = torch.exp(inputs.old_logprobs - inputs.behaviour_logprobs).detach()
+    tis_raw = torch.exp(_log_tis_raw(inputs))  # (B, T), 1 on masked columns
     surrogate = SURROGATES[cfg.surrogate](inputs, adv, tis_raw.clamp(max=cfg.tis_cap), cfg)
     loss_BT = surrogate.pg_BT
     kl_BT = None
     if inputs.ref_logprobs is not None:
-        kl_BT = kl_penalty(inputs.logprobs, inputs.ref_logprobs, cfg.kl_estimator)
+        kl_BT = kl_penalty(_on_real(inputs.logprobs, inputs.mask), _on_real(inputs.ref_logprobs, inputs.mask),
+                           cfg.kl_estimator)
         loss_BT = loss_BT + cfg.kl_coef * kl_BT
     if inputs.entropy is not None and cfg.entropy_coef > 0:
         loss_BT = loss_BT - cfg.entropy_coef * inputs.entropy
@@ -322,7 +348,7 @@ def policy_loss(inputs: LossInputs, cfg: LossConfig) -> LossOutputs:
 
 
 def _masked_mean(values_BT: Tensor, mask: Tensor) -> float:
-    return float((values_BT.detach().to(mask.dtype) * mask).sum() / mask.sum().clamp(min=1))
+    return float(_on_real(values_BT.detach().to(mask.dtype), mask).sum() / mask.sum().clamp(min=1))
 
 
 def _metrics(

@@ -49,6 +49,8 @@ GROUPS = Counter("fleetrl_learner_groups_trained_total", "Groups trained on", ["
 TOKENS = Counter("fleetrl_learner_trained_tokens_total", "Completion tokens trained on", ["job"])
 STALE_DROPPED = Counter("fleetrl_learner_stale_dropped_total", "Groups replay dropped as too old to train on",
                         ["job"])
+NONFINITE_STEPS = Counter("fleetrl_learner_nonfinite_steps_total",
+                          "Steps whose update was skipped because their loss or gradient was not finite", ["job"])
 POLICY_VERSION = Gauge("fleetrl_learner_policy_version", "Policy version (optimizer steps applied)", ["job"])
 REWARD_MEAN = Gauge("fleetrl_learner_reward_mean", "Mean reward of the last step's samples", ["job"])
 QUEUE_PENDING = Gauge("fleetrl_task_queue_pending", "Tasks published and not yet delivered to an actor", ["job"])
@@ -126,6 +128,7 @@ class StepObserver:
         GROUPS.labels(self.job_id).inc(groups)
         TOKENS.labels(self.job_id).inc(values.get("tokens", 0.0))
         STALE_DROPPED.labels(self.job_id).inc(values.get("stale_dropped", 0.0))
+        NONFINITE_STEPS.labels(self.job_id).inc(values.get("nonfinite_steps", 0.0))
         POLICY_VERSION.labels(self.job_id).set(step)
         if "reward_mean" in values:
             REWARD_MEAN.labels(self.job_id).set(values["reward_mean"])

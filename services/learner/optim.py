@@ -16,6 +16,12 @@ it is used: on the first pass (the step's metrics are the first pass's) and, whe
 > 0, on every pass with its gradient; the frozen reference gives log-probs only. A job with a
 critic (ppo) first takes one no-grad pass for the values its token advantages and value targets
 come from (`critic.gae_micro_batches`); its passes then read logits and values from one forward.
+
+Non-finite guard: a pass whose loss or gradient norm is not finite (on any rank) applies nothing: its
+gradients are zeroed, optimizer.step() is not called, the step's remaining passes are not run and the
+scheduler does not step (a skipped update is not a step of the schedule). The step reports
+`nonfinite_steps` 1; passes before that one (epochs_per_step > 1) stay applied. JobRun counts such
+steps and fails the job after `train.max_nonfinite_steps_in_a_row` of them in a row.
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ from dataclasses import dataclass, field
 from typing import Any, cast
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 from torch.optim.lr_scheduler import LambdaLR
 
@@ -64,8 +71,9 @@ STEP_SUMS = ("loss", "tokens", "sequences")
 """train_step metrics that are sums over the trained samples (a data-parallel step adds the ranks')."""
 SEQUENCE_MEANS = ("completion_len_mean",)
 """train_step metrics that are means over the trained sequences."""
-BATCH_METRICS = ("reward_mean", "reward_std", "groups", "groups_skipped", "lr", "grad_norm")
-"""train_step metrics of the whole step, the same on every rank (grad_norm is taken after DDP's all-reduce)."""
+BATCH_METRICS = ("reward_mean", "reward_std", "groups", "groups_skipped", "lr", "grad_norm", "nonfinite_steps")
+"""train_step metrics of the whole step, the same on every rank (grad_norm is taken after DDP's all-reduce;
+nonfinite_steps, 1 when the update was skipped as not finite, is decided over every rank)."""
 RANK_TIMINGS = ("forward_backward_s", "optimizer_s")
 """Wall-clock seconds of this rank's passes. Every other train_step metric is a mean over real
 completion tokens (TOKEN_MEANS)."""
@@ -245,7 +253,8 @@ def train_step(
     policy the samples were scored against). A step with no trainable group (every group skipped
     as zero-variance) applies no update and reports loss, tokens, sequences, grad_norm, the token
     metrics and the timings as 0, so every metrics line has the same keys; groups_skipped ==
-    groups tells such a step apart.
+    groups tells such a step apart. A step whose loss or gradient is not finite reports
+    nonfinite_steps 1 and leaves the scheduler where it was (see the module docstring).
 
     `train` (default: every trainable group) is what this process trains, normalised by the counts
     of all the trainable groups, its loss multiplied by `loss_scale` (a data-parallel rank's share;
@@ -266,7 +275,8 @@ def train_step(
         return metrics
     metrics.update(_update(model, optimizer, kept if train is None else train, cfg, spec, ref_model, _counts(kept),
                            loss_scale))
-    scheduler.step()
+    if not metrics["nonfinite_steps"]:
+        scheduler.step()
     return metrics
 
 
@@ -285,7 +295,8 @@ def packing_cost_ratio(model: torch.nn.Module) -> float | None:
     return attention_cost_ratio(config, body)
 
 
-IDLE_METRICS = dict.fromkeys([*TOKEN_MEANS, *STEP_SUMS, *SEQUENCE_MEANS, "grad_norm", *RANK_TIMINGS], 0.0)
+IDLE_METRICS = dict.fromkeys([*TOKEN_MEANS, *STEP_SUMS, *SEQUENCE_MEANS, "grad_norm", "nonfinite_steps",
+                              *RANK_TIMINGS], 0.0)
 """What a step with nothing to train reports in place of `_update`'s metrics: all 0."""
 
 
@@ -317,7 +328,8 @@ def _update(
     counts: tuple[float, float],
     loss_scale: float,
 ) -> dict[str, float]:
-    """The epochs_per_step passes of a step; each ends with a clipped optimizer step.
+    """The epochs_per_step passes of a step; each ends with a clipped optimizer step, or, when its loss or
+    gradient norm is not finite, with none and the end of the step.
 
     `counts`: (tokens, sequences) that normalise the loss; `loss_scale` multiplies it before backward.
     """
@@ -326,6 +338,7 @@ def _update(
     model.train()
     first: _Totals | None = None
     grad_norm = torch.tensor(0.0)
+    finite = True
     seconds = {"forward_backward_s": 0.0, "optimizer_s": 0.0}  # wall clock; on GPU, up to the next sync
     for _ in range(spec.train.epochs_per_step):
         optimizer.zero_grad(set_to_none=True)
@@ -335,8 +348,11 @@ def _update(
         first = first or totals
         between = time.perf_counter()
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), spec.optim.max_grad_norm)
-        optimizer.step()
         seconds["forward_backward_s"] += between - started
+        finite = _all_finite(totals.loss, grad_norm)
+        if not finite:
+            break
+        optimizer.step()
         seconds["optimizer_s"] += time.perf_counter() - between
     optimizer.zero_grad(set_to_none=True)
     assert first is not None  # epochs_per_step >= 1
@@ -344,8 +360,21 @@ def _update(
         **first.means(float(batch.num_tokens)),
         "loss": first.loss,
         "grad_norm": float(grad_norm),
+        "nonfinite_steps": float(not finite),
         "tokens": float(batch.num_tokens),
         "sequences": float(batch.num_sequences),
         "completion_len_mean": float(batch.completion_lens.float().mean()),
         **seconds,
     }
+
+
+def _all_finite(loss: float, grad_norm: Tensor) -> bool:
+    """Whether a pass's loss and total gradient norm are finite on every rank. The norm is the same on
+    every rank (taken after DDP's all-reduce), the loss is each rank's own share's, so under DDP one
+    all_reduce makes every replica take the same decision."""
+    finite = math.isfinite(loss) and bool(torch.isfinite(grad_norm))
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return finite
+    flag = torch.tensor(int(finite), device=grad_norm.device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    return bool(flag)

@@ -12,6 +12,10 @@ Fencing: every write for the job carries the claim's `lease_epoch` (ledger recor
 publishes; the weights pointer; replay's ConfigureTable and Commit; step metrics; the final state),
 and checkpoints check it in Redis before they are written and again before they are made complete.
 A refused write raises `Fenced`: another learner claimed the job after this one stopped renewing.
+A step whose loss or gradient is not finite applies no update (`optim.train_step`) but is otherwise a
+step: its groups are consumed and recorded in the ledger as trained in it, and its metrics line says
+`nonfinite_steps` 1. After `train.max_nonfinite_steps_in_a_row` such steps in a row (counted from 0 by
+each learner that runs the job) the job fails with `NonFiniteSteps`.
 """
 
 from __future__ import annotations
@@ -60,6 +64,10 @@ T = TypeVar("T")
 
 class LeaseLost(FleetError):
     """Another learner may own the job now: stop at once, commit nothing."""
+
+
+class NonFiniteSteps(FleetError, FloatingPointError):
+    """train.max_nonfinite_steps_in_a_row steps in a row had a non-finite loss or gradient: the job fails."""
 
 
 @dataclass
@@ -122,6 +130,8 @@ class JobRun:
     obs: StepObserver
     held_out: HeldOutEval | None
     checkpoint_step: int
+    nonfinite_in_a_row: int
+    """Steps in a row, up to the last one, whose update was skipped as not finite."""
 
     def __init__(self, deps: Deps, record: JobRecord, policy: Policy | None = None) -> None:
         self.deps = deps
@@ -130,7 +140,7 @@ class JobRun:
         self.root = ckpt.checkpoint_root(deps.settings.run_dir, record.job_id)
         self.metrics = MetricsLog(job_dir(deps.settings.run_dir, record.job_id) / "metrics.jsonl")
         self.obs = StepObserver(record.job_id)
-        self.step = self.checkpoint_step = 0
+        self.step = self.checkpoint_step = self.nonfinite_in_a_row = 0
         self.held_out = None
         self.book = LeaseBook(self.spec.replay.sampler == "fifo")
         self.job_bus = JobBus(deps.nc, record.job_id)
@@ -169,6 +179,7 @@ class JobRun:
         await self.feed()
         await self.obs.timed("checkpoint", self.checkpoint_if_due())
         await self.report(values, data)
+        self.fail_after_nonfinite_steps()
         return True
 
     # ------------------------------------------------------------------ setup
@@ -220,7 +231,7 @@ class JobRun:
         self.book.restore(saved.state["leases"])
         await self.commit(self.book)
         log.info("job %s resumed from step %d", self.job_id, saved.step)
-        return FeederCursor.from_dict(saved.state["cursor"])
+        return FeederCursor.from_dict(saved.state["cursor"], saved.step * self.spec.rollout.prompts_per_step)
 
     # ------------------------------------------------------------------ per step
 
@@ -326,6 +337,7 @@ class JobRun:
         values = await self.compute(self.policy.step, data.groups)
         elapsed = time.monotonic() - started
         self.check_lease()
+        self.count_nonfinite(values)
         staleness = [self.step - g.policy_version for g in data.groups]
         self.step += 1
         await self.ledger.trained(self.job_id, self.step, [g.task_id for g in data.groups], lease_epoch=self.epoch)
@@ -339,6 +351,24 @@ class JobRun:
             **episode_metrics(data.groups),
         })
         return values
+
+    def count_nonfinite(self, values: dict[str, float]) -> None:
+        """Count the step just trained in the run of steps whose update was skipped as not finite."""
+        self.nonfinite_in_a_row = self.nonfinite_in_a_row + 1 if values["nonfinite_steps"] else 0
+        values["nonfinite_steps_in_a_row"] = float(self.nonfinite_in_a_row)
+        if self.nonfinite_in_a_row:
+            log.warning("job %s: step %d had a non-finite loss or gradient (loss %s, grad_norm %s), its update "
+                        "was skipped: %d in a row", self.job_id, self.step + 1, values["loss"], values["grad_norm"],
+                        self.nonfinite_in_a_row)
+
+    def fail_after_nonfinite_steps(self) -> None:
+        """NonFiniteSteps once train.max_nonfinite_steps_in_a_row steps in a row skipped their update (the
+        last of them is reported, its groups recorded, like any step's)."""
+        limit = self.spec.train.max_nonfinite_steps_in_a_row
+        if self.nonfinite_in_a_row >= limit:
+            raise NonFiniteSteps(f"{limit} steps in a row had a non-finite loss or gradient (steps "
+                                 f"{self.step - limit + 1} to {self.step}; train.max_nonfinite_steps_in_a_row="
+                                 f"{limit})")
 
     async def publish(self) -> None:
         if self.publisher.due(self.step, self.step == self.spec.train.max_steps):

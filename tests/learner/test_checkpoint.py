@@ -1,14 +1,17 @@
-"""Checkpoints: bit-identical round trip, partial ones ignored, pruning; the lease book's rules."""
+"""Checkpoints: bit-identical round trip, partial ones ignored, pruning, old cursors; the lease book's rules."""
 
 from __future__ import annotations
 
 import os
 from pathlib import Path
 
+import pytest
 import torch
 from learner_fleet import make_group, spec_for
 
+from services.common.errors import FailedPrecondition
 from services.learner import checkpoint as ckpt
+from services.learner.feeder import FeederCursor, tasks_to_publish
 from services.learner.leases import LeaseBook, LeaseRecord
 from services.learner.trained_policy import Policy
 
@@ -89,3 +92,30 @@ def test_lora_round_trip_holds_adapters_only_and_resumes_identically(tmp_path: P
     adapters = {n: p for n, p in policy.model.named_parameters() if p.requires_grad}
     resumed = {n: p for n, p in fresh.model.named_parameters() if p.requires_grad}
     assert adapters.keys() == resumed.keys() and all(torch.equal(adapters[n], resumed[n]) for n in adapters)
+
+
+def publishable_after_drops(cursor: FeederCursor, stale_total: int) -> int:
+    """What `Feeder.settle_stale(stale_total)` settles, then how many tasks `top_up` publishes (2 prompts a
+    step, max_staleness 1)."""
+    cursor.settled += max(0, stale_total - cursor.stale)
+    return tasks_to_publish(cursor, 2, 1)
+
+
+def test_a_cursor_saved_without_its_stale_count_resumes_with_the_drops_it_settled(tmp_path: Path) -> None:
+    """A checkpoint of step 3 (2 groups a step, max_staleness 1) by a learner that settled each Sample
+    reply's stale drops and saved no `stale`: 6 trained + 3 stale drops + 1 dead letter settled, 14
+    published. Replay counts 5 drops now (2 reported to an incarnation that died after the checkpoint).
+    Resumed, the feeder settles those 2 and publishes 2 tasks, as from the same cursor saved with
+    stale = 3; taken as 0, all 5 drops were settled again and 4 tasks published (settled > published)."""
+    old = {"epoch": 0, "position": 14, "published": 14, "settled": 10, "dead_lettered": 1}
+    ckpt.save(tmp_path, ckpt.Checkpoint(step=3, model={"w": torch.zeros(1)}, optimizer={}, scheduler={},
+                                        rng=ckpt.rng_state(), state={"cursor": old}))
+    saved = ckpt.load_latest(tmp_path)
+    assert saved is not None and "stale" not in saved.state["cursor"]
+    resumed = FeederCursor.from_dict(saved.state["cursor"], trained_groups=saved.step * 2)
+    current = FeederCursor.from_dict({**old, "stale": 3}, trained_groups=6)
+    assert resumed == current and resumed.stale == 3
+    assert publishable_after_drops(resumed, 5) == 2
+    assert publishable_after_drops(FeederCursor(**old), 5) == 4  # stale taken as 0: over-publishes
+    with pytest.raises(FailedPrecondition, match="holds no stale count"):
+        FeederCursor.from_dict({**old, "settled": 5}, trained_groups=6)
