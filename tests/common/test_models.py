@@ -185,3 +185,59 @@ def test_smollm2_converts_once_and_its_cache_matches_the_gguf(cache_dir: Path, m
     ids = _input_ids(gguf_tokenizer)
     assert torch.equal(_input_ids(tokenizer), ids)
     assert torch.equal(_logits(cached, ids), _logits(gguf_model, ids))
+
+
+# --------------------------------------------------------------------------- the operator's allow-list
+
+
+@pytest.fixture
+def disk(tmp_path: Path) -> Path:
+    """models/ (an allowed root) with a model and a symlink out; outside/ with a model; run/ (a run
+    directory inside the allowed root shared/) with another job's checkpoint."""
+    for model in ("models/mine", "outside/theirs", "shared/run/jobs/j-other/checkpoints/step-00000002",
+                  "shared/run/published/base", "shared/loose"):
+        (tmp_path / model).mkdir(parents=True)
+    (tmp_path / "models" / "escape").symlink_to(tmp_path / "outside" / "theirs")
+    (tmp_path / "models" / "ckpt").symlink_to(tmp_path / "shared/run/jobs/j-other/checkpoints/step-00000002")
+    return tmp_path
+
+
+def _problem(disk: Path, name: str) -> str | None:
+    roots = [disk / "models", disk / "shared", disk / "shared" / "run" / "published"]
+    return models.allow_list_problem(name, [*models.BUILTIN_MODELS, "org/listed"], roots, disk / "shared" / "run")
+
+
+def test_allow_list_admits_listed_names_and_directories_under_a_root(disk: Path) -> None:
+    for name in (*models.BUILTIN_MODELS, "org/listed", str(disk / "models" / "mine"), str(disk / "shared" / "loose"),
+                 str(disk / "shared/run/published/base"), f"{disk}/outside/../models/mine"):
+        assert _problem(disk, name) is None, name
+
+
+@pytest.mark.parametrize(("name", "reason"), [
+    ("org/unlisted", "not in the allow-list"),
+    ("tiny-unknown", "not in the allow-list"),
+    ("./models/mine", "absolute path"),
+    ("~/models/mine", "absolute path"),
+    ("{disk}/outside/theirs", "outside the allowed model roots"),
+    ("{disk}/models/../outside/theirs", "outside the allowed model roots"),
+    ("{disk}/models/escape", "outside the allowed model roots"),
+    ("{disk}/outside/absent", "outside the allowed model roots"),  # not "no such directory": no probing
+    ("{disk}/models/absent", "no such model directory"),
+    ("{disk}/shared/run/jobs/j-other/checkpoints/step-00000002", "run directory"),
+    ("{disk}/models/ckpt", "run directory"),
+    ("{disk}/shared/run/published/../../run/jobs/j-other", "run directory"),
+])
+def test_allow_list_refuses_with_the_reason(disk: Path, name: str, reason: str) -> None:
+    problem = _problem(disk, name.format(disk=disk))
+    assert problem is not None and reason in problem, problem
+
+
+def test_allow_list_has_no_roots_by_default(disk: Path) -> None:
+    problem = models.allow_list_problem(str(disk / "models" / "mine"), models.BUILTIN_MODELS, [])
+    assert problem is not None and "outside the allowed model roots" in problem
+
+
+def test_models_module_imports_no_torch() -> None:
+    """The gateway checks names with this module; it must not pay for torch and transformers."""
+    code = "import sys, services.common.models; print(sorted({'torch', 'transformers'} & set(sys.modules)))"
+    assert _python(code).stdout.strip() == "[]"

@@ -2,12 +2,14 @@
 processes (`python -m services.gateway`) on free ports that tests may SIGKILL and restart.
 
 The shared gateway has three tenants (alice, bob, carol) and small limits (4 MiB messages, 1 MiB
-prompts, 16 KiB reward files) so oversize paths are cheap to reach.
+prompts, 16 KiB reward files) so oversize paths are cheap to reach. Test gateways allow the jobs'
+model name `tiny-test` besides the built-in models (the operator's allow-list).
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 import subprocess
@@ -20,12 +22,15 @@ from typing import Any, TypeVar
 import pytest
 
 from services.common.jobs import JobStore
+from services.common.models import BUILTIN_MODELS
 from services.fleet.embedded import EmbeddedNats, EmbeddedValkey, free_port, wait_for_port
 from services.gateway.auth import hash_token
 from services.gateway.client import Client
 
 ROOT = Path(__file__).resolve().parents[2]
 TOKENS = {"alice": "tok-alice-1", "bob": "tok-bob-2", "carol": "tok-carol-3"}
+TEST_MODELS = (*BUILTIN_MODELS, "tiny-test")
+"""The allow-list of test gateways: the test jobs name `tiny-test`, which no learner ever loads."""
 T = TypeVar("T")
 
 
@@ -77,11 +82,15 @@ class Infra:
     tmp: Path
 
     def gateway(self, name: str, settings: str = "", *, tokens: dict[str, str] | None = None,
-                reward_addr: str | None = None) -> Proc:
-        """A gateway process (not started) with the given extra TOML settings."""
+                reward_addr: str | None = None, models: tuple[str, ...] | None = TEST_MODELS) -> Proc:
+        """A gateway process (not started) with the given extra TOML settings (models: its allowed_models;
+        None leaves the setting to `settings` or its default)."""
         table = TOKENS if tokens is None else tokens
         lines = [f'redis_url = "{self.redis_url}"', f'nats_url = "{self.nats_url}"',
-                 f'reward_addr = "{reward_addr or self.reward_addr}"', 'watch_poll_s = 0.05', settings]
+                 f'reward_addr = "{reward_addr or self.reward_addr}"', 'watch_poll_s = 0.05']
+        if models is not None:
+            lines.append(f"allowed_models = {json.dumps(list(models))}")
+        lines.append(settings)
         if table:
             lines.append("[tokens]\n" + "\n".join(f'{t} = "{hash_token(v)}"' for t, v in table.items()))
         config = self.tmp / f"{name}.toml"

@@ -42,9 +42,10 @@ PROMPTS = [(1, 2), (3, 4), (2, 2), (5, 1), (0, 3), (4, 4)]
 
 @pytest.fixture(scope="module")
 def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FleetLayout]:
-    """One fleet for the module's jobs (a fleet's start and stop cost about 30 s on 2 cores)."""
+    """One fleet for the module's jobs (a fleet's start and stop cost about 30 s on 2 cores), whose
+    gateway lets them train the tiny models each test saves under its own temporary directory."""
     fleet = Fleet(FleetOptions(run_dir=tmp_path_factory.mktemp("learning") / "fleet", actors=2,
-                               extra_env=dict(FAST_ENV)))
+                               extra_env=dict(FAST_ENV), model_roots=(tmp_path_factory.getbasetemp(),)))
     try:
         yield fleet.start()
     finally:
