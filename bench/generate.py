@@ -2,7 +2,7 @@
 
 `python -m bench.generate --json [--model smollm2-135m --batch 8 --new-tokens 64 --repeats 3]`
 prints one JSON object:
-- tok_s: new tokens per second of `services.actor.backends.HFBackend.generate` (n samples of one
+- tok_s: new tokens per second of `fleetrl.policy.backends.HFBackend.generate` (n samples of one
   prompt in one batch, KV cache, temperature + top-p, behaviour log-probs of every token);
 - hf_generate_tok_s: `model.generate(do_sample=True)` on the same model, prompt, batch size,
   sampling settings and number of new tokens (eos ignored on both sides, so lengths are equal);
@@ -29,9 +29,9 @@ from typing import Any
 
 import torch
 
-from services.actor.backends import HFBackend, observation_tokens, prompt_tokens
-from services.common import models
-from services.common.config import RolloutConfig
+from fleetrl.policy import models
+from fleetrl.policy.backends import HFBackend, observation_tokens, prompt_tokens
+from fleetrl.spec.config import RolloutConfig
 
 PROMPT = "What is 37 + 45? Answer with just the number."
 

@@ -25,10 +25,10 @@ from typing import Any
 
 import redis.asyncio as aioredis
 
-from services.common import bus, ledger
-from services.common.ledger import Ledger
-from services.fleet.embedded import EmbeddedNats, EmbeddedValkey
-from services.proto.fleetrl.v1 import common_pb2
+from fleetrl.launcher.embedded import EmbeddedNats, EmbeddedValkey
+from fleetrl.proto.fleetrl.v1 import common_pb2
+from fleetrl.tasks import bus, ledger
+from fleetrl.tasks.ledger import Ledger
 
 JOB, BASELINE_JOB = "bench-ledger", "bench-publish"
 

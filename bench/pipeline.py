@@ -6,10 +6,10 @@ three parts, measured in the same run.
 
 Fleet vs reference (tiny-llama, the same job: spec, seed, prompts, steps):
 - fleet_groups_per_s: groups the learner trains per second when the whole fleet runs the job
-  (`services.fleet.fleet.Fleet` as `fleetrl up` starts it: embedded NATS + Valkey, gateway, replay,
+  (`fleetrl.launcher.fleet.Fleet` as `fleetrl up` starts it: embedded NATS + Valkey, gateway, replay,
   reward, learner and `--actors` HF actors, one torch thread each; the job submitted through the
   gateway), steady state: steps 2..S from the learner's metrics timestamps;
-- reference_groups_per_s: `services.learner.reference.run` on the same job in this process (generate
+- reference_groups_per_s: `fleetrl.train.reference.run` on the same job in this process (generate
   the step's groups, then train; one torch thread by default, like each fleet process: on 2 shared
   cores a second thread mostly spins), steady state likewise;
 - ratio: fleet / reference.
@@ -17,7 +17,7 @@ Fleet vs reference (tiny-llama, the same job: spec, seed, prompts, steps):
 With `--job FILE` (`python -m bench.pipeline --job examples/addition/job.toml --steps 6 --actors 1`), only
 this instead: the job file's job (the demo's: SmolLM2-135M) cut to --steps steps, on the whole local
 fleet with the launcher's thread budget in each of `--cores-modes` (default split,lend,turns; see
-services/fleet/cores.py), against the reference loop with every core, in the same run. Per mode:
+fleetrl/launcher/cores.py), against the reference loop with every core, in the same run. Per mode:
 fleet_groups_per_s, ratio (fleet / reference; goal >= 1.2 on 2 cores), mean step time, threads per
 process, each process's share of the CPU seconds the fleet spent (`cpu_share`, from /proc) and how
 busy the cores were (`cpu_busy_fraction`); then reference_groups_per_s and its step time. The
@@ -64,18 +64,19 @@ from typing import Any
 
 import torch
 
-from services.common import bus, models
-from services.common.config import JobSpec
-from services.common.jobs import JobState, JobStore
-from services.common.weights import WeightStore, encode_safetensors
-from services.fleet import cores
-from services.fleet.embedded import EmbeddedNats, EmbeddedValkey, free_port, wait_for_port
-from services.fleet.fleet import Fleet, FleetOptions
-from services.fleet.supervisor import ChildSpec, Supervisor
-from services.gateway.client import Client, load_job_file
-from services.learner import reference
-from services.proto.fleetrl.v1 import common_pb2, replay_pb2
-from services.replay.client import ReplayClient
+from fleetrl.jobs.store import JobState, JobStore
+from fleetrl.launcher import cores
+from fleetrl.launcher.embedded import EmbeddedNats, EmbeddedValkey, free_port, wait_for_port
+from fleetrl.launcher.fleet import Fleet, FleetOptions
+from fleetrl.launcher.supervisor import ChildSpec, Supervisor
+from fleetrl.policy import models
+from fleetrl.proto.fleetrl.v1 import common_pb2, replay_pb2
+from fleetrl.replay.client import ReplayClient
+from fleetrl.sdk.client import Client, load_job_file
+from fleetrl.spec.config import JobSpec
+from fleetrl.tasks import bus
+from fleetrl.train import reference
+from fleetrl.weights.store import WeightStore, encode_safetensors
 
 ROOT = Path(__file__).resolve().parents[1]
 PROMPTS = ROOT / "examples" / "addition" / "train.jsonl"
@@ -192,7 +193,8 @@ class ScalingRig:
     def _child(self, name: str, service: str, settings: dict[str, str]) -> ChildSpec:
         """A service process configured only through its FLEETRL_<SERVICE>_<FIELD> variables."""
         env = {f"FLEETRL_{service.upper()}_{key}": value for key, value in settings.items()}
-        return ChildSpec(name, [sys.executable, "-m", f"services.{service}"], {**QUIET, **TRACING[self.tracing], **env})
+        argv = [sys.executable, "-m", f"fleetrl.services.{service}"]
+        return ChildSpec(name, argv, {**QUIET, **TRACING[self.tracing], **env})
 
     def grow(self, count: int) -> None:
         while len(self.actors) < count:

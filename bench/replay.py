@@ -33,11 +33,11 @@ from typing import Any
 import grpc
 import redis
 
-from services.common.config import ReplayConfig
-from services.common.grpcutil import CHANNEL_OPTIONS
-from services.fleet.embedded import EmbeddedValkey, free_port, wait_for_port
-from services.proto.fleetrl.v1 import common_pb2
-from services.replay.client import ReplayClient
+from fleetrl.launcher.embedded import EmbeddedValkey, free_port, wait_for_port
+from fleetrl.proto.fleetrl.v1 import common_pb2
+from fleetrl.replay.client import ReplayClient
+from fleetrl.runtime.grpcutil import CHANNEL_OPTIONS
+from fleetrl.spec.config import ReplayConfig
 
 SAMPLES_PER_GROUP = 8
 COMPLETION_TOKENS = 256
@@ -121,7 +121,7 @@ def raw_rates(url: str, payloads: list[bytes], batch: int) -> dict[str, float]:
 
 
 def start_service(port: int, redis_url: str) -> subprocess.Popen[bytes]:
-    cmd = [sys.executable, "-m", "services.replay", "--listen", f"127.0.0.1:{port}", "--redis-url", redis_url,
+    cmd = [sys.executable, "-m", "fleetrl.services.replay", "--listen", f"127.0.0.1:{port}", "--redis-url", redis_url,
            "--set", "log_level=WARNING"]
     proc = subprocess.Popen(cmd, cwd=Path(__file__).resolve().parents[1])
     wait_for_port("127.0.0.1", port, 30, proc)

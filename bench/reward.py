@@ -27,13 +27,13 @@ import statistics
 import time
 from typing import Any
 
-from services.common.config import RewardSpec
-from services.common.grpcutil import channel
-from services.proto.fleetrl.v1 import common_pb2, reward_pb2, reward_pb2_grpc
-from services.reward.client import spec_to_proto
-from services.reward.config import RewardSettings
-from services.reward.metrics import RewardMetrics
-from services.reward.server import running
+from fleetrl.proto.fleetrl.v1 import common_pb2, reward_pb2, reward_pb2_grpc
+from fleetrl.reward.client import spec_to_proto
+from fleetrl.reward.metrics import RewardMetrics
+from fleetrl.reward.settings import RewardSettings
+from fleetrl.runtime.grpcutil import channel
+from fleetrl.services.reward.server import running
+from fleetrl.spec.config import RewardSpec
 
 SOURCE = """
 import time

@@ -3,7 +3,7 @@
 `python -m bench.soak --json [--minutes 30 --interval-s 60 --actors 2 --prompts 10000 --latency-s 0.05]`
 prints one JSON object. Not in CI.
 
-The fleet is `services.fleet.fleet.Fleet` as `fleetrl up` starts it (embedded NATS + Valkey, gateway,
+The fleet is `fleetrl.launcher.fleet.Fleet` as `fleetrl up` starts it (embedded NATS + Valkey, gateway,
 replay, reward, learner, `--actors` actors), every torch process on one thread, the actors on the fixed
 backend (`FLEETRL_ACTOR_BACKEND=fixed`: each group's generation sleeps `--latency-s` and costs no CPU,
 so the run exercises the fleet's own machinery for as many steps as the time allows). The job
@@ -28,7 +28,7 @@ It reports:
   weight object store (bound: `keep_weight_versions` snapshots);
 - ledger: the final counts, `balanced`, and lost / duplicated at every sample. A sample taken while the
   feeder tops up can count a task as lost that it has recorded and not yet published (the ledger's
-  record-then-publish window, see `services.common.ledger`); the final accounting is the verdict.
+  record-then-publish window, see `fleetrl.tasks.ledger`); the final accounting is the verdict.
 """
 
 from __future__ import annotations
@@ -45,11 +45,11 @@ from typing import Any
 
 import redis
 
-from services.common import bus
-from services.common.ledger import PREFIX as LEDGER_PREFIX
-from services.fleet.fleet import Fleet, FleetOptions
-from services.gateway.client import Client, Run
-from services.replay.table import prefix as replay_prefix
+from fleetrl.launcher.fleet import Fleet, FleetOptions
+from fleetrl.replay.table import prefix as replay_prefix
+from fleetrl.sdk.client import Client, Run
+from fleetrl.tasks import bus
+from fleetrl.tasks.ledger import PREFIX as LEDGER_PREFIX
 
 PPS, SAMPLES, STALENESS = 4, 4, 1
 QUIET = {"FLEETRL_TRACING": "0", "TOKENIZERS_PARALLELISM": "false"}

@@ -35,16 +35,17 @@ from typing import Any
 
 from opentelemetry import context as otel_context
 
-from services.actor.backends import FixedBackend
-from services.actor.config import ActorSettings
-from services.actor.metrics import Activity
-from services.actor.rollout import JobContext, Rollout
-from services.actor.service import ServedJob, take_one
-from services.actor.taskqueue import JobQueue
-from services.common import models, telemetry
-from services.common.config import JobSpec
-from services.proto.fleetrl.v1 import common_pb2, replay_pb2, reward_pb2
-from services.reward.client import spec_to_proto
+from fleetrl.policy import models
+from fleetrl.policy.backends import FixedBackend
+from fleetrl.proto.fleetrl.v1 import common_pb2, replay_pb2, reward_pb2
+from fleetrl.reward.client import spec_to_proto
+from fleetrl.rollout.metrics import Activity
+from fleetrl.rollout.rollout import JobContext, Rollout
+from fleetrl.rollout.settings import ActorSettings
+from fleetrl.runtime import telemetry
+from fleetrl.services.actor.service import ServedJob, take_one
+from fleetrl.spec.config import JobSpec
+from fleetrl.tasks.queue import JobQueue
 
 SPEC = JobSpec.model_validate({
     "model": "tiny-llama", "prompts": "p.jsonl", "reward": {"builtin": "numeric_match"},

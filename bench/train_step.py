@@ -5,7 +5,7 @@ machine's measured matmul throughput, and peak RSS against the training state.
 prints one JSON object. The batch is the job's: `prompts_per_step` groups of `samples_per_prompt`
 samples, prompts from its prompt file through the chat template, every completion
 `max_new_tokens` random tokens long (the longest a step can get), rewards alternating 0/1. Each
-step is `services.learner.optim.train_step` with the job's algorithm, micro-batches and frozen
+step is `fleetrl.train.optim.train_step` with the job's algorithm, micro-batches and frozen
 reference (when `kl_coef` > 0), as the learner runs it. After one warm-up step (it allocates the
 AdamW state), `steps` timed steps run on the learner's log-prob path, then `steps` on the path it
 replaced (logits at T + 1 positions, full-vocabulary log_softmax, entropy always, also for the
@@ -34,7 +34,7 @@ its reference pass.
   steps; peak_beyond_base_over_state: (peak_rss_gb - base_rss_gb) / state_gb, the peak's ratio with
   the libraries' fixed cost left out.
 - `--malloc-mmap-threshold N` fixes glibc's mmap threshold as the learner's
-  `malloc_mmap_threshold_bytes` does (services/common/heap.py): with `--activation-checkpointing`
+  `malloc_mmap_threshold_bytes` does (fleetrl/runtime/heap.py): with `--activation-checkpointing`
   and 1048576 the peak RSS meets 1.3x the state, each step slower.
 """
 
@@ -57,16 +57,17 @@ from peft import PeftModel
 from torch import Tensor
 from transformers import PreTrainedModel
 
-from services.actor.backends import prompt_tokens
-from services.common import heap, models
-from services.common.config import JobSpec, LoraSpec, parse_job_spec
-from services.learner import lora, optim
-from services.learner.batch import TrainBatch, build_batch, group_rewards, micro_batches, share_prompts
-from services.learner.critic import with_critic
-from services.learner.logprobs import naive_token_logprobs
-from services.learner.losses import loss_config_for
-from services.learner.trained_policy import checkpoint_activations
-from services.proto.fleetrl.v1 import common_pb2
+from fleetrl.policy import lora, models
+from fleetrl.policy.backends import prompt_tokens
+from fleetrl.policy.logprobs import naive_token_logprobs
+from fleetrl.proto.fleetrl.v1 import common_pb2
+from fleetrl.runtime import heap
+from fleetrl.spec.config import JobSpec, LoraSpec, parse_job_spec
+from fleetrl.train import optim
+from fleetrl.train.batch import TrainBatch, build_batch, group_rewards, micro_batches, share_prompts
+from fleetrl.train.critic import with_critic
+from fleetrl.train.losses import loss_config_for
+from fleetrl.train.trained_policy import checkpoint_activations
 
 DEFAULT_JOB = Path(__file__).resolve().parents[1] / "examples" / "addition" / "job.toml"
 MATMUL_N = 2048

@@ -32,11 +32,13 @@ import torch
 from peft import PeftModel
 from peft.utils import set_peft_model_state_dict
 
-from services.actor.backends import HFBackend, make_backend
-from services.common import bus, lora_weights, models
-from services.common.config import LoraSpec
-from services.common.weights import WeightStore, decode_safetensors, encode_safetensors
-from services.learner.publish import WeightPublisher
+from fleetrl.policy import models
+from fleetrl.policy.backends import HFBackend, make_backend
+from fleetrl.spec.config import LoraSpec
+from fleetrl.tasks import bus
+from fleetrl.weights import adapters as lora_weights
+from fleetrl.weights.publish import WeightPublisher
+from fleetrl.weights.store import WeightStore, decode_safetensors, encode_safetensors
 
 
 async def _fastest(repeats: int, run: Callable[[], Awaitable[Any]]) -> float:

@@ -2,7 +2,7 @@
 
 The model (SmolLM2-135M by default) takes `steps` full fine-tuning optimizer steps of the demo job
 (examples/addition/job.toml: its algorithm, KL reference and batch shape, through
-`services.learner.optim.train_step`, on the batch `bench.train_step` builds: the job's prompts,
+`fleetrl.train.optim.train_step`, on the batch `bench.train_step` builds: the job's prompts,
 random completions of max_new_tokens, rewards alternating 0/1) at `learning_rate`: FULL_FT_LR by
 default, not the job's, because the demo job trains LoRA adapters (lr 1e-4) and deltas are for full
 fine-tuning, where a step 10x larger would change about 3x more bf16 values than such a job does.
@@ -24,11 +24,12 @@ import numpy as np
 import torch
 
 from bench.train_step import DEFAULT_JOB, job_groups
-from services.common import bus, models
-from services.common.config import parse_job_spec
-from services.common.weights import HeldWeights, WeightStore, encode_safetensors
-from services.learner import optim
-from services.learner.losses import loss_config_for
+from fleetrl.policy import models
+from fleetrl.spec.config import parse_job_spec
+from fleetrl.tasks import bus
+from fleetrl.train import optim
+from fleetrl.train.losses import loss_config_for
+from fleetrl.weights.store import HeldWeights, WeightStore, encode_safetensors
 
 FULL_FT_LR = 1e-5
 """The learning rate at which the demo job's full fine-tuning variant was measured (examples/addition/job.toml)."""

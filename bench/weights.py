@@ -33,9 +33,9 @@ from typing import Any
 from nats.js.object_store import ObjectStore
 
 from bench import weight_adapters, weight_deltas
-from services.common import bus
-from services.common.weights import CHUNK_BYTES, WeightStore
-from services.fleet.embedded import EmbeddedNats
+from fleetrl.launcher.embedded import EmbeddedNats
+from fleetrl.tasks import bus
+from fleetrl.weights.store import CHUNK_BYTES, WeightStore
 
 JOB = "bench"
 STOCK_LAYOUT_MB = 50

@@ -1,8 +1,6 @@
-"""fleetrl: reinforcement learning for language models on a fleet of services.
+"""The process shells of fleetrl, installed as `fleetrl.services` (never as a top-level `services`).
 
-One package per service (gateway, actor, reward, replay, learner); they share
-nothing but the generated protos in `services.proto` and the kernel in
-`services.common`.
+One package per service (gateway, actor, reward, replay, learner), each wiring only: its settings,
+its gRPC servicer and proto conversion, and its `__main__` (`fleetrl <name>`). The domain lives in the
+`fleetrl` library; no service imports another (import-linter contracts in pyproject.toml).
 """
-
-__version__ = "0.1.0"  # the only place it is written: pyproject.toml reads it from here

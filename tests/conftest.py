@@ -15,8 +15,8 @@ from typing import Any
 
 import pytest
 
-from services.common import models
-from services.fleet.embedded import EmbeddedNats, EmbeddedValkey
+from fleetrl.launcher.embedded import EmbeddedNats, EmbeddedValkey
+from fleetrl.policy import models
 
 TinyModel = Callable[..., tuple[Any, Any]]
 

@@ -1,12 +1,12 @@
-"""`python -m services.actor` / `fleetrl actor`: run one actor replica until SIGTERM or SIGINT."""
+"""`python -m fleetrl.services.actor` / `fleetrl actor`: run one actor replica until SIGTERM or SIGINT."""
 
 from __future__ import annotations
 
 import asyncio
 import sys
 
-from services.actor.config import ENV_PREFIX, ActorSettings
-from services.common.entry import Flag, ServiceEntry, run_service
+from fleetrl.rollout.settings import ENV_PREFIX, ActorSettings
+from fleetrl.runtime.entry import Flag, ServiceEntry, run_service
 
 ENTRY = ServiceEntry(
     "fleetrl actor", "Run one actor (rollout worker).", ActorSettings, ENV_PREFIX, flags=(
@@ -20,7 +20,7 @@ parse_args, settings_from = ENTRY.parse_args, ENTRY.settings_from
 
 
 async def serve(settings: ActorSettings, stop: asyncio.Event) -> None:
-    from services.actor.service import Actor  # imports torch: after argument checks
+    from fleetrl.services.actor.service import Actor  # imports torch: after argument checks
 
     await Actor(settings).run(stop)
 

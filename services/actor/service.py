@@ -26,21 +26,22 @@ from nats.aio.client import Client as NATS
 from nats.js import JetStreamContext
 from prometheus_client import start_http_server
 
-from services.actor import metrics
-from services.actor.backends import make_backend
-from services.actor.config import ActorSettings
-from services.actor.job_policy import JobPolicy
-from services.actor.rollout import JobContext, Rollout
-from services.actor.taskqueue import Delivery, JobQueue
-from services.common import bus, heartbeat, telemetry
-from services.common.config import JobSpec
-from services.common.errors import RETRYABLE_CODES
-from services.common.grpcutil import RetryPolicy
-from services.common.jobs import JobRecord, JobState, JobStore
-from services.common.weights import WeightStore
-from services.proto.fleetrl.v1 import reward_pb2
-from services.replay.client import ReplayClient
-from services.reward.client import RewardClient, environment_to_proto, spec_to_proto
+from fleetrl.errors import RETRYABLE_CODES
+from fleetrl.jobs.store import JobRecord, JobState, JobStore
+from fleetrl.policy.backends import make_backend
+from fleetrl.proto.fleetrl.v1 import reward_pb2
+from fleetrl.replay.client import ReplayClient
+from fleetrl.reward.client import RewardClient, environment_to_proto, spec_to_proto
+from fleetrl.rollout import metrics
+from fleetrl.rollout.job_policy import JobPolicy
+from fleetrl.rollout.rollout import JobContext, Rollout
+from fleetrl.rollout.settings import ActorSettings
+from fleetrl.runtime import heartbeat, telemetry
+from fleetrl.runtime.grpcutil import RetryPolicy
+from fleetrl.spec.config import JobSpec
+from fleetrl.tasks import bus
+from fleetrl.tasks.queue import Delivery, JobQueue
+from fleetrl.weights.store import WeightStore
 
 log = logging.getLogger(__name__)
 

@@ -1,4 +1,4 @@
-"""Gateway: how users submit, watch and cancel jobs (gRPC JobService), plus the Python client and CLI.
+"""The gateway: `fleetrl gateway`, how users submit, watch and cancel jobs (gRPC JobService).
 
 Components (none references another's internals; `server.serve` wires them):
 - `config`: GatewaySettings (environment prefix FLEETRL_GATEWAY_), with the operator's model
@@ -7,11 +7,10 @@ Components (none references another's internals; `server.serve` wires them):
 - `auth`: bearer-token table (sha256 hashes at rest) and the interceptor that puts the caller's
   tenant on each call; health and reflection are exempt.
 - `service`: the domain core (no grpc): submission checks, tenant scoping, the job state machine
-  through `services.common.jobs.JobStore`, watch streams and model downloads.
+  through `fleetrl.jobs.store.JobStore`, watch streams and model downloads.
 - `adapters`: what the core calls outside the job store: the reward service's Validate, the JetStream
   task purge, the job event subject, and the fleet view (heartbeats in Redis, queue depths).
-- `convert` + `server`: the thin gRPC adapter and the process lifecycle; `__main__`:
-  `python -m services.gateway` / `fleetrl gateway`.
-- `client`: the synchronous Python client (`Client.create_run(...) -> Run`); `cli`: `fleetrl submit|
-  status|watch|cancel|jobs|download`.
+- `convert` + `server`: the thin gRPC adapter and the process lifecycle; `__main__` the entry point.
+
+Its client is `fleetrl.sdk.client.Client`; the job commands are `fleetrl.launcher.jobs_cli`.
 """

@@ -1,4 +1,4 @@
-"""`python -m services.gateway` / `fleetrl gateway`: run the JobService until SIGTERM or SIGINT.
+"""`python -m fleetrl.services.gateway` / `fleetrl gateway`: run the JobService until SIGTERM or SIGINT.
 
 Start-up problems end the process with one line on stderr and no traceback: exit 2 for bad
 settings (an unreadable or broken --config, tokens or TLS file, an address it cannot listen on),
@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import sys
 
-from services.common.entry import Flag, ServiceEntry, run_service
-from services.gateway.auth import hash_token
-from services.gateway.config import ENV_PREFIX, GatewaySettings
-from services.gateway.server import serve
+from fleetrl.runtime.entry import Flag, ServiceEntry, run_service
+from fleetrl.services.gateway.auth import hash_token
+from fleetrl.services.gateway.config import ENV_PREFIX, GatewaySettings
+from fleetrl.services.gateway.server import serve
 
 ENTRY = ServiceEntry(
     "fleetrl gateway", "Run the job gateway (or: fleetrl gateway hash-token TOKEN).", GatewaySettings, ENV_PREFIX,

@@ -1,5 +1,5 @@
 """What the gateway core calls outside the job store: the task stream, the event subject, and the
-fleet's heartbeats and queues (the reward service is reached through `services.reward.client`).
+fleet's heartbeats and queues (the reward service is reached through `fleetrl.reward.client`).
 
 Each class implements one Protocol of `service` and is the only place its transport appears.
 """
@@ -14,10 +14,11 @@ import redis.asyncio as aioredis
 from nats.js import JetStreamContext
 from nats.js.errors import NotFoundError
 
-from services.common import bus, heartbeat
-from services.common.errors import Unavailable
-from services.common.ledger import Accounting, Ledger
-from services.gateway.service import event_payload
+from fleetrl.errors import Unavailable
+from fleetrl.runtime import heartbeat
+from fleetrl.services.gateway.service import event_payload
+from fleetrl.tasks import bus
+from fleetrl.tasks.ledger import Accounting, Ledger
 
 log = logging.getLogger(__name__)
 

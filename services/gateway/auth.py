@@ -17,7 +17,7 @@ from typing import Any
 
 import grpc
 
-from services.common.errors import Unauthenticated
+from fleetrl.errors import Unauthenticated
 
 OPEN_TENANT = "local"
 EXEMPT_PREFIXES = ("/grpc.health.v1.Health/", "/grpc.reflection.")

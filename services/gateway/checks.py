@@ -8,17 +8,16 @@ checked first and raise at once (RESOURCE_EXHAUSTED): parsing a file that is too
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from services.common.config import EnvironmentSpec, JobSpec, RewardSpec, parse_job_spec, spec_table, value_problems
-from services.common.errors import ConfigError, FieldViolation, ResourceExhausted
-from services.common.models import BUILTIN_MODELS, allow_list_problem
-from services.gateway.config import GatewaySettings, JobCaps, capped_paths
+from fleetrl.errors import ConfigError, FieldViolation, ResourceExhausted
+from fleetrl.policy.models import BUILTIN_MODELS, allow_list_problem
+from fleetrl.services.gateway.config import GatewaySettings, JobCaps, capped_paths
+from fleetrl.spec.config import EnvironmentSpec, JobSpec, RewardSpec, parse_job_spec, spec_table, value_problems
+from fleetrl.spec.prompts import prompt_violations
 
-MAX_REPORTED_LINES = 20
 MAX_IDEMPOTENCY_KEY = 128
 MAX_SPEC_BYTES = 64 << 10  # tomllib is pure Python: a 64 KiB spec parses in ~0.2 s at worst, 1 MiB in ~10 s
 
@@ -198,39 +197,3 @@ def _eval_violations(spec: JobSpec | None, data: bytes) -> list[FieldViolation]:
         return [FieldViolation("eval_prompts", f"the spec names eval.prompts {spec.eval.prompts!r} "  # type: ignore[union-attr]
                                                "but no file contents were sent")]
     return prompt_violations(data, "eval.prompts") if named else []
-
-
-def prompt_violations(data: bytes, field: str = "prompts") -> list[FieldViolation]:
-    """Every bad line of a prompt JSONL (`prompts[line N]`, 1-based), at most MAX_REPORTED_LINES."""
-    if not data.strip():
-        return [FieldViolation(field, "the prompt file is empty")]
-    try:
-        text = data.decode("utf-8")
-    except UnicodeDecodeError as error:
-        return [FieldViolation(field, f"not UTF-8: {error}")]
-    bad = [FieldViolation(f"{field}[line {n}]", problem)
-           for n, line in enumerate(text.splitlines(), 1) if (problem := line_problem(line))]
-    if len(bad) > MAX_REPORTED_LINES:
-        more = len(bad) - MAX_REPORTED_LINES
-        bad = [*bad[:MAX_REPORTED_LINES], FieldViolation(field, f"{more} more bad lines not shown")]
-    return bad
-
-
-def line_problem(line: str) -> str | None:
-    """Why one prompt line is unusable, or None."""
-    if not line.strip():
-        return "blank line: the file must hold one JSON object per line"
-    try:
-        item = json.loads(line)
-    except ValueError as error:  # JSONDecodeError, or an integer literal of more than 4300 digits
-        return f"not JSON: {error}"
-    except RecursionError:
-        return "not JSON: nested too deeply"
-    if not isinstance(item, dict):
-        return "not a JSON object"
-    if "\\u" in line and (problems := value_problems(item, max_depth=None)):  # an unpaired surrogate escape
-        return "; ".join(f"{v.field}: {v.description}" for v in problems[:3])
-    prompt = item.get("prompt")
-    if not isinstance(prompt, str) or not prompt:
-        return 'needs a non-empty string field "prompt"'
-    return None

@@ -21,9 +21,9 @@ import annotated_types
 from pydantic import BaseModel, Field, field_validator, model_validator
 from pydantic.fields import FieldInfo
 
-from services.common.config import InfraSettings, JobSpec, Strict, read_toml
-from services.common.errors import ConfigError, FieldViolation
-from services.common.models import BUILTIN_MODELS
+from fleetrl.errors import ConfigError, FieldViolation
+from fleetrl.policy.models import BUILTIN_MODELS
+from fleetrl.spec.config import InfraSettings, JobSpec, Strict, read_toml
 
 ENV_PREFIX = "FLEETRL_GATEWAY_"
 _SHA256_HEX = re.compile(r"^[0-9a-f]{64}$")

@@ -1,40 +1,20 @@
-"""Conversions between JobService protos and the gateway's domain and client types (the only place).
-
-Server side: requests -> `Submission`, `JobRecord`/`WatchEvent`/`ModelChunk` -> protos. Client side:
-protos -> `JobInfo`/`StepInfo`/`JobEventInfo`. Step metrics are stored by the learner as a flat
+"""Conversions between JobService protos and the gateway's domain (the server side; the client's side and
+the numbering both share are `fleetrl.sdk.convert`). Step metrics are stored by the learner as a flat
 JSON object; `step`, `policy_version` and `unix_ms` are structural, every other number is a value.
 """
 
 from __future__ import annotations
 
-import json
 import math
 from typing import Any
 
-from services.common.jobs import JobRecord, JobState, now_ms
-from services.common.ledger import Accounting, Fate
-from services.gateway.checks import Submission
-from services.gateway.models import (
-    AccountingInfo,
-    FleetInfo,
-    JobEventInfo,
-    JobInfo,
-    MemberInfo,
-    QueueInfo,
-    StepInfo,
-    TaskAccountInfo,
-)
-from services.gateway.service import FleetView, ModelChunk, WatchEvent
-from services.proto.fleetrl.v1 import gateway_pb2, learner_pb2
+from fleetrl.jobs.store import JobRecord, now_ms
+from fleetrl.proto.fleetrl.v1 import gateway_pb2, learner_pb2
+from fleetrl.sdk.convert import FATES, STATES, STRUCTURAL
+from fleetrl.services.gateway.checks import Submission
+from fleetrl.services.gateway.service import FleetView, ModelChunk, WatchEvent
+from fleetrl.tasks.ledger import Accounting
 
-_STATES = {state: getattr(gateway_pb2, f"JOB_STATE_{state.name}") for state in JobState}
-_NAMES = {number: state.value for state, number in _STATES.items()}
-_FATES = {fate: getattr(gateway_pb2, f"TASK_FATE_{fate.name}") for fate in Fate}
-_FATE_NAMES = {number: fate.value for fate, number in _FATES.items()}
-STRUCTURAL = ("step", "policy_version", "unix_ms")
-
-
-# ----------------------------------------------------------------------------- server side
 
 def to_submission(request: gateway_pb2.SubmitJobRequest) -> Submission:
     return Submission(spec_text=request.spec, spec_format=request.spec_format, prompts=request.prompts,
@@ -52,7 +32,7 @@ def step_to_proto(metrics: dict[str, Any]) -> learner_pb2.StepMetrics:
 
 def job_to_proto(record: JobRecord) -> gateway_pb2.Job:
     job = gateway_pb2.Job(
-        job_id=record.job_id, tenant=record.tenant, name=record.name, state=_STATES[record.state],
+        job_id=record.job_id, tenant=record.tenant, name=record.name, state=STATES[record.state],
         reason=record.reason, spec_json=record.spec.model_dump_json(), created_unix_ms=record.created_ms,
         updated_unix_ms=record.updated_ms, model_uri=record.model_uri, sandbox=record.sandbox,
     )
@@ -66,7 +46,7 @@ def event_to_proto(event: WatchEvent) -> gateway_pb2.JobEvent:
     if event.step is not None:
         out.step.CopyFrom(step_to_proto(event.step))
     elif event.state is not None:
-        out.state = _STATES[event.state]
+        out.state = STATES[event.state]
     return out
 
 
@@ -89,44 +69,8 @@ def accounting_to_proto(accounting: Accounting, include_tasks: bool) -> gateway_
                                     balanced=accounting.balanced, unix_ms=now_ms())
     if include_tasks:
         out.tasks.extend(gateway_pb2.TaskAccount(
-            task_id=t.task_id, epoch=t.epoch, prompt_index=t.prompt_index, fate=_FATES[t.fate], steps=t.steps,
+            task_id=t.task_id, epoch=t.epoch, prompt_index=t.prompt_index, fate=FATES[t.fate], steps=t.steps,
             reason=t.reason) for t in accounting.tasks)
     return out
 
 
-# ----------------------------------------------------------------------------- client side
-
-def step_info(step: learner_pb2.StepMetrics) -> StepInfo:
-    return StepInfo(step=step.step, policy_version=step.policy_version, values=dict(step.values),
-                    unix_ms=step.unix_ms)
-
-
-def job_info(job: gateway_pb2.Job) -> JobInfo:
-    return JobInfo(
-        job_id=job.job_id, tenant=job.tenant, name=job.name, state=_NAMES.get(job.state, "unspecified"),
-        reason=job.reason, spec=json.loads(job.spec_json) if job.spec_json else {},
-        created_unix_ms=job.created_unix_ms, updated_unix_ms=job.updated_unix_ms,
-        last=step_info(job.last) if job.HasField("last") else None, model_uri=job.model_uri, sandbox=job.sandbox,
-    )
-
-
-def event_info(event: gateway_pb2.JobEvent) -> JobEventInfo:
-    kind = event.WhichOneof("event")
-    return JobEventInfo(
-        job=job_info(event.job),
-        state=_NAMES.get(event.state, "unspecified") if kind == "state" else None,
-        step=step_info(event.step) if kind == "step" else None,
-    )
-
-
-def fleet_info(status: gateway_pb2.FleetStatus) -> FleetInfo:
-    members = [MemberInfo(m.kind, m.member_id, m.state, m.job_id, m.policy_version, m.tokens_per_s,
-                          m.busy_fraction, m.seen_unix_ms) for m in status.members]
-    queues = [QueueInfo(q.job_id, q.pending, q.in_flight, q.redelivered, q.dead_lettered) for q in status.queues]
-    return FleetInfo(members, queues, status.unix_ms, status.reward_sandbox)
-
-
-def accounting_info(accounting: gateway_pb2.JobAccounting) -> AccountingInfo:
-    tasks = [TaskAccountInfo(t.task_id, t.epoch, t.prompt_index, _FATE_NAMES.get(t.fate, "unspecified"),
-                             list(t.steps), t.reason) for t in accounting.tasks]
-    return AccountingInfo(accounting.job_id, dict(accounting.counts), accounting.balanced, tasks, accounting.unix_ms)

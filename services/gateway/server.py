@@ -18,20 +18,21 @@ from typing import Any
 
 import grpc
 
-from services.common import bus, grpcutil, telemetry
-from services.common.config import read_bytes
-from services.common.errors import ConfigError, FieldViolation, InvalidArgument
-from services.common.grpcutil import map_errors, map_stream_errors
-from services.common.jobs import JobStore
-from services.common.observe import ObservingInterceptor, serve_metrics
-from services.gateway import convert
-from services.gateway.adapters import FleetProbe, JetStreamEvents, JetStreamPurger
-from services.gateway.auth import AuthInterceptor, TokenTable, current_tenant
-from services.gateway.checks import Admission, Limits
-from services.gateway.config import GatewaySettings
-from services.gateway.service import Gateway
-from services.proto.fleetrl.v1 import gateway_pb2, gateway_pb2_grpc
-from services.reward.client import RewardClient
+from fleetrl.errors import ConfigError, FieldViolation, InvalidArgument
+from fleetrl.jobs.store import JobStore
+from fleetrl.proto.fleetrl.v1 import gateway_pb2, gateway_pb2_grpc
+from fleetrl.reward.client import RewardClient
+from fleetrl.runtime import grpcutil, telemetry
+from fleetrl.runtime.grpcutil import map_errors, map_stream_errors
+from fleetrl.runtime.observe import ObservingInterceptor, serve_metrics
+from fleetrl.services.gateway import convert
+from fleetrl.services.gateway.adapters import FleetProbe, JetStreamEvents, JetStreamPurger
+from fleetrl.services.gateway.auth import AuthInterceptor, TokenTable, current_tenant
+from fleetrl.services.gateway.checks import Admission, Limits
+from fleetrl.services.gateway.config import GatewaySettings
+from fleetrl.services.gateway.service import Gateway
+from fleetrl.spec.config import read_bytes
+from fleetrl.tasks import bus
 
 log = logging.getLogger(__name__)
 SERVICE_NAME = gateway_pb2.DESCRIPTOR.services_by_name["JobService"].full_name

@@ -29,26 +29,18 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, cast
 
-from services.common import ledger
-from services.common.bus import TaskQueue, check_job_id
-from services.common.config import EnvironmentSpec, RewardSpec
-from services.common.errors import (
-    ConfigError,
-    FailedPrecondition,
-    FieldViolation,
-    FleetError,
-    InvalidArgument,
-    NotFound,
-    clip,
-)
-from services.common.heartbeat import Beat
-from services.common.jobs import ACTIVE, ADAPTER_DIR, JobRecord, JobState, JobStore, now_ms
-from services.common.ledger import Accounting
-from services.gateway.checks import Admission, Limits, Submission, check_sizes, check_submission
+from fleetrl.errors import ConfigError, FailedPrecondition, FieldViolation, FleetError, InvalidArgument, NotFound, clip
+from fleetrl.jobs.store import ACTIVE, ADAPTER_DIR, JobRecord, JobState, JobStore, now_ms
+from fleetrl.runtime.heartbeat import Beat
+from fleetrl.services.gateway.checks import Admission, Limits, Submission, check_sizes, check_submission
+from fleetrl.spec.config import EnvironmentSpec, RewardSpec
+from fleetrl.tasks import ledger
+from fleetrl.tasks.bus import TaskQueue, check_job_id
+from fleetrl.tasks.ledger import Accounting
 
 if TYPE_CHECKING:
-    from services.proto.fleetrl.v1 import reward_pb2
-    from services.reward.client import Validation
+    from fleetrl.proto.fleetrl.v1 import reward_pb2
+    from fleetrl.reward.client import Validation
 
 log = logging.getLogger(__name__)
 MAX_REASON_CHARS = 1000
@@ -83,7 +75,7 @@ class FleetSource(Protocol):
         """The job's task queue now."""
 
     async def account(self, job_id: str, max_trainings: int) -> Accounting:
-        """The job's end-to-end task ledger now (see services.common.ledger)."""
+        """The job's end-to-end task ledger now (see fleetrl.tasks.ledger)."""
 
 
 @dataclass(frozen=True)

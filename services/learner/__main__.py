@@ -1,6 +1,6 @@
-"""`python -m services.learner` / `fleetrl learner`: claim jobs and train them until SIGTERM.
+"""`python -m fleetrl.services.learner` / `fleetrl learner`: claim jobs and train them until SIGTERM.
 
-Under `torchrun --nproc_per_node N -m services.learner ...` rank 0 runs the service (feeder,
+Under `torchrun --nproc_per_node N -m fleetrl.services.learner ...` rank 0 runs the service (feeder,
 replay, publishing, checkpoints) and the other ranks follow it step by step (see `ddp`).
 """
 
@@ -11,8 +11,8 @@ import asyncio
 import os
 import sys
 
-from services.common.entry import Flag, ServiceEntry, run_service, until_signal
-from services.learner.config import ENV_PREFIX, LearnerSettings
+from fleetrl.runtime.entry import Flag, ServiceEntry, run_service, until_signal
+from fleetrl.train.settings import ENV_PREFIX, LearnerSettings
 
 
 def add_once(parser: argparse.ArgumentParser) -> None:
@@ -31,7 +31,7 @@ parse_args, settings_from = ENTRY.parse_args, ENTRY.settings_from
 
 async def run(settings: LearnerSettings, once: bool) -> None:
     """Serve until SIGTERM or SIGINT (once: until the first job ends)."""
-    from services.learner.service import serve  # imports torch: after argument checks
+    from fleetrl.services.learner.service import serve  # imports torch: after argument checks
 
     await until_signal(lambda stop: serve(settings, stop, once=once))
 
@@ -41,13 +41,13 @@ def main(argv: list[str] | None = None) -> int:
 
     def launch(settings: LearnerSettings, args: argparse.Namespace) -> int | None:
         if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-            from services.learner.ddp import main as ddp_main
+            from fleetrl.services.learner.ddp import main as ddp_main
 
             return ddp_main(settings, args.once, run)
         return None
 
     async def serve(settings: LearnerSettings, stop: asyncio.Event) -> None:
-        from services.learner.service import serve as serve_jobs
+        from fleetrl.services.learner.service import serve as serve_jobs
 
         await serve_jobs(settings, stop, once=once)
 

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from services.learner.status import StatusBoard, StepRecord
-from services.proto.fleetrl.v1 import learner_pb2
+from fleetrl.proto.fleetrl.v1 import learner_pb2
+from fleetrl.train.status import StatusBoard, StepRecord
 
 
 def step_to_proto(record: StepRecord) -> learner_pb2.StepMetrics:

@@ -1,6 +1,6 @@
 """Data parallelism under torchrun: rank 0 runs the learner service, the other ranks follow.
 
-`torchrun --nproc_per_node N -m services.learner ...` starts N processes; each joins the
+`torchrun --nproc_per_node N -m fleetrl.services.learner ...` starts N processes; each joins the
 default process group (gloo on CPU, NCCL on GPU). Rank 0 alone talks to NATS, Redis and
 replay, runs the feeder, publishes, checkpoints and exports; through `trained_policy.Followers` it sends
 the other ranks each job, checkpoint restore and step, and every rank trains its share of the
@@ -21,8 +21,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from services.learner.config import LearnerSettings
-from services.learner.trained_policy import Followers, follow, resolve_device
+from fleetrl.train.settings import LearnerSettings
+from fleetrl.train.trained_policy import Followers, follow, resolve_device
 
 log = logging.getLogger(__name__)
 

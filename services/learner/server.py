@@ -5,10 +5,10 @@ from __future__ import annotations
 import grpc
 from grpc_health.v1 import health
 
-from services.common.grpcutil import map_errors, start_server
-from services.learner import convert
-from services.learner.status import StatusBoard
-from services.proto.fleetrl.v1 import learner_pb2, learner_pb2_grpc
+from fleetrl.proto.fleetrl.v1 import learner_pb2, learner_pb2_grpc
+from fleetrl.runtime.grpcutil import map_errors, start_server
+from fleetrl.services.learner import convert
+from fleetrl.train.status import StatusBoard
 
 
 class LearnerServicer(learner_pb2_grpc.LearnerServiceServicer):

@@ -12,7 +12,7 @@ background task keeps the run's replay leases open (`leases.keep_alive`) until t
 raises is marked FAILED with the reason and the learner goes on to the next one. SIGTERM lets
 the current step finish, checkpoints, hands the job back (lease released, state RUNNING, so any
 learner resumes it) and exits. Tracing, the /metrics endpoint and the heartbeat/queue-gauge task
-(`observe`) start with the process.
+(`fleetrl.train.observability`) start with the process.
 """
 
 from __future__ import annotations
@@ -22,20 +22,21 @@ import contextlib
 import logging
 import time
 
-from services.common import bus, telemetry
-from services.common.errors import Cancelled, FailedPrecondition, Fenced
-from services.common.grpcutil import RetryPolicy, stop_server
-from services.common.jobs import REDIS_UNREACHABLE, JobRecord, JobState, JobStore
-from services.common.observe import serve_metrics
-from services.common.weights import WeightStore
-from services.learner import server
-from services.learner.config import LearnerSettings
-from services.learner.leases import keep_alive
-from services.learner.observe import clear_beat, observe_loop
-from services.learner.status import StatusBoard
-from services.learner.trainer import Deps, JobRun, LeaseLost, compute_executor
-from services.replay.client import ReplayClient
-from services.reward.client import RewardClient
+from fleetrl.errors import Cancelled, FailedPrecondition, Fenced
+from fleetrl.jobs.store import REDIS_UNREACHABLE, JobRecord, JobState, JobStore
+from fleetrl.replay.client import ReplayClient
+from fleetrl.reward.client import RewardClient
+from fleetrl.runtime import telemetry
+from fleetrl.runtime.grpcutil import RetryPolicy, stop_server
+from fleetrl.runtime.observe import serve_metrics
+from fleetrl.services.learner import server
+from fleetrl.tasks import bus
+from fleetrl.train.leases import keep_alive
+from fleetrl.train.observability import clear_beat, observe_loop
+from fleetrl.train.settings import LearnerSettings
+from fleetrl.train.status import StatusBoard
+from fleetrl.train.trainer import Deps, JobRun, LeaseLost, compute_executor
+from fleetrl.weights.store import WeightStore
 
 log = logging.getLogger(__name__)
 

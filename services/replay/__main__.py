@@ -1,12 +1,12 @@
-"""`python -m services.replay` / `fleetrl replay`: run the ReplayService until SIGTERM or SIGINT."""
+"""`python -m fleetrl.services.replay` / `fleetrl replay`: run the ReplayService until SIGTERM or SIGINT."""
 
 from __future__ import annotations
 
 import sys
 
-from services.common.entry import Flag, ServiceEntry, run_service
-from services.replay.config import ENV_PREFIX, ReplaySettings
-from services.replay.server import serve
+from fleetrl.runtime.entry import Flag, ServiceEntry, run_service
+from fleetrl.services.replay.config import ENV_PREFIX, ReplaySettings
+from fleetrl.services.replay.server import serve
 
 ENTRY = ServiceEntry(
     "fleetrl replay", "Run the replay-buffer service.", ReplaySettings, ENV_PREFIX, flags=(

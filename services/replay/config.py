@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from pydantic import Field
 
-from services.common.config import InfraSettings
+from fleetrl.spec.config import InfraSettings
 
 ENV_PREFIX = "FLEETRL_REPLAY_"
 

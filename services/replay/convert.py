@@ -10,10 +10,11 @@ from __future__ import annotations
 
 from google.protobuf.message import DecodeError
 
-from services.common.errors import FieldViolation, InvalidArgument, ResourceExhausted
-from services.proto.fleetrl.v1 import common_pb2, replay_pb2
-from services.replay import wire
-from services.replay.table import SAMPLERS_BY_KIND, GroupRecord, LineageRow, SampleResult, TableConfig, TableStats
+from fleetrl.errors import FieldViolation, InvalidArgument, ResourceExhausted
+from fleetrl.proto.fleetrl.v1 import common_pb2, replay_pb2
+from fleetrl.replay import wire
+from fleetrl.replay.samplers import SAMPLERS_BY_KIND
+from fleetrl.replay.table import GroupRecord, LineageRow, SampleResult, TableConfig, TableStats
 
 DEFAULT_QUERY_LIMIT = 100
 PRIORITY_EPS = 1e-3

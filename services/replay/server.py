@@ -20,13 +20,13 @@ import grpc
 import redis.asyncio as aioredis
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
-from services.common import telemetry
-from services.common.grpcutil import map_errors, start_server, stop_server
-from services.common.observe import ObservingInterceptor, serve_metrics
-from services.proto.fleetrl.v1 import replay_pb2, replay_pb2_grpc
-from services.replay import convert
-from services.replay.config import ReplaySettings
-from services.replay.table import ReplayTables
+from fleetrl.proto.fleetrl.v1 import replay_pb2, replay_pb2_grpc
+from fleetrl.replay.table import ReplayTables
+from fleetrl.runtime import telemetry
+from fleetrl.runtime.grpcutil import map_errors, start_server, stop_server
+from fleetrl.runtime.observe import ObservingInterceptor, serve_metrics
+from fleetrl.services.replay import convert
+from fleetrl.services.replay.config import ReplaySettings
 
 log = logging.getLogger(__name__)
 

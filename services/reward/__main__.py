@@ -1,12 +1,12 @@
-"""`python -m services.reward` / `fleetrl reward`: run the RewardService until SIGTERM or SIGINT."""
+"""`python -m fleetrl.services.reward` / `fleetrl reward`: run the RewardService until SIGTERM or SIGINT."""
 
 from __future__ import annotations
 
 import sys
 
-from services.common.entry import Flag, ServiceEntry, run_service
-from services.reward.config import ENV_PREFIX, RewardSettings
-from services.reward.server import serve
+from fleetrl.reward.settings import ENV_PREFIX, RewardSettings
+from fleetrl.runtime.entry import Flag, ServiceEntry, run_service
+from fleetrl.services.reward.server import serve
 
 ENTRY = ServiceEntry(
     "fleetrl reward", "Run the reward service.", RewardSettings, ENV_PREFIX, flags=(

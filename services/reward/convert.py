@@ -1,6 +1,6 @@
 """Conversions between RewardService protos and the scorer's domain types, in one place.
 
-The callers' side (a job's `RewardSpec` to the wire) is `services.reward.client.spec_to_proto`.
+The callers' side (a job's `RewardSpec` to the wire) is `fleetrl.reward.client.spec_to_proto`.
 """
 
 from __future__ import annotations
@@ -8,10 +8,10 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from services.common.errors import FieldViolation, InvalidArgument
-from services.proto.fleetrl.v1 import common_pb2, reward_pb2
-from services.reward.episodes import EpisodeResult
-from services.reward.scorer import Item, Result, SandboxState, SpecInput, Status, parse_environment, parse_spec
+from fleetrl.errors import FieldViolation, InvalidArgument
+from fleetrl.proto.fleetrl.v1 import common_pb2, reward_pb2
+from fleetrl.reward.scorer import Item, Result, SandboxState, SpecInput, Status, parse_environment, parse_spec
+from fleetrl.reward.sessions import EpisodeResult
 
 STATUS_TO_PROTO = {
     Status.OK: common_pb2.REWARD_STATUS_OK,

@@ -18,15 +18,15 @@ from dataclasses import dataclass
 
 import grpc
 
-from services.common import telemetry
-from services.common.errors import ConfigError
-from services.common.grpcutil import map_errors, start_server, stop_server
-from services.common.observe import ObservingInterceptor, serve_metrics
-from services.proto.fleetrl.v1 import reward_pb2, reward_pb2_grpc
-from services.reward import convert
-from services.reward.config import RewardSettings
-from services.reward.episodes import EpisodeSessions
-from services.reward.scorer import Scorer
+from fleetrl.errors import ConfigError
+from fleetrl.proto.fleetrl.v1 import reward_pb2, reward_pb2_grpc
+from fleetrl.reward.scorer import Scorer
+from fleetrl.reward.sessions import EpisodeSessions
+from fleetrl.reward.settings import RewardSettings
+from fleetrl.runtime import telemetry
+from fleetrl.runtime.grpcutil import map_errors, start_server, stop_server
+from fleetrl.runtime.observe import ObservingInterceptor, serve_metrics
+from fleetrl.services.reward import convert
 
 log = logging.getLogger(__name__)
 

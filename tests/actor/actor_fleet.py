@@ -3,7 +3,7 @@
 NATS, Valkey, the replay service and the reward service are real processes started once per
 module (each test uses its own job id); `Fleet` plays the learner's part: it creates the job
 record, configures the replay table, creates the task consumer, publishes weights and tasks.
-Actors are `python -m services.actor` subprocesses that tests SIGKILL, SIGSTOP and restart.
+Actors are `python -m fleetrl.services.actor` subprocesses that tests SIGKILL, SIGSTOP and restart.
 """
 
 from __future__ import annotations
@@ -22,14 +22,15 @@ import torch
 from nats.aio.client import Client as NATS
 from nats.js import JetStreamContext
 
-from services.common import bus, models
-from services.common.config import JobSpec
-from services.common.jobs import JobState, JobStore
-from services.common.ledger import Ledger
-from services.common.weights import WeightStore, encode_safetensors
-from services.fleet.embedded import wait_for_port
-from services.proto.fleetrl.v1 import common_pb2
-from services.replay.client import ReplayClient
+from fleetrl.jobs.store import JobState, JobStore
+from fleetrl.launcher.embedded import wait_for_port
+from fleetrl.policy import models
+from fleetrl.proto.fleetrl.v1 import common_pb2
+from fleetrl.replay.client import ReplayClient
+from fleetrl.spec.config import JobSpec
+from fleetrl.tasks import bus
+from fleetrl.tasks.ledger import Ledger
+from fleetrl.weights.store import WeightStore, encode_safetensors
 
 ROOT = Path(__file__).resolve().parents[2]
 MODEL = "tiny-llama"
@@ -118,7 +119,7 @@ class Fleet:
 
     def start_actor(self, name: str, *settings: str, reward_addr: str = "") -> subprocess.Popen[bytes]:
         s = self.services
-        argv = [sys.executable, "-m", "services.actor", "--actor-id", name, "--nats-url", s.nats_url,
+        argv = [sys.executable, "-m", "fleetrl.services.actor", "--actor-id", name, "--nats-url", s.nats_url,
                 "--redis-url", s.redis_url, "--replay-addr", s.replay_addr,
                 "--reward-addr", reward_addr or s.reward_addr,
                 "--set", "torch_threads=1", "--set", "poll_interval_s=0.3", "--set", "nak_base_delay_s=0.2",

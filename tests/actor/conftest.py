@@ -2,7 +2,7 @@
 
 NATS, Valkey, the replay service and the reward service are real processes started once per
 module (each test uses its own job id); `Fleet` (actor_fleet.py) plays the learner's part.
-Actors are `python -m services.actor` subprocesses that tests SIGKILL, SIGSTOP and restart.
+Actors are `python -m fleetrl.services.actor` subprocesses that tests SIGKILL, SIGSTOP and restart.
 """
 
 from __future__ import annotations
@@ -14,11 +14,11 @@ import pytest
 import pytest_asyncio
 from actor_fleet import Fleet, Services, start_service
 
-from services.common import bus
-from services.common.jobs import JobState, JobStore
-from services.common.weights import WeightStore
-from services.fleet.embedded import EmbeddedNats, EmbeddedValkey, free_port
-from services.replay.client import ReplayClient
+from fleetrl.jobs.store import JobState, JobStore
+from fleetrl.launcher.embedded import EmbeddedNats, EmbeddedValkey, free_port
+from fleetrl.replay.client import ReplayClient
+from fleetrl.tasks import bus
+from fleetrl.weights.store import WeightStore
 
 EPISODE_IDLE_TIMEOUT_S = 4.0
 """The reward service's episode_idle_timeout_s in these tests: a killed actor's sessions are reaped after it."""
@@ -31,10 +31,10 @@ def services(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Services]:
         replay_port, reward_port = free_port(), free_port()
         procs: list[subprocess.Popen[bytes]] = []
         try:  # a failed start of the second service must not leave the first one running
-            procs.append(start_service(["services.replay", "--listen", f"127.0.0.1:{replay_port}",
+            procs.append(start_service(["fleetrl.services.replay", "--listen", f"127.0.0.1:{replay_port}",
                                         "--redis-url", valkey.url], root / "replay.log", replay_port))
-            procs.append(start_service(["services.reward", "--listen", f"127.0.0.1:{reward_port}", "--workers", "1",
-                                        "--set", f"episode_idle_timeout_s={EPISODE_IDLE_TIMEOUT_S}"],
+            procs.append(start_service(["fleetrl.services.reward", "--listen", f"127.0.0.1:{reward_port}",
+                                        "--workers", "1", "--set", f"episode_idle_timeout_s={EPISODE_IDLE_TIMEOUT_S}"],
                                        root / "reward.log", reward_port))
             yield Services(nats_server.url, valkey.url, f"127.0.0.1:{replay_port}", f"127.0.0.1:{reward_port}", root)
         finally:

@@ -6,10 +6,10 @@ from pathlib import Path
 
 import pytest
 
-from services.actor.__main__ import main, parse_args, settings_from
-from services.actor.config import ENV_PREFIX, ActorSettings
-from services.common.config import load_settings
-from services.common.errors import ConfigError
+from fleetrl.errors import ConfigError
+from fleetrl.rollout.settings import ENV_PREFIX, ActorSettings
+from fleetrl.services.actor.__main__ import main, parse_args, settings_from
+from fleetrl.spec.config import load_settings
 
 
 def test_layers_and_flags(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -25,9 +25,10 @@ import nats.js.errors
 import torch
 from actor_fleet import MODEL, Fleet, job_spec, perturbed_weights, wait_until
 
-from services.common import bus, models
-from services.common.weights import WeightPointer
-from services.learner.publish import WeightPublisher
+from fleetrl.policy import models
+from fleetrl.tasks import bus
+from fleetrl.weights.publish import WeightPublisher
+from fleetrl.weights.store import WeightPointer
 
 ACK_WAIT_S = 3.0
 

@@ -1,7 +1,7 @@
 """The HF backend: behaviour log-probs match a full forward pass, draws follow the task seed rule.
 The fixed backend (a benchmark instrument): fixed latency, deterministic tokens.
 
-The tolerance measured here is the one documented in services/actor/backends.py (LOGPROB_TOL).
+The tolerance measured here is the one documented in fleetrl/policy/backends.py (LOGPROB_TOL).
 """
 
 from __future__ import annotations
@@ -12,7 +12,10 @@ import time
 import pytest
 import torch
 
-from services.actor.backends import (
+from fleetrl.env.tools import tool_schemas
+from fleetrl.errors import FailedPrecondition
+from fleetrl.policy import models
+from fleetrl.policy.backends import (
     LOGPROB_TOL,
     FixedBackend,
     HFBackend,
@@ -20,12 +23,9 @@ from services.actor.backends import (
     make_backend,
     prompt_tokens,
 )
-from services.common import models
-from services.common.config import LoraSpec, RolloutConfig
-from services.common.errors import FailedPrecondition
-from services.common.seeding import task_id, task_seed
-from services.learner import reference
-from services.reward.env_tools import tool_schemas
+from fleetrl.spec.config import LoraSpec, RolloutConfig
+from fleetrl.spec.seeding import task_id, task_seed
+from fleetrl.train import reference
 
 ROLLOUT = RolloutConfig(samples_per_prompt=8, max_new_tokens=24, temperature=0.7, top_p=0.9)
 

@@ -26,15 +26,15 @@ import torch
 from actor_fleet import MODEL, Fleet, start_service, wait_until
 from prometheus_client.parser import text_string_to_metric_families
 
-from services.actor.backends import LOGPROB_TOL, HFBackend, observation_tokens
-from services.actor.config import ActorSettings
-from services.actor.episodes import OK, Episode, EpisodeRunner
-from services.common import models
-from services.common.config import JobSpec, RewardSpec
-from services.fleet.embedded import free_port
-from services.proto.fleetrl.v1 import common_pb2
-from services.reward import verifiers
-from services.reward.client import RewardClient, environment_to_proto
+from fleetrl.launcher.embedded import free_port
+from fleetrl.policy import models
+from fleetrl.policy.backends import LOGPROB_TOL, HFBackend, observation_tokens
+from fleetrl.proto.fleetrl.v1 import common_pb2
+from fleetrl.reward import verifiers
+from fleetrl.reward.client import RewardClient, environment_to_proto
+from fleetrl.rollout.episodes import OK, Episode, EpisodeRunner
+from fleetrl.rollout.settings import ActorSettings
+from fleetrl.spec.config import JobSpec, RewardSpec
 
 SCRIPTED_ENV = b'''
 class Env:
@@ -241,7 +241,7 @@ class Env:
 
 async def test_reward_service_restart_mid_episode_redelivers_the_task(fleet: Fleet, tmp_path: Path) -> None:
     port = free_port()
-    argv = ["services.reward", "--listen", f"127.0.0.1:{port}", "--workers", "1"]
+    argv = ["fleetrl.services.reward", "--listen", f"127.0.0.1:{port}", "--workers", "1"]
     reward = start_service(argv, tmp_path / "reward.log", port)
     try:  # from here on: a failure anywhere (even creating the job) must not leave the reward service running
         spec = env_job(max_turns=4, step_timeout_s=5.0)
@@ -281,7 +281,7 @@ async def test_actor_sigkilled_mid_episode(fleet: Fleet, tmp_path: Path) -> None
     """After turn 1, before the last: the task is redelivered to another actor and stored once, and the dead
     actor's session is reaped (its workers killed) within the idle timeout."""
     port, metrics_port, idle_s = free_port(), free_port(), 3.0
-    argv = ["services.reward", "--listen", f"127.0.0.1:{port}", "--workers", "1", "--set",
+    argv = ["fleetrl.services.reward", "--listen", f"127.0.0.1:{port}", "--workers", "1", "--set",
             f"metrics_port={metrics_port}", "--set", f"episode_idle_timeout_s={idle_s}"]
     log = tmp_path / "reward.log"
     reward = start_service(argv, log, port)

@@ -6,13 +6,15 @@ import pytest
 import torch
 from prometheus_client import REGISTRY
 
-from services.actor.backends import LOGPROB_TOL, HFBackend, make_backend, prompt_tokens
-from services.actor.job_policy import JobPolicy
-from services.common import bus, lora_weights, models
-from services.common.config import LoraSpec, RolloutConfig
-from services.common.weights import WeightPointer, WeightStore, decode_safetensors, encode_safetensors
-from services.learner.logprobs import token_logprobs
-from services.learner.publish import WeightPublisher
+from fleetrl.policy import models
+from fleetrl.policy.backends import LOGPROB_TOL, HFBackend, make_backend, prompt_tokens
+from fleetrl.policy.logprobs import token_logprobs
+from fleetrl.rollout.job_policy import JobPolicy
+from fleetrl.spec.config import LoraSpec, RolloutConfig
+from fleetrl.tasks import bus
+from fleetrl.weights import adapters as lora_weights
+from fleetrl.weights.publish import WeightPublisher
+from fleetrl.weights.store import WeightPointer, WeightStore, decode_safetensors, encode_safetensors
 
 
 def _payload(model: torch.nn.Module, shift: float) -> bytes:

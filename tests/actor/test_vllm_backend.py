@@ -5,10 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from services.actor import vllm_backend
-from services.actor.backends import prompt_tokens
-from services.common import models
-from services.common.config import RolloutConfig
+from fleetrl.policy import models, vllm_backend
+from fleetrl.policy.backends import prompt_tokens
+from fleetrl.spec.config import RolloutConfig
 
 pytestmark = [
     pytest.mark.gpu,

@@ -6,8 +6,8 @@ import asyncio
 
 import pytest
 
-from services.common import bus
-from services.common.errors import InvalidArgument
+from fleetrl.errors import InvalidArgument
+from fleetrl.tasks import bus
 
 
 def test_setup_twice_is_a_no_op(nats_url: str) -> None:

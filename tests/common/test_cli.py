@@ -15,16 +15,16 @@ import nats
 import pytest
 import redis
 
-import services
-from services import cli
-from services.fleet.embedded import STATE_FILE, process_identity, read_state
+from fleetrl import __version__
+from fleetrl.launcher import main as cli
+from fleetrl.launcher.embedded import STATE_FILE, process_identity, read_state
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 def fleetrl(*args: str, timeout_s: float = 60) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "services.cli", *args], cwd=ROOT, capture_output=True, text=True,
-                          timeout=timeout_s, check=False)
+    return subprocess.run([sys.executable, "-m", "fleetrl.launcher.main", *args], cwd=ROOT, capture_output=True,
+                          text=True, timeout=timeout_s, check=False)
 
 
 def test_help_lists_every_subcommand() -> None:
@@ -35,7 +35,8 @@ def test_help_lists_every_subcommand() -> None:
 
 
 def test_help_imports_no_torch() -> None:
-    code = "import sys; from services import cli; cli.main(['--help']); assert 'torch' not in sys.modules"
+    code = ("import sys; from fleetrl.launcher import main as cli; cli.main(['--help']); "
+            "assert 'torch' not in sys.modules")
     result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60,
                             check=False)
     assert result.returncode == 0, result.stderr
@@ -45,8 +46,8 @@ def test_installed_script_prints_the_package_version() -> None:
     script = Path(sys.executable).parent / "fleetrl"
     result = subprocess.run([str(script), "version"], capture_output=True, text=True, timeout=60, check=False)
     assert result.returncode == 0, result.stderr
-    assert result.stdout.strip() == f"fleetrl {services.__version__}"
-    assert importlib.metadata.version("fleetrl") == services.__version__
+    assert result.stdout.strip() == f"fleetrl {__version__}"
+    assert importlib.metadata.version("fleetrl") == __version__
 
 
 def test_unknown_command_fails() -> None:

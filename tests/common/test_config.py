@@ -11,8 +11,8 @@ import annotated_types
 import pytest
 from pydantic import BaseModel
 
-from services.common.config import InfraSettings, JobSpec, load_settings, parse_job_spec
-from services.common.errors import ConfigError
+from fleetrl.errors import ConfigError
+from fleetrl.spec.config import InfraSettings, JobSpec, load_settings, parse_job_spec
 
 GOOD = """
 name = "addition"

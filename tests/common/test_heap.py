@@ -10,13 +10,13 @@ from pathlib import Path
 
 import pytest
 
-from services.common import heap
+from fleetrl.runtime import heap
 
 ROOT = Path(__file__).resolve().parents[2]
 
 PROBE = """
 import ctypes, ctypes.util, json, os, sys
-from services.common import heap
+from fleetrl.runtime import heap
 libc = ctypes.CDLL(ctypes.util.find_library("c"))
 libc.malloc.restype = ctypes.c_void_p
 libc.free.argtypes = [ctypes.c_void_p]

@@ -6,9 +6,9 @@ import asyncio
 
 import pytest
 
-from services.common.config import JobSpec
-from services.common.errors import FailedPrecondition, Fenced, NotFound
-from services.common.jobs import JobState, JobStore
+from fleetrl.errors import FailedPrecondition, Fenced, NotFound
+from fleetrl.jobs.store import JobState, JobStore
+from fleetrl.spec.config import JobSpec
 
 SPEC = JobSpec.model_validate({"prompts": "p.jsonl", "reward": {"builtin": "numeric_match"}})
 

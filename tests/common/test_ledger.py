@@ -5,10 +5,11 @@ from __future__ import annotations
 import pytest
 import redis.asyncio as aioredis
 
-from services.common import bus, jobs
-from services.common.errors import Fenced
-from services.common.ledger import Fate, Ledger
-from services.replay.table import GroupRecord, ReplayTables, TableConfig
+from fleetrl.errors import Fenced
+from fleetrl.jobs import store as jobs
+from fleetrl.replay.table import GroupRecord, ReplayTables, TableConfig
+from fleetrl.tasks import bus
+from fleetrl.tasks.ledger import Fate, Ledger
 
 JOB = "jl"
 

@@ -5,9 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from services.common import lora_weights, models
-from services.common.config import LoraSpec
-from services.common.errors import InvalidArgument
+from fleetrl.errors import InvalidArgument
+from fleetrl.policy import models
+from fleetrl.spec.config import LoraSpec
+from fleetrl.weights import adapters as lora_weights
 
 
 def test_published_tensors_are_adapters_only_even_with_lm_head_targeted() -> None:

@@ -19,8 +19,8 @@ import safetensors.torch
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
-from services.common import models
-from services.common.errors import ConfigError, InvalidArgument, NotFound
+from fleetrl.errors import ConfigError, InvalidArgument, NotFound
+from fleetrl.policy import models
 from tests.conftest import TinyModel
 
 REPO = Path(__file__).resolve().parents[2]
@@ -65,7 +65,7 @@ def test_tiny_model_is_bit_identical_across_builds_and_processes(cache_dir: Path
     assert torch.equal(torch.rand(3), expected_next), "building a tiny model must not move the caller's RNG"
     second, _ = models.load("tiny-llama", cache_dir=cache_dir)
     code = (
-        "from services.common import models; import tests.common.test_models as t; "
+        "from fleetrl.policy import models; import tests.common.test_models as t; "
         f"print(t._digest(models.load('tiny-llama', cache_dir={str(cache_dir)!r})[0]))"
     )
     other = _python(code)
@@ -148,14 +148,14 @@ def test_bad_names_fail_clearly(cache_dir: Path) -> None:
     with pytest.raises(ConfigError, match="dtype"):
         models.load("tiny-llama", dtype="float33", cache_dir=cache_dir)
     code = (
-        "from services.common import models\ntry: models.load('someorg/no-such-model')\nexcept Exception as e: print(e)"
+        "from fleetrl.policy import models\ntry: models.load('someorg/no-such-model')\nexcept Exception as e: print(e)"
     )
     offline = _python(code, env={"HF_HUB_OFFLINE": "1"})
     assert "'someorg/no-such-model' could not be loaded" in offline.stdout, offline.stderr
 
 
 def test_concurrent_first_builds_share_one_tokenizer_cache(tmp_path: Path) -> None:
-    code = f"from services.common import models; print(len(models.smollm2_tokenizer({str(tmp_path)!r})))"
+    code = f"from fleetrl.policy import models; print(len(models.smollm2_tokenizer({str(tmp_path)!r})))"
     procs = [
         subprocess.Popen([sys.executable, "-c", code], cwd=REPO, stdout=subprocess.PIPE, text=True) for _ in range(2)
     ]
@@ -239,5 +239,5 @@ def test_allow_list_has_no_roots_by_default(disk: Path) -> None:
 
 def test_models_module_imports_no_torch() -> None:
     """The gateway checks names with this module; it must not pay for torch and transformers."""
-    code = "import sys, services.common.models; print(sorted({'torch', 'transformers'} & set(sys.modules)))"
+    code = "import sys, fleetrl.policy.models; print(sorted({'torch', 'transformers'} & set(sys.modules)))"
     assert _python(code).stdout.strip() == "[]"

@@ -9,7 +9,7 @@ import grpc_tools
 from google.protobuf import descriptor_pb2
 from grpc_tools import protoc
 
-from services.common import protogen
+from fleetrl.runtime import protogen
 
 # Field numbers of the descriptor.proto fields that make up a SourceCodeInfo location path.
 _FILE_MESSAGE, _FILE_ENUM, _FILE_SERVICE = 4, 5, 6
@@ -20,7 +20,7 @@ Path_ = tuple[int, ...]
 
 
 def test_committed_stubs_are_fresh() -> None:
-    assert protogen.stale_files() == [], "run `python -m services.common.protogen` and commit the stubs"
+    assert protogen.stale_files() == [], "run `python -m fleetrl.runtime.protogen` and commit the stubs"
 
 
 def _descriptor_set(tmp_path: Path) -> descriptor_pb2.FileDescriptorSet:

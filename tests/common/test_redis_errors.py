@@ -17,12 +17,12 @@ from types import SimpleNamespace
 import pytest
 import redis.asyncio as aioredis
 
-from services.common.config import JobSpec
-from services.common.errors import Unavailable
-from services.common.jobs import REDIS_RETRY_S, REDIS_UNREACHABLE, JobStore
-from services.fleet.embedded import EmbeddedValkey
-from services.learner.service import renew_loop
-from services.replay.table import ReplayTables
+from fleetrl.errors import Unavailable
+from fleetrl.jobs.store import REDIS_RETRY_S, REDIS_UNREACHABLE, JobStore
+from fleetrl.launcher.embedded import EmbeddedValkey
+from fleetrl.replay.table import ReplayTables
+from fleetrl.services.learner.service import renew_loop
+from fleetrl.spec.config import JobSpec
 
 SPEC = JobSpec.model_validate({"model": "tiny-llama", "prompts": "p.jsonl", "reward": {"builtin": "numeric_match"}})
 

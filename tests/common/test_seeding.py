@@ -1,6 +1,6 @@
 """Seeding rules are deterministic and distinct."""
 
-from services.common.seeding import prompt_order, task_id, task_seed
+from fleetrl.spec.seeding import prompt_order, task_id, task_seed
 
 
 def test_task_seed_is_stable_and_distinct() -> None:

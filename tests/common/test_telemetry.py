@@ -9,7 +9,7 @@ from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 
-from services.common import telemetry
+from fleetrl.runtime import telemetry
 
 
 def test_jsonl_exporter_links_parent_across_a_carrier(tmp_path: Path) -> None:

@@ -18,9 +18,10 @@ import torch
 from nats.aio.client import Client as NATS
 from nats.js.object_store import ObjectStore
 
-from services.common import bus, models
-from services.common.weights import HeldWeights, WeightsCorrupt, WeightStore, encode_safetensors
-from services.learner.publish import WeightPublisher
+from fleetrl.policy import models
+from fleetrl.tasks import bus
+from fleetrl.weights.publish import WeightPublisher
+from fleetrl.weights.store import HeldWeights, WeightsCorrupt, WeightStore, encode_safetensors
 from tests.conftest import TinyModel
 
 JOB = "job-chain"
@@ -169,8 +170,9 @@ async def test_damaged_delta_is_rejected_and_reported(store: WeightStore, nc: NA
 
 KILLED_PUBLISHER = """
 import asyncio, sys
-from services.common import bus, weights
-from services.common.weights import HeldWeights, WeightStore
+from fleetrl.tasks import bus
+from fleetrl.weights import store as weights
+from fleetrl.weights.store import HeldWeights, WeightStore
 
 async def main(url: str) -> None:
     nc = await bus.connect(url, "doomed-publisher")

@@ -7,8 +7,8 @@ import hashlib
 import numpy as np
 import pytest
 
-from services.common import weight_delta
-from services.common.errors import WeightsCorrupt
+from fleetrl.errors import WeightsCorrupt
+from fleetrl.weights import delta as weight_delta
 
 
 def _pair(size: int, changed: int, seed: int = 0) -> tuple[bytes, bytes, str, str]:

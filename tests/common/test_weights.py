@@ -13,17 +13,12 @@ import torch
 from nats.aio.client import Client as NATS
 from nats.js.object_store import ObjectStore
 
-from services.common import bus, weights
-from services.common.chunk_reader import ChunkReader
-from services.common.errors import DeadlineExceeded, FailedPrecondition, Fenced, NotFound
-from services.common.weights import (
-    WeightPointer,
-    WeightsCorrupt,
-    WeightStore,
-    decode_safetensors,
-    encode_safetensors,
-)
-from services.fleet.embedded import EmbeddedNats
+from fleetrl.errors import DeadlineExceeded, FailedPrecondition, Fenced, NotFound
+from fleetrl.launcher.embedded import EmbeddedNats
+from fleetrl.tasks import bus
+from fleetrl.weights import store as weights
+from fleetrl.weights.chunk_reader import ChunkReader
+from fleetrl.weights.store import WeightPointer, WeightsCorrupt, WeightStore, decode_safetensors, encode_safetensors
 
 JOB = "job-w"
 

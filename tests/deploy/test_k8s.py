@@ -6,7 +6,7 @@ tests/fleet/test_compose.py does for compose: every fleetrl container runs a rea
 subcommand, every FLEETRL_<SERVICE>_<FIELD> names a real setting and the values validate, each
 gRPC service is probed through the gRPC health service on the port it listens on, names that
 objects use (Service selectors and ports, volumes, claims) exist, and the KEDA trigger names the
-stream and consumer services/common/bus.py uses.
+stream and consumer fleetrl/tasks/bus.py uses.
 """
 
 from __future__ import annotations
@@ -20,10 +20,10 @@ import pytest
 import yaml
 from k8s_objects import JOB, K8S, NEEDS_KUBECTL, find, problems, render
 
-from services.cli import ROUTES
-from services.common import bus
-from services.common.config import load_settings
-from services.fleet.configdoc import SERVICES
+from fleetrl.launcher.configdoc import SERVICES
+from fleetrl.launcher.main import ROUTES
+from fleetrl.spec.config import load_settings
+from fleetrl.tasks import bus
 
 pytestmark = NEEDS_KUBECTL
 
@@ -117,7 +117,7 @@ def test_containers_run_real_entry_points_with_real_settings(rendered: dict[str,
         if "command" in container:  # torchrun running the same entry point: `torchrun --no-python fleetrl learner`
             assert container["command"] == ["torchrun"] and container["args"][0] == "--no-python", container
         module, keeps_name, _ = ROUTES[service]
-        assert module == f"services.{service}.__main__" and not keeps_name
+        assert module == f"fleetrl.services.{service}.__main__" and not keeps_name
         cls, prefix = SETTINGS[service]
         values = {}
         for variable in container.get("env", []):

@@ -24,9 +24,9 @@ import redis
 import yaml
 from k8s_objects import JOB, K8S, NEEDS_KUBECTL, find, render
 
-from services.common import bus
-from services.fleet.embedded import free_port, nats_server_binary, valkey_server_binary, wait_for_port
-from services.replay.table import SAFE_POLICIES
+from fleetrl.launcher.embedded import free_port, nats_server_binary, valkey_server_binary, wait_for_port
+from fleetrl.replay.table import SAFE_POLICIES
+from fleetrl.tasks import bus
 
 pytestmark = NEEDS_KUBECTL
 

@@ -19,11 +19,11 @@ from pathlib import Path
 import pytest
 from k8s_objects import K8S, NEEDS_KUBECTL, find, render
 
-from services.common.config import RewardSpec
-from services.common.grpcutil import channel
-from services.fleet.embedded import free_port, wait_for_port
-from services.proto.fleetrl.v1 import common_pb2, reward_pb2, reward_pb2_grpc
-from services.reward.client import spec_to_proto
+from fleetrl.launcher.embedded import free_port, wait_for_port
+from fleetrl.proto.fleetrl.v1 import common_pb2, reward_pb2, reward_pb2_grpc
+from fleetrl.reward.client import spec_to_proto
+from fleetrl.runtime.grpcutil import channel
+from fleetrl.spec.config import RewardSpec
 
 pytestmark = [NEEDS_KUBECTL, pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("setpriv"),
                                                 reason="needs root and setpriv, like the reward pod")]
@@ -50,7 +50,8 @@ async def test_workers_get_every_isolation_layer_with_the_pods_capabilities(tmp_
     env |= {"FLEETRL_REWARD_LISTEN": f"127.0.0.1:{port}", "FLEETRL_REWARD_METRICS_PORT": "0",
             "FLEETRL_REWARD_SANDBOX_UID_BASE": str(UID_BASE), "FLEETRL_REWARD_SANDBOX_DIR": str(tmp_path)}
     env |= {k: os.environ[k] for k in ("PATH", "PYTHONPATH", "HOME") if k in os.environ}
-    command = ["setpriv", f"--bounding-set={bounding}", sys.executable, "-m", "services.cli", *container["args"]]
+    command = ["setpriv", f"--bounding-set={bounding}", sys.executable, "-m", "fleetrl.launcher.main",
+               *container["args"]]
     log = tmp_path / "reward.log"
     with log.open("wb") as out:
         service = subprocess.Popen(command, env=env, stdout=out, stderr=subprocess.STDOUT)

@@ -1,4 +1,4 @@
-"""Helpers of the end-to-end tests: `services.fleet.fleet.Fleet` run in-process, as `fleetrl up` runs it.
+"""Helpers of the end-to-end tests: `fleetrl.launcher.fleet.Fleet` run in-process, as `fleetrl up` runs it.
 
 `running_fleet` starts embedded NATS + Valkey, gateway, replay, reward, learner and actors as real
 child processes under the fleet's supervisor (conftest.py makes one fleet per session). The
@@ -25,11 +25,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from services.fleet.fleet import Fleet, FleetLayout, FleetOptions, pid_alive, request_scale
-from services.gateway import cli
-from services.gateway.client import Client, Run
-from services.proto.fleetrl.v1 import replay_pb2
-from services.replay.client import ReplayClient
+from fleetrl.launcher import jobs_cli as cli
+from fleetrl.launcher.fleet import Fleet, FleetLayout, FleetOptions, pid_alive, request_scale
+from fleetrl.proto.fleetrl.v1 import replay_pb2
+from fleetrl.replay.client import ReplayClient
+from fleetrl.sdk.client import Client, Run
 
 MODEL = "tiny-llama"
 PPS = 4

@@ -16,15 +16,15 @@ from pathlib import Path
 import pytest
 import yaml
 
-from services.cli import ROUTES
+from fleetrl.launcher.main import ROUTES
 
 ROOT = Path(__file__).resolve().parents[2]
 SETTINGS = {
-    "gateway": "services.gateway.config:GatewaySettings",
-    "replay": "services.replay.config:ReplaySettings",
-    "reward": "services.reward.config:RewardSettings",
-    "learner": "services.learner.config:LearnerSettings",
-    "actor": "services.actor.config:ActorSettings",
+    "gateway": "fleetrl.services.gateway.config:GatewaySettings",
+    "replay": "fleetrl.services.replay.config:ReplaySettings",
+    "reward": "fleetrl.reward.settings:RewardSettings",
+    "learner": "fleetrl.train.settings:LearnerSettings",
+    "actor": "fleetrl.rollout.settings:ActorSettings",
 }
 
 
@@ -49,7 +49,7 @@ def test_commands_and_environment_match_the_code(compose: str) -> None:
     assert set(base) == set(SETTINGS)
     for name, svc in services.items():
         command = svc.get("command", base[name]["command"])
-        assert command[0] in ROUTES and ROUTES[command[0]][0] == f"services.{name}.__main__", name
+        assert command[0] in ROUTES and ROUTES[command[0]][0] == f"fleetrl.services.{name}.__main__", name
         prefix = f"FLEETRL_{name.upper()}_"
         fields = _settings_fields(name)
         for variable in svc.get("environment", {}):
@@ -60,7 +60,7 @@ def test_commands_and_environment_match_the_code(compose: str) -> None:
 def test_dockerfile_entrypoint_is_the_cli() -> None:
     text = (ROOT / "Dockerfile").read_text()
     assert 'ENTRYPOINT ["fleetrl"]' in text
-    assert 'fleetrl = "services.cli:main"' in (ROOT / "pyproject.toml").read_text()
+    assert 'fleetrl = "fleetrl.launcher.main:main"' in (ROOT / "pyproject.toml").read_text()
 
 
 @pytest.mark.skipif(not (shutil.which("docker-compose")), reason="docker-compose not installed")
@@ -71,7 +71,7 @@ def test_compose_config_validates() -> None:
 
 def test_compose_nats_configuration_is_accepted_by_nats_server() -> None:
     """The compose NATS service's command and config file, checked by the real nats-server (`-t`)."""
-    from services.fleet.embedded import nats_server_binary
+    from fleetrl.launcher.embedded import nats_server_binary
 
     nats = _services_of(ROOT / "docker-compose.yml")["nats"]
     command = list(nats["command"])

@@ -6,8 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from services.common.config import JobSpec
-from services.fleet import configdoc
+from fleetrl.launcher import configdoc
+from fleetrl.spec.config import JobSpec
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIG_MD = ROOT / "docs" / "CONFIG.md"
@@ -15,7 +15,7 @@ CONFIG_MD = ROOT / "docs" / "CONFIG.md"
 
 def test_config_reference_is_fresh() -> None:
     assert not configdoc.is_stale(CONFIG_MD), (
-        "docs/CONFIG.md is stale: run `python -m services.fleet.configdoc --write docs/CONFIG.md` and commit it")
+        "docs/CONFIG.md is stale: run `python -m fleetrl.launcher.configdoc --write docs/CONFIG.md` and commit it")
 
 
 def test_every_field_is_documented() -> None:
@@ -38,5 +38,5 @@ def test_splice_replaces_only_the_generated_block() -> None:
 
 
 def test_generator_imports_no_torch() -> None:
-    code = "import sys, services.fleet.configdoc; sys.exit('torch' in sys.modules)"
+    code = "import sys, fleetrl.launcher.configdoc; sys.exit('torch' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code], cwd=ROOT).returncode == 0

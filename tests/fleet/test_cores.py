@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from services.fleet import cores
-from services.fleet.cli import _up_parser, options_from
-from services.fleet.fleet import Fleet, FleetOptions
+from fleetrl.launcher import cores
+from fleetrl.launcher.cli import _up_parser, options_from
+from fleetrl.launcher.fleet import Fleet, FleetOptions
 
 
 @pytest.mark.parametrize(("cores_", "actors", "learner", "actor"), [

@@ -1,6 +1,6 @@
 """`fleetrl demo` end to end on a tiny model: a real fleet, a real job, a well-formed report.
 
-The demo runs as a user would run it (`python -m services.cli demo ...` in a child process): it
+The demo runs as a user would run it (`python -m fleetrl.launcher.main demo ...` in a child process): it
 starts embedded NATS + Valkey and every service, trains a few steps, downloads the model, stops
 the fleet and writes its report. Bad options fail with exit code 2 before anything starts.
 """
@@ -17,12 +17,12 @@ import pytest
 from PIL import Image
 from rich.console import Console
 
-from services.common.config import parse_job_spec
-from services.fleet import demo, report
-from services.fleet.fleet import STATE_FILE
-from services.fleet.report import SAMPLED_PROBLEMS
-from services.gateway.client import load_job_file
-from services.gateway.models import JobInfo, StepInfo
+from fleetrl.launcher import demo, report
+from fleetrl.launcher.fleet import STATE_FILE
+from fleetrl.launcher.report import SAMPLED_PROBLEMS
+from fleetrl.sdk.client import load_job_file
+from fleetrl.sdk.records import JobInfo, StepInfo
+from fleetrl.spec.config import parse_job_spec
 
 ROOT = Path(__file__).resolve().parents[2]
 STEPS = 3
@@ -37,7 +37,7 @@ QUICK = ["--model", "tiny-llama", "--max-steps", str(STEPS), "--eval-problems", 
 @pytest.fixture(scope="module")
 def demo_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[subprocess.CompletedProcess[str], Path]:
     run_dir = tmp_path_factory.mktemp("demo") / "run"
-    done = subprocess.run([sys.executable, "-m", "services.cli", "demo", "--dir", str(run_dir), *QUICK],
+    done = subprocess.run([sys.executable, "-m", "fleetrl.launcher.main", "demo", "--dir", str(run_dir), *QUICK],
                           cwd=ROOT, capture_output=True, text=True, timeout=840)
     return done, run_dir
 

@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from services.fleet import devices
-from services.fleet.cli import _up_parser, options_from
-from services.fleet.fleet import SERVICES, Fleet, FleetLayout, FleetOptions
+from fleetrl.launcher import devices
+from fleetrl.launcher.cli import _up_parser, options_from
+from fleetrl.launcher.fleet import SERVICES, Fleet, FleetLayout, FleetOptions
 
 
 @pytest.mark.parametrize(("gpus", "learner", "actors"), [

@@ -10,8 +10,7 @@ from pathlib import Path
 
 import redis
 
-from services.common import bus
-from services.fleet.embedded import (
+from fleetrl.launcher.embedded import (
     STATE_FILE,
     EmbeddedNats,
     EmbeddedValkey,
@@ -19,6 +18,7 @@ from services.fleet.embedded import (
     process_identity,
     stop_recorded,
 )
+from fleetrl.tasks import bus
 
 # Enough single-key writes that replaying the AOF takes Valkey a noticeable time (about 0.3 s here).
 AOF_KEYS = 200_000

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from services import cli
-from services.fleet.embedded import free_port, wait_for_port
+from fleetrl.launcher import main as cli
+from fleetrl.launcher.embedded import free_port, wait_for_port
 
 ROOT = Path(__file__).resolve().parents[2]
 PROBLEMS = [{"prompt": f"What is {a} + {a + 1}?", "answer": str(2 * a + 1)} for a in range(3)]
@@ -23,7 +23,7 @@ def reward_addr(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     port = free_port()
     log = tmp_path_factory.mktemp("reward") / "reward.log"
     with open(log, "wb") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "services.reward", "--listen", f"127.0.0.1:{port}",
+        proc = subprocess.Popen([sys.executable, "-m", "fleetrl.services.reward", "--listen", f"127.0.0.1:{port}",
                                  "--workers", "1"], cwd=ROOT, stdout=out, stderr=subprocess.STDOUT)
     try:
         wait_for_port("127.0.0.1", port, 60, proc)
@@ -80,7 +80,7 @@ def test_bad_input_names_the_field(reward_addr: str, prompts: Path, tmp_path: Pa
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"prompt": "ok"}\n{"answer": 3}\n')
     code, err = run_eval(capsys, "--prompts", str(bad), "--reward-builtin", "numeric_match")
-    assert code == 2 and [v["field"] for v in err["violations"]] == ["prompts:2"]
+    assert code == 2 and [v["field"] for v in err["violations"]] == ["prompts[line 2]"]
     code, err = run_eval(capsys, "--prompts", str(prompts), "--reward-builtin", "numeric_match",
                          "--reward-params", "[1]")
     assert code == 2 and [v["field"] for v in err["violations"]] == ["reward_params"]

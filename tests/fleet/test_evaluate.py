@@ -7,9 +7,9 @@ from dataclasses import dataclass
 
 import pytest
 
-from services.actor.backends import Completion, HFBackend, prompt_tokens
-from services.common.config import RolloutConfig
-from services.fleet import evaluate
+from fleetrl.eval import addition as evaluate
+from fleetrl.policy.backends import Completion, HFBackend, prompt_tokens
+from fleetrl.spec.config import RolloutConfig
 from tests.conftest import TinyModel
 
 

@@ -18,12 +18,12 @@ from types import ModuleType
 
 import pytest
 
-from services.common.config import JobSpec, parse_job_spec
-from services.gateway.checks import prompt_violations
-from services.gateway.client import load_job_file
-from services.reward.config import RewardSettings
-from services.reward.episodes import EpisodeSessions
-from services.reward.scorer import Item, Scorer, Status, parse_environment, parse_spec
+from fleetrl.reward.scorer import Item, Scorer, Status, parse_environment, parse_spec
+from fleetrl.reward.sessions import EpisodeSessions
+from fleetrl.reward.settings import RewardSettings
+from fleetrl.sdk.client import load_job_file
+from fleetrl.spec.config import JobSpec, parse_job_spec
+from fleetrl.spec.prompts import prompt_violations
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 JOB_FILES = sorted(EXAMPLES.rglob("*.toml"))

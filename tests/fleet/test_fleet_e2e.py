@@ -27,9 +27,9 @@ from e2e_fleet import PPS, FleetUnderTest, job_params, ledger, wait_for
 from google.protobuf import json_format
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from services.common.jobs import now_ms
-from services.fleet import cores
-from services.gateway.client import FLAT_PARAMS
+from fleetrl.jobs.store import now_ms
+from fleetrl.launcher import cores
+from fleetrl.sdk.client import FLAT_PARAMS
 
 pytestmark = pytest.mark.slow
 
@@ -208,7 +208,7 @@ def test_nats_killed_mid_job_and_restarted(fleet: FleetUnderTest) -> None:
 def test_sweep_two_by_two_runs_four_jobs_and_leaves_nothing_running(fleet: FleetUnderTest, tmp_path: Path,
                                                                     capsys: pytest.CaptureFixture[str]) -> None:
     """`fleetrl sweep` with a 2x2 grid: four jobs through the real services, one row each, none left running."""
-    from services import cli as fleetrl
+    from fleetrl.launcher import main as fleetrl
 
     job_file = tmp_path / "job.toml"
     job_file.write_text(f'model = "tiny-llama"\nprompts = "{fleet.prompts}"\n[reward]\nbuiltin = "numeric_match"\n'

@@ -33,9 +33,9 @@ from e2e_fleet import FleetUnderTest, ledger, wait_for
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 
-from services.common import bus
-from services.common.jobs import job_key
-from services.common.weights import WeightStore
+from fleetrl.jobs.store import job_key
+from fleetrl.tasks import bus
+from fleetrl.weights.store import WeightStore
 
 pytestmark = pytest.mark.slow
 
@@ -179,6 +179,7 @@ def test_sigstop_replay_reward_nats_valkey_in_turn(fleet: FleetUnderTest) -> Non
 # ---------------------------------------------------------------- NATS killed during a weight publish
 
 PUBLISH_STEPS = 8
+KILL_ATTEMPTS = 3
 
 
 async def kill_nats_mid_publish(fleet: FleetUnderTest, job_id: str, after_version: int) -> dict[str, object]:
@@ -241,22 +242,31 @@ def test_nats_killed_during_a_weight_publish(fleet: FleetUnderTest) -> None:
     job = run.job_id
     started = time.monotonic()
     wait_for(lambda: step_of(fleet, job) >= 2, 120, "step 2")
-    seen = asyncio.run(kill_nats_mid_publish(fleet, job, 2))
-    time.sleep(2.0)
-    nats.start()
+    kills, interrupted = 0, None
+    while interrupted is None and kills < KILL_ATTEMPTS:
+        # a small payload's publish can end between the first chunk the test sees and the SIGKILL landing:
+        # then the kill hit between publishes, and the next publish gets another one
+        seen = asyncio.run(kill_nats_mid_publish(fleet, job, 2))
+        pointer_before = int(str(seen["pointer_before"]))
+        kills += 1
+        time.sleep(2.0)
+        nats.start()
+        wait_for(lambda: step_of(fleet, job) > pointer_before + 1, 120, "a step after the kill")  # noqa: B023
+        failed = [int(v) for v in re.findall(rf"job {job}: publish of weights v(\d+) failed", fleet.log("learner"))]
+        interrupted = next((v for v in failed if v > pointer_before), None)
+    assert interrupted is not None, f"none of {kills} kills hit a publish"
     info = run.wait(timeout_s=240)
     assert info.state == "succeeded", (info.reason, fleet.log("learner")[-3000:])
     assert restarts(fleet) == before
     version, pointer_sha, payload_sha = asyncio.run(pointer_and_digest(nats.url, job))
     assert version == PUBLISH_STEPS and pointer_sha == payload_sha
-    interrupted = int(seen["pointer_before"]) + 1  # type: ignore[call-overload]
-    assert f"job {job}: publish of weights v{interrupted} failed" in fleet.log("learner")  # the kill hit it
     per_actor = {a: loaded_versions(fleet.log(a), job) for a in fleet.actors()}
     for name, versions in per_actor.items():
         assert versions == sorted(set(versions)), (name, versions)  # never backwards, never twice
         assert versions and versions[-1] >= interrupted, (name, versions)
     fleet.stop_actors()
     counts = ledger(fleet, job, PUBLISH_STEPS)
-    print(f"nats kill during publish: injected 1 SIGKILL at {seen}, services restarted 0, versions loaded per "
+    print(f"nats kill during publish: injected {kills} SIGKILL(s), the last at {seen}, hitting the publish of "
+          f"v{interrupted}, services restarted 0, versions loaded per "
           f"actor {json.dumps(per_actor)}, {PUBLISH_STEPS} steps in {time.monotonic() - started:.1f}s, "
           f"ledger: {json.dumps(counts)}")

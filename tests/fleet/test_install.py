@@ -17,8 +17,8 @@ import pytest
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
-from services.common import models
-from services.common.errors import FailedPrecondition
+from fleetrl.errors import FailedPrecondition
+from fleetrl.policy import models
 
 ROOT = Path(__file__).resolve().parents[2]
 NEVER = {"llama-cpp-python", "llm", "openai", "llm-gguf"}
@@ -105,7 +105,7 @@ def test_a_cached_conversion_needs_no_gguf(monkeypatch: pytest.MonkeyPatch, tmp_
 
 
 def test_the_examples_are_package_data() -> None:
-    from services.fleet import demo
+    from fleetrl.launcher import demo
 
     assert demo.DEFAULT_JOB.is_file() and demo.DEFAULT_EVAL.is_file()
     assert demo.EXAMPLES.parent == Path(demo.__file__).parent  # inside the package, not beside the checkout

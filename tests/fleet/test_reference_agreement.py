@@ -1,7 +1,7 @@
 """The distributed path reproduces the single-process reference loop.
 
 A whole fleet (1 actor, max_staleness 0: strictly on-policy, step s's prompts go out only after
-weights v=s) trains 3 steps of a tiny job; `services.learner.reference.run` trains the same spec
+weights v=s) trains 3 steps of a tiny job; `fleetrl.train.reference.run` trains the same spec
 from the same initial weights in this process. Both follow the shared seeding rules (feeder order,
 per-task sampling seeds) and call the same `train_step`, so every step sees the same prompts, the
 same sampled tokens and the same rewards, and the losses agree within float tolerance.
@@ -23,10 +23,11 @@ import pytest
 import torch
 from e2e_fleet import MODEL, FleetUnderTest, job_params, running_fleet
 
-from services.common import models
-from services.common.config import JobSpec, validate
-from services.gateway.client import spec_from_params
-from services.learner.reference import read_prompts, reward_of, run, tasks_of_step
+from fleetrl.policy import models
+from fleetrl.sdk.client import spec_from_params
+from fleetrl.spec.config import JobSpec, validate
+from fleetrl.spec.prompts import read_prompts
+from fleetrl.train.reference import reward_of, run, tasks_of_step
 
 pytestmark = pytest.mark.slow
 
@@ -81,7 +82,7 @@ def test_one_actor_on_policy_fleet_matches_the_reference_loop(one_actor_fleet: F
     spec, reference = reference_history(fleet, reward_file)
 
     assert [m["step"] for m in distributed] == list(range(1, STEPS + 1))
-    num_prompts = len(read_prompts(fleet.prompts))
+    num_prompts = len(read_prompts(fleet.prompts.read_bytes()))
     for step, (dist, ref) in enumerate(zip(distributed, reference, strict=True)):
         expected = [f"{epoch}/{index}" for epoch, index in tasks_of_step(step, num_prompts, spec)]
         assert sorted(dist["task_ids"]) == sorted(expected), step

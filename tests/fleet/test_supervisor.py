@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from services.fleet.supervisor import ChildSpec, Supervisor
+from fleetrl.launcher.supervisor import ChildSpec, Supervisor
 
 # A child that spawns a grandchild and then sleeps: stopping must take both.
 SCRIPT = "import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)']); " \

@@ -1,5 +1,5 @@
 """Gateway test fixtures: one real Valkey, NATS and reward service per session, and real gateway
-processes (`python -m services.gateway`) on free ports that tests may SIGKILL and restart.
+processes (`python -m fleetrl.services.gateway`) on free ports that tests may SIGKILL and restart.
 
 The shared gateway has three tenants (alice, bob, carol) and small limits (4 MiB messages, 1 MiB
 prompts, 16 KiB reward files) so oversize paths are cheap to reach. Test gateways allow the jobs'
@@ -21,11 +21,11 @@ from typing import Any, TypeVar
 
 import pytest
 
-from services.common.jobs import JobStore
-from services.common.models import BUILTIN_MODELS
-from services.fleet.embedded import EmbeddedNats, EmbeddedValkey, free_port, wait_for_port
-from services.gateway.auth import hash_token
-from services.gateway.client import Client
+from fleetrl.jobs.store import JobStore
+from fleetrl.launcher.embedded import EmbeddedNats, EmbeddedValkey, free_port, wait_for_port
+from fleetrl.policy.models import BUILTIN_MODELS
+from fleetrl.sdk.client import Client
+from fleetrl.services.gateway.auth import hash_token
 
 ROOT = Path(__file__).resolve().parents[2]
 TOKENS = {"alice": "tok-alice-1", "bob": "tok-bob-2", "carol": "tok-carol-3"}
@@ -95,7 +95,7 @@ class Infra:
             lines.append("[tokens]\n" + "\n".join(f'{t} = "{hash_token(v)}"' for t, v in table.items()))
         config = self.tmp / f"{name}.toml"
         config.write_text("\n".join(lines) + "\n")
-        return Proc(["-m", "services.gateway", "--config", str(config)], self.tmp / f"{name}.log")
+        return Proc(["-m", "fleetrl.services.gateway", "--config", str(config)], self.tmp / f"{name}.log")
 
     def store(self, fn: Callable[[JobStore], Awaitable[T]]) -> T:
         """Run fn against a fresh JobStore (playing the learner's part in tests)."""
@@ -113,7 +113,7 @@ class Infra:
 def infra(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Infra]:
     tmp = tmp_path_factory.mktemp("gateway-infra")
     with EmbeddedValkey(data_dir=tmp / "valkey") as valkey, EmbeddedNats(data_dir=tmp / "nats") as nats:
-        reward = Proc(["-m", "services.reward", "--workers", "1"], tmp / "reward.log").start()
+        reward = Proc(["-m", "fleetrl.services.reward", "--workers", "1"], tmp / "reward.log").start()
         try:
             yield Infra(valkey.url, nats.url, reward.address, tmp)
         finally:

@@ -17,13 +17,13 @@ from typing import Any
 import grpc
 import pytest
 
-from services.common.config import JobSpec, load_settings, parse_job_spec, set_dotted
-from services.common.errors import ConfigError, grpc_code
-from services.common.models import BUILTIN_MODELS
-from services.fleet.fleet import Fleet, FleetOptions, model_admission
-from services.gateway.checks import Admission, admission_violations
-from services.gateway.client import Client, load_job_file
-from services.gateway.config import ENV_PREFIX, GatewaySettings, JobCaps, capped_paths, spec_field
+from fleetrl.errors import ConfigError, grpc_code
+from fleetrl.launcher.fleet import Fleet, FleetOptions, model_admission
+from fleetrl.policy.models import BUILTIN_MODELS
+from fleetrl.sdk.client import Client, load_job_file
+from fleetrl.services.gateway.checks import Admission, admission_violations
+from fleetrl.services.gateway.config import ENV_PREFIX, GatewaySettings, JobCaps, capped_paths, spec_field
+from fleetrl.spec.config import JobSpec, load_settings, parse_job_spec, set_dotted
 from tests.gateway.conftest import ROOT, TEST_MODELS, TOKENS, Infra, Proc
 
 PROMPTS = b'{"prompt": "1 + 1?", "answer": "2"}\n'
@@ -140,7 +140,7 @@ def test_every_violation_comes_back_together(alice: Client) -> None:
 
 
 def test_default_caps_admit_every_example_job() -> None:
-    jobs = sorted([*ROOT.glob("examples/*/job.toml"), *ROOT.glob("services/fleet/examples/*/job.toml")])
+    jobs = sorted([*ROOT.glob("examples/*/job.toml"), *ROOT.glob("fleetrl/launcher/examples/*/job.toml")])
     assert jobs
     for path in jobs:
         spec = parse_job_spec(load_job_file(path).spec, "json")

@@ -16,11 +16,11 @@ from google.protobuf import descriptor_pb2
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from services.common.errors import NotFound, Unauthenticated, Unavailable
-from services.gateway.__main__ import main as gateway_main
-from services.gateway.auth import TokenTable, hash_token
-from services.gateway.client import Client, Run
-from services.proto.fleetrl.v1 import gateway_pb2
+from fleetrl.errors import NotFound, Unauthenticated, Unavailable
+from fleetrl.proto.fleetrl.v1 import gateway_pb2
+from fleetrl.sdk.client import Client, Run
+from fleetrl.services.gateway.__main__ import main as gateway_main
+from fleetrl.services.gateway.auth import TokenTable, hash_token
 from tests.gateway.conftest import ROOT, TOKENS, Infra, Proc
 
 
@@ -134,7 +134,7 @@ def test_tls(infra: Infra, tmp_path: Path, job_dir: Path) -> None:
             plain.list_jobs()
         # --tls without --ca-file trusts gRPC's default roots, which GRPC_DEFAULT_SSL_ROOTS_FILE_PATH replaces
         env = {**os.environ, "GRPC_DEFAULT_SSL_ROOTS_FILE_PATH": str(cert), "FLEETRL_TOKEN": TOKENS["alice"]}
-        command = [sys.executable, "-m", "services.gateway.cli", "jobs", "--gateway", proc.address, "--json"]
+        command = [sys.executable, "-m", "fleetrl.launcher.jobs_cli", "jobs", "--gateway", proc.address, "--json"]
         trusted = subprocess.run([*command, "--tls"], env=env, cwd=ROOT, capture_output=True, text=True, timeout=60)
         assert trusted.returncode == 0, trusted.stderr
         assert isinstance(json.loads(trusted.stdout), list)

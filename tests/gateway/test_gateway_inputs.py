@@ -13,13 +13,13 @@ from pathlib import Path
 
 import pytest
 
-from services.common.bus import check_job_id
-from services.common.config import MAX_SPEC_DEPTH, InfraSettings, load_settings, parse_job_spec
-from services.common.errors import ConfigError, InvalidArgument
-from services.gateway.__main__ import main as gateway_main
-from services.gateway.checks import line_problem
-from services.gateway.client import Client
-from services.gateway.config import GatewaySettings
+from fleetrl.errors import ConfigError, InvalidArgument
+from fleetrl.sdk.client import Client
+from fleetrl.services.gateway.__main__ import main as gateway_main
+from fleetrl.services.gateway.config import GatewaySettings
+from fleetrl.spec.config import MAX_SPEC_DEPTH, InfraSettings, load_settings, parse_job_spec
+from fleetrl.spec.prompts import line_problem
+from fleetrl.tasks.bus import check_job_id
 from tests.gateway.conftest import ROOT, Infra
 
 BASE = {"prompts": "p.jsonl", "reward": {"builtin": "numeric_match"}}

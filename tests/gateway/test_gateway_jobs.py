@@ -13,11 +13,11 @@ from pathlib import Path
 
 import pytest
 
-from services.common import bus
-from services.common.errors import ConfigError, FailedPrecondition, NotFound
-from services.common.jobs import ADAPTER_DIR, JobState, JobStore
-from services.gateway import cli
-from services.gateway.client import Client, Run
+from fleetrl.errors import ConfigError, FailedPrecondition, NotFound
+from fleetrl.jobs.store import ADAPTER_DIR, JobState, JobStore
+from fleetrl.launcher import jobs_cli as cli
+from fleetrl.sdk.client import Client, Run
+from fleetrl.tasks import bus
 from tests.gateway.conftest import ROOT, TOKENS, Infra, Proc
 
 
@@ -247,7 +247,7 @@ def test_cli_errors_are_clear_and_json_with_json(gateway: Proc, tmp_path: Path,
     assert cli.main(["jobs", "--gateway", gateway.address, "--token", "wrong", "--json"]) == 1
     assert json.loads(capsys.readouterr().err)["code"] == "UNAUTHENTICATED"
     # the same as a process: one line of JSON on stderr, no traceback
-    done = subprocess.run([sys.executable, "-m", "services.gateway.cli", "jobs", "--gateway", gateway.address,
+    done = subprocess.run([sys.executable, "-m", "fleetrl.launcher.jobs_cli", "jobs", "--gateway", gateway.address,
                            "--ca-file", str(missing), "--json"], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert done.returncode == 2 and "Traceback" not in done.stderr
     assert json.loads(done.stderr)["violations"][0] == {"field": "ca_file",

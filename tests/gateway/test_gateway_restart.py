@@ -7,9 +7,9 @@ import threading
 import time
 from pathlib import Path
 
-from services.common.jobs import JobState, JobStore
-from services.gateway.client import Client
-from services.gateway.models import JobEventInfo
+from fleetrl.jobs.store import JobState, JobStore
+from fleetrl.sdk.client import Client
+from fleetrl.sdk.records import JobEventInfo
 from tests.gateway.conftest import TOKENS, Infra
 
 

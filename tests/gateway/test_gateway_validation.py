@@ -18,11 +18,11 @@ import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from services.common.errors import ConfigError, ResourceExhausted, Unavailable
-from services.common.grpcutil import field_violations
-from services.common.jobs import JobState, JobStore
-from services.gateway.client import Client
-from services.proto.fleetrl.v1 import gateway_pb2, gateway_pb2_grpc
+from fleetrl.errors import ConfigError, ResourceExhausted, Unavailable
+from fleetrl.jobs.store import JobState, JobStore
+from fleetrl.proto.fleetrl.v1 import gateway_pb2, gateway_pb2_grpc
+from fleetrl.runtime.grpcutil import field_violations
+from fleetrl.sdk.client import Client
 from tests.gateway.conftest import TOKENS, Infra, Proc
 
 PROMPTS = b'{"prompt": "1 + 1?", "answer": "2"}\n'

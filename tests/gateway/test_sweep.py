@@ -10,10 +10,11 @@ from pathlib import Path
 
 import pytest
 
-from services.common.config import apply_overrides
-from services.common.errors import ConfigError, DeadlineExceeded
-from services.gateway import cli, sweep
-from services.gateway.client import Client
+from fleetrl.errors import ConfigError, DeadlineExceeded
+from fleetrl.launcher import jobs_cli as cli
+from fleetrl.sdk import sweep
+from fleetrl.sdk.client import Client
+from fleetrl.spec.config import apply_overrides
 from tests.gateway.conftest import Proc
 from tests.gateway.test_gateway_jobs import cli_run
 

@@ -14,8 +14,8 @@ import torch
 import torch.distributed as dist
 from learner_fleet import flat, make_group, spec_for
 
-from services.learner.trained_policy import Policy
-from services.proto.fleetrl.v1 import common_pb2
+from fleetrl.proto.fleetrl.v1 import common_pb2
+from fleetrl.train.trained_policy import Policy
 
 SPEC = dict(max_steps=4, micro_batch_samples=2, epochs_per_step=2)
 GRPO_KL = dict(**SPEC, algorithm={"name": "grpo", "kl_coef": 0.05})

@@ -24,13 +24,13 @@ from tokenizers.models import WordLevel
 from tokenizers.pre_tokenizers import WhitespaceSplit
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-from services.common.config import JobSpec
-from services.common.jobs import JobRecord, JobStore
-from services.learner.feeder import task_ids_in_order
-from services.proto.fleetrl.v1 import common_pb2
-from services.replay.client import ReplayClient
-from services.replay.config import ReplaySettings
-from services.replay.server import running
+from fleetrl.jobs.store import JobRecord, JobStore
+from fleetrl.proto.fleetrl.v1 import common_pb2
+from fleetrl.replay.client import ReplayClient
+from fleetrl.services.replay.config import ReplaySettings
+from fleetrl.services.replay.server import running
+from fleetrl.spec.config import JobSpec
+from fleetrl.tasks.feeder import task_ids_in_order
 
 REPO = Path(__file__).resolve().parents[2]
 WORDS = ["<pad>", "<eos>", "<unk>", *"0123456789", "+", "="]
@@ -123,10 +123,10 @@ async def replay_service(redis_url: str) -> AsyncIterator[str]:
 
 def learner_process(nats_url: str, redis_url: str, replay_addr: str, run_dir: Path, log: Path,
                     **env: str) -> subprocess.Popen[bytes]:
-    """`python -m services.learner --once` as a real child process."""
+    """`python -m fleetrl.services.learner --once` as a real child process."""
     environ = {**os.environ, "FLEETRL_LEARNER_LEASE_S": "3", "FLEETRL_LEARNER_LISTEN": "127.0.0.1:0",
                "FLEETRL_LEARNER_SAMPLE_WAIT_S": "0.5", "FLEETRL_LEARNER_TORCH_THREADS": "1", **env}
-    cmd = [sys.executable, "-m", "services.learner", "--once", "--nats-url", nats_url, "--redis-url", redis_url,
+    cmd = [sys.executable, "-m", "fleetrl.services.learner", "--once", "--nats-url", nats_url, "--redis-url", redis_url,
            "--replay-addr", replay_addr, "--run-dir", str(run_dir)]
     return started(subprocess.Popen(cmd, cwd=REPO, env=environ, stdout=log.open("ab"), stderr=subprocess.STDOUT,
                                     start_new_session=True))

@@ -9,11 +9,11 @@ import pytest
 import torch
 from learner_fleet import make_group, spec_for
 
-from services.common.errors import FailedPrecondition
-from services.learner import checkpoint as ckpt
-from services.learner.feeder import FeederCursor, tasks_to_publish
-from services.learner.leases import LeaseBook, LeaseRecord
-from services.learner.trained_policy import Policy
+from fleetrl.errors import FailedPrecondition
+from fleetrl.tasks.feeder import FeederCursor, tasks_to_publish
+from fleetrl.train import checkpoint as ckpt
+from fleetrl.train.leases import LeaseBook, LeaseRecord
+from fleetrl.train.trained_policy import Policy
 
 
 def trained_policy() -> Policy:

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from services.learner.batch import component_means
-from services.proto.fleetrl.v1 import common_pb2
+from fleetrl.proto.fleetrl.v1 import common_pb2
+from fleetrl.train.batch import component_means
 
 
 def _group(*components: dict[str, float]) -> common_pb2.Group:

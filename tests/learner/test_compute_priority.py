@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from services.learner.trainer import compute_executor
+from fleetrl.train.trainer import compute_executor
 
 
 def thread_nices() -> dict[int, int]:

@@ -22,11 +22,11 @@ import torch
 from learner_fleet import create_job, insert_groups, learner_process, replay_service, spec_for
 from safetensors.torch import load_file
 
-from services.common import bus
-from services.common.jobs import JobState, JobStore
-from services.common.weights import WeightStore, decode_safetensors
-from services.learner import checkpoint as ckpt
-from services.replay.client import ReplayClient
+from fleetrl.jobs.store import JobState, JobStore
+from fleetrl.replay.client import ReplayClient
+from fleetrl.tasks import bus
+from fleetrl.train import checkpoint as ckpt
+from fleetrl.weights.store import WeightStore, decode_safetensors
 
 STEPS, PPS = 6, 2
 FIRST_STEPS = 3

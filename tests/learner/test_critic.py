@@ -12,13 +12,13 @@ import torch
 from learner_fleet import first_word_is_seven, make_group, spec_for, tiny_policy
 from nats.aio.client import Client as NATS
 
-from services.common import bus, models
-from services.common.config import JobSpec
-from services.common.errors import FailedPrecondition
-from services.common.weights import WeightStore, decode_safetensors
-from services.learner import checkpoint as ckpt
-from services.learner.batch import build_batch, group_rewards, micro_batches
-from services.learner.critic import (
+from fleetrl.errors import FailedPrecondition
+from fleetrl.policy import models
+from fleetrl.spec.config import JobSpec
+from fleetrl.tasks import bus
+from fleetrl.train import checkpoint as ckpt
+from fleetrl.train.batch import build_batch, group_rewards, micro_batches
+from fleetrl.train.critic import (
     ActorCritic,
     gae,
     gae_micro_batches,
@@ -28,10 +28,11 @@ from services.learner.critic import (
     whiten,
     with_critic,
 )
-from services.learner.losses import loss_config_for
-from services.learner.publish import WeightPublisher
-from services.learner.reference import run
-from services.learner.trained_policy import Policy
+from fleetrl.train.losses import loss_config_for
+from fleetrl.train.reference import run
+from fleetrl.train.trained_policy import Policy
+from fleetrl.weights.publish import WeightPublisher
+from fleetrl.weights.store import WeightStore, decode_safetensors
 
 PPO = {"name": "ppo", "gamma": 1.0, "lam": 1.0}
 

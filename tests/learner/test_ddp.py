@@ -19,10 +19,10 @@ import torch
 from ddp_rank import steps
 from learner_fleet import REPO, create_job, insert_groups, learner_process, replay_service, spec_for, started
 
-from services.common.jobs import JobState, JobStore
-from services.fleet.embedded import free_port
-from services.learner.optim import BATCH_METRICS, RANK_TIMINGS
-from services.replay.client import ReplayClient
+from fleetrl.jobs.store import JobState, JobStore
+from fleetrl.launcher.embedded import free_port
+from fleetrl.replay.client import ReplayClient
+from fleetrl.train.optim import BATCH_METRICS, RANK_TIMINGS
 
 
 def test_two_ranks_match_one(tmp_path: Path) -> None:
@@ -69,7 +69,7 @@ async def test_torchrun_service_matches_one_rank(nats_url: str, redis_url: str, 
         env = {**os.environ, "FLEETRL_LEARNER_LEASE_S": "3", "FLEETRL_LEARNER_LISTEN": "127.0.0.1:0",
                "FLEETRL_LEARNER_SAMPLE_WAIT_S": "0.5", "FLEETRL_LEARNER_TORCH_THREADS": "1"}
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-               str(free_port()), "-m", "services.learner", "--once", "--nats-url", nats_url, "--redis-url",
+               str(free_port()), "-m", "fleetrl.services.learner", "--once", "--nats-url", nats_url, "--redis-url",
                redis_url, "--replay-addr", addr, "--run-dir", str(run_dir)]
         ddp = started(subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log.open("ab"), stderr=subprocess.STDOUT,
                                        start_new_session=True))

@@ -15,11 +15,11 @@ import copy
 import pytest
 import torch
 
-from services.common.config import JobSpec, OptimConfig
-from services.learner.batch import build_batch, episode_metrics, group_advantages, policy_tokens
-from services.learner.losses import loss_config_for
-from services.learner.optim import build_scheduler, train_step
-from services.proto.fleetrl.v1 import common_pb2
+from fleetrl.proto.fleetrl.v1 import common_pb2
+from fleetrl.spec.config import JobSpec, OptimConfig
+from fleetrl.train.batch import build_batch, episode_metrics, group_advantages, policy_tokens
+from fleetrl.train.losses import loss_config_for
+from fleetrl.train.optim import build_scheduler, train_step
 from tests.learner.test_losses import random_groups, tiny_model
 
 ALGORITHMS = ["grpo", "dapo", "gspo"]

@@ -8,10 +8,11 @@ from hypothesis import given
 from hypothesis import strategies as st
 from learner_fleet import prompts_jsonl, spec_for
 
-from services.common import bus, ledger, seeding
-from services.common.errors import InvalidArgument
-from services.common.ledger import Ledger
-from services.learner.feeder import (
+from fleetrl.errors import ConfigError
+from fleetrl.proto.fleetrl.v1 import common_pb2
+from fleetrl.spec import seeding
+from fleetrl.tasks import bus, ledger
+from fleetrl.tasks.feeder import (
     Feeder,
     FeederCursor,
     in_flight_limit,
@@ -19,8 +20,8 @@ from services.learner.feeder import (
     sample_min_version,
     tasks_to_publish,
 )
-from services.learner.jobbus import JobBus
-from services.proto.fleetrl.v1 import common_pb2
+from fleetrl.tasks.jobbus import JobBus
+from fleetrl.tasks.ledger import Ledger
 
 
 def test_in_flight_is_bounded() -> None:
@@ -80,7 +81,7 @@ async def test_strictly_on_policy_tags_current_version(nats_url: str, redis_url:
 def test_parse_prompts_keeps_metadata() -> None:
     prompts = parse_prompts(b'{"prompt": "a", "answer": "1"}\n\n{"prompt": "b"}\n')
     assert [p.text for p in prompts] == ["a", "b"] and prompts[0].metadata_json == '{"answer": "1"}'
-    with pytest.raises(InvalidArgument, match="line 1"):
+    with pytest.raises(ConfigError, match="line 1"):
         parse_prompts(b'{"text": "x"}\n')
 
 

@@ -22,11 +22,11 @@ import redis.asyncio as aioredis
 from learner_fleet import create_job, insert_groups, learner_process, replay_service, spec_for
 from test_crash import finish, metrics
 
-from services.common import bus
-from services.common.jobs import JobState, JobStore
-from services.common.ledger import Ledger
-from services.learner import checkpoint as ckpt
-from services.replay.client import ReplayClient
+from fleetrl.jobs.store import JobState, JobStore
+from fleetrl.replay.client import ReplayClient
+from fleetrl.tasks import bus
+from fleetrl.tasks.ledger import Ledger
+from fleetrl.train import checkpoint as ckpt
 
 STEPS, PPS, LEASE_S = 6, 2, 3.0
 

@@ -1,6 +1,6 @@
 """Jobs trained through the real services raise their mean reward: single-turn (GRPO, PPO) and multi-turn.
 
-A whole fleet (`services.fleet.fleet.Fleet`, as `fleetrl up` runs it: embedded NATS and Valkey,
+A whole fleet (`fleetrl.launcher.fleet.Fleet`, as `fleetrl up` runs it: embedded NATS and Valkey,
 gateway, reward, replay, learner and two actors as child processes) trains a job submitted through
 the gateway. The model is the 15-token word-level Llama of `learner_fleet.tiny_policy`, saved as an
 HF directory that actors and learner load by path; the reward file pays 1.0 when the completion's
@@ -20,8 +20,8 @@ from pathlib import Path
 import pytest
 from learner_fleet import tiny_policy
 
-from services.fleet.fleet import Fleet, FleetLayout, FleetOptions
-from services.gateway.client import Client
+from fleetrl.launcher.fleet import Fleet, FleetLayout, FleetOptions
+from fleetrl.sdk.client import Client
 
 pytestmark = pytest.mark.slow
 

@@ -6,11 +6,11 @@ import pytest
 import torch
 from test_losses import random_groups, tiny_model
 
-from services.common.config import JobSpec
-from services.learner import logprobs as lp
-from services.learner.batch import build_batch, completion_logprobs, group_advantages
-from services.learner.logprobs import naive_token_logprobs, token_logprobs
-from services.learner.losses import loss_config_for
+from fleetrl.policy import logprobs as lp
+from fleetrl.policy.logprobs import naive_token_logprobs, token_logprobs
+from fleetrl.spec.config import JobSpec
+from fleetrl.train.batch import build_batch, completion_logprobs, group_advantages
+from fleetrl.train.losses import loss_config_for
 
 B, T, V = 3, 200, 501  # B * T = 600 positions: two full chunks of 256 and a partial one
 

@@ -10,9 +10,10 @@ import torch
 from torch import Tensor
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from services.common.config import JobSpec, OptimConfig
-from services.learner.batch import build_batch, completion_logprobs, group_advantages, has_signal, micro_batches
-from services.learner.losses import (
+from fleetrl.proto.fleetrl.v1 import common_pb2
+from fleetrl.spec.config import JobSpec, OptimConfig
+from fleetrl.train.batch import build_batch, completion_logprobs, group_advantages, has_signal, micro_batches
+from fleetrl.train.losses import (
     LossConfig,
     LossInputs,
     compute_group_advantages,
@@ -20,8 +21,7 @@ from services.learner.losses import (
     loss_config_for,
     policy_loss,
 )
-from services.learner.optim import build_optimizer, build_scheduler, lr_factor, train_step
-from services.proto.fleetrl.v1 import common_pb2
+from fleetrl.train.optim import build_optimizer, build_scheduler, lr_factor, train_step
 
 
 def config(**overrides: object) -> LossConfig:

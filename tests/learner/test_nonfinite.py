@@ -16,15 +16,15 @@ from learner_fleet import create_job, make_group, replay_service, spec_for
 from prometheus_client import REGISTRY
 from torch import Tensor
 
-from services.common.config import JobSpec
-from services.common.jobs import JobState, JobStore
-from services.learner.config import LearnerSettings
-from services.learner.feeder import task_ids_in_order
-from services.learner.losses import LossInputs, loss_config_for, policy_loss
-from services.learner.service import serve
-from services.learner.trained_policy import Policy
-from services.proto.fleetrl.v1 import common_pb2
-from services.replay.client import ReplayClient
+from fleetrl.jobs.store import JobState, JobStore
+from fleetrl.proto.fleetrl.v1 import common_pb2
+from fleetrl.replay.client import ReplayClient
+from fleetrl.services.learner.service import serve
+from fleetrl.spec.config import JobSpec
+from fleetrl.tasks.feeder import task_ids_in_order
+from fleetrl.train.losses import LossInputs, loss_config_for, policy_loss
+from fleetrl.train.settings import LearnerSettings
+from fleetrl.train.trained_policy import Policy
 
 REAL = [1, 2, 4]
 """The real columns of the wide inputs; column 0 stands for a prompt token, 3 for an environment token,

@@ -13,11 +13,11 @@ import pytest
 import torch
 from learner_fleet import first_word_is_seven, tiny_policy
 
-from services.common.config import JobSpec
-from services.common.errors import ConfigError
-from services.learner.batch import build_batch, completion_logprobs, group_advantages
-from services.learner.losses import loss_config_for
-from services.learner.reference import reward_of, rollout_group, run, tasks_of_step
+from fleetrl.errors import ConfigError
+from fleetrl.spec.config import JobSpec
+from fleetrl.train.batch import build_batch, completion_logprobs, group_advantages
+from fleetrl.train.losses import loss_config_for
+from fleetrl.train.reference import reward_of, rollout_group, run, tasks_of_step
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -97,7 +97,7 @@ def test_cli_prints_one_json_line_per_step(tmp_path: Path) -> None:
         "[rollout]\nprompts_per_step = 2\nsamples_per_prompt = 2\nmax_new_tokens = 4\n"
     )
     proc = subprocess.run(
-        [sys.executable, "-m", "services.learner.reference", "--job", str(tmp_path / "job.toml"), "--steps", "2",
+        [sys.executable, "-m", "fleetrl.train.reference", "--job", str(tmp_path / "job.toml"), "--steps", "2",
          "--set", "optim.learning_rate=0.001"],
         cwd=REPO, capture_output=True, text=True, timeout=240, env={**os.environ, "PYTHONPATH": str(REPO)},
     )

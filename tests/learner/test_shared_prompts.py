@@ -10,9 +10,10 @@ import torch
 from test_losses import random_groups, tiny_model
 from transformers import LlamaConfig
 
-from services.common.config import JobSpec
-from services.learner import optim
-from services.learner.batch import (
+from fleetrl.proto.fleetrl.v1 import common_pb2
+from fleetrl.spec.config import JobSpec
+from fleetrl.train import optim
+from fleetrl.train.batch import (
     TrainBatch,
     attention_cost_ratio,
     build_batch,
@@ -22,9 +23,8 @@ from services.learner.batch import (
     micro_batches,
     share_prompts,
 )
-from services.learner.critic import ActorCritic, value_head
-from services.learner.losses import loss_config_for
-from services.proto.fleetrl.v1 import common_pb2
+from fleetrl.train.critic import ActorCritic, value_head
+from fleetrl.train.losses import loss_config_for
 
 ALWAYS = 0.0
 """A cost ratio that makes packing cheaper whenever a prompt is shared (attention counted free)."""

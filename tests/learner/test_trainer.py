@@ -17,16 +17,18 @@ from peft import PeftModel
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from services.common import bus, lora_weights, models
-from services.common.config import LoraSpec
-from services.common.jobs import JobRecord, JobState, JobStore
-from services.common.weights import WeightStore, decode_safetensors, encode_safetensors
-from services.learner import checkpoint as ckpt
-from services.learner.config import LearnerSettings
-from services.learner.feeder import in_flight_limit, task_ids_in_order
-from services.learner.service import serve
-from services.proto.fleetrl.v1 import common_pb2, learner_pb2, learner_pb2_grpc
-from services.replay.client import ReplayClient
+from fleetrl.jobs.store import JobRecord, JobState, JobStore
+from fleetrl.policy import models
+from fleetrl.proto.fleetrl.v1 import common_pb2, learner_pb2, learner_pb2_grpc
+from fleetrl.replay.client import ReplayClient
+from fleetrl.services.learner.service import serve
+from fleetrl.spec.config import LoraSpec
+from fleetrl.tasks import bus
+from fleetrl.tasks.feeder import in_flight_limit, task_ids_in_order
+from fleetrl.train import checkpoint as ckpt
+from fleetrl.train.settings import LearnerSettings
+from fleetrl.weights import adapters as lora_weights
+from fleetrl.weights.store import WeightStore, decode_safetensors, encode_safetensors
 
 
 def settings(nats_url: str, redis_url: str, replay_addr: str, run_dir: Path) -> LearnerSettings:
@@ -313,8 +315,8 @@ async def test_a_resumed_learner_settles_the_stale_drops_it_never_saw(
 
 
 async def test_get_status(redis_url: str, tmp_path: Path) -> None:
-    from services.learner import server
-    from services.learner.status import StatusBoard
+    from fleetrl.services.learner import server
+    from fleetrl.train.status import StatusBoard
 
     board = StatusBoard("L9")
     srv, port, _health = await server.start(board, "127.0.0.1:0")

@@ -1,6 +1,6 @@
 """Helpers of the observability tests: one traced fleet, as `fleetrl up --tracing` runs it, and scraping.
 
-`traced_fleet` starts `services.fleet.fleet.Fleet` with tracing on (each process writes its spans to
+`traced_fleet` starts `fleetrl.launcher.fleet.Fleet` with tracing on (each process writes its spans to
 `<run_dir>/traces/<service>-<pid>.jsonl`) and metrics ports for every service and actor, serves it
 from a thread, submits one tiny job, and scrapes every /metrics endpoint once the job's first step
 is reported, while the rest of the job still runs. Tests then read what they need after the job ends.
@@ -20,8 +20,8 @@ from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from services.fleet.fleet import Fleet, FleetLayout, FleetOptions
-from services.gateway.client import Client, Run
+from fleetrl.launcher.fleet import Fleet, FleetLayout, FleetOptions
+from fleetrl.sdk.client import Client, Run
 
 MODEL = "tiny-llama"
 MAX_STEPS = 4

@@ -11,8 +11,8 @@ from typing import Any
 import pytest
 from obs_fleet import MAX_STEPS, TracedFleet, total, wait_for
 
-from services import cli
-from services.replay.client import ReplayClient
+from fleetrl.launcher import main as cli
+from fleetrl.replay.client import ReplayClient
 
 pytestmark = pytest.mark.slow
 CHAIN_SERVICES = {"learner", "actor", "reward", "replay"}

@@ -11,11 +11,11 @@ import yaml
 from prometheus_client import REGISTRY, CollectorRegistry
 from prometheus_client.metrics_core import Metric
 
-import services.actor.metrics
-import services.learner.observe
-from services.common.observe import RpcMetrics
-from services.replay.server import Metrics as ReplayMetrics
-from services.reward.metrics import RewardMetrics
+import fleetrl.rollout.metrics
+import fleetrl.train.observability
+from fleetrl.reward.metrics import RewardMetrics
+from fleetrl.runtime.observe import RpcMetrics
+from fleetrl.services.replay.server import Metrics as ReplayMetrics
 
 ROOT = Path(__file__).resolve().parents[2]
 FLEETRL = ("gateway", "replay", "reward", "learner", "actor")
@@ -63,7 +63,7 @@ def _catalogue() -> dict[str, Family]:
 
 
 def test_the_catalogue_lists_every_metric_and_only_those() -> None:
-    assert services.actor.metrics.TASKS and services.learner.observe.STEPS
+    assert fleetrl.rollout.metrics.TASKS and fleetrl.train.observability.STEPS
     code, docs = _families(), _catalogue()
     assert sorted(set(code) - set(docs)) == [], "not in docs/OBSERVABILITY.md's catalogue"
     assert sorted(set(docs) - set(code)) == [], "catalogued in docs/OBSERVABILITY.md, but no code exposes it"

@@ -15,19 +15,20 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from prometheus_client import CollectorRegistry
 
-from services.actor.metrics import Activity
-from services.common import bus, heartbeat, telemetry
-from services.common.config import JobSpec
-from services.common.errors import ConfigError, NotFound, Unavailable
-from services.common.heartbeat import Beat
-from services.common.jobs import JobState, JobStore
-from services.fleet import top
-from services.gateway.checks import Limits
-from services.gateway.service import Gateway
-from services.proto.fleetrl.v1 import common_pb2
-from services.replay.client import ReplayClient
-from services.replay.config import ReplaySettings
-from services.replay.server import running
+from fleetrl.errors import ConfigError, NotFound, Unavailable
+from fleetrl.jobs.store import JobState, JobStore
+from fleetrl.launcher import top
+from fleetrl.proto.fleetrl.v1 import common_pb2
+from fleetrl.replay.client import ReplayClient
+from fleetrl.rollout.metrics import Activity
+from fleetrl.runtime import heartbeat, telemetry
+from fleetrl.runtime.heartbeat import Beat
+from fleetrl.services.gateway.checks import Limits
+from fleetrl.services.gateway.service import Gateway
+from fleetrl.services.replay.config import ReplaySettings
+from fleetrl.services.replay.server import running
+from fleetrl.spec.config import JobSpec
+from fleetrl.tasks import bus
 
 SPEC = JobSpec.model_validate({"prompts": "p.jsonl", "reward": {"builtin": "numeric_match"}})
 

@@ -7,8 +7,8 @@ from collections.abc import AsyncIterator
 import pytest
 from replay_helpers import settings_for
 
-from services.replay.client import ReplayClient
-from services.replay.server import Running, running
+from fleetrl.replay.client import ReplayClient
+from fleetrl.services.replay.server import Running, running
 
 
 @pytest.fixture

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from services.common.config import ReplayConfig
-from services.proto.fleetrl.v1 import common_pb2
-from services.replay.client import ReplayClient
-from services.replay.config import ReplaySettings
+from fleetrl.proto.fleetrl.v1 import common_pb2
+from fleetrl.replay.client import ReplayClient
+from fleetrl.services.replay.config import ReplaySettings
+from fleetrl.spec.config import ReplayConfig
 
 
 def make_group(job: str, task: str, policy_version: int = 0, rewards: Sequence[float] = (0.0, 1.0),

@@ -17,11 +17,11 @@ import redis
 import redis.asyncio as aioredis
 from replay_helpers import configure, make_group, settings_for
 
-from services.common.errors import FailedPrecondition, FleetError, ResourceExhausted, Unavailable
-from services.fleet.embedded import EmbeddedValkey, free_port, wait_for_port
-from services.replay.client import INSERTED, ReplayClient
-from services.replay.server import running
-from services.replay.table import prefix
+from fleetrl.errors import FailedPrecondition, FleetError, ResourceExhausted, Unavailable
+from fleetrl.launcher.embedded import EmbeddedValkey, free_port, wait_for_port
+from fleetrl.replay.client import INSERTED, ReplayClient
+from fleetrl.replay.table import prefix
+from fleetrl.services.replay.server import running
 
 EVERYSEC_LOSS_BOUND_S = 2.0
 """Documented bound: with appendfsync everysec, acks older than this survive a kill -9 of Redis."""
@@ -82,7 +82,7 @@ async def test_acknowledged_inserts_survive_redis_kill9(tmp_path: Path, fsync: s
 
 
 def start_service(port: int, redis_url: str) -> subprocess.Popen[bytes]:
-    cmd = [sys.executable, "-m", "services.replay", "--listen", f"127.0.0.1:{port}", "--redis-url", redis_url,
+    cmd = [sys.executable, "-m", "fleetrl.services.replay", "--listen", f"127.0.0.1:{port}", "--redis-url", redis_url,
            "--set", "reclaim_interval_s=0.2"]
     proc = subprocess.Popen(cmd, cwd=Path(__file__).resolve().parents[2], start_new_session=True)
     wait_for_port("127.0.0.1", port, 30, proc)

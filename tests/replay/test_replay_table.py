@@ -4,20 +4,22 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import typing
 
 import grpc
 import pytest
 import redis.asyncio as aioredis
 from replay_helpers import configure, make_group
 
-from services.common.config import ReplayConfig
-from services.common.errors import FailedPrecondition, InvalidArgument, NotFound
-from services.common.grpcutil import field_violations
-from services.proto.fleetrl.v1 import common_pb2, replay_pb2, replay_pb2_grpc
-from services.replay import convert
-from services.replay.client import DUPLICATE, INSERTED, ReplayClient
-from services.replay.server import Running
-from services.replay.table import ReplayTables, TableConfig
+from fleetrl.errors import FailedPrecondition, InvalidArgument, NotFound
+from fleetrl.proto.fleetrl.v1 import common_pb2, replay_pb2, replay_pb2_grpc
+from fleetrl.replay.client import DUPLICATE, INSERTED, ReplayClient
+from fleetrl.replay.samplers import SAMPLERS, SAMPLERS_BY_KIND
+from fleetrl.replay.table import ReplayTables, TableConfig
+from fleetrl.runtime.grpcutil import field_violations
+from fleetrl.services.replay import convert
+from fleetrl.services.replay.server import Running
+from fleetrl.spec.config import ReplayConfig, SamplerName
 
 
 async def test_concurrent_duplicate_inserts_store_one_copy(replay_service: Running) -> None:
@@ -227,3 +229,11 @@ async def test_one_insert_call_dedups_evicts_and_trims_lineage_per_group(redis_u
     assert (stats.size_groups, stats.inserted, stats.duplicates, stats.evicted) == (2, 4, 2, 2)
     assert sorted(r.task_id for r in rows) == ["0/1", "0/2", "0/3"]  # the 3 newest versions
     assert [common_pb2.Group.FromString(p).task_id for p in result.payloads] == ["0/2", "0/3"]
+
+
+def test_the_spec_and_the_samplers_share_one_vocabulary() -> None:
+    """Every name a job spec may give `replay.sampler` is a sampler, and every sampler has a name there and
+    a kind on the wire (the learner, the ledger, the client and the table all look samplers up here)."""
+    assert set(typing.get_args(SamplerName)) == set(SAMPLERS)
+    assert {s.kind for s in SAMPLERS.values()} == set(SAMPLERS_BY_KIND) - {replay_pb2.SAMPLER_KIND_UNSPECIFIED}
+    assert [SAMPLERS[name].trainings_per_group(3) for name in ("fifo", "uniform", "prioritized")] == [1, 3, 3]

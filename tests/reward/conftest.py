@@ -12,12 +12,12 @@ from typing import Any
 
 import pytest
 
-from services.common.config import RewardSpec
-from services.common.grpcutil import channel
-from services.proto.fleetrl.v1 import reward_pb2, reward_pb2_grpc
-from services.reward.client import spec_to_proto
-from services.reward.config import RewardSettings
-from services.reward.server import Running, running
+from fleetrl.proto.fleetrl.v1 import reward_pb2, reward_pb2_grpc
+from fleetrl.reward.client import spec_to_proto
+from fleetrl.reward.settings import RewardSettings
+from fleetrl.runtime.grpcutil import channel
+from fleetrl.services.reward.server import Running, running
+from fleetrl.spec.config import RewardSpec
 
 UID_BASE = 300_000  # clear of the default range [200_000, 260_000) that other tests' reward services use
 

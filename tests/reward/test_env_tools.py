@@ -1,13 +1,16 @@
 """The tool-use helper of environment files: the tag format, both call forms, errors the model can read,
-and a ToolEnv run in the reward service's sandbox, where its file imports it as `env_tools`."""
+and a ToolEnv run in the reward service's sandbox, where its file imports it from `fleetrl.env`."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
-from services.proto.fleetrl.v1 import common_pb2
-from services.reward.env_tools import ToolCall, describe_tools, parse_tool_calls, run_tool_call, tool_schemas
+import pytest
+
+from fleetrl.env import Observation, ToolEnv
+from fleetrl.env.tools import ToolCall, describe_tools, parse_tool_calls, run_tool_call, tool_schemas
+from fleetrl.proto.fleetrl.v1 import common_pb2, reward_pb2
 from tests.reward.conftest import reward_service
 from tests.reward.test_reward_episodes import env_spec, open_session, step
 
@@ -74,7 +77,7 @@ def test_tool_schemas_are_what_chat_templates_take() -> None:
 
 
 CALCULATOR_ENV = '''
-from env_tools import ToolEnv
+from fleetrl.env import ToolEnv
 
 def calc(expression: str) -> str:
     """Evaluate an arithmetic expression."""
@@ -102,3 +105,47 @@ async def test_tool_env_runs_in_the_sandbox(tmp_path: Path) -> None:
         assert [(m.role, m.content) for m in called[0].observation] == [("tool", "4")] and not called[0].done
         final = (await stub.StepEpisodes(step("t", (0, 1, "4")), timeout=10)).results[0]
         assert (final.reward, final.done) == (1.0, True)  # open_session's task has answer "4"
+
+
+async def test_an_env_tools_import_still_loads_with_a_deprecation_warning(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    legacy = CALCULATOR_ENV.replace("from fleetrl.env import ToolEnv", "from env_tools import ToolEnv")
+    async with reward_service(tmp_path) as stub:
+        opened = await open_session(stub, "legacy", env_spec(legacy), 1)
+        assert opened.episodes[0].status == common_pb2.REWARD_STATUS_OK, opened.episodes[0].reason
+    warned = [r.getMessage() for r in caplog.records if "env_tools is deprecated" in r.getMessage()]
+    assert warned and "from fleetrl.env import ToolEnv" in warned[0], caplog.text[-2000:]
+
+
+TYPED_ENV = '''
+from fleetrl.env import Env, Observation, StepResult
+
+class Echo(Env):
+    def reset(self) -> Observation:
+        return [{"role": "user", "content": self.task["prompt"]}]
+
+    def step(self, action: str) -> StepResult:
+        return None, float(action == self.params["word"]), True
+'''
+
+
+async def test_a_subclass_of_the_typed_base_is_the_environment(tmp_path: Path) -> None:
+    async with reward_service(tmp_path) as stub:
+        opened = await open_session(stub, "typed", env_spec(TYPED_ENV, word="hi"), 1)
+        assert opened.episodes[0].status == common_pb2.REWARD_STATUS_OK, opened.episodes[0].reason
+        assert opened.episodes[0].observation[0].content == "2+2"
+        (done,) = (await stub.StepEpisodes(step("typed", (0, 0, "hi")), timeout=10)).results
+        assert done.done and done.reward == 1.0
+        missing = TYPED_ENV.replace("    def step(self, action: str) -> StepResult:\n"
+                                    "        return None, float(action == self.params[\"word\"]), True\n", "")
+        verdict = await stub.Validate(reward_pb2.ValidateRequest(environment=env_spec(missing)), timeout=20)
+        assert not verdict.ok and "class Echo does not define step" in verdict.reason, verdict.reason
+
+
+def test_the_typed_bases_refuse_an_incomplete_environment() -> None:
+    class NoFinish(ToolEnv):
+        def reset(self) -> Observation:
+            return "go"
+
+    with pytest.raises(TypeError, match="finish"):
+        NoFinish({"prompt": "p"})  # type: ignore[abstract]

@@ -18,10 +18,10 @@ from pathlib import Path
 import grpc
 import pytest
 
-from services.common.config import EnvironmentSpec
-from services.proto.fleetrl.v1 import common_pb2, reward_pb2, reward_pb2_grpc
-from services.reward.client import environment_to_proto
-from services.reward.server import Running
+from fleetrl.proto.fleetrl.v1 import common_pb2, reward_pb2, reward_pb2_grpc
+from fleetrl.reward.client import environment_to_proto
+from fleetrl.services.reward.server import Running
+from fleetrl.spec.config import EnvironmentSpec
 from tests.reward.conftest import reward_server, reward_service
 
 SCRIPTED = '''
@@ -121,8 +121,8 @@ async def test_hanging_step_costs_only_its_episode(tmp_path: Path) -> None:
 async def test_bad_environment_files_fail_with_the_reason(tmp_path: Path) -> None:
     async with reward_service(tmp_path) as stub:
         for source, reason in (("import nosuchmodule\n", "No module named 'nosuchmodule'"),
-                               ("x = 1\n", "does not define a class `Env`"),
-                               ("class Env:\n    def reset(self): return 'hi'\n", "no method step")):
+                               ("x = 1\n", "defines no environment: a subclass of fleetrl.env.Env"),
+                               ("class Env:\n    def reset(self): return 'hi'\n", "class Env does not define step")):
             answer = await stub.Validate(reward_pb2.ValidateRequest(environment=env_spec(source)), timeout=30)
             assert not answer.ok and reason in answer.reason and "environment.file" in answer.reason
         with pytest.raises(grpc.aio.AioRpcError) as refused:

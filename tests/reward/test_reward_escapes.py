@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from services.proto.fleetrl.v1 import common_pb2, reward_pb2, reward_pb2_grpc
+from fleetrl.proto.fleetrl.v1 import common_pb2, reward_pb2, reward_pb2_grpc
 from tests.reward.conftest import file_spec, items, reward_service, uid_processes
 
 OK, TIMEOUT = common_pb2.REWARD_STATUS_OK, common_pb2.REWARD_STATUS_TIMEOUT

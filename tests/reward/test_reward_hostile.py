@@ -30,9 +30,9 @@ from pathlib import Path
 
 import pytest
 
-from services.common.grpcutil import channel
-from services.fleet.embedded import free_port, wait_for_port
-from services.proto.fleetrl.v1 import common_pb2, reward_pb2, reward_pb2_grpc
+from fleetrl.launcher.embedded import free_port, wait_for_port
+from fleetrl.proto.fleetrl.v1 import common_pb2, reward_pb2, reward_pb2_grpc
+from fleetrl.runtime.grpcutil import channel
 from tests.reward.conftest import UID_BASE, file_spec, items, uid_processes, wait_gone
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -61,7 +61,7 @@ def reward(completion, prompt, **m):
     raise PermissionError("every attempt was refused")
 
 def hook_off():
-    guard = sys.modules.get("services.reward.guard")
+    guard = sys.modules.get("fleetrl.reward.guard")
     if guard is not None:
         guard.DENIED_EVENTS = ("no-such-event",)
         guard.PATH_EVENTS.clear()
@@ -211,7 +211,7 @@ def service_user() -> tuple[int, int] | None:
 LAUNCH = """
 import os, sys
 sys.path.insert(0, {root!r})
-from services.reward import guard
+from fleetrl.reward import guard
 uid, gid = int(sys.argv[1]), int(sys.argv[2])
 guard.expose_paths([sys.prefix, sys.base_prefix, sys.executable, {root!r}])
 os.setgroups([])
@@ -291,7 +291,7 @@ def hostile(request: pytest.FixtureRequest) -> Iterator[Hostile]:
     port = free_port()
     env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": str(plant / "home"),
            "FLEETRL_TEST_SECRET": secret, "PYTHONPATH": str(ROOT)}
-    argv = [*prefix, sys.executable, "-m", "services.reward", "--listen", f"127.0.0.1:{port}", "--workers", "1",
+    argv = [*prefix, sys.executable, "-m", "fleetrl.services.reward", "--listen", f"127.0.0.1:{port}", "--workers", "1",
             "--set", f"sandbox_uid_base={UID_BASE}", "--set", f"run_dir={plant / 'run'}",
             "--set", "burst_workers_per_pool=0", "--set", "worker_start_timeout_s=10",
             "--set", f"worker_load_timeout_s={LOAD_TIMEOUT_S:g}"]

@@ -16,13 +16,13 @@ from pathlib import Path
 import grpc
 import pytest
 
-from services.common.grpcutil import channel
-from services.fleet.embedded import free_port, wait_for_port
-from services.proto.fleetrl.v1 import common_pb2, reward_pb2, reward_pb2_grpc
-from services.reward import jail
-from services.reward.config import RewardSettings
-from services.reward.pool import RespawnBudget
-from services.reward.scorer import Scorer
+from fleetrl.launcher.embedded import free_port, wait_for_port
+from fleetrl.proto.fleetrl.v1 import common_pb2, reward_pb2, reward_pb2_grpc
+from fleetrl.reward import jail
+from fleetrl.reward.pool import RespawnBudget
+from fleetrl.reward.scorer import Scorer
+from fleetrl.reward.settings import RewardSettings
+from fleetrl.runtime.grpcutil import channel
 from tests.reward.conftest import (
     UID_BASE,
     builtin_spec,
@@ -97,7 +97,7 @@ async def test_the_sandbox_in_use_is_described_and_named_in_every_validation(mod
 @pytest.mark.parametrize("mode", ["jail", "legacy"])
 async def test_a_sigkilled_service_leaves_no_worker_and_its_temp_dirs_are_swept(mode: str, tmp_path: Path) -> None:
     port = free_port()
-    argv = [sys.executable, "-m", "services.reward", "--listen", f"127.0.0.1:{port}", "--workers", "2",
+    argv = [sys.executable, "-m", "fleetrl.services.reward", "--listen", f"127.0.0.1:{port}", "--workers", "2",
             "--set", f"sandbox_uid_base={UID_BASE}", "--set", f"sandbox_dir={tmp_path}",
             "--set", f"sandbox_mode={mode}", "--set", f"run_dir={tmp_path / 'run'}"]
     proc = subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -133,8 +133,8 @@ async def test_a_sigkilled_service_leaves_no_worker_and_its_temp_dirs_are_swept(
 
 async def test_the_pool_reports_status_ok_in_the_jail_for_a_builtin_that_forks(tmp_path: Path) -> None:
     """code_tests forks a child per test: built-in workers may fork (but not exec) in the jail."""
-    from services.common.config import RewardSpec
-    from services.reward.client import spec_to_proto
+    from fleetrl.reward.client import spec_to_proto
+    from fleetrl.spec.config import RewardSpec
 
     spec = spec_to_proto(RewardSpec(builtin="code_tests", params={}, timeout_per_item_s=10))
     async with reward_service(tmp_path) as stub:
@@ -150,7 +150,7 @@ def test_the_probe_accepts_a_virtualenv_under_a_hidden_dir_and_nothing_else_ther
     """A venv in /tmp/x or /home/u is bound at its own path, so /tmp or /home exists in the jail holding
     just that step; anything else there means the host's dir leaked in (a fresh clone's venv under /tmp
     once made the probe refuse every reward)."""
-    from services.reward import jail
+    from fleetrl.reward import jail
 
     monkeypatch.setattr(jail, "_python_paths", lambda: ["/usr/local", "/tmp/clone/.venv", "/home/u/.pyenv/v"])
     assert jail._only_bound_paths({"tmp": ["clone"], "home": ["u"]})

@@ -17,12 +17,12 @@ from typing import Any
 
 import pytest
 
-from services.common.grpcutil import channel
-from services.fleet.embedded import free_port, wait_for_port
-from services.proto.fleetrl.v1 import common_pb2, reward_pb2, reward_pb2_grpc
-from services.reward.config import RewardSettings
-from services.reward.pool import describe_isolation
-from services.reward.scorer import Item, Scorer, parse_spec
+from fleetrl.launcher.embedded import free_port, wait_for_port
+from fleetrl.proto.fleetrl.v1 import common_pb2, reward_pb2, reward_pb2_grpc
+from fleetrl.reward.pool import describe_isolation
+from fleetrl.reward.scorer import Item, Scorer, parse_spec
+from fleetrl.reward.settings import RewardSettings
+from fleetrl.runtime.grpcutil import channel
 from tests.reward.conftest import UID_BASE, descendants, file_spec, items
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -132,7 +132,7 @@ async def test_workers_are_isolated_and_the_pool_logs_how(tmp_path: Path, caplog
     before = set(descendants())
     scorer = Scorer(RewardSettings(workers_per_pool=1, sandbox_uid_base=UID_BASE, sandbox_dir=tmp_path))
     spec = file_spec(BENIGN)
-    with caplog.at_level(logging.INFO, logger="services.reward.pool"):
+    with caplog.at_level(logging.INFO, logger="fleetrl.reward.pool"):
         pool = await scorer.pool("j", parse_spec(spec.spec_json, spec.file_source))
     isolation = pool.isolation
     await scorer.close()
@@ -215,7 +215,7 @@ async def test_the_services_environment_does_not_reach_user_code(tmp_path: Path)
     port = free_port()
     env = {**os.environ, "FLEETRL_TEST_SECRET": secret}
     proc = subprocess.Popen(
-        [sys.executable, "-m", "services.reward", "--listen", f"127.0.0.1:{port}",
+        [sys.executable, "-m", "fleetrl.services.reward", "--listen", f"127.0.0.1:{port}",
          "--set", f"sandbox_uid_base={UID_BASE}", "--set", f"sandbox_dir={tmp_path}"], env=env, cwd=ROOT,
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:

@@ -14,8 +14,8 @@ from pathlib import Path
 import grpc
 import pytest
 
-from services.proto.fleetrl.v1 import common_pb2, reward_pb2
-from services.reward import jail
+from fleetrl.proto.fleetrl.v1 import common_pb2, reward_pb2
+from fleetrl.reward import jail
 from tests.reward.conftest import file_spec, items, reward_server, reward_service
 from tests.reward.test_reward_episodes import env_spec, open_session, step
 
@@ -162,7 +162,7 @@ FORGED = """
 import os, sys
 FRAMES = {{"bigint": b'{{"value": ' + b"1" * 5000 + b'}}', "surrogate": b'{{"error": "\\\\ud800"}}'}}
 def forge(body):
-    fd = sys.modules["services.reward.codeexec"].CHILD_CLOSE_FDS[1]
+    fd = sys.modules["fleetrl.reward.codeexec"].CHILD_CLOSE_FDS[1]
     os.write(fd, len(body).to_bytes(4, "big") + body)
     os.close(fd)
 {body}

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from services.proto.fleetrl.v1 import common_pb2, reward_pb2, reward_pb2_grpc
-from services.reward import verifiers
-from services.reward.scorer import check_builtin
+from fleetrl.proto.fleetrl.v1 import common_pb2, reward_pb2, reward_pb2_grpc
+from fleetrl.reward import verifiers
+from fleetrl.reward.scorer import check_builtin
 from tests.reward.conftest import builtin_spec, items
 
 OK, TIMEOUT = common_pb2.REWARD_STATUS_OK, common_pb2.REWARD_STATUS_TIMEOUT

@@ -1,0 +1,361 @@
+"""The job store: job records, their files and step metrics, in Redis.
+
+The gateway creates jobs; a learner claims one (a lease key with a TTL, so at
+most one learner runs a job and a crashed learner's job is claimable again
+once its lease lapses); actors read the spec and the prompt/reward files.
+State changes are compare-and-set Lua scripts, so two writers never race a job
+out of a terminal state. Keys (all under `fleetrl:`):
+
+- `jobs:index` zset job_id -> created ms;  `jobs:idem` hash tenant/key -> job_id
+- `job:<id>` hash (record fields);  `job:<id>:prompts`, `job:<id>:reward_file`,
+  `job:<id>:environment_file`, `job:<id>:eval_prompts` bytes
+- `job:<id>:lease` learner id with TTL;  `job:<id>:steps` list of step-metric JSON
+
+Fencing: every claim increments the record's `lease_epoch`, and the claimant carries that epoch
+on every write it makes for the job. `FENCE_LUA` is the one rule, used by the scripts here and by
+the ledger's: a write whose epoch is below the record's is refused (`Fenced`), so a learner that
+was stopped past its lease cannot write over the learner that took the job over.
+
+Reconnects: a call whose connection is refused or dropped (Redis restarting, or still loading its
+AOF) is retried every `REDIS_RETRY_INTERVAL_S` for up to `REDIS_RETRY_S` (`RetryFor`), so a Redis
+restart is a pause, not an error, for every service. A timeout (a stopped Redis) is not retried:
+the call raises after the socket timeout. Retried writes are safe: the scripts are idempotent or
+compare-and-set (`_APPEND_STEP` skips a step it holds).
+"""
+
+from __future__ import annotations
+
+import builtins
+import enum
+import json
+import secrets
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, cast
+
+import redis.asyncio as aioredis
+import redis.exceptions
+from redis.asyncio.retry import Retry
+from redis.backoff import ConstantBackoff
+
+from fleetrl.errors import FailedPrecondition, Fenced, NotFound
+from fleetrl.spec.config import JobSpec
+
+PREFIX = "fleetrl:"
+REDIS_UNREACHABLE: tuple[type[Exception], ...] = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError)
+"""What redis-py raises when Redis is down, restarting (BusyLoadingError is a ConnectionError) or stopped
+past the socket timeout. Neither is a subclass of the builtin ConnectionError or TimeoutError: a retry
+path that catches the builtins lets these through (tests/common/test_redis_errors.py)."""
+REDIS_RETRY_S = 10.0
+"""How long a JobStore call keeps reconnecting to a Redis that refuses or drops its connection."""
+REDIS_RETRY_INTERVAL_S = 0.25
+
+
+class RetryFor(Retry):
+    """redis-py's Retry bounded by time, not by a count: a call retries a refused or dropped connection
+    until `deadline_s` after its first attempt, then raises that ConnectionError. redis-py nests the
+    connect's retry inside the command's, so one call waits at most about twice `deadline_s`."""
+
+    deadline_s: float
+
+    def __init__(self, deadline_s: float, interval_s: float = REDIS_RETRY_INTERVAL_S) -> None:
+        super().__init__(ConstantBackoff(interval_s), -1, supported_errors=(redis.exceptions.ConnectionError,))
+        self.deadline_s = deadline_s
+
+    async def call_with_retry(self, do: Any, fail: Any, is_retryable: Any = None,
+                              with_failure_count: bool = False) -> Any:
+        deadline = time.monotonic() + self.deadline_s
+
+        async def failed(error: Exception, *count: int) -> None:
+            await fail(error, *count)  # redis-py's cleanup (drop the connection) first
+            if time.monotonic() >= deadline:
+                raise error
+
+        return await super().call_with_retry(do, failed, is_retryable, with_failure_count)
+
+
+class JobState(enum.StrEnum):
+    QUEUED = "queued"
+    RUNNING = "running"
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+
+    @property
+    def terminal(self) -> bool:
+        return self in (JobState.SUCCEEDED, JobState.FAILED, JobState.CANCELLED)
+
+
+ACTIVE = (JobState.QUEUED, JobState.RUNNING)
+
+
+ADAPTER_DIR = "adapter"
+"""A LoRA job's exported PEFT adapter directory: this name, beside its exported model (`model_uri`)."""
+
+
+@dataclass(frozen=True)
+class JobRecord:
+    """A job as stored."""
+
+    job_id: str
+    tenant: str
+    name: str
+    state: JobState
+    reason: str
+    spec: JobSpec
+    created_ms: int
+    updated_ms: int
+    model_uri: str
+    last_step: dict[str, Any] | None
+    sandbox: str = ""
+    """The reward sandbox the job's reward was checked in at submission (the reward service's summary)."""
+    lease_epoch: int = 0
+    """How many times the job was claimed: the fencing token of its current learner."""
+
+    @classmethod
+    def from_hash(cls, fields: Mapping[bytes | str, bytes | str]) -> JobRecord:
+        f = {_text(k): _text(v) for k, v in fields.items()}
+        return cls(
+            job_id=f["job_id"], tenant=f["tenant"], name=f["name"], state=JobState(f["state"]),
+            reason=f.get("reason", ""), spec=JobSpec.model_validate_json(f["spec_json"]),
+            created_ms=int(f["created_ms"]), updated_ms=int(f["updated_ms"]),
+            model_uri=f.get("model_uri", ""), last_step=json.loads(f["last_step"]) if f.get("last_step") else None,
+            sandbox=f.get("sandbox", ""),
+            lease_epoch=int(f.get("lease_epoch", 0)),
+        )
+
+
+def _text(value: object) -> str:
+    """A Redis reply as text (the client returns bytes; its type stubs allow any reply shape)."""
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def now_ms() -> int:
+    return int(time.time() * 1000)
+
+
+def _key(job_id: str, suffix: str = "") -> str:
+    return f"{PREFIX}job:{job_id}{suffix}"
+
+
+def job_key(job_id: str) -> str:
+    """The job's record hash (its `lease_epoch` field is what FENCE_LUA compares)."""
+    return _key(job_id)
+
+
+FENCE_LUA = """
+local function fenced(job_key, epoch)
+  return tonumber(redis.call('HGET', job_key, 'lease_epoch') or '0') > tonumber(epoch)
+end
+"""
+"""Lua: `fenced(job_key, epoch)` is true when a newer claim of the job exists."""
+
+# KEYS: job hash, steps list; ARGV: lease epoch, step, payload, now ms. Returns -1 fenced, 0 known, 1 added.
+_APPEND_STEP = FENCE_LUA + """
+if fenced(KEYS[1], ARGV[1]) then return -1 end
+if tonumber(ARGV[2]) <= redis.call('LLEN', KEYS[2]) then return 0 end
+redis.call('RPUSH', KEYS[2], ARGV[3])
+redis.call('HSET', KEYS[1], 'last_step', ARGV[3], 'updated_ms', ARGV[4])
+return 1
+"""
+
+
+# KEYS[1]=job hash; ARGV: new state, reason, now ms, allowed-from states...
+_SET_STATE = """
+local cur = redis.call('HGET', KEYS[1], 'state')
+if not cur then return {-1, ''} end
+for i = 4, #ARGV do
+  if ARGV[i] == cur then
+    redis.call('HSET', KEYS[1], 'state', ARGV[1], 'reason', ARGV[2], 'updated_ms', ARGV[3])
+    return {1, cur}
+  end
+end
+return {0, cur}
+"""
+
+# KEYS[1]=index zset; ARGV: learner id, lease ms, now ms, prefix. Claims the oldest active job
+# without a live lease; a RUNNING job without a lease is one whose learner died: it is resumed.
+_CLAIM = """
+local ids = redis.call('ZRANGE', KEYS[1], 0, -1)
+for _, id in ipairs(ids) do
+  local h = ARGV[4] .. 'job:' .. id
+  local st = redis.call('HGET', h, 'state')
+  if st == 'queued' or st == 'running' then
+    if redis.call('SET', h .. ':lease', ARGV[1], 'NX', 'PX', ARGV[2]) then
+      redis.call('HINCRBY', h, 'lease_epoch', 1)
+      redis.call('HSET', h, 'state', 'running', 'updated_ms', ARGV[3], 'learner_id', ARGV[1])
+      return id
+    end
+  end
+end
+return false
+"""
+
+# KEYS[1]=lease key; ARGV: learner id, lease ms. Renew only our own lease.
+_RENEW = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then
+  redis.call('PEXPIRE', KEYS[1], ARGV[2]); return 1
+end
+return 0
+"""
+
+_RELEASE = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
+return 0
+"""
+
+
+class JobStore:
+    """Async access to job records. One instance per process; cheap to share."""
+
+    redis: aioredis.Redis
+
+    def __init__(self, client: aioredis.Redis) -> None:
+        self.redis = client
+        self._set_state = client.register_script(_SET_STATE)
+        self._claim = client.register_script(_CLAIM)
+        self._renew = client.register_script(_RENEW)
+        self._release = client.register_script(_RELEASE)
+        self._append_step = client.register_script(_APPEND_STEP)
+        self._fence = client.register_script(FENCE_LUA + "return fenced(KEYS[1], ARGV[1]) and 1 or 0")
+
+    @classmethod
+    def from_url(cls, url: str, retry_s: float = REDIS_RETRY_S) -> JobStore:
+        return cls(aioredis.Redis.from_url(url, socket_timeout=10, socket_connect_timeout=5,
+                                           retry=RetryFor(retry_s)))
+
+    async def close(self) -> None:
+        await self.redis.aclose()
+
+    async def create(
+        self, tenant: str, spec: JobSpec, prompts: bytes, reward_file: bytes | None, idempotency_key: str = "",
+        *, eval_prompts: bytes | None = None, sandbox: str = "", environment_file: bytes | None = None,
+    ) -> JobRecord:
+        """Store a new queued job with its files, all in one transaction; same key, same job."""
+        if idempotency_key:
+            existing = await self.redis.hget(f"{PREFIX}jobs:idem", f"{tenant}/{idempotency_key}")
+            if existing:
+                return await self.get(_text(existing))
+        job_id = "j-" + secrets.token_hex(6)
+        ms = now_ms()
+        record: dict[Any, Any] = {
+            "job_id": job_id, "tenant": tenant, "name": spec.name, "state": JobState.QUEUED.value, "reason": "",
+            "spec_json": spec.model_dump_json(), "created_ms": ms, "updated_ms": ms, "model_uri": "",
+            "sandbox": sandbox,
+        }
+        async with self.redis.pipeline(transaction=True) as pipe:
+            pipe.hset(_key(job_id), mapping=record)
+            pipe.set(_key(job_id, ":prompts"), prompts)
+            if reward_file is not None:
+                pipe.set(_key(job_id, ":reward_file"), reward_file)
+            if eval_prompts is not None:
+                pipe.set(_key(job_id, ":eval_prompts"), eval_prompts)
+            if environment_file is not None:
+                pipe.set(_key(job_id, ":environment_file"), environment_file)
+            pipe.zadd(f"{PREFIX}jobs:index", {job_id: ms})
+            if idempotency_key:
+                pipe.hset(f"{PREFIX}jobs:idem", f"{tenant}/{idempotency_key}", job_id)
+            await pipe.execute()
+        return await self.get(job_id)
+
+    async def get(self, job_id: str) -> JobRecord:
+        fields = await self.redis.hgetall(_key(job_id))
+        if not fields:
+            raise NotFound(f"job {job_id!r} does not exist")
+        return JobRecord.from_hash(fields)
+
+    async def list(self, tenant: str | None = None, limit: int = 50) -> builtins.list[JobRecord]:
+        """Newest first; tenant None lists every tenant's jobs."""
+        ids = await self.redis.zrevrange(f"{PREFIX}jobs:index", 0, -1)
+        out: builtins.list[JobRecord] = []
+        for raw in ids:
+            record = await self.get(_text(raw))
+            if tenant is None or record.tenant == tenant:
+                out.append(record)
+                if len(out) >= limit:
+                    break
+        return out
+
+    async def files(self, job_id: str) -> tuple[bytes, bytes | None]:
+        """The job's prompt JSONL and reward file (None when the reward is a built-in)."""
+        prompts, reward_file = await self.redis.mget(_key(job_id, ":prompts"), _key(job_id, ":reward_file"))
+        if prompts is None:
+            raise NotFound(f"job {job_id!r} has no prompts stored")
+        return cast(bytes, prompts), cast(bytes | None, reward_file)
+
+    async def eval_prompts(self, job_id: str) -> bytes | None:
+        """The job's eval prompt JSONL, None when its spec names none."""
+        return cast(bytes | None, await self.redis.get(_key(job_id, ":eval_prompts")))
+    async def environment_file(self, job_id: str) -> bytes | None:
+        """The job's environment file (None when the job has no environment)."""
+        return cast(bytes | None, await self.redis.get(_key(job_id, ":environment_file")))
+
+    async def set_state(
+        self, job_id: str, state: JobState, reason: str = "", *, allowed_from: tuple[JobState, ...] = ACTIVE
+    ) -> JobRecord:
+        """Move the job to state if it is in one of allowed_from; FailedPrecondition otherwise."""
+        changed, previous = await self._set_state(
+            keys=[_key(job_id)], args=[state.value, reason, now_ms(), *(s.value for s in allowed_from)]
+        )
+        if changed == -1:
+            raise NotFound(f"job {job_id!r} does not exist")
+        if changed == 0:
+            raise FailedPrecondition(f"job {job_id} is {_text(previous)}, cannot become {state.value}")
+        await self.redis.publish(f"{PREFIX}job-events", job_id)
+        return await self.get(job_id)
+
+    async def claim(self, learner_id: str, lease_s: float) -> JobRecord | None:
+        """Take the oldest queued (or orphaned running) job; None if there is none."""
+        job_id = await self._claim(
+            keys=[f"{PREFIX}jobs:index"], args=[learner_id, int(lease_s * 1000), now_ms(), PREFIX]
+        )
+        return await self.get(_text(job_id)) if job_id else None
+
+    async def renew(self, job_id: str, learner_id: str, lease_s: float) -> bool:
+        """Extend our lease; False means we lost the job (another learner may own it now)."""
+        return bool(await self._renew(keys=[_key(job_id, ":lease")], args=[learner_id, int(lease_s * 1000)]))
+
+    async def release(self, job_id: str, learner_id: str) -> None:
+        await self._release(keys=[_key(job_id, ":lease")], args=[learner_id])
+
+    async def lease_holder(self, job_id: str) -> str | None:
+        holder = await self.redis.get(_key(job_id, ":lease"))
+        return _text(holder) if holder else None
+
+    async def append_step(self, job_id: str, metrics: dict[str, Any], *, lease_epoch: int) -> None:
+        """Record one step's metrics (must contain "step"); idempotent per step number (a resumed
+        learner re-reporting a step adds nothing). Fenced when a newer claim than lease_epoch exists."""
+        done = await self._append_step(keys=[_key(job_id), _key(job_id, ":steps")],
+                                       args=[lease_epoch, int(metrics["step"]), json.dumps(metrics), now_ms()])
+        if int(done) == -1:
+            raise fenced(job_id, lease_epoch, f"step {metrics['step']}'s metrics")
+
+    async def check_fence(self, job_id: str, lease_epoch: int, what: str) -> None:
+        """Fenced when the job was claimed again after the claim of lease_epoch (before writing `what`)."""
+        if int(await self._fence(keys=[_key(job_id)], args=[lease_epoch])):
+            raise fenced(job_id, lease_epoch, what)
+
+    async def steps(self, job_id: str, from_step: int = 0) -> builtins.list[dict[str, Any]]:
+        """Step metrics from from_step on (steps are 1-based)."""
+        raw = await self.redis.lrange(_key(job_id, ":steps"), max(0, from_step - 1), -1)
+        return [json.loads(item) for item in raw]
+
+    async def set_model_uri(self, job_id: str, uri: str) -> None:
+        await self.redis.hset(_key(job_id), mapping={"model_uri": uri, "updated_ms": now_ms()})
+
+    async def active_jobs(self) -> builtins.list[JobRecord]:
+        """Jobs queued or running, oldest first (what actors serve)."""
+        ids = await self.redis.zrange(f"{PREFIX}jobs:index", 0, -1)
+        records = [await self.get(_text(raw)) for raw in ids]
+        return [r for r in records if r.state in ACTIVE]
+
+
+def fenced(job_id: str, lease_epoch: int, what: str) -> Fenced:
+    return Fenced(f"job {job_id}: {what} refused: written under lease epoch {lease_epoch}, "
+                  "and another learner has claimed the job since")
+
+
+def require_state(record: JobRecord, *states: JobState) -> None:
+    if record.state not in states:
+        raise FailedPrecondition(f"job {record.job_id} is {record.state.value}")

@@ -1,0 +1,206 @@
+"""`fleetrl top`: a live terminal view of a running fleet, over the gateway's API only.
+
+Each refresh (every second by default, on a fixed cadence: the calls' own time is not added to the
+period) makes two calls: GetFleet (live actors and learners from their heartbeats, the task queue of
+each of the caller's active jobs) and ListJobs (each job's last step: reward, staleness, tokens/s).
+One frame shows actors (state, job, policy version, tokens/s, busy), learners (phase, job, step) and
+jobs (state, step, reward, staleness, queue). `--once` prints one frame and exits (scripts, tests);
+`--json` prints the frame's data as one JSON object per refresh instead. The gateway is `--gateway`,
+else the one a local fleet recorded in `<--dir>/fleet.json`, else FLEETRL_GATEWAY, else 127.0.0.1:50051.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console, Group
+from rich.live import Live
+from rich.table import Table
+from rich.text import Text
+
+from fleetrl.errors import FleetError
+from fleetrl.launcher.fleet import FleetLayout
+from fleetrl.sdk.client import Client
+from fleetrl.sdk.records import FleetInfo, JobInfo, MemberInfo, QueueInfo
+
+EXIT_OK, EXIT_FAILURE = 0, 1
+JOBS_SHOWN = 10
+
+
+@dataclass(frozen=True)
+class Frame:
+    """Everything one refresh shows."""
+
+    gateway: str
+    fleet: FleetInfo
+    jobs: list[JobInfo]
+
+    def to_dict(self) -> dict[str, Any]:
+        jobs = [{"job_id": j.job_id, "name": j.name, "state": j.state, "max_steps": j.max_steps,
+                 "last": asdict(j.last) if j.last else None} for j in self.jobs]
+        return {"gateway": self.gateway, **self.fleet.to_dict(), "jobs": jobs}
+
+
+def parser(prog: str = "fleetrl top") -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=prog, description="live view of a running fleet (over the gateway)")
+    p.add_argument("--gateway", help="gateway address host:port (env FLEETRL_GATEWAY)")
+    p.add_argument("--dir", type=Path, help="run directory of a local fleet (`fleetrl up --dir`): its gateway")
+    p.add_argument("--token", help="bearer token (env FLEETRL_TOKEN)")
+    p.add_argument("--interval", type=_seconds, default=1.0, help="seconds between refreshes (default 1)")
+    p.add_argument("--once", action="store_true", help="print one frame and exit")
+    p.add_argument("--json", action="store_true", help="JSON instead of tables (one object per refresh)")
+    return p
+
+
+def _seconds(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"{text} is not a positive number of seconds")
+    return value
+
+
+def gateway_address(args: argparse.Namespace) -> str | None:
+    """--gateway, else the gateway of the fleet running in --dir, else None (the client's default)."""
+    if args.gateway:
+        return str(args.gateway)
+    if args.dir is None:
+        return None
+    layout = FleetLayout.read(args.dir)
+    if layout is None:
+        raise FleetError(f"no running fleet recorded in {args.dir} (start one with `fleetrl up --dir {args.dir}`)")
+    return layout.addresses["gateway"]
+
+
+def snapshot(client: Client) -> Frame:
+    return Frame(client.address, client.fleet(), client.list_jobs(JOBS_SHOWN))
+
+
+# ----------------------------------------------------------------------------- rendering
+
+
+def render(frame: Frame) -> Group:
+    actors = [m for m in frame.fleet.members if m.kind == "actor"]
+    learners = [m for m in frame.fleet.members if m.kind == "learner"]
+    when = time.strftime("%H:%M:%S", time.localtime(frame.fleet.unix_ms / 1000))
+    tokens = sum(m.tokens_per_s for m in actors)
+    head = Text(f"fleetrl top - gateway {frame.gateway} - {when} - {len(actors)} actors, "
+                f"{len(learners)} learners, {tokens:.1f} generated tok/s", style="bold")
+    sandbox = Text(f"reward sandbox: {frame.fleet.reward_sandbox or 'unknown'}",
+                   style="bold red" if not frame.fleet.reward_sandbox.startswith("mode jail") else "")
+    return Group(head, sandbox, actors_table(actors), learners_table(learners),
+                 jobs_table(frame.jobs, frame.fleet.queues))
+
+
+def actors_table(actors: list[MemberInfo]) -> Table:
+    table = Table(title="actors", title_justify="left", expand=True)
+    for column in ("actor", "state", "job", "policy", "tok/s", "busy"):
+        table.add_column(column, justify="right" if column in ("policy", "tok/s", "busy") else "left", no_wrap=True)
+    for m in actors:
+        table.add_row(m.member_id, m.state, m.job_id or "-", f"v{m.policy_version}" if m.job_id else "-",
+                      f"{m.tokens_per_s:.1f}", f"{m.busy_fraction:.0%}")
+    return table
+
+
+def learners_table(learners: list[MemberInfo]) -> Table:
+    table = Table(title="learners", title_justify="left", expand=True)
+    for column in ("learner", "phase", "job", "step", "tok/s"):
+        table.add_column(column, justify="right" if column in ("step", "tok/s") else "left", no_wrap=True)
+    for m in learners:
+        table.add_row(m.member_id, m.state, m.job_id or "-", str(m.policy_version) if m.job_id else "-",
+                      f"{m.tokens_per_s:.1f}")
+    return table
+
+
+def jobs_table(jobs: list[JobInfo], queues: list[QueueInfo]) -> Table:
+    by_job = {q.job_id: q for q in queues}
+    table = Table(title="jobs (queue: queued / in flight / redelivered / dead-lettered tasks)", title_justify="left",
+                  expand=True)
+    table.add_column("job", no_wrap=True, min_width=14)
+    table.add_column("state")
+    for column in ("step", "reward", "stale", "queue"):
+        table.add_column(column, justify="right", no_wrap=True)
+    for job in jobs:
+        values = job.last.values if job.last else {}
+        queue = by_job.get(job.job_id)
+        counts = f"{queue.pending}/{queue.in_flight}/{queue.redelivered}/{queue.dead_lettered}" if queue else "-"
+        table.add_row(job.job_id, job.state, f"{job.last.step if job.last else 0}/{job.max_steps}",
+                      _number(values.get("reward_mean")), _number(values.get("staleness_mean")), counts)
+    return table
+
+
+def _number(value: float | None) -> str:
+    return "-" if value is None else f"{value:.3g}"
+
+
+# ----------------------------------------------------------------------------- main
+
+
+def show(frame: Frame, as_json: bool, out: Console) -> None:
+    if as_json:
+        print(json.dumps(frame.to_dict()), flush=True)
+    else:
+        out.print(render(frame))
+
+
+def every(interval_s: float, clock: Callable[[], float] = time.monotonic,
+          sleep: Callable[[float], None] = time.sleep) -> Iterator[None]:
+    """Yield at a fixed cadence, t0, t0 + interval_s, ..., however long the caller's work takes; a tick
+    that passed during the work (it took longer than interval_s) is skipped, not made up in a burst."""
+    due = clock()
+    while True:
+        yield
+        due += interval_s
+        now = clock()
+        if due < now:
+            due += math.ceil((now - due) / interval_s) * interval_s
+        sleep(due - now)
+
+
+def live(client: Client, args: argparse.Namespace, out: Console) -> int:
+    """Redraw every interval until Ctrl-C; a failed refresh shows its error and the next one retries."""
+    with Live(Text("connecting..."), console=out, auto_refresh=False) as view:
+        for _ in every(args.interval):
+            try:
+                view.update(render(snapshot(client)), refresh=True)
+            except FleetError as error:
+                view.update(Text(f"gateway {client.address}: {error}", style="red"), refresh=True)
+    return EXIT_OK
+
+
+def stream_json(client: Client, args: argparse.Namespace) -> int:
+    """One JSON object per interval until Ctrl-C; a failed refresh prints {"gateway", "error"}."""
+    for _ in every(args.interval):
+        try:
+            print(json.dumps(snapshot(client).to_dict()), flush=True)
+        except FleetError as error:
+            print(json.dumps({"gateway": client.address, "error": str(error)}), flush=True)
+    return EXIT_OK
+
+
+def main(argv: list[str]) -> int:
+    args = parser().parse_args(argv[1:] if argv[:1] == ["top"] else argv)
+    out = Console()
+    try:
+        client = Client(gateway_address(args), token=args.token)
+    except FleetError as error:
+        out.print(f"[red]fleetrl top: {error}[/red]")
+        return EXIT_FAILURE
+    with client:
+        if args.once:
+            try:
+                show(snapshot(client), args.json, out)
+            except FleetError as error:
+                out.print(f"[red]fleetrl top: gateway {client.address}: {error}[/red]")
+                return EXIT_FAILURE
+            return EXIT_OK
+        try:
+            return stream_json(client, args) if args.json else live(client, args, out)
+        except KeyboardInterrupt:
+            return EXIT_OK

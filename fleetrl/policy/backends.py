@@ -1,0 +1,447 @@
+"""Inference backends: one small Protocol, the transformers/torch sampler, and the factory.
+
+`Backend.generate(prompt_token_ids, n, ...)` returns `n` completions of one prompt, each with the
+behaviour log-prob of every sampled token; `Backend.generate_batch(prompts, ...)` returns one
+completion for each of several different prompts (the next turn of every live episode of a group);
+`Backend.load_weights(tensors)` swaps the policy's weights in place, and `Backend.load_adapter(tensors)`
+merges a LoRA job's adapters into the base loaded once (`fleetrl.weights.adapters.MergedAdapter`, set up by
+`make_backend`). `make_backend("hf" | "vllm" | "fixed", ...)` picks one by config;
+vLLM is imported only when asked for, and refuses LoRA jobs (untested on a GPU here). `FixedBackend` is a
+benchmark instrument (bench.pipeline): it sleeps a fixed time per group and returns deterministic
+tokens, so what remains of a task's cost is the fleet's orchestration. The chat template's rendering
+of prompts and of episode observations (`conversation_tokens`, `observation_tokens`) is here too; the
+environment's text reaches them escaped (`chat_escape`), so it never becomes a special token.
+
+`HFBackend` is a plain KV-cache sampling loop (not `model.generate`), because the actor needs three
+things `generate` does not give cheaply or reproducibly:
+
+- Seeded draws: the whole group's tokens come from one `torch.Generator` seeded with
+  `seeding.task_seed(job_seed, task_id)`, one `torch.multinomial` draw of shape (n, 1) per position.
+  The same task under the same weights therefore yields the same completions on any actor, on a
+  redelivery, and in the learner's single-process reference loop (fleetrl/train/reference.py
+  samples through `HFBackend.generate` itself; tests/actor/test_backend.py checks they agree).
+- Behaviour log-probs of the sampled distribution: `log_softmax(logits.float() / temperature)` at the
+  sampled token, taken before the nucleus filter, the distribution the learner's
+  `completion_logprobs` scores too (so on-policy importance ratios are 1 up to float error).
+- The n samples of a prompt in one batch: the prompt is prefilled once (`logits_to_keep=1`) and its
+  KV cache repeated n times, then all n rows decode together (`python -m bench.generate` compares it
+  with `model.generate`).
+- `generate_batch` left-pads different prompts (attention mask, position ids counted over real
+  tokens) and decodes them together, each row to its own token budget. It keeps the KV cache it
+  leaves (`_TurnCache`: per row, the real tokens the cache holds; tokens decoded after a row ended
+  stay in the cache, masked out): when every prompt of the next call extends a distinct cached row
+  (an episode's next turn: its tokens so far, then the last action's unfed token and the
+  observation), only those new tokens are prefilled, left-padded into one chunk, at their true
+  positions. Otherwise (a new group, a finished episode's row dropped is fine) the prompts are
+  prefilled whole. Loading weights drops the cache (it holds the old policy's keys and values).
+
+Actor and learner log-probs differ by float rounding: the KV-cache decode and the full-sequence
+forward round their matmuls differently, far more in bfloat16 than in float32, and the error grows
+with depth (figures measured on one machine, with their command, are in docs/ARCHITECTURE.md). That
+is why actors generate in float32 by default (`ActorSettings.dtype`): the learner's bf16 weights are
+upcast on load. `LOGPROB_TOL` holds the bounds tests/actor/test_backend.py checks.
+Completions end at the first eos id (the tokenizer's and the generation config's), included, with
+finish_reason "eos", or after max_new_tokens with "length".
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol
+
+import torch
+from torch import Tensor
+
+from fleetrl.errors import FailedPrecondition
+from fleetrl.spec.config import LoraSpec, RolloutConfig
+
+if TYPE_CHECKING:
+    from fleetrl.weights.adapters import MergedAdapter
+
+LOGPROB_TOL = {torch.float32: 1e-4, torch.bfloat16: 0.3}
+"""Documented bound on max |actor behaviour log-prob - full-forward log-prob| per compute dtype."""
+
+
+@dataclass(frozen=True)
+class Completion:
+    """One sampled completion: tokens (with a final eos if one was sampled) and their log-probs."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    text: str
+    finish_reason: str
+
+
+class Backend(Protocol):
+    """What the actor needs of an inference engine."""
+
+    tokenizer: Any
+    """The model's tokenizer (chat template, eos, decoding)."""
+
+    def generate(
+        self, prompt_token_ids: list[int], n: int, *, max_new_tokens: int, temperature: float, top_p: float,
+        seed: int, ignore_eos: bool = False,
+    ) -> list[Completion]:
+        """n completions of one prompt, sampled reproducibly from `seed`."""
+        ...
+
+    def generate_batch(
+        self, prompts: list[list[int]], *, max_new_tokens: list[int], temperature: float, top_p: float, seed: int,
+    ) -> list[Completion]:
+        """One completion per prompt, row i at most max_new_tokens[i] tokens, sampled reproducibly from `seed`."""
+        ...
+
+    def load_weights(self, tensors: Mapping[str, Tensor]) -> None:
+        """Replace the policy's weights in place (names as `models.state_dict_for_publish` writes them)."""
+        ...
+
+    def load_adapter(self, tensors: Mapping[str, Tensor]) -> None:
+        """Replace a LoRA job's adapters in place (names as `adapters.adapter_tensors` writes them)."""
+        ...
+
+
+def prompt_tokens(tokenizer: Any, prompt: str, rollout: RolloutConfig) -> list[int]:
+    """Prompt tokens as the model sees them: chat template (+ system prompt) when configured and
+    available, then truncated from the left to max_prompt_tokens."""
+    return conversation_tokens(tokenizer, [{"role": "user", "content": prompt}], rollout)
+
+
+def _templated(tokenizer: Any, rollout: RolloutConfig) -> bool:
+    return bool(rollout.chat_template and getattr(tokenizer, "chat_template", None))
+
+
+def conversation_tokens(tokenizer: Any, messages: list[dict[str, str]], rollout: RolloutConfig,
+                        tools: list[dict[str, Any]] | None = None) -> list[int]:
+    """The first tokens of a conversation (a task's prompt, an episode's first observation): the
+    rollout's system prompt (unless the messages bring one) and the messages through the chat template
+    with the assistant's generation prompt, truncated from the left to max_prompt_tokens. Without a
+    template, the messages' contents joined by newlines. `tools` (JSON function schemas) go to the
+    template, which renders them where it has a tool format (a template without one ignores them)."""
+    if _templated(tokenizer, rollout):
+        system = [{"role": "system", "content": rollout.system_prompt}] if rollout.system_prompt else []
+        if messages and messages[0]["role"] == "system":
+            system = []
+        ids = tokenizer.apply_chat_template([*system, *messages], tools=tools or None, add_generation_prompt=True,
+                                            tokenize=True, return_dict=False)
+    else:
+        ids = tokenizer("\n".join(m["content"] for m in messages), add_special_tokens=False)["input_ids"]
+    return [int(i) for i in ids][-rollout.max_prompt_tokens :]
+
+
+TEMPLATE_PROBE = "\u2063fleetrl\u2063"
+"""Content of the placeholder assistant message `observation_tokens` renders (found again by search)."""
+
+
+def observation_tokens(tokenizer: Any, messages: list[dict[str, str]], rollout: RolloutConfig,
+                       after_eos: bool) -> list[int]:
+    """The tokens that follow an assistant turn when the environment answers with messages: what closes
+    the assistant's message (less its eos when the turn ended with one), the messages, and the next
+    generation prompt, all as the chat template renders them. Computed as the difference of two
+    renderings of a placeholder conversation, so earlier turns are never re-tokenized."""
+    if not _templated(tokenizer, rollout):
+        text = "".join(f"\n{m['content']}" for m in messages) + "\n"
+        return [int(i) for i in tokenizer(text, add_special_tokens=False)["input_ids"]]
+    base = [{"role": "user", "content": "?"}, {"role": "assistant", "content": TEMPLATE_PROBE}]
+    before = tokenizer.apply_chat_template(base, tokenize=False)
+    after = tokenizer.apply_chat_template([*base, *messages], tokenize=False, add_generation_prompt=True)
+    if not after.startswith(before) or TEMPLATE_PROBE not in before:
+        raise ValueError("the tokenizer's chat template re-renders earlier turns; episodes need one that appends")
+    closing = before[before.rindex(TEMPLATE_PROBE) + len(TEMPLATE_PROBE):]
+    eos_text = tokenizer.eos_token or ""
+    if after_eos and eos_text and closing.startswith(eos_text):
+        closing = closing[len(eos_text):]
+    return [int(i) for i in tokenizer(closing + after[len(before):], add_special_tokens=False)["input_ids"]]
+
+
+def eos_ids_of(model: Any, tokenizer: Any) -> set[int]:
+    """Every id that ends a completion: the tokenizer's eos and the generation config's."""
+    configured = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    listed = configured if isinstance(configured, list) else [configured]
+    return {int(i) for i in [tokenizer.eos_token_id, *listed] if i is not None}
+
+
+def nucleus(probs: Tensor, top_p: float) -> Tensor:
+    """probs (G, V) with everything outside the top_p mass zeroed (the top token always kept)."""
+    if top_p >= 1.0:
+        return probs
+    sorted_probs, order = probs.sort(dim=-1, descending=True)
+    outside = sorted_probs.cumsum(-1) - sorted_probs > top_p
+    return probs.scatter(-1, order, sorted_probs.masked_fill(outside, 0.0))
+
+
+@dataclass
+class _TurnCache:
+    """The KV cache `generate_batch` left (module docstring), for the next call to extend."""
+
+    cache: Any  # transformers' DynamicCache, one row per prompt of the call
+    attention: Tensor  # (B, W) long: 1 where the cache holds one of the row's real tokens
+    tokens: list[tuple[int, ...]]  # per row, the real tokens its cache holds, in order
+
+    def rows_extended_by(self, prompts: list[list[int]]) -> list[int] | None:
+        """For each prompt, a distinct cached row whose tokens are a proper prefix of it, or None."""
+        free: dict[tuple[int, ...], list[int]] = {}
+        for row, tokens in enumerate(self.tokens):
+            free.setdefault(tokens, []).append(row)
+        lengths = sorted({len(tokens) for tokens in self.tokens}, reverse=True)
+        rows = []
+        for prompt in prompts:
+            match = next((free[key] for key in (tuple(prompt[:n]) for n in lengths if n < len(prompt))
+                          if free.get(key)), None)
+            if match is None:
+                return None
+            rows.append(match.pop())
+        return rows
+
+
+class HFBackend:
+    """Batched sampling with a KV cache on a transformers causal LM (CPU or GPU)."""
+
+    model: Any
+    tokenizer: Any
+    eos_ids: set[int]
+    _adapter: MergedAdapter | None
+    """A LoRA job's base target weights and the merge of each version into them (`use_adapters`)."""
+    _turns: _TurnCache | None
+    """What the last `generate_batch` left in its KV cache (None after a weight load)."""
+
+    def __init__(self, model: Any, tokenizer: Any) -> None:
+        self.model = model.eval()
+        self.tokenizer = tokenizer
+        self.eos_ids = eos_ids_of(model, tokenizer)
+        self._adapter = None
+        self._turns = None
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device  # type: ignore[no-any-return]
+
+    @torch.inference_mode()
+    def generate(
+        self, prompt_token_ids: list[int], n: int, *, max_new_tokens: int, temperature: float, top_p: float,
+        seed: int, ignore_eos: bool = False,
+    ) -> list[Completion]:
+        """n completions of one prompt; every draw comes from a generator seeded with `seed`."""
+        generator = torch.Generator(device=self.device).manual_seed(seed)
+        tokens_T, logprobs_T = self._sample(prompt_token_ids, n, max_new_tokens, temperature, top_p,
+                                            generator, ignore_eos)
+        tokens_G_T = torch.stack(tokens_T, dim=1).tolist()  # (G, T)
+        logprobs_G_T = torch.stack(logprobs_T, dim=1).tolist()
+        stop = set() if ignore_eos else self.eos_ids
+        return [self._cut(tokens_G_T[g], logprobs_G_T[g], stop) for g in range(n)]
+
+    def _sample(
+        self, prompt: list[int], n: int, max_new_tokens: int, temperature: float, top_p: float,
+        generator: torch.Generator, ignore_eos: bool,
+    ) -> tuple[list[Tensor], list[Tensor]]:
+        """Per position: sampled tokens (G,) and their log-probs (G,), until all rows hit eos."""
+        device = self.device
+        eos = torch.tensor(sorted(self.eos_ids), device=device)
+        out = self.model(input_ids=torch.tensor([prompt], device=device), use_cache=True, logits_to_keep=1)
+        out.cache.batch_repeat_interleave(n)  # one prefill, its KV cache shared by the n samples
+        out.logits = out.logits.expand(n, -1, -1)
+        done = torch.zeros(n, dtype=torch.bool, device=device)  # (G,)
+        tokens_T: list[Tensor] = []
+        logprobs_T: list[Tensor] = []
+        for _ in range(max_new_tokens):
+            logp = torch.log_softmax(out.logits[:, -1].float() / temperature, dim=-1)  # (G, V)
+            token = torch.multinomial(nucleus(logp.exp(), top_p), 1, generator=generator)  # (G, 1)
+            tokens_T.append(token[:, 0])
+            logprobs_T.append(logp.gather(-1, token)[:, 0])
+            if not ignore_eos:
+                done |= torch.isin(token[:, 0], eos)
+                if bool(done.all()):
+                    break
+            out = self.model(input_ids=token, cache=out.cache, use_cache=True)
+        return tokens_T, logprobs_T
+
+    @torch.inference_mode()
+    def generate_batch(
+        self, prompts: list[list[int]], *, max_new_tokens: list[int], temperature: float, top_p: float, seed: int,
+    ) -> list[Completion]:
+        """One completion per prompt (left-padded together); every draw comes from a generator seeded with `seed`."""
+        generator = torch.Generator(device=self.device).manual_seed(seed)
+        tokens_T, logprobs_T = self._sample_rows(prompts, max_new_tokens, temperature, top_p, generator)
+        tokens_B_T = torch.stack(tokens_T, dim=1).tolist()  # (B, T)
+        logprobs_B_T = torch.stack(logprobs_T, dim=1).tolist()
+        return [self._cut(tokens_B_T[b][: max_new_tokens[b]], logprobs_B_T[b][: max_new_tokens[b]], self.eos_ids)
+                for b in range(len(prompts))]
+
+    def _sample_rows(
+        self, prompts: list[list[int]], max_new_tokens: list[int], temperature: float, top_p: float,
+        generator: torch.Generator,
+    ) -> tuple[list[Tensor], list[Tensor]]:
+        """Per position: sampled tokens (B,) and their log-probs (B,), until every row hit eos or its budget."""
+        device, rows = self.device, len(prompts)
+        out, attention, next_position, held = self._prefill_rows(prompts)
+        eos = torch.tensor(sorted(self.eos_ids), device=device)
+        budget = torch.tensor(max_new_tokens, device=device)  # (B,)
+        done = torch.zeros(rows, dtype=torch.bool, device=device)  # (B,)
+        tokens_T: list[Tensor] = []
+        logprobs_T: list[Tensor] = []
+        for step in range(max(max_new_tokens)):
+            logp = torch.log_softmax(out.logits[:, -1].float() / temperature, dim=-1)  # (B, V)
+            token = torch.multinomial(nucleus(logp.exp(), top_p), 1, generator=generator)  # (B, 1)
+            tokens_T.append(token[:, 0])
+            logprobs_T.append(logp.gather(-1, token)[:, 0])
+            done |= torch.isin(token[:, 0], eos) | (budget <= step + 1)
+            if bool(done.all()):
+                break
+            attention = torch.cat([attention, torch.ones((rows, 1), dtype=torch.long, device=device)], dim=-1)
+            out = self.model(input_ids=token, attention_mask=attention, position_ids=next_position, cache=out.cache,
+                             use_cache=True)
+            next_position = next_position + 1
+        self._turns = self._left_in_cache(out.cache, attention, held, tokens_T, max_new_tokens)
+        return tokens_T, logprobs_T
+
+    def _prefill_rows(self, prompts: list[list[int]]) -> tuple[Any, Tensor, Tensor, list[tuple[int, ...]]]:
+        """(model output, attention (B, W), next positions (B, 1), real tokens held per row) after
+        prefilling the prompts: only what each adds to a cached row when all of them extend one."""
+        device, rows = self.device, len(prompts)
+        turns, self._turns = self._turns, None
+        extended = turns.rows_extended_by(prompts) if turns is not None else None
+        if turns is None or extended is None:
+            held: list[tuple[int, ...]] = [() for _ in prompts]
+            cache, past = None, torch.zeros((rows, 0), dtype=torch.long, device=device)
+        else:
+            held = [turns.tokens[row] for row in extended]
+            index = torch.tensor(extended, device=device)
+            cache, past = turns.cache, turns.attention[index]
+            cache.batch_select_indices(index)
+        news = [prompt[len(before):] for prompt, before in zip(prompts, held, strict=True)]
+        width = max(len(new) for new in news)
+        input_ids = torch.zeros((rows, width), dtype=torch.long, device=device)  # (B, C) left-padded
+        fresh = torch.zeros((rows, width), dtype=torch.long, device=device)
+        for row, new in enumerate(news):
+            input_ids[row, width - len(new):] = torch.tensor(new, device=device)
+            fresh[row, width - len(new):] = 1
+        held_lens = torch.tensor([len(h) for h in held], device=device)[:, None]  # (B, 1)
+        positions = (held_lens + fresh.cumsum(-1) - 1).clamp(min=0)  # (B, C) each real token at its true position
+        attention = torch.cat([past, fresh], dim=-1)
+        out = self.model(input_ids=input_ids, attention_mask=attention, position_ids=positions, cache=cache,
+                         use_cache=True, logits_to_keep=1)
+        held = [(*before, *new) for before, new in zip(held, news, strict=True)]
+        return out, attention, positions[:, -1:] + 1, held
+
+    def _left_in_cache(self, cache: Any, attention: Tensor, held: list[tuple[int, ...]], tokens_T: list[Tensor],
+                       max_new_tokens: list[int]) -> _TurnCache:
+        """The cache after decoding: each row holds its prompt and the sampled tokens fed back to the
+        model (all but the last position) up to its own end; what was fed after that is masked out."""
+        fed = len(tokens_T) - 1  # the last sampled position is never fed
+        attention = attention.clone()
+        tokens = torch.stack(tokens_T[:fed], dim=1).tolist() if fed else [[] for _ in held]  # (B, fed)
+        kept = []
+        for row, before in enumerate(held):
+            sampled = tokens[row][: max_new_tokens[row]]
+            end = next((i + 1 for i, t in enumerate(sampled) if t in self.eos_ids), len(sampled))  # through eos
+            attention[row, attention.shape[1] - fed + end:] = 0
+            kept.append((*before, *sampled[:end]))
+        return _TurnCache(cache, attention, kept)
+    def _cut(self, tokens: list[int], logprobs: list[float], eos_ids: set[int]) -> Completion:
+        """A row up to and including its first eos."""
+        end, reason = len(tokens), "length"
+        for position, token in enumerate(tokens):
+            if token in eos_ids:
+                end, reason = position + 1, "eos"
+                break
+        text = self.tokenizer.decode(tokens[:end], skip_special_tokens=True)
+        return Completion(tokens[:end], logprobs[:end], text, reason)
+
+    def load_weights(self, tensors: Mapping[str, Tensor]) -> None:
+        from fleetrl.policy.models import load_state_dict_inplace
+
+        self._turns = None
+        load_state_dict_inplace(self.model, tensors)
+
+    def use_adapters(self, spec: LoraSpec) -> None:
+        """Serve a LoRA job: keep the base's target weights aside, so each `load_adapter` merges into them."""
+        from fleetrl.weights.adapters import MergedAdapter
+
+        self._adapter = MergedAdapter(self.model, spec)
+
+    def load_adapter(self, tensors: Mapping[str, Tensor]) -> None:
+        if self._adapter is None:
+            raise FailedPrecondition("adapter weights for a backend without adapters (make_backend with lora)")
+        self._turns = None
+        self._adapter.apply(tensors)
+
+
+class FixedBackend:
+    """Generation that costs a fixed wall time and no compute: a benchmark instrument.
+
+    Each `generate` call sleeps `latency_s` (in the worker thread, as a real generation would block it)
+    and returns n completions of exactly max_new_tokens tokens drawn uniformly from the vocabulary by
+    `random.Random(seed)`, so a redelivered task yields the same group. The behaviour policy is that
+    uniform distribution, so every log-prob is -log(vocabulary size). Weights are accepted and counted,
+    not used.
+    """
+
+    tokenizer: Any
+    latency_s: float
+    weight_loads: int
+
+    def __init__(self, tokenizer: Any, latency_s: float) -> None:
+        self.tokenizer = tokenizer
+        self.latency_s = latency_s
+        self.weight_loads = 0
+
+    def generate(
+        self, prompt_token_ids: list[int], n: int, *, max_new_tokens: int, temperature: float, top_p: float,
+        seed: int, ignore_eos: bool = False,
+    ) -> list[Completion]:
+        time.sleep(self.latency_s)
+        vocab = len(self.tokenizer)
+        rng = random.Random(seed)
+        logprob = -math.log(vocab)
+        out = []
+        for _ in range(n):
+            tokens = [rng.randrange(vocab) for _ in range(max_new_tokens)]
+            text = self.tokenizer.decode(tokens, skip_special_tokens=True)
+            out.append(Completion(tokens, [logprob] * max_new_tokens, text, "length"))
+        return out
+
+    def generate_batch(
+        self, prompts: list[list[int]], *, max_new_tokens: list[int], temperature: float, top_p: float, seed: int,
+    ) -> list[Completion]:
+        time.sleep(self.latency_s)
+        vocab = len(self.tokenizer)
+        rng = random.Random(seed)
+        logprob = -math.log(vocab)
+        out = []
+        for budget in max_new_tokens:
+            tokens = [rng.randrange(vocab) for _ in range(budget)]
+            out.append(Completion(tokens, [logprob] * budget, self.tokenizer.decode(tokens, skip_special_tokens=True),
+                                  "length"))
+        return out
+
+    def load_weights(self, tensors: Mapping[str, Tensor]) -> None:
+        self.weight_loads += 1
+
+    def load_adapter(self, tensors: Mapping[str, Tensor]) -> None:
+        self.weight_loads += 1
+
+
+def make_backend(kind: str, model_name: str, *, dtype: str, device: str, fixed_latency_s: float = 0.0,
+                 lora: LoraSpec | None = None) -> Backend:
+    """The configured backend for a job's base model (`models.load` names, directories, hub ids),
+    with LoRA adapters for a job that trains them (`lora`, the job's `train.lora`)."""
+    if kind == "vllm" and lora is not None:
+        raise FailedPrecondition("backend 'vllm' does not serve jobs with train.lora (LoRA adapters are applied by "
+                                 "the 'hf' backend only; vLLM's LoRA path is untested here): serve this job with "
+                                 "actors of backend 'hf'")
+    if kind == "vllm":
+        from fleetrl.policy.vllm_backend import VLLMBackend
+
+        return VLLMBackend(model_name, dtype=dtype, device=device)
+    from fleetrl.policy.models import load
+
+    model, tokenizer = load(model_name, dtype=dtype, device=device)
+    if kind == "fixed":  # the model is loaded only for its tokenizer (the one the hf backend would use)
+        return FixedBackend(tokenizer, fixed_latency_s)
+    backend = HFBackend(model, tokenizer)
+    if lora is not None:
+        backend.use_adapters(lora)
+    return backend

@@ -1,0 +1,245 @@
+"""The sandboxed worker process: isolate, load one reward spec, then score items until the service closes.
+
+Started by `sandbox.WorkerProcess.start`, inside the bubblewrap jail (`jail`) or, in the legacy sandbox, as
+a plain `python -I` in a new session. Its stdin is a Unix socket carrying requests, each with the
+pipe its reply goes to (`protocol`); the worker shuts the socket for writing at once. The first
+request is the boot message (mode, spec or source, limits, uid, temp dir, the service's pid, jail
+or not); the worker isolates itself and answers {"isolation": {...}} naming the layers that hold,
+before any user code runs. The second request loads the spec (a reward file's code runs here
+first) and is answered {"ok": true} or {"ok": false, "reason": traceback}. Then each item is
+answered {"value": x} | {"components": {...}} | {"error": reason} with its CPU seconds so far; in
+"env" mode (an environment file) the requests are an episode's reset, steps and close instead
+(`fleetrl.env.host`).
+User code sees /dev/null as stdin, stdout and stderr. Stdlib only, plus pyseccomp in the jail and
+the built-in registry in "builtin" mode (both imported before the uid drop).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import resource
+import socket
+import sys
+import traceback
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+from fleetrl.env import host as env_host
+from fleetrl.reward import codeexec, guard, protocol
+
+RewardFn = Callable[..., Any]
+Handler = Callable[[dict[str, Any]], dict[str, Any]]
+USER_CODE_MODES = ("file", "env")
+LOAD_WARNINGS: list[str] = []
+"""Deprecation warnings the spec's load raised, reported to the service with the load's reply."""
+
+
+def _private_channel() -> socket.socket:
+    """The request socket (moved off fd 0 and shut for writing); fds 0-2 become /dev/null."""
+    sock = socket.socket(fileno=os.dup(0))
+    sock.shutdown(socket.SHUT_WR)
+    devnull = os.open(os.devnull, os.O_RDWR)
+    for fd in (0, 1, 2):
+        os.dup2(devnull, fd)
+    os.close(devnull)
+    sys.stdin = open(os.devnull)  # noqa: SIM115 - lives as long as the process
+    sys.stdout = sys.stderr = open(os.devnull, "w")  # noqa: SIM115
+    return sock
+
+
+def _supervise(child: int, sock: socket.socket, reply_fd: int) -> None:
+    """Outer process of a PID namespace: wait for the item loop (PID 1 inside) and mirror its end.
+    It closes its copies of the channel (a reply pipe must close when the item loop closes it)."""
+    sock.close()
+    os.close(reply_fd)
+    _, status = os.waitpid(child, 0)
+    if os.WIFSIGNALED(status):
+        os.kill(os.getpid(), os.WTERMSIG(status))
+    os._exit(os.waitstatus_to_exitcode(status) & 0xFF)
+
+
+def isolate(boot: dict[str, Any], sock: socket.socket, reply_fd: int) -> dict[str, Any]:
+    """Enter namespaces (legacy) or take the jail's, apply limits, drop to the worker's uid, load the
+    seccomp filter (jail); returns the active layers."""
+    jailed = bool(boot.get("jail"))
+    if jailed:
+        isolation: dict[str, Any] = {"mountns": True, "pidns": True, "netns": True, "userns": os.geteuid() != 0}
+        parent = os.getppid()  # 0 when the worker is PID 1, else bwrap's init (1)
+    else:
+        isolation, parent = _enter_namespaces(boot, sock, reply_fd)
+    limits = boot["limits"]
+    os.chdir(boot["tmpdir"])
+    if boot["mode"] == "builtin":
+        _preload_builtins(boot)
+    guard.set_limits(limits["memory_mb"], limits["cpu_s"], limits["file_mb"], limits["open_files"],
+                     limits["processes"])
+    uid = int(boot.get("uid") or 0)
+    if uid and os.geteuid() == 0:
+        if jailed:
+            os.chown(boot["tmpdir"], uid, uid)
+        else:
+            isolation["mountns"] = guard.expose_paths(_python_paths(boot))
+    isolation["dropped_uid"] = guard.drop_privileges(uid)
+    guard.die_with_parent(parent)  # again: the uid change (and a fork) cleared it
+    guard.forbid_new_privileges()
+    guard.hide_from_same_uid()  # a code_tests child cannot read or write this process's memory
+    if jailed:
+        from fleetrl.reward import syscall_filter
+
+        syscall_filter.load(allow_fork=boot["mode"] == "builtin")
+        isolation["seccomp"] = True
+    isolation.update(uid=os.getuid(), audit_hook=boot["mode"] in USER_CODE_MODES)
+    return isolation
+
+
+def _enter_namespaces(boot: dict[str, Any], sock: socket.socket, reply_fd: int) -> tuple[dict[str, Any], int]:
+    """The namespaces entered, and the pid of the item loop's parent (the service, or the outer process)."""
+    parent = int(boot["parent_pid"])
+    guard.die_with_parent(parent)
+    isolation: dict[str, Any] = guard.unshare_namespaces(bool(boot["namespaces"]))
+    if isolation["pidns"]:
+        parent = os.getpid()
+        child = os.fork()
+        if child:
+            _supervise(child, sock, reply_fd)
+    return isolation, parent
+
+
+def _python_paths(boot: dict[str, Any]) -> list[str]:
+    paths = [p for p in sys.path if p and p != boot["root"]]
+    return [*paths, sys.prefix, sys.base_prefix, sys.executable, boot["tmpdir"]]
+
+
+def _preload_builtins(boot: dict[str, Any]) -> None:
+    from fleetrl.reward import verifiers
+
+    verifiers.preload(boot["spec"]["builtin"], boot["spec"]["params"])
+
+
+def run_user_file(source: str, tmpdir: str, root: str, name: str) -> dict[str, Any]:
+    """Execute a user's file under the audit hook; its module namespace."""
+    sys.path[:] = [p for p in sys.path if p != root]
+    guard.install_hook(tmpdir)
+    namespace: dict[str, Any] = {"__name__": name, "__file__": f"{name}.py"}
+    exec(compile(source, f"{name}.py", "exec"), namespace)
+    return namespace
+
+
+def load_file(source: str, tmpdir: str, root: str) -> RewardFn:
+    """Execute a user's reward file and return its `reward` callable."""
+    fn = run_user_file(source, tmpdir, root, "reward_file").get("reward")
+    if not callable(fn):
+        raise TypeError("the reward file does not define a callable `reward(completion, prompt, **metadata)`")
+    return fn
+
+
+def load_env(source: str, tmpdir: str, root: str) -> env_host.EnvHost:
+    """Execute a user's environment file (which imports `fleetrl.env`, or the deprecated `env_tools`) and
+    host its environment class."""
+    sys.modules["env_tools"] = env_host.deprecated_env_tools()
+    return env_host.EnvHost(env_host.environment_class(run_user_file(source, tmpdir, root, "env_file")), tmpdir)
+
+
+def load_scorer(boot: dict[str, Any]) -> RewardFn:
+    """The function scoring one item (a reward file or a built-in)."""
+    if boot["mode"] == "file":
+        fn = load_file(boot["source"], boot["tmpdir"], boot["root"])
+        params = boot["spec"].get("params") or {}
+        if params:
+            return lambda completion, prompt, **meta: fn(completion, prompt, params=params, **meta)
+        return fn
+    from fleetrl.reward import verifiers
+
+    return verifiers.resolve(boot["spec"]["builtin"], boot["spec"]["params"])
+
+
+def load(boot: dict[str, Any]) -> Handler:
+    """What answers one request, for the boot's mode."""
+    if boot["mode"] == "env":
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always", DeprecationWarning)
+            handler = load_env(boot["source"], boot["tmpdir"], boot["root"]).handle
+        LOAD_WARNINGS[:] = sorted({str(w.message) for w in caught if issubclass(w.category, DeprecationWarning)})
+        return handler
+    fn = load_scorer(boot)
+    return lambda request: score_one(fn, request)
+
+
+def encode_value(value: Any) -> dict[str, Any]:
+    """The reply for a reward function's return value (the service re-checks it)."""
+    if isinstance(value, bool):
+        return {"value": float(value)}
+    if isinstance(value, int | float):
+        number = protocol.finite_number(value)
+        if number is None:
+            shown = value if isinstance(value, float) else "an int too large for a float"
+            return {"error": f"reward is not a finite number: {shown}"}
+        return {"value": number}
+    if isinstance(value, dict):
+        components = {str(k): protocol.finite_number(float(v) if isinstance(v, bool) else v) for k, v in value.items()}
+        bad = [k for k, v in components.items() if v is None]
+        if bad:
+            return {"error": f"reward dict has non-finite or non-numeric entries: {bad[:5]}"}
+        return {"components": components}
+    return {"error": f"reward returned {type(value).__name__} {str(value)[:80]!r}, expected a float or dict"}
+
+
+def score_one(fn: RewardFn, request: dict[str, Any]) -> dict[str, Any]:
+    """Call fn on one item; an exception becomes an error reply with its last frames."""
+    try:
+        value = fn(request["completion"], request["prompt"], **request["metadata"])
+    except BaseException as error:  # user code: anything it raises is this item's error
+        tail = traceback.format_exception(error, limit=-2)
+        return {"error": "".join(tail)[-2000:].strip()}
+    return encode_value(value)
+
+
+def reply(fd: int, message: dict[str, Any]) -> None:
+    """Write message on a request's reply pipe and close it; a pipe the service (or user code) closed
+    already is left alone: the service then sees no reply."""
+    try:
+        protocol.write_fd(fd, message)
+    except OSError:
+        pass
+    finally:
+        with contextlib.suppress(OSError):
+            os.close(fd)
+
+
+def serve(handler: Handler, sock: socket.socket) -> None:
+    while True:
+        try:
+            request, reply_fd = protocol.receive(sock)
+        except (EOFError, ConnectionError):
+            return
+        codeexec.CHILD_CLOSE_FDS[:] = [sock.fileno(), reply_fd]
+        result = handler(request)
+        usage = resource.getrusage(resource.RUSAGE_SELF)
+        result["cpu_s"] = usage.ru_utime + usage.ru_stime
+        reply(reply_fd, result)
+
+
+def _reason(error: BaseException) -> str:
+    return "".join(traceback.format_exception(error, limit=-3))[-4000:].strip()
+
+
+def main() -> None:
+    sock = _private_channel()
+    boot, reply_fd = protocol.receive(sock)
+    try:
+        isolation = isolate(boot, sock, reply_fd)
+    except BaseException as error:  # report why the worker cannot isolate itself, then exit
+        reply(reply_fd, {"ok": False, "reason": _reason(error)})
+        os._exit(3)
+    reply(reply_fd, {"ok": True, "isolation": isolation})
+    _, reply_fd = protocol.receive(sock)
+    try:
+        handler = load(boot)
+    except BaseException as error:  # report why the spec cannot load, then exit
+        reply(reply_fd, {"ok": False, "reason": _reason(error)})
+        os._exit(3)
+    reply(reply_fd, {"ok": True, "warnings": LOAD_WARNINGS})
+    serve(handler, sock)
+    os._exit(0)

@@ -1,0 +1,73 @@
+"""Settings of one actor process (environment prefix FLEETRL_ACTOR_, TOML, `--set`).
+
+What a job generates (model, samples per prompt, lengths, temperature, retries, ack wait) is in
+its JobSpec; these settings say how one actor replica runs: where the services are, which backend,
+and the deadlines of its calls. This module imports no torch, so `--help` and validation are instant.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import uuid
+from typing import Literal
+
+from pydantic import Field
+
+from fleetrl.spec.config import InfraSettings
+
+ENV_PREFIX = "FLEETRL_ACTOR_"
+
+
+def default_actor_id() -> str:
+    return f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+
+
+class ActorSettings(InfraSettings):
+    """How one actor replica runs."""
+
+    replay_addr: str = "127.0.0.1:50052"
+    """ReplayService address host:port."""
+    reward_addr: str = "127.0.0.1:50053"
+    """RewardService address host:port."""
+    actor_id: str = Field(default_factory=default_actor_id, min_length=1, max_length=200)
+    """Id of this replica in every trajectory's lineage (default host-pid-random)."""
+    backend: Literal["hf", "vllm", "fixed"] = "hf"
+    """Inference backend: hf (transformers/torch, CPU or GPU), vllm (GPU, optional extra), or fixed
+    (a benchmark instrument: sleeps fixed_latency_s per group and returns deterministic tokens)."""
+    fixed_latency_s: float = Field(0.5, ge=0, le=3600)
+    """Seconds one group's generation takes on the fixed backend (other backends ignore it)."""
+    device: str = "cpu"
+    """Device the backend generates on (cpu, cuda, cuda:1, ...)."""
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    """Compute dtype of generation; published weights are cast to it when loaded."""
+    torch_threads: int = Field(0, ge=0, le=1024)
+    """torch intra-op threads, set with torch.set_num_threads at start (0: torch's default, one per
+    core). The local launcher sets it from its thread budget (fleetrl/launcher/cores.py)."""
+    poll_interval_s: float = Field(1.0, gt=0, le=60)
+    """How often the list of running jobs is re-read."""
+    fetch_timeout_s: float = Field(1.0, gt=0, le=60)
+    """Longest one pull of the task consumer waits for a task."""
+    weights_wait_s: float = Field(10.0, gt=0, le=3600)
+    """Longest a task waits for weights as new as its min_policy_version before it is released."""
+    weights_pull_attempts: int = Field(5, ge=1, le=100)
+    """Pulls of the latest weights tried (re-reading the pointer each time) before giving up for now."""
+    reward_timeout_s: float = Field(60.0, gt=0, le=3600)
+    """Deadline of one reward Score call (a group)."""
+    replay_timeout_s: float = Field(10.0, gt=0, le=600)
+    """Deadline of one replay Insert call."""
+    rpc_retry_s: float = Field(120.0, gt=0, le=3600)
+    """How long reward and replay calls are retried with backoff (UNAVAILABLE, RESOURCE_EXHAUSTED,
+    NOT_FOUND before the table exists) before the task is released."""
+    nak_base_delay_s: float = Field(1.0, ge=0, le=600)
+    """Redelivery delay after a failed delivery n: nak_base_delay_s * 2**(n-1), capped below."""
+    nak_max_delay_s: float = Field(30.0, ge=0, le=3600)
+    """Cap of the redelivery delay."""
+    grace_s: float = Field(30.0, ge=0, le=3600)
+    """On SIGTERM, how long the current task may take to finish before it is released."""
+    fault_crash_marker: str = ""
+    """Fault injection for tests: the backend raises on prompts containing this text (empty in
+    production: never)."""
+    fault_kill_marker: str = ""
+    """Fault injection for tests: the actor process SIGKILLs itself on prompts containing this text
+    (empty in production: never)."""

@@ -1,0 +1,58 @@
+"""The learner's NATS side of one job, in one place: tasks out, dead letters in, events out.
+
+`JobRun` and the `Feeder` call these methods instead of JetStream: ensuring the streams and the
+job's shared task consumer (`prepare`, the same settings actors use), publishing a task with its
+dedup id (`publish_task`), purging queued tasks on cancel (`purge_tasks`), reading the job's
+dead-letter count (`dead_lettered`, which first moves the tasks the server stopped delivering) and
+publishing step and state events (`event`). Publishing a task and counting dead letters are
+repeated through a NATS outage (`bus.retry_outage`; a re-published task is dropped by its dedup id).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from nats.aio.client import Client as NATS
+
+from fleetrl.spec.config import JobSpec
+from fleetrl.tasks import bus
+
+
+class JobBus:
+    """One job's task subject, consumer, dead-letter subject and event subject."""
+
+    job_id: str
+
+    def __init__(self, nc: NATS, job_id: str) -> None:
+        self.job_id = job_id
+        self._nc = nc
+        self._js = bus.jetstream(nc)
+
+    async def prepare(self, spec: JobSpec) -> None:
+        """The fleet's streams and the job's task consumer, created or updated to the spec."""
+        await bus.ensure_streams(self._js)
+        await bus.ensure_job_consumer(self._js, self.job_id, spec)
+        await bus.ensure_advisory_consumer(self._js, self.job_id)
+
+    async def publish_task(self, data: bytes, headers: dict[str, str]) -> None:
+        """One serialised Task (headers carry its `Nats-Msg-Id`, so a re-publish is dropped)."""
+        await bus.retry_outage(lambda: self._js.publish(bus.task_subject(self.job_id), data, headers=headers),
+                               what=f"job {self.job_id}: task publish")
+
+    async def purge_tasks(self) -> None:
+        """Drop the job's queued tasks (the job was cancelled)."""
+        await self._js.purge_stream(bus.TASKS_STREAM, subject=bus.task_subject(self.job_id))
+
+    async def dead_lettered(self) -> int:
+        """Tasks of the job in its dead-letter subject so far, after moving there the tasks the server
+        stopped delivering (their actors died on every delivery)."""
+        async def count() -> int:
+            await bus.dead_letter_exhausted(self._js, self.job_id)
+            return (await bus.task_queue(self._js, self.job_id)).dead_lettered
+
+        return await bus.retry_outage(count, what=f"job {self.job_id}: dead-letter count")
+
+    async def event(self, payload: dict[str, Any]) -> None:
+        """Publish a JSON event to `fleet.jobs.<job>.events`."""
+        await self._nc.publish(bus.events_subject(self.job_id), json.dumps(payload).encode())
