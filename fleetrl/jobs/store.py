@@ -112,6 +112,8 @@ class JobRecord:
     """The reward sandbox the job's reward was checked in at submission (the reward service's summary)."""
     lease_epoch: int = 0
     """How many times the job was claimed: the fencing token of its current learner."""
+    weight: float = 1.0
+    """Its tenant's share of actor time at submission (the gateway's `TenantQuota.weight`)."""
 
     @classmethod
     def from_hash(cls, fields: Mapping[bytes | str, bytes | str]) -> JobRecord:
@@ -123,6 +125,7 @@ class JobRecord:
             model_uri=f.get("model_uri", ""), last_step=json.loads(f["last_step"]) if f.get("last_step") else None,
             sandbox=f.get("sandbox", ""),
             lease_epoch=int(f.get("lease_epoch", 0)),
+            weight=float(f.get("weight", 1.0)),
         )
 
 
@@ -231,18 +234,18 @@ class JobStore:
     async def create(
         self, tenant: str, spec: JobSpec, prompts: bytes, reward_file: bytes | None, idempotency_key: str = "",
         *, eval_prompts: bytes | None = None, sandbox: str = "", environment_file: bytes | None = None,
+        weight: float = 1.0,
     ) -> JobRecord:
         """Store a new queued job with its files, all in one transaction; same key, same job."""
-        if idempotency_key:
-            existing = await self.redis.hget(f"{PREFIX}jobs:idem", f"{tenant}/{idempotency_key}")
-            if existing:
-                return await self.get(_text(existing))
+        existing = await self.find_idempotent(tenant, idempotency_key)
+        if existing is not None:
+            return existing
         job_id = "j-" + secrets.token_hex(6)
         ms = now_ms()
         record: dict[Any, Any] = {
             "job_id": job_id, "tenant": tenant, "name": spec.name, "state": JobState.QUEUED.value, "reason": "",
             "spec_json": spec.model_dump_json(), "created_ms": ms, "updated_ms": ms, "model_uri": "",
-            "sandbox": sandbox,
+            "sandbox": sandbox, "weight": repr(float(weight)),
         }
         async with self.redis.pipeline(transaction=True) as pipe:
             pipe.hset(_key(job_id), mapping=record)
@@ -258,6 +261,13 @@ class JobStore:
                 pipe.hset(f"{PREFIX}jobs:idem", f"{tenant}/{idempotency_key}", job_id)
             await pipe.execute()
         return await self.get(job_id)
+
+    async def find_idempotent(self, tenant: str, idempotency_key: str) -> JobRecord | None:
+        """The job the tenant submitted with this idempotency key, or None (always None without a key)."""
+        if not idempotency_key:
+            return None
+        existing = await self.redis.hget(f"{PREFIX}jobs:idem", f"{tenant}/{idempotency_key}")
+        return await self.get(_text(existing)) if existing else None
 
     async def get(self, job_id: str) -> JobRecord:
         fields = await self.redis.hgetall(_key(job_id))

@@ -36,6 +36,8 @@ WEIGHTS_FULL_FALLBACKS = Counter(
 WEIGHT_PULL_BYTES = Counter("fleetrl_actor_weight_pull_bytes_total", "Bytes of weights pulled", ["job"])
 POLICY_VERSION = Gauge("fleetrl_actor_policy_version", "Policy version held", ["job"])
 GENERATED_TOKENS = Counter("fleetrl_actor_generated_tokens_total", "Completion tokens generated", ["job"])
+SERVED_SECONDS = Counter("fleetrl_actor_served_seconds_total",
+                         "Wall-clock seconds spent on each job's tasks (what the fair share divides)", ["job"])
 EPISODES = Counter("fleetrl_actor_episodes_total",
                    "Episodes played, by how they ended (done, max_turns, truncated, env_error)", ["job", "status"])
 EPISODE_TURNS = Histogram("fleetrl_actor_episode_turns", "Assistant turns per episode", ["job"],

@@ -4,8 +4,9 @@
 poll_interval_s it re-reads the running jobs (oldest first); for a job it has not seen it loads the
 base model (`backends.make_backend`), starts the weight watch, and binds the job's shared durable
 pull consumer (created with `bus.ensure_job_consumer`, the same settings the learner uses, so
-max_ack_pending bounds how many tasks all actors together hold). It then takes one task per job in
-turn (round-robin), so several jobs share an actor fairly. A job that stops running is dropped.
+max_ack_pending bounds how many tasks all actors together hold). It then takes one task at a time from
+the job the fair share picks (`fleetrl.rollout.fair_share`: weighted fair queueing of the actor's time
+by tenant weight). A job that stops running is dropped.
 On stop (SIGTERM) the current task is finished (or released after grace_s), then the subscriptions
 are closed and the connection drained. Every heartbeat.INTERVAL_S a background task writes the
 actor's heartbeat (state, job, policy version, tokens/s, busy fraction) to Redis for `fleetrl top`.
@@ -33,6 +34,7 @@ from fleetrl.proto.fleetrl.v1 import reward_pb2
 from fleetrl.replay.client import ReplayClient
 from fleetrl.reward.client import RewardClient, environment_to_proto, spec_to_proto
 from fleetrl.rollout import metrics
+from fleetrl.rollout.fair_share import FairShare, job_weights
 from fleetrl.rollout.job_policy import JobPolicy
 from fleetrl.rollout.rollout import JobContext, Rollout
 from fleetrl.rollout.settings import ActorSettings
@@ -65,6 +67,8 @@ class ServedJob:
 
     context: JobContext
     queue: JobQueue
+    weight: float = 1.0
+    """Its tenant's weight (`JobRecord.weight`)."""
 
 
 class Actor:
@@ -79,7 +83,7 @@ class Actor:
         self.jobs = {}
         self.activity = metrics.Activity()
         self._next_refresh = 0.0
-        self._turn = 0
+        self.fair = FairShare()
 
     async def run(self, stop: asyncio.Event) -> None:
         """Serve until stop is set."""
@@ -118,27 +122,34 @@ class Actor:
         log.info("actor %s stopped", s.actor_id)
 
     async def _serve_round(self, rollout: Rollout, stop: asyncio.Event) -> bool:
-        """One task per served job, starting one job later each round; whether any task was taken."""
-        served = list(self.jobs.values())
-        self._turn += 1
-        taken = False
-        for index in range(len(served)):
+        """One task of the first job in fair-share order that has one; whether a task was taken."""
+        weights = job_weights({job_id: (job.context.tenant, job.weight) for job_id, job in self.jobs.items()})
+        idle: list[str] = []
+        for job_id in self.fair.order(weights):
             if stop.is_set():
                 break
-            job = served[(self._turn + index) % len(served)]
-            step = asyncio.create_task(take_one(job, rollout))
-            waiter = asyncio.create_task(stop.wait())
-            done, _ = await asyncio.wait({step, waiter}, return_when=asyncio.FIRST_COMPLETED)
-            waiter.cancel()
-            if step not in done:  # stopping: let the current task finish for grace_s, then release it
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(asyncio.shield(step), self.settings.grace_s)
-                step.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await step
-                break
-            taken |= step.result()
-        return taken
+            started = time.monotonic()
+            if await self._take_until_stopped(self.jobs[job_id], rollout, stop):
+                self.fair.served(job_id, time.monotonic() - started, weights[job_id], idle)
+                metrics.SERVED_SECONDS.labels(job_id).inc(time.monotonic() - started)
+                return True
+            idle.append(job_id)
+        return False
+
+    async def _take_until_stopped(self, job: ServedJob, rollout: Rollout, stop: asyncio.Event) -> bool:
+        """Take at most one task of job; on stop, let the current task finish for grace_s, then release it."""
+        step = asyncio.create_task(take_one(job, rollout))
+        waiter = asyncio.create_task(stop.wait())
+        done, _ = await asyncio.wait({step, waiter}, return_when=asyncio.FIRST_COMPLETED)
+        waiter.cancel()
+        if step in done:
+            return step.result()
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(asyncio.shield(step), self.settings.grace_s)
+        step.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await step
+        return False
 
     async def _refresh_jobs(self, store: JobStore, js: JetStreamContext, weights: WeightStore) -> None:
         """Every poll_interval_s: start serving new running jobs, drop those that stopped."""
@@ -149,6 +160,7 @@ class Actor:
         running = [r for r in active if r.state == JobState.RUNNING]
         for job_id in set(self.jobs) - {r.job_id for r in running}:
             log.info("job %s no longer running; dropping it", job_id)
+            self.fair.forget(job_id)
             await self._close_job(self.jobs.pop(job_id))
         for record in running:
             if record.job_id not in self.jobs:
@@ -169,7 +181,8 @@ class Actor:
         log.info("serving job %s (model %s)", record.job_id, spec.model)
         queue = JobQueue(record.job_id, spec.train, js, sub, s, self.activity)
         return ServedJob(JobContext(record.job_id, spec, job_reward_spec(spec, reward_file), policy,
-                                    job_environment(spec, environment_file), tenant=record.tenant), queue)
+                                    job_environment(spec, environment_file), tenant=record.tenant), queue,
+                         record.weight)
 
     async def _beat_loop(self, store: JobStore, activity: metrics.Activity) -> None:
         """Write this actor's heartbeat every heartbeat.INTERVAL_S; a failed write is retried next time."""

@@ -8,13 +8,14 @@ checked first and raise at once (RESOURCE_EXHAUSTED): parsing a file that is too
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
 from fleetrl.errors import ConfigError, FieldViolation, ResourceExhausted
 from fleetrl.policy.models import BUILTIN_MODELS, allow_list_problem
-from fleetrl.services.gateway.config import GatewaySettings, JobCaps, capped_paths
+from fleetrl.services.gateway.config import GatewaySettings, JobCaps, TenantQuota, capped_paths
 from fleetrl.spec.config import EnvironmentSpec, JobSpec, RewardSpec, parse_job_spec, spec_table, value_problems
 from fleetrl.spec.prompts import prompt_violations
 
@@ -52,10 +53,13 @@ class Admission:
     model_roots: tuple[Path, ...] = ()
     run_dir: Path | None = None
     caps: JobCaps = field(default_factory=JobCaps)
+    quotas: Callable[[str], tuple[TenantQuota, str]] = lambda tenant: (TenantQuota(), "default_tenant_quota")
+    """A tenant's weight and quotas, and the setting they come from (`GatewaySettings.quota`)."""
 
     @classmethod
     def of(cls, settings: GatewaySettings) -> Admission:
-        return cls(settings.allowed_models, settings.allowed_model_roots, settings.run_dir, settings.job_caps)
+        return cls(settings.allowed_models, settings.allowed_model_roots, settings.run_dir, settings.job_caps,
+                   settings.quota)
 
 
 @dataclass(frozen=True)

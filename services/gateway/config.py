@@ -115,6 +115,18 @@ class JobCaps(Strict):
     """Most sampled completions per eval problem (`eval.samples`)."""
 
 
+class TenantQuota(Strict):
+    """What one tenant's jobs may take of the shared fleet."""
+
+    weight: float = Field(1.0, gt=0, le=1000)
+    """The tenant's share of actor time, relative to the other tenants' weights: an actor serving jobs of
+    several tenants gives each tenant time in proportion to its weight (weighted fair queueing), split
+    equally among that tenant's jobs. Recorded in each job at submission."""
+    max_active_jobs: int = Field(1000, ge=1, le=100_000)
+    """Jobs of the tenant queued or running at once; a submission beyond it is RESOURCE_EXHAUSTED naming
+    this quota. Concurrent episodes per tenant are the reward service's `max_episodes_per_tenant`."""
+
+
 class GatewaySettings(InfraSettings):
     """How one gateway process runs."""
 
@@ -157,6 +169,16 @@ class GatewaySettings(InfraSettings):
     job's checkpoints and exports) needs a root inside `run_dir`. Default: none."""
     job_caps: JobCaps = Field(default_factory=JobCaps)
     """The cap on every resource size a submitter chooses."""
+    tenant_quotas: dict[str, TenantQuota] = Field(default_factory=dict)
+    """Each named tenant's weight and quotas (`[tenant_quotas.alice] weight = 2`)."""
+    default_tenant_quota: TenantQuota = Field(default_factory=TenantQuota)
+    """The weight and quotas of every tenant not named in `tenant_quotas`."""
+
+    def quota(self, tenant: str) -> tuple[TenantQuota, str]:
+        """The tenant's quota and the setting it comes from."""
+        if tenant in self.tenant_quotas:
+            return self.tenant_quotas[tenant], f"tenant_quotas.{tenant}"
+        return self.default_tenant_quota, "default_tenant_quota"
 
     @field_validator("tokens")
     @classmethod

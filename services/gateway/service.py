@@ -29,10 +29,20 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, cast
 
-from fleetrl.errors import ConfigError, FailedPrecondition, FieldViolation, FleetError, InvalidArgument, NotFound, clip
+from fleetrl.errors import (
+    ConfigError,
+    FailedPrecondition,
+    FieldViolation,
+    FleetError,
+    InvalidArgument,
+    NotFound,
+    ResourceExhausted,
+    clip,
+)
 from fleetrl.jobs.store import ACTIVE, ADAPTER_DIR, JobRecord, JobState, JobStore, now_ms
 from fleetrl.runtime.heartbeat import Beat
 from fleetrl.services.gateway.checks import Admission, Limits, Submission, check_sizes, check_submission
+from fleetrl.services.gateway.config import TenantQuota
 from fleetrl.spec.config import EnvironmentSpec, RewardSpec
 from fleetrl.tasks import ledger
 from fleetrl.tasks.bus import TaskQueue, check_job_id
@@ -143,12 +153,25 @@ class Gateway:
             sandbox = verdict.sandbox
         if violations or checked.spec is None:
             raise ConfigError("invalid job submission", reported(violations))
+        quota = await self._check_quota(tenant, sub.idempotency_key)
         record = await self.store.create(tenant, checked.spec, sub.prompts, sub.reward_file or None,
                                          sub.idempotency_key, eval_prompts=sub.eval_prompts or None, sandbox=sandbox,
-                                         environment_file=sub.environment_file or None)
+                                         environment_file=sub.environment_file or None, weight=quota.weight)
         log.info("job %s (%s) submitted by %s", record.job_id, record.name, tenant)
         await self.events.publish(record.job_id, {"type": "submitted", "state": record.state.value})
         return record
+
+    async def _check_quota(self, tenant: str, idempotency_key: str) -> TenantQuota:
+        """The tenant's quota; ResourceExhausted naming it when the tenant holds max_active_jobs queued or
+        running jobs (a retried submission of a job that exists already passes)."""
+        quota, setting = self.admission.quotas(tenant)
+        if idempotency_key and await self.store.find_idempotent(tenant, idempotency_key) is not None:
+            return quota
+        active = sum(1 for record in await self.store.active_jobs() if record.tenant == tenant)
+        if active >= quota.max_active_jobs:
+            raise ResourceExhausted(f"tenant {tenant} has {active} queued or running jobs, its quota "
+                                    f"max_active_jobs {quota.max_active_jobs} ({setting}.max_active_jobs)")
+        return quota
 
     async def _reward_violations(self, spec: RewardSpec, source: bytes) -> tuple[list[FieldViolation], str]:
         """The reward service's objections to the spec, and the sandbox summary it reported."""

@@ -85,9 +85,9 @@ class Fleet:
     job_ids: list[str] = field(default_factory=list)
 
     async def create_job(self, spec: JobSpec, prompts: list[dict[str, Any]],
-                         environment_file: bytes | None = None) -> str:
+                         environment_file: bytes | None = None, tenant: str = "test", weight: float = 1.0) -> str:
         body = "".join(json.dumps(p) + "\n" for p in prompts).encode()
-        record = await self.jobs.create("test", spec, body, None, environment_file=environment_file)
+        record = await self.jobs.create(tenant, spec, body, None, environment_file=environment_file, weight=weight)
         await self.jobs.set_state(record.job_id, JobState.RUNNING)
         await self.replay.configure(record.job_id, spec.replay)
         await bus.ensure_job_consumer(self.js, record.job_id, spec)

@@ -167,3 +167,31 @@ def test_the_local_fleet_passes_its_models_to_the_gateway(tmp_path: Path) -> Non
     assert model_admission("tiny-llama") == ((), ())
     assert model_admission(str(tmp_path)) == ((), (tmp_path,))
     assert model_admission(LISTED) == ((LISTED,), ())
+
+
+# ---------------------------------------------------------------------------- tenant quotas and weights
+
+def test_a_submission_over_the_tenants_quota_is_refused_naming_it(infra: Infra) -> None:
+    settings = ("[tenant_quotas.alice]\nweight = 3.0\nmax_active_jobs = 2\n"
+                "[default_tenant_quota]\nmax_active_jobs = 1")
+    proc = infra.gateway("quotas", settings).start()
+    try:
+        with Client(proc.address, token=TOKENS["alice"]) as alice, Client(proc.address, token=TOKENS["bob"]) as bob:
+            first = alice.submit(json.dumps(job()), PROMPTS, spec_format="json", idempotency_key="k1")
+            alice.submit(json.dumps(job()), PROMPTS, spec_format="json")
+            with pytest.raises(Exception) as refused:
+                alice.submit(json.dumps(job()), PROMPTS, spec_format="json")
+            assert grpc_code(refused.value) == grpc.StatusCode.RESOURCE_EXHAUSTED, refused.value
+            assert "tenant_quotas.alice.max_active_jobs" in str(refused.value), refused.value
+            again = alice.submit(json.dumps(job()), PROMPTS, spec_format="json", idempotency_key="k1")
+            assert again.job_id == first.job_id  # a retried submission is not a new job
+            bob.submit(json.dumps(job()), PROMPTS, spec_format="json")  # another tenant's quota is its own
+            with pytest.raises(Exception) as bobs:
+                bob.submit(json.dumps(job()), PROMPTS, spec_format="json")
+            assert "default_tenant_quota.max_active_jobs" in str(bobs.value), bobs.value
+            alice.cancel_job(first.job_id)
+            alice.submit(json.dumps(job()), PROMPTS, spec_format="json")  # a finished job frees its place
+        record = infra.store(lambda store: store.get(first.job_id))
+        assert record.weight == 3.0  # the tenant's weight, recorded for the actors' fair share
+    finally:
+        proc.stop()
