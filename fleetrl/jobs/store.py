@@ -32,6 +32,7 @@ import secrets
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, cast
 
 import redis.asyncio as aioredis
@@ -117,7 +118,7 @@ class JobRecord:
 
     @classmethod
     def from_hash(cls, fields: Mapping[bytes | str, bytes | str]) -> JobRecord:
-        f = {_text(k): _text(v) for k, v in fields.items()}
+        f = {text(k): text(v) for k, v in fields.items()}
         return cls(
             job_id=f["job_id"], tenant=f["tenant"], name=f["name"], state=JobState(f["state"]),
             reason=f.get("reason", ""), spec=JobSpec.model_validate_json(f["spec_json"]),
@@ -129,13 +130,23 @@ class JobRecord:
         )
 
 
-def _text(value: object) -> str:
+def text(value: object) -> str:
     """A Redis reply as text (the client returns bytes; its type stubs allow any reply shape)."""
     return value.decode() if isinstance(value, bytes) else str(value)
 
 
 def now_ms() -> int:
     return int(time.time() * 1000)
+
+
+def job_dir(run_dir: Path, job_id: str) -> Path:
+    """Where a job's files live on the learner's disk: checkpoints, metrics.jsonl, the exported model."""
+    return Path(run_dir) / "jobs" / job_id
+
+
+def key_patterns(job_id: str) -> list[str]:
+    """Redis SCAN patterns of every key of one job in the job store."""
+    return [_key(job_id), _key(job_id, ":*")]
 
 
 def _key(job_id: str, suffix: str = "") -> str:
@@ -267,7 +278,7 @@ class JobStore:
         if not idempotency_key:
             return None
         existing = await self.redis.hget(f"{PREFIX}jobs:idem", f"{tenant}/{idempotency_key}")
-        return await self.get(_text(existing)) if existing else None
+        return await self.get(text(existing)) if existing else None
 
     async def get(self, job_id: str) -> JobRecord:
         fields = await self.redis.hgetall(_key(job_id))
@@ -280,7 +291,7 @@ class JobStore:
         ids = await self.redis.zrevrange(f"{PREFIX}jobs:index", 0, -1)
         out: builtins.list[JobRecord] = []
         for raw in ids:
-            record = await self.get(_text(raw))
+            record = await self.get(text(raw))
             if tenant is None or record.tenant == tenant:
                 out.append(record)
                 if len(out) >= limit:
@@ -311,7 +322,7 @@ class JobStore:
         if changed == -1:
             raise NotFound(f"job {job_id!r} does not exist")
         if changed == 0:
-            raise FailedPrecondition(f"job {job_id} is {_text(previous)}, cannot become {state.value}")
+            raise FailedPrecondition(f"job {job_id} is {text(previous)}, cannot become {state.value}")
         await self.redis.publish(f"{PREFIX}job-events", job_id)
         return await self.get(job_id)
 
@@ -320,7 +331,7 @@ class JobStore:
         job_id = await self._claim(
             keys=[f"{PREFIX}jobs:index"], args=[learner_id, int(lease_s * 1000), now_ms(), PREFIX]
         )
-        return await self.get(_text(job_id)) if job_id else None
+        return await self.get(text(job_id)) if job_id else None
 
     async def renew(self, job_id: str, learner_id: str, lease_s: float) -> bool:
         """Extend our lease; False means we lost the job (another learner may own it now)."""
@@ -331,7 +342,7 @@ class JobStore:
 
     async def lease_holder(self, job_id: str) -> str | None:
         holder = await self.redis.get(_key(job_id, ":lease"))
-        return _text(holder) if holder else None
+        return text(holder) if holder else None
 
     async def append_step(self, job_id: str, metrics: dict[str, Any], *, lease_epoch: int) -> None:
         """Record one step's metrics (must contain "step"); idempotent per step number (a resumed
@@ -357,7 +368,7 @@ class JobStore:
     async def active_jobs(self) -> builtins.list[JobRecord]:
         """Jobs queued or running, oldest first (what actors serve)."""
         ids = await self.redis.zrange(f"{PREFIX}jobs:index", 0, -1)
-        records = [await self.get(_text(raw)) for raw in ids]
+        records = [await self.get(text(raw)) for raw in ids]
         return [r for r in records if r.state in ACTIVE]
 
 

@@ -1,4 +1,4 @@
-"""`fleetrl submit|status|watch|cancel|jobs|download|sweep`: the job commands, over the Python client.
+"""`fleetrl submit|status|watch|cancel|delete|jobs|download|sweep`: the job commands, over the Python client.
 
 `fleetrl jobs account JOB [--tasks]` prints a job's end-to-end ledger (GetJobAccounting) and exits
 1 unless it balances.
@@ -66,6 +66,8 @@ def parser() -> argparse.ArgumentParser:
     p = sub.add_parser("cancel", parents=[common], help="cancel a job")
     p.add_argument("job_id")
     p.add_argument("--reason", default="")
+    p = sub.add_parser("delete", parents=[common], help="delete a finished job's data from every store")
+    p.add_argument("job_id")
     p = sub.add_parser("sweep", parents=[common], help="submit a grid of jobs and compare them when they end")
     p.add_argument("job_file", type=Path)
     p.add_argument("--grid", action="append", required=True, metavar="KEY=[V1,V2,...]",
@@ -178,6 +180,17 @@ def cmd_cancel(client: Client, args: argparse.Namespace, out: Console) -> int:
     return EXIT_OK
 
 
+def cmd_delete(client: Client, args: argparse.Namespace, out: Console) -> int:
+    held = client.delete_job(args.job_id)
+    if args.json:
+        print(json.dumps({"job_id": args.job_id, **asdict(held)}))
+    else:
+        out.print(f"{args.job_id}: deleted {held.redis_keys} Redis keys ({held.redis_bytes} bytes), "
+                  f"{held.nats_messages} NATS messages ({held.nats_bytes} bytes), {held.disk_files} files "
+                  f"({held.disk_bytes} bytes)", highlight=False)
+    return EXIT_OK
+
+
 def cmd_download(client: Client, args: argparse.Namespace, out: Console) -> int:
     path = client.download_model(args.job_id, args.dir, merged=args.merged)
     files = sorted(p for p in path.rglob("*") if p.is_file())
@@ -214,7 +227,7 @@ def cmd_sweep(client: Client, args: argparse.Namespace, out: Console) -> int:
 
 COMMANDS: dict[str, Callable[[Client, argparse.Namespace, Console], int]] = {
     "submit": cmd_submit, "status": cmd_status, "jobs": cmd_jobs, "watch": cmd_watch,
-    "cancel": cmd_cancel, "download": cmd_download, "sweep": cmd_sweep,
+    "cancel": cmd_cancel, "delete": cmd_delete, "download": cmd_download, "sweep": cmd_sweep,
 }
 
 

@@ -29,6 +29,7 @@ ROUTES: dict[str, tuple[str, bool, str]] = {
     "status": ("fleetrl.launcher.jobs_cli", True, "show a job, or all jobs"),
     "watch": ("fleetrl.launcher.jobs_cli", True, "follow a job's progress live"),
     "cancel": ("fleetrl.launcher.jobs_cli", True, "cancel a job"),
+    "delete": ("fleetrl.launcher.jobs_cli", True, "delete a finished job's data from every store"),
     "jobs": ("fleetrl.launcher.jobs_cli", True, "list jobs"),
     "download": ("fleetrl.launcher.jobs_cli", True, "download a trained model"),
     "sweep": ("fleetrl.launcher.jobs_cli", True, "submit a grid of jobs and compare them"),

@@ -36,7 +36,7 @@ from fleetrl.errors import ConfigError, FieldViolation, FleetError, from_grpc
 from fleetrl.proto.fleetrl.v1 import gateway_pb2, gateway_pb2_grpc
 from fleetrl.runtime.grpcutil import field_violations
 from fleetrl.sdk import convert, sweep
-from fleetrl.sdk.records import AccountingInfo, FleetInfo, JobEventInfo, JobInfo, StepInfo
+from fleetrl.sdk.records import AccountingInfo, DeletedInfo, FleetInfo, JobEventInfo, JobInfo, StepInfo
 from fleetrl.spec.config import apply_overrides, read_bytes, read_toml, set_dotted
 
 DEFAULT_ADDRESS = "127.0.0.1:50051"
@@ -222,6 +222,12 @@ class Client:
     def cancel_job(self, job_id: str, reason: str = "") -> JobInfo:
         return convert.job_info(self._call(self._stub.CancelJob, gateway_pb2.CancelJobRequest(job_id=job_id,
                                                                                                reason=reason)))
+
+    def delete_job(self, job_id: str) -> DeletedInfo:
+        """Delete a finished job's data from every store (FailedPrecondition while it is queued or running)."""
+        response = self._call(self._stub.DeleteJob, gateway_pb2.DeleteJobRequest(job_id=job_id))
+        return DeletedInfo(response.redis_keys, response.redis_bytes, response.nats_messages, response.nats_bytes,
+                           response.disk_files, response.disk_bytes)
 
     def run(self, job_id: str) -> Run:
         """A handle on an existing job (NotFound if it is not yours or does not exist)."""

@@ -124,3 +124,15 @@ class AccountingInfo:
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+
+@dataclass(frozen=True)
+class DeletedInfo:
+    """What a deleted job held in each store."""
+
+    redis_keys: int
+    redis_bytes: int
+    nats_messages: int
+    nats_bytes: int
+    disk_files: int
+    disk_bytes: int

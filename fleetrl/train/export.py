@@ -15,12 +15,8 @@ from typing import Any
 from peft import PeftModel
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from fleetrl.jobs.store import ADAPTER_DIR
+from fleetrl.jobs.store import ADAPTER_DIR, job_dir
 from fleetrl.policy import models
-
-
-def job_dir(run_dir: Path, job_id: str) -> Path:
-    return Path(run_dir) / "jobs" / job_id
 
 
 class MetricsLog:

@@ -38,7 +38,7 @@ from peft import PeftModel
 
 from fleetrl.errors import Cancelled, DeadlineExceeded, FailedPrecondition, Fenced, FleetError, NotFound
 from fleetrl.eval.heldout import HeldOutEval, parse_eval_prompts
-from fleetrl.jobs.store import JobRecord, JobState, JobStore
+from fleetrl.jobs.store import JobRecord, JobState, JobStore, job_dir
 from fleetrl.proto.fleetrl.v1 import common_pb2
 from fleetrl.replay.client import ReplayClient
 from fleetrl.replay.samplers import SAMPLERS
@@ -50,7 +50,7 @@ from fleetrl.tasks.jobbus import JobBus
 from fleetrl.tasks.ledger import Ledger
 from fleetrl.train import checkpoint as ckpt
 from fleetrl.train.batch import component_means, episode_metrics
-from fleetrl.train.export import MetricsLog, export_adapter, export_model, job_dir
+from fleetrl.train.export import MetricsLog, export_adapter, export_model
 from fleetrl.train.leases import LeaseBook, LeaseRecord
 from fleetrl.train.observability import StepObserver
 from fleetrl.train.settings import LearnerSettings

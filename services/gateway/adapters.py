@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import logging
+from pathlib import Path
 from typing import Any
 
 import redis.asyncio as aioredis
@@ -15,6 +16,8 @@ from nats.js import JetStreamContext
 from nats.js.errors import NotFoundError
 
 from fleetrl.errors import Unavailable
+from fleetrl.jobs import retention
+from fleetrl.jobs.store import REDIS_UNREACHABLE
 from fleetrl.runtime import heartbeat
 from fleetrl.services.gateway.service import event_payload
 from fleetrl.tasks import bus
@@ -38,6 +41,19 @@ class JetStreamPurger:
             return
         except Exception as error:  # nats-py raises timeouts and connection errors of several kinds
             raise Unavailable(f"cannot purge the tasks of job {job_id}: {error!r}; cancel again to retry") from error
+
+
+class StoreDeleter:
+    """Deletes a job's data from Redis, NATS and the run directory (`fleetrl.jobs.retention`)."""
+
+    def __init__(self, redis: aioredis.Redis, js: JetStreamContext, run_dir: Path) -> None:
+        self.redis, self.js, self.run_dir = redis, js, run_dir
+
+    async def delete(self, job_id: str) -> retention.Footprint:
+        try:
+            return await retention.delete(self.redis, self.js, self.run_dir, job_id)
+        except (*bus.NATS_UNREACHABLE, *REDIS_UNREACHABLE) as error:
+            raise Unavailable(f"cannot delete job {job_id} now: {error!r}; delete it again to finish") from error
 
 
 class JetStreamEvents:

@@ -169,6 +169,9 @@ class GatewaySettings(InfraSettings):
     job's checkpoints and exports) needs a root inside `run_dir`. Default: none."""
     job_caps: JobCaps = Field(default_factory=JobCaps)
     """The cap on every resource size a submitter chooses."""
+    retention_s: float | None = Field(None, gt=0, le=10 * 365 * 86400)
+    """Finished jobs (succeeded, failed, cancelled) are deleted from every store (Redis, NATS, the run
+    directory) this long after they ended; None keeps them until `fleetrl delete`."""
     tenant_quotas: dict[str, TenantQuota] = Field(default_factory=dict)
     """Each named tenant's weight and quotas (`[tenant_quotas.alice] weight = 2`)."""
     default_tenant_quota: TenantQuota = Field(default_factory=TenantQuota)

@@ -26,7 +26,7 @@ from fleetrl.runtime import grpcutil, telemetry
 from fleetrl.runtime.grpcutil import map_errors, map_stream_errors
 from fleetrl.runtime.observe import ObservingInterceptor, serve_metrics
 from fleetrl.services.gateway import convert
-from fleetrl.services.gateway.adapters import FleetProbe, JetStreamEvents, JetStreamPurger
+from fleetrl.services.gateway.adapters import FleetProbe, JetStreamEvents, JetStreamPurger, StoreDeleter
 from fleetrl.services.gateway.auth import AuthInterceptor, TokenTable, current_tenant
 from fleetrl.services.gateway.checks import Admission, Limits
 from fleetrl.services.gateway.config import GatewaySettings
@@ -35,6 +35,8 @@ from fleetrl.spec.config import read_bytes
 from fleetrl.tasks import bus
 
 log = logging.getLogger(__name__)
+RETENTION_CHECK_S = 60.0
+"""How often the gateway looks for finished jobs past their retention."""
 SERVICE_NAME = gateway_pb2.DESCRIPTOR.services_by_name["JobService"].full_name
 
 
@@ -77,6 +79,14 @@ class JobServicer(gateway_pb2_grpc.JobServiceServicer):
         _require(request)
         records = await self.gateway.list_jobs(current_tenant(), min(request.limit or 50, self.max_list))
         return gateway_pb2.ListJobsResponse(jobs=[convert.job_to_proto(r) for r in records])
+
+    @map_errors
+    async def DeleteJob(self, request: gateway_pb2.DeleteJobRequest, context: Any) -> gateway_pb2.DeleteJobResponse:
+        _require(request)
+        held = await self.gateway.delete(current_tenant(), request.job_id)
+        return gateway_pb2.DeleteJobResponse(
+            redis_keys=held.redis_keys, redis_bytes=held.redis_bytes, nats_messages=held.nats_messages,
+            nats_bytes=held.nats_bytes, disk_files=held.disk_files, disk_bytes=held.disk_bytes)
 
     @map_errors
     async def CancelJob(self, request: gateway_pb2.CancelJobRequest, context: Any) -> gateway_pb2.Job:
@@ -161,6 +171,18 @@ def token_table(settings: GatewaySettings) -> TokenTable:
     return TokenTable(digests, settings.open_mode)
 
 
+async def retention_loop(gateway: Gateway, retention_s: float) -> None:
+    """Delete finished jobs older than retention_s, every RETENTION_CHECK_S (a failed pass is retried)."""
+    while True:
+        try:
+            deleted = await gateway.expire(retention_s)
+            if deleted:
+                log.info("retention: deleted %d finished jobs older than %gs: %s", len(deleted), retention_s, deleted)
+        except Exception as error:  # Redis or NATS away: the next pass finishes it
+            log.warning("retention pass failed: %s", error)
+        await asyncio.sleep(min(RETENTION_CHECK_S, retention_s))
+
+
 async def serve(settings: GatewaySettings, stop: asyncio.Event,
                 on_start: Callable[[int], None] | None = None) -> None:
     """Run the gateway until stop is set."""
@@ -180,9 +202,12 @@ async def serve(settings: GatewaySettings, stop: asyncio.Event,
             store, reward,
             JetStreamPurger(js), JetStreamEvents(js), FleetProbe(store.redis, js),
             Limits(int(settings.max_prompts_mb * 1024 * 1024), int(settings.max_reward_file_kb * 1024)),
-            Admission.of(settings),
+            Admission.of(settings), deleter=StoreDeleter(store.redis, js, settings.run_dir),
             poll_s=settings.watch_poll_s, chunk_bytes=settings.download_chunk_kb * 1024,
         )
+        if settings.retention_s is not None:
+            expiring = asyncio.create_task(retention_loop(gateway, settings.retention_s))
+            stack.callback(expiring.cancel)
         server, port, health_servicer = await grpcutil.start_server(
             settings.listen, [add_job_service(JobServicer(gateway, settings.max_list_jobs))],
             interceptors=[ObservingInterceptor(), AuthInterceptor(table)], credentials=server_credentials(settings),

@@ -39,6 +39,7 @@ from fleetrl.errors import (
     ResourceExhausted,
     clip,
 )
+from fleetrl.jobs.retention import Footprint
 from fleetrl.jobs.store import ACTIVE, ADAPTER_DIR, JobRecord, JobState, JobStore, now_ms
 from fleetrl.runtime.heartbeat import Beat
 from fleetrl.services.gateway.checks import Admission, Limits, Submission, check_sizes, check_submission
@@ -54,6 +55,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 MAX_REASON_CHARS = 1000
+MAX_RETENTION_SCAN = 1_000_000
+"""Most jobs one retention pass looks at."""
 REPORT_BYTES = 1200
 CLIP_FIELD, CLIP_DESCRIPTION = 120, 240
 
@@ -70,6 +73,11 @@ class RewardChecker(Protocol):
 class TaskPurger(Protocol):
     async def purge(self, job_id: str) -> None:
         """Drop the job's queued tasks."""
+
+
+class JobDeleter(Protocol):
+    async def delete(self, job_id: str) -> Footprint:
+        """Delete everything the job holds in every store (`fleetrl.jobs.retention`); what it held."""
 
 
 class EventSink(Protocol):
@@ -132,8 +140,8 @@ class Gateway:
 
     def __init__(self, store: JobStore, reward: RewardChecker, purger: TaskPurger, events: EventSink,
                  fleet_source: FleetSource, limits: Limits, admission: Admission | None = None, *,
-                 poll_s: float = 0.25, chunk_bytes: int = 1 << 20) -> None:
-        self.store, self.reward, self.purger, self.events = store, reward, purger, events
+                 deleter: JobDeleter | None = None, poll_s: float = 0.25, chunk_bytes: int = 1 << 20) -> None:
+        self.store, self.reward, self.purger, self.events, self.deleter = store, reward, purger, events, deleter
         self.fleet_source = fleet_source
         self.limits, self.admission = limits, admission if admission is not None else Admission()
         self.poll_s, self.chunk_bytes = poll_s, chunk_bytes
@@ -214,6 +222,38 @@ class Gateway:
         if record.state is JobState.CANCELLED:
             await self.purger.purge(job_id)
         return record
+
+    async def delete(self, tenant: str, job_id: str) -> Footprint:
+        """Delete a finished job's data from every store; what it held. FailedPrecondition while it is
+        queued or running."""
+        record = await self.get(tenant, job_id)
+        if record.state in ACTIVE:
+            raise FailedPrecondition(f"job {job_id} is {record.state.value}: cancel it before deleting it")
+        return await self._delete(record)
+
+    async def _deletable(self, record: JobRecord) -> bool:
+        """A finished job whose learner has let go of it (a learner writes until it releases its lease)."""
+        return record.state not in ACTIVE and await self.store.lease_holder(record.job_id) is None
+
+    async def expire(self, retention_s: float) -> list[str]:
+        """Delete every finished job that ended more than retention_s ago; their ids."""
+        cutoff = now_ms() - retention_s * 1000
+        expired = [r for r in await self.store.list(None, limit=MAX_RETENTION_SCAN)
+                   if r.updated_ms < cutoff and await self._deletable(r)]
+        for record in expired:
+            await self._delete(record)
+        return [r.job_id for r in expired]
+
+    async def _delete(self, record: JobRecord) -> Footprint:
+        if self.deleter is None:
+            raise FailedPrecondition("this gateway cannot delete jobs (no deleter wired)")
+        if not await self._deletable(record):
+            raise FailedPrecondition(f"job {record.job_id}'s learner still holds it: delete it again in a moment")
+        held = await self.deleter.delete(record.job_id)
+        log.info("job %s of %s deleted: %d Redis keys (%d bytes), %d NATS messages (%d bytes), %d files (%d bytes)",
+                 record.job_id, record.tenant, held.redis_keys, held.redis_bytes, held.nats_messages,
+                 held.nats_bytes, held.disk_files, held.disk_bytes)
+        return held
 
     async def watch(self, tenant: str, job_id: str, from_step: int = 0) -> AsyncIterator[WatchEvent]:
         """The current state, then every step from from_step and every state change, until the end."""

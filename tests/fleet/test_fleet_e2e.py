@@ -16,20 +16,26 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import random
 import time
 from pathlib import Path
 from typing import Any
 
+import grpc
 import pytest
+import redis.asyncio as aioredis
 from e2e_fleet import PPS, FleetUnderTest, job_params, ledger, wait_for
 from google.protobuf import json_format
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from fleetrl.errors import FleetError, grpc_code
+from fleetrl.jobs import retention
 from fleetrl.jobs.store import now_ms
 from fleetrl.launcher import cores
 from fleetrl.sdk.client import FLAT_PARAMS
+from fleetrl.tasks import bus
 
 pytestmark = pytest.mark.slow
 
@@ -243,3 +249,43 @@ def test_sweep_two_by_two_runs_four_jobs_and_leaves_nothing_running(fleet: Fleet
     mine = {r["job_id"] for r in rows}
     assert all(j.done for j in fleet.client.list_jobs(200) if j.job_id in mine)
     assert not [q for q in fleet.client.fleet().queues if q.job_id in mine]
+
+
+def footprint_of(fleet: FleetUnderTest, job_id: str) -> retention.Footprint:
+    assert fleet.fleet.infra is not None
+
+    async def look() -> retention.Footprint:
+        redis = aioredis.Redis.from_url(fleet.fleet.infra.valkey.url)  # type: ignore[union-attr]
+        nc = await bus.connect(fleet.fleet.infra.nats.url, "footprint")  # type: ignore[union-attr]
+        try:
+            return await retention.footprint(redis, bus.jetstream(nc), fleet.run_dir, job_id)
+        finally:
+            await nc.close()
+            await redis.aclose()
+
+    return asyncio.run(look())
+
+
+def test_delete_leaves_nothing_of_a_job_in_any_store(fleet: FleetUnderTest) -> None:
+    run = fleet.submit("deleted", max_steps=2, checkpoint_interval=1)
+    with pytest.raises(FleetError) as running:
+        fleet.client.delete_job(run.job_id)
+    assert grpc_code(running.value) == grpc.StatusCode.FAILED_PRECONDITION, running.value
+    assert run.wait(timeout_s=180).state == "succeeded"
+    before = footprint_of(fleet, run.job_id)
+    assert before.redis_keys and before.nats_messages and before.nats_bytes and before.disk_files, before
+    deadline = time.monotonic() + 30
+    while True:  # the learner lets go of the job (its lease) just after marking it succeeded
+        try:
+            held = fleet.client.delete_job(run.job_id)
+            break
+        except FleetError as error:
+            assert grpc_code(error) == grpc.StatusCode.FAILED_PRECONDITION and time.monotonic() < deadline, error
+            time.sleep(0.5)
+    after = footprint_of(fleet, run.job_id)
+    print(f"delete: before {before}, deleted {held}, after {after}")
+    assert after.empty, after
+    assert (held.redis_keys, held.disk_files) == (before.redis_keys, before.disk_files)
+    with pytest.raises(FleetError) as gone:
+        fleet.client.get_job(run.job_id)
+    assert grpc_code(gone.value) == grpc.StatusCode.NOT_FOUND

@@ -104,6 +104,28 @@ class ListJobsResponse(_message.Message):
     jobs: _containers.RepeatedCompositeFieldContainer[Job]
     def __init__(self, jobs: _Optional[_Iterable[_Union[Job, _Mapping]]] = ...) -> None: ...
 
+class DeleteJobRequest(_message.Message):
+    __slots__ = ("job_id",)
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    def __init__(self, job_id: _Optional[str] = ...) -> None: ...
+
+class DeleteJobResponse(_message.Message):
+    __slots__ = ("redis_keys", "redis_bytes", "nats_messages", "nats_bytes", "disk_files", "disk_bytes")
+    REDIS_KEYS_FIELD_NUMBER: _ClassVar[int]
+    REDIS_BYTES_FIELD_NUMBER: _ClassVar[int]
+    NATS_MESSAGES_FIELD_NUMBER: _ClassVar[int]
+    NATS_BYTES_FIELD_NUMBER: _ClassVar[int]
+    DISK_FILES_FIELD_NUMBER: _ClassVar[int]
+    DISK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    redis_keys: int
+    redis_bytes: int
+    nats_messages: int
+    nats_bytes: int
+    disk_files: int
+    disk_bytes: int
+    def __init__(self, redis_keys: _Optional[int] = ..., redis_bytes: _Optional[int] = ..., nats_messages: _Optional[int] = ..., nats_bytes: _Optional[int] = ..., disk_files: _Optional[int] = ..., disk_bytes: _Optional[int] = ...) -> None: ...
+
 class CancelJobRequest(_message.Message):
     __slots__ = ("job_id", "reason")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]

@@ -76,6 +76,11 @@ class JobServiceStub:
                 request_serializer=fleetrl_dot_v1_dot_gateway__pb2.GetJobAccountingRequest.SerializeToString,
                 response_deserializer=fleetrl_dot_v1_dot_gateway__pb2.JobAccounting.FromString,
                 _registered_method=True)
+        self.DeleteJob = channel.unary_unary(
+                '/fleetrl.v1.JobService/DeleteJob',
+                request_serializer=fleetrl_dot_v1_dot_gateway__pb2.DeleteJobRequest.SerializeToString,
+                response_deserializer=fleetrl_dot_v1_dot_gateway__pb2.DeleteJobResponse.FromString,
+                _registered_method=True)
 
 
 class JobServiceServicer:
@@ -153,6 +158,16 @@ class JobServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def DeleteJob(self, request, context):
+        """Delete everything a finished (succeeded, failed or cancelled) job left in
+        every store: its Redis keys, NATS streams, consumers and messages, and its
+        files in the run directory. A queued or running job: FAILED_PRECONDITION
+        (cancel it first). Unknown (or another tenant's, or deleted): NOT_FOUND.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_JobServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -195,6 +210,11 @@ def add_JobServiceServicer_to_server(servicer, server):
                     servicer.GetJobAccounting,
                     request_deserializer=fleetrl_dot_v1_dot_gateway__pb2.GetJobAccountingRequest.FromString,
                     response_serializer=fleetrl_dot_v1_dot_gateway__pb2.JobAccounting.SerializeToString,
+            ),
+            'DeleteJob': grpc.unary_unary_rpc_method_handler(
+                    servicer.DeleteJob,
+                    request_deserializer=fleetrl_dot_v1_dot_gateway__pb2.DeleteJobRequest.FromString,
+                    response_serializer=fleetrl_dot_v1_dot_gateway__pb2.DeleteJobResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -415,6 +435,33 @@ class JobService:
             '/fleetrl.v1.JobService/GetJobAccounting',
             fleetrl_dot_v1_dot_gateway__pb2.GetJobAccountingRequest.SerializeToString,
             fleetrl_dot_v1_dot_gateway__pb2.JobAccounting.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DeleteJob(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/fleetrl.v1.JobService/DeleteJob',
+            fleetrl_dot_v1_dot_gateway__pb2.DeleteJobRequest.SerializeToString,
+            fleetrl_dot_v1_dot_gateway__pb2.DeleteJobResponse.FromString,
             options,
             channel_credentials,
             insecure,
