@@ -11,6 +11,7 @@ from pathlib import Path
 
 from fleetrl.launcher import cores, devices
 from fleetrl.launcher.fleet import Fleet, FleetLayout, FleetOptions, request_scale
+from fleetrl.spec.config import redacted
 
 
 def _up_parser(prog: str) -> argparse.ArgumentParser:
@@ -75,8 +76,8 @@ def options_from(args: argparse.Namespace) -> FleetOptions:
 
 
 def print_layout(layout: FleetLayout, actors: int) -> None:
-    print(f"NATS     {layout.nats_url}")
-    print(f"Redis    {layout.redis_url}")
+    print(f"NATS     {redacted(layout.nats_url)}")
+    print(f"Redis    {redacted(layout.redis_url)}")
     for name, address in layout.addresses.items():
         metrics = layout.metrics_ports.get(name)
         print(f"{name:<8} {address}" + (f"   metrics http://127.0.0.1:{metrics}/metrics" if metrics else ""))

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import secrets
 import shutil
 import signal
 import socket
@@ -175,21 +176,27 @@ class EmbeddedNats(EmbeddedServer):
     max_payload_mb: int = 8
     monitor_port: int = 0
     """HTTP monitoring port (for `/healthz`); a free one the first time, then kept across restarts."""
+    credentials: Credentials | None = None
+    """A user and password every client must present (None: none)."""
 
     def command(self) -> list[str]:
         while self.monitor_port in (0, self.port):
             self.monitor_port = free_port(self.host)
+        auth = (f'authorization {{ user: "{self.credentials.user}", password: "{self.credentials.password}" }}\n'
+                if self.credentials else "")
         conf = self.data_dir / "nats.conf"
         conf.write_text(
             f'host: "{self.host}"\nport: {self.port}\nmax_payload: {self.max_payload_mb * 1024 * 1024}\n'
             f'http: "{self.host}:{self.monitor_port}"\n'
-            f'jetstream {{ store_dir: "{self.data_dir / "jetstream"}" }}\n'
+            f'jetstream {{ store_dir: "{self.data_dir / "jetstream"}" }}\n{auth}'
         )
+        conf.chmod(0o600)
         return [nats_server_binary(), "-c", str(conf)]
 
     @property
     def url(self) -> str:
-        return f"nats://{self.host}:{self.port}"
+        login = f"{self.credentials.user}:{self.credentials.password}@" if self.credentials else ""
+        return f"nats://{login}{self.host}:{self.port}"
 
     @property
     def monitor_url(self) -> str:
@@ -212,10 +219,15 @@ class EmbeddedValkey(EmbeddedServer):
     appendfsync: Literal["always", "everysec", "no"] = "everysec"
     appendonly: bool = True
     maxmemory_mb: int = 0
+    credentials: Credentials | None = None
+    """A password every client must AUTH with (the user is Valkey's default user; None: none)."""
 
     def command(self) -> list[str]:
+        conf = self.data_dir / "valkey.conf"  # the password in a file of ours, not on the command line
+        conf.write_text(f'requirepass "{self.credentials.password}"\n' if self.credentials else "")
+        conf.chmod(0o600)
         return [
-            valkey_server_binary(), "--bind", self.host, "--port", str(self.port),
+            valkey_server_binary(), str(conf), "--bind", self.host, "--port", str(self.port),
             "--dir", str(self.data_dir), "--appendonly", "yes" if self.appendonly else "no",
             "--appendfsync", self.appendfsync, "--save", "", "--maxmemory-policy", "noeviction",
             "--maxmemory", f"{self.maxmemory_mb}mb", "--protected-mode", "no",
@@ -223,16 +235,55 @@ class EmbeddedValkey(EmbeddedServer):
 
     @property
     def url(self) -> str:
-        return f"redis://{self.host}:{self.port}/0"
+        login = f":{self.credentials.password}@" if self.credentials else ""
+        return f"redis://{login}{self.host}:{self.port}/0"
 
     def healthy(self) -> bool:
         """PING answers PONG (a Valkey replaying its AOF accepts connections but answers -LOADING)."""
+        auth = b""
+        if self.credentials:
+            password = self.credentials.password.encode()
+            auth = b"*2\r\n$4\r\nAUTH\r\n$%d\r\n%s\r\n" % (len(password), password)
         try:
             with socket.create_connection((self.host, self.port), timeout=PROBE_TIMEOUT_S) as sock:
-                sock.sendall(b"*1\r\n$4\r\nPING\r\n")
-                return sock.recv(64).startswith(b"+PONG\r\n")
+                sock.sendall(auth + b"*1\r\n$4\r\nPING\r\n")
+                reply = _read_replies(sock, 2 if auth else 1)
+                return reply.endswith(b"+PONG\r\n") and (not auth or reply.startswith(b"+OK\r\n"))
         except OSError:
             return False
+
+
+def _read_replies(sock: socket.socket, count: int) -> bytes:
+    """The first count simple-string or error replies (one line each) on sock."""
+    data = b""
+    while data.count(b"\r\n") < count:
+        chunk = sock.recv(256)
+        if not chunk:
+            break
+        data += chunk
+    return data
+
+
+@dataclass(frozen=True)
+class Credentials:
+    """A user and password for an embedded server, generated once per run directory and kept there
+    (mode 0600), so a restarted server and its clients keep agreeing."""
+
+    user: str
+    password: str
+
+    @classmethod
+    def for_run(cls, path: Path, user: str) -> Credentials:
+        """The credentials stored at path, made (random, URL-safe) the first time."""
+        if path.exists():
+            user, password = path.read_text().split("\n", 1)
+            return cls(user, password.strip())
+        path.parent.mkdir(parents=True, exist_ok=True)
+        password = secrets.token_urlsafe(24)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as handle:
+            handle.write(f"{user}\n{password}\n")
+        return cls(user, password)
 
 
 @dataclass
@@ -243,9 +294,15 @@ class Infra:
     nats: EmbeddedNats = field(init=False)
     valkey: EmbeddedValkey = field(init=False)
 
+    credentials: bool = True
+    """Whether NATS and Valkey require credentials (generated under run_dir/credentials/)."""
+
     def __post_init__(self) -> None:
-        self.nats = EmbeddedNats(data_dir=self.run_dir / "nats")
-        self.valkey = EmbeddedValkey(data_dir=self.run_dir / "valkey")
+        nats_login = Credentials.for_run(self.run_dir / "credentials" / "nats", "fleetrl") if self.credentials else None
+        valkey_login = Credentials.for_run(self.run_dir / "credentials" / "valkey", "default") \
+            if self.credentials else None
+        self.nats = EmbeddedNats(data_dir=self.run_dir / "nats", credentials=nats_login)
+        self.valkey = EmbeddedValkey(data_dir=self.run_dir / "valkey", credentials=valkey_login)
 
     def start(self) -> Infra:
         self.nats.start()
@@ -285,6 +342,7 @@ def write_state(run_dir: Path, infra: Infra) -> Path:
         assert identity is not None, f"{server.kind} exited right after starting; see {server.log_path}"
         processes += [f"{key}_PID={server.proc.pid}", f"{key}_PROCESS={identity}"]
     path.write_text("\n".join([*urls, *processes]) + "\n")
+    path.chmod(0o600)  # the URLs carry the servers' credentials
     return path
 
 

@@ -66,9 +66,9 @@ def _infra(argv: list[str]) -> int:
         return 1
     infra = embedded.Infra(args.dir).start()
     state = embedded.write_state(args.dir, infra)
-    print(f"NATS   {infra.nats.url}   (JetStream data in {infra.nats.data_dir})")
-    print(f"Valkey {infra.valkey.url}   (AOF in {infra.valkey.data_dir})")
-    print(f"export the URLs with:  set -a; . {state}; set +a")
+    print(f"NATS   {infra.nats.host}:{infra.nats.port}   (JetStream data in {infra.nats.data_dir})")
+    print(f"Valkey {infra.valkey.host}:{infra.valkey.port}   (AOF in {infra.valkey.data_dir})")
+    print(f"both require credentials; export the URLs (which carry them) with:  set -a; . {state}; set +a")
     if args.detach:
         return 0
     print("Ctrl-C stops both.")

@@ -392,13 +392,18 @@ class JobSpec(Strict):
 # --------------------------------------------------------------------------- services
 
 
+def redacted(url: str) -> str:
+    """url with the password of its credentials replaced by `***`, for logs and printouts."""
+    return re.sub(r"(://[^:/@,]*:)[^@/,]*@", r"\1***@", url)
+
+
 class InfraSettings(Strict):
     """Where the shared infrastructure is. Every service has these."""
 
     nats_url: str = DEFAULT_NATS_URL
-    """NATS server(s), comma-separated."""
+    """NATS server(s), comma-separated; credentials as `nats://user:password@host:port`."""
     redis_url: str = DEFAULT_REDIS_URL
-    """Redis or Valkey URL."""
+    """Redis or Valkey URL; a password as `redis://:password@host:port/0`."""
     run_dir: Path = Path("runs/local")
     """Directory for logs, checkpoints, exported models and trace files."""
     metrics_port: int = Field(0, ge=0, le=65535)

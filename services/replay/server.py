@@ -27,6 +27,7 @@ from fleetrl.runtime.grpcutil import map_errors, start_server, stop_server
 from fleetrl.runtime.observe import ObservingInterceptor, serve_metrics
 from fleetrl.services.replay import convert
 from fleetrl.services.replay.config import ReplaySettings
+from fleetrl.spec.config import redacted
 
 log = logging.getLogger(__name__)
 
@@ -207,7 +208,7 @@ async def running(settings: ReplaySettings) -> AsyncIterator[Running]:
         stack.push_async_callback(stop_server, server, health, settings.grace_s)
         reclaim = asyncio.create_task(reclaim_loop(tables, metrics, settings.reclaim_interval_s))
         stack.callback(reclaim.cancel)
-        log.info("replay service on port %d, redis %s", port, settings.redis_url)
+        log.info("replay service on port %d, redis %s", port, redacted(settings.redis_url))
         yield Running(port, tables, reclaim, metrics)
 
 

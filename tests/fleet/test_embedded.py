@@ -8,12 +8,15 @@ import socket
 import subprocess
 from pathlib import Path
 
+import nats
+import pytest
 import redis
 
 from fleetrl.launcher.embedded import (
     STATE_FILE,
     EmbeddedNats,
     EmbeddedValkey,
+    Infra,
     free_port,
     process_identity,
     stop_recorded,
@@ -113,3 +116,31 @@ def test_free_port_never_hands_out_one_port_twice() -> None:
     range repeat one almost surely); a fleet picking a dozen ports must not give two services one."""
     ports = [free_port() for _ in range(1000)]
     assert len(set(ports)) == len(ports)
+
+
+def test_the_embedded_servers_refuse_a_client_without_credentials(tmp_path: Path) -> None:
+    """What `fleetrl up` starts requires credentials (generated once per run directory, kept across a
+    restart): a client without them is refused by both, one with the URL's is served."""
+    with Infra(tmp_path / "infra") as infra:
+        assert infra.nats.credentials is not None and infra.valkey.credentials is not None
+        anonymous = _raw_command(infra.valkey, b"GET", b"k")
+        assert anonymous.startswith(b"-NOAUTH"), anonymous
+        with pytest.raises(redis.AuthenticationError):
+            redis.Redis(host=infra.valkey.host, port=infra.valkey.port, password="wrong").ping()
+        assert redis.Redis.from_url(infra.valkey.url).ping()
+
+        async def nats_logins() -> str:
+            anonymous = f"nats://{infra.nats.host}:{infra.nats.port}"
+            with pytest.raises(Exception, match=r"[Aa]uthorization"):
+                await asyncio.wait_for(nats.connect(anonymous, allow_reconnect=False, connect_timeout=5), 15)
+            nc = await asyncio.wait_for(nats.connect(infra.nats.url, allow_reconnect=False, connect_timeout=5), 15)
+            await nc.close()
+            return "ok"
+
+        assert asyncio.run(nats_logins()) == "ok"
+        url = infra.valkey.url
+        infra.valkey.kill()
+        infra.valkey.start()
+        assert redis.Redis.from_url(url).ping()  # the same password after a restart
+    again = Infra(tmp_path / "infra")  # a later `fleetrl up` on the same run directory
+    assert (again.nats.credentials, again.valkey.credentials) == (infra.nats.credentials, infra.valkey.credentials)

@@ -172,17 +172,19 @@ def test_the_local_fleet_passes_its_models_to_the_gateway(tmp_path: Path) -> Non
 # ---------------------------------------------------------------------------- tenant quotas and weights
 
 def test_a_submission_over_the_tenants_quota_is_refused_naming_it(infra: Infra) -> None:
-    settings = ("[tenant_quotas.alice]\nweight = 3.0\nmax_active_jobs = 2\n"
+    settings = ("[tenant_quotas.quota-alice]\nweight = 3.0\nmax_active_jobs = 2\n"
                 "[default_tenant_quota]\nmax_active_jobs = 1")
-    proc = infra.gateway("quotas", settings).start()
+    tokens = {"quota-alice": "tok-quota-alice", "quota-bob": "tok-quota-bob"}  # tenants no other test uses
+    proc = infra.gateway("quotas", settings, tokens=tokens).start()
     try:
-        with Client(proc.address, token=TOKENS["alice"]) as alice, Client(proc.address, token=TOKENS["bob"]) as bob:
+        with Client(proc.address, token=tokens["quota-alice"]) as alice, \
+                Client(proc.address, token=tokens["quota-bob"]) as bob:
             first = alice.submit(json.dumps(job()), PROMPTS, spec_format="json", idempotency_key="k1")
             alice.submit(json.dumps(job()), PROMPTS, spec_format="json")
             with pytest.raises(Exception) as refused:
                 alice.submit(json.dumps(job()), PROMPTS, spec_format="json")
             assert grpc_code(refused.value) == grpc.StatusCode.RESOURCE_EXHAUSTED, refused.value
-            assert "tenant_quotas.alice.max_active_jobs" in str(refused.value), refused.value
+            assert "tenant_quotas.quota-alice.max_active_jobs" in str(refused.value), refused.value
             again = alice.submit(json.dumps(job()), PROMPTS, spec_format="json", idempotency_key="k1")
             assert again.job_id == first.job_id  # a retried submission is not a new job
             bob.submit(json.dumps(job()), PROMPTS, spec_format="json")  # another tenant's quota is its own
