@@ -35,6 +35,7 @@ from fleetrl.jobs import retention
 from fleetrl.jobs.store import now_ms
 from fleetrl.launcher import cores
 from fleetrl.sdk.client import FLAT_PARAMS
+from fleetrl.sdk.records import DeletedInfo
 from fleetrl.tasks import bus
 
 pytestmark = pytest.mark.slow
@@ -51,9 +52,12 @@ FIXED_LATENCY_S = 1.0
 cores the rate of groups follows the number of actors instead of the load on the machine."""
 
 
-def test_happy_path_job_succeeds_and_exports(fleet: FleetUnderTest, tmp_path: Path) -> None:
+def test_happy_path_job_succeeds_exports_and_is_deleted(fleet: FleetUnderTest, tmp_path: Path) -> None:
     started = time.monotonic()
     run = fleet.submit("happy", max_steps=STEPS)
+    with pytest.raises(FleetError) as running:
+        fleet.client.delete_job(run.job_id)
+    assert grpc_code(running.value) == grpc.StatusCode.FAILED_PRECONDITION, running.value
     info = run.wait(timeout_s=180)
     elapsed = time.monotonic() - started
     assert info.state == "succeeded", (info.reason, fleet.log("learner")[-3000:])
@@ -74,6 +78,17 @@ def test_happy_path_job_succeeds_and_exports(fleet: FleetUnderTest, tmp_path: Pa
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     ids = tokenizer("What is 2 + 5?", return_tensors="pt").input_ids
     assert model(ids).logits.shape[-1] == len(tokenizer)
+
+    before = footprint_of(fleet, run.job_id)  # `fleetrl delete`: nothing of the job is left in any store
+    assert before.redis_keys and before.nats_messages and before.nats_bytes and before.disk_files, before
+    held = delete_when_released(fleet, run.job_id)
+    after = footprint_of(fleet, run.job_id)
+    print(f"delete: before {before}, deleted {held}, after {after}")
+    assert after.empty, after
+    assert (held.redis_keys, held.disk_files) == (before.redis_keys, before.disk_files)
+    with pytest.raises(FleetError) as gone:
+        fleet.client.get_job(run.job_id)
+    assert grpc_code(gone.value) == grpc.StatusCode.NOT_FOUND
 
 
 def test_every_child_runs_with_its_thread_budget(fleet: FleetUnderTest) -> None:
@@ -266,26 +281,12 @@ def footprint_of(fleet: FleetUnderTest, job_id: str) -> retention.Footprint:
     return asyncio.run(look())
 
 
-def test_delete_leaves_nothing_of_a_job_in_any_store(fleet: FleetUnderTest) -> None:
-    run = fleet.submit("deleted", max_steps=2, checkpoint_interval=1)
-    with pytest.raises(FleetError) as running:
-        fleet.client.delete_job(run.job_id)
-    assert grpc_code(running.value) == grpc.StatusCode.FAILED_PRECONDITION, running.value
-    assert run.wait(timeout_s=180).state == "succeeded"
-    before = footprint_of(fleet, run.job_id)
-    assert before.redis_keys and before.nats_messages and before.nats_bytes and before.disk_files, before
+def delete_when_released(fleet: FleetUnderTest, job_id: str) -> DeletedInfo:
+    """Delete the job once its learner has let go of it (its lease, released just after it succeeded)."""
     deadline = time.monotonic() + 30
-    while True:  # the learner lets go of the job (its lease) just after marking it succeeded
+    while True:
         try:
-            held = fleet.client.delete_job(run.job_id)
-            break
+            return fleet.client.delete_job(job_id)
         except FleetError as error:
             assert grpc_code(error) == grpc.StatusCode.FAILED_PRECONDITION and time.monotonic() < deadline, error
             time.sleep(0.5)
-    after = footprint_of(fleet, run.job_id)
-    print(f"delete: before {before}, deleted {held}, after {after}")
-    assert after.empty, after
-    assert (held.redis_keys, held.disk_files) == (before.redis_keys, before.disk_files)
-    with pytest.raises(FleetError) as gone:
-        fleet.client.get_job(run.job_id)
-    assert grpc_code(gone.value) == grpc.StatusCode.NOT_FOUND
