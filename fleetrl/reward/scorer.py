@@ -1,7 +1,9 @@
 """The reward service's domain core: validate specs, keep worker pools, score batches.
 
 `Scorer.score(job_id, spec, items)` scores every item concurrently on the spec's pool and always
-returns one `Result` per item, in order: a hanging or crashing item costs only its own result.
+returns one `Result` per item, in order: a hanging or crashing item costs only its own result. A call
+with no items is a warm-up: the job's pool starts loading in the background (an actor sends one when it
+starts serving a job, so the first group does not wait for the workers' start and imports).
 A spec's pool loads in a task of its own (shared by every call for that spec, bounded by the
 workers' start and load deadlines); a Score call waits for it at most its items' timeout, so a
 reward file with slow top-level code makes that call's items errors naming the load instead of
@@ -31,7 +33,14 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from fleetrl.errors import ConfigError, FailedPrecondition, FieldViolation, InvalidArgument, ResourceExhausted
+from fleetrl.errors import (
+    ConfigError,
+    FailedPrecondition,
+    FieldViolation,
+    FleetError,
+    InvalidArgument,
+    ResourceExhausted,
+)
 from fleetrl.reward import guard, jail, verifiers
 from fleetrl.reward.metrics import RewardMetrics
 from fleetrl.reward.pool import WorkerPool
@@ -420,7 +429,8 @@ class Scorer:
         if len(items) > self.settings.max_items_per_request:
             raise InvalidArgument("too many items", [FieldViolation(
                 "items", f"{len(items)} > max_items_per_request {self.settings.max_items_per_request}")])
-        if not items:
+        if not items:  # a warm-up: the job's pool loads in the background for its first items
+            self._warm(job_id, spec, tenant)
             return []
         if not isinstance(spec.spec, RewardSpec):
             raise InvalidArgument("not a reward spec", [FieldViolation("spec", "an environment cannot score items")])
@@ -436,6 +446,17 @@ class Scorer:
         except ConfigError as error:  # caps were checked above: the spec does not load
             return self._unscored(job_id, items, start, str(error))
         return list(await asyncio.gather(*(self._score_one(job_id, pool, item, timeout_s) for item in items)))
+
+    def _warm(self, job_id: str, spec: SpecInput, tenant: str) -> None:
+        """Start loading the job's pool unless it is up or loading (the load's errors reach its first items)."""
+        key = PoolKey(job_id, tenant or f"job:{job_id}", spec.digest)
+        if key in self._pools:
+            return
+        try:
+            self.check_caps(spec.spec)
+            self._loading(key, spec)
+        except FleetError as error:  # a spec that does not load, or is backing off: its items will say why
+            log.info("warming the reward pool of job %s: %s", job_id, error)
 
     def _unscored(self, job_id: str, items: list[Item], start: float, reason: str) -> list[Result]:
         """Every item an error naming reason (the spec has no pool to score on)."""

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import os
 import signal
 from collections.abc import Iterator, Sequence
@@ -38,6 +39,8 @@ from fleetrl.rollout.settings import ActorSettings
 from fleetrl.runtime import telemetry
 from fleetrl.spec.config import JobSpec
 from fleetrl.spec.seeding import task_seed
+
+log = logging.getLogger(__name__)
 
 OUTCOMES: dict[int, str] = {replay_pb2.INSERT_OUTCOME_INSERTED: "inserted",
                             replay_pb2.INSERT_OUTCOME_DUPLICATE: "duplicate"}
@@ -171,6 +174,15 @@ class Rollout:
         async def verify(texts: list[str]) -> list[reward_pb2.ScoreResult]:
             return await self.score(job, task, texts)
         return verify
+
+    async def warm(self, job: JobContext) -> None:
+        """Have the reward service load the job's scoring pool now, before its first group (best effort)."""
+        if job.reward_spec is None:
+            return
+        try:
+            await self._reward.score(job.job_id, job.reward_spec, [], tenant=job.tenant)
+        except Exception as error:  # deliberate: a warm-up that fails costs only the first group's wait
+            log.info("warming job %s's reward pool failed: %s", job.job_id, error)
 
     async def score(self, job: JobContext, task: common_pb2.Task, texts: list[str]) -> list[reward_pb2.ScoreResult]:
         """The job's reward of each text (a completion, or an episode's last action) for the task."""

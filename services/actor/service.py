@@ -84,6 +84,7 @@ class Actor:
         self.activity = metrics.Activity()
         self._next_refresh = 0.0
         self.fair = FairShare()
+        self._warming: set[asyncio.Task[None]] = set()
 
     async def run(self, stop: asyncio.Event) -> None:
         """Serve until stop is set."""
@@ -113,7 +114,7 @@ class Actor:
             log.info("actor %s serving (backend %s on %s)", s.actor_id, s.backend, s.device)
             while not stop.is_set():
                 try:
-                    await self._refresh_jobs(store, js, weights)
+                    await self._refresh_jobs(store, js, weights, rollout)
                 except Exception as error:  # Redis or a job's model unavailable now: retry next poll
                     log.warning("refreshing the served jobs failed: %s", error)
                 if not await self._serve_round(rollout, stop):
@@ -151,7 +152,8 @@ class Actor:
             await step
         return False
 
-    async def _refresh_jobs(self, store: JobStore, js: JetStreamContext, weights: WeightStore) -> None:
+    async def _refresh_jobs(self, store: JobStore, js: JetStreamContext, weights: WeightStore,
+                            rollout: Rollout) -> None:
         """Every poll_interval_s: start serving new running jobs, drop those that stopped."""
         if time.monotonic() < self._next_refresh:
             return
@@ -164,7 +166,10 @@ class Actor:
             await self._close_job(self.jobs.pop(job_id))
         for record in running:
             if record.job_id not in self.jobs:
-                self.jobs[record.job_id] = await self._open_job(record, store, js, weights)
+                self.jobs[record.job_id] = job = await self._open_job(record, store, js, weights)
+                warming = asyncio.create_task(rollout.warm(job.context))
+                self._warming.add(warming)
+                warming.add_done_callback(self._warming.discard)
 
     async def _open_job(self, record: JobRecord, store: JobStore, js: JetStreamContext,
                         weights: WeightStore) -> ServedJob:

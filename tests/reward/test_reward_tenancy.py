@@ -254,3 +254,16 @@ async def test_a_new_episode_sees_no_file_of_the_last_one(tmp_path: Path) -> Non
             opened = await open_session(stub, session, spec, 1)
             assert opened.episodes[0].observation[0].content == "empty", opened.episodes[0]
             await stub.CloseEpisodes(reward_pb2.CloseEpisodesRequest(job_id="j", session_id=session), timeout=10)
+
+
+async def test_a_score_call_with_no_items_warms_the_jobs_pool(tmp_path: Path) -> None:
+    """What an actor sends when it starts serving a job: the job's pool loads in the background, so its
+    first group does not wait for the workers' start and imports."""
+    async with reward_server(tmp_path, workers_per_pool=1) as (stub, service):
+        assert await score(stub, "warm", file_spec(MARKER)) == []
+        keys = [key for key in service.scorer._pools if key.job_id == "warm"]
+        assert len(keys) == 1, service.scorer._pools
+        pool = await service.scorer._pools[keys[0]]
+        assert pool.live_workers == 1
+        (first,) = await score(stub, "warm", file_spec(MARKER), "check")
+        assert first.status == OK and first.latency_s < 1.0, first
