@@ -78,14 +78,16 @@ def test_infra_up_detached_serves_nats_and_valkey_until_down(tmp_path: Path) -> 
     state = read_state(run_dir)
     try:
         assert up.returncode == 0, up.stderr
-        nats_url = re.search(r"^NATS\s+(nats://\S+)", up.stdout, re.MULTILINE)
-        redis_url = re.search(r"^Valkey\s+(redis://\S+)", up.stdout, re.MULTILINE)
-        assert nats_url and redis_url, up.stdout
-        assert state["FLEETRL_LEARNER_NATS_URL"] == nats_url[1]
-        assert state["FLEETRL_REPLAY_REDIS_URL"] == redis_url[1]
+        nats_url, redis_url = state["FLEETRL_LEARNER_NATS_URL"], state["FLEETRL_REPLAY_REDIS_URL"]
+        nats_at = re.search(r"^NATS\s+(\S+)", up.stdout, re.MULTILINE)
+        redis_at = re.search(r"^Valkey\s+(\S+)", up.stdout, re.MULTILINE)
+        assert nats_at and redis_at, up.stdout
+        assert nats_url.endswith("@" + nats_at[1]) and redis_url.endswith("@" + redis_at[1] + "/0"), state
+        password = redis_url.split(":")[2].split("@")[0]  # redis://:<password>@host:port/0
+        assert password and password not in up.stdout  # printed without the credentials the URLs carry
 
-        assert redis.Redis.from_url(redis_url[1], socket_timeout=5).ping()
-        assert asyncio.run(_jetstream_account_info(nats_url[1])) == 0
+        assert redis.Redis.from_url(redis_url, socket_timeout=5).ping()
+        assert asyncio.run(_jetstream_account_info(nats_url)) == 0
 
         again = fleetrl("infra", "up", "--detach", "--dir", str(run_dir))
         assert again.returncode == 1
@@ -98,7 +100,7 @@ def test_infra_up_detached_serves_nats_and_valkey_until_down(tmp_path: Path) -> 
             assert process_identity(int(state[f"{key}_PID"])) is None, f"{key} still running"
         assert not (run_dir / STATE_FILE).exists()
         with pytest.raises(redis.ConnectionError):
-            redis.Redis.from_url(redis_url[1], socket_timeout=2, socket_connect_timeout=2).ping()
+            redis.Redis.from_url(redis_url, socket_timeout=2, socket_connect_timeout=2).ping()
         assert fleetrl("infra", "down", "--dir", str(run_dir)).stdout.startswith("no servers recorded")
     finally:
         _kill_recorded(state)
