@@ -171,6 +171,12 @@ def _field(spec: SpecInput) -> str:
     return "reward.file" if spec.spec.file is not None else "reward.params"
 
 
+def owner(job_id: str, tenant: str) -> str:
+    """Whose share a job's pools and episodes count against: its tenant, or the job alone when the caller
+    names none."""
+    return tenant or f"job:{job_id}"
+
+
 @dataclass(frozen=True)
 class PoolKey:
     """What a pool serves: one job's one spec. Two jobs never share a pool (nor its workers, their temp
@@ -368,10 +374,8 @@ class Scorer:
         much, ResourceExhausted when the tenant holds its share of pools, TimeoutError when it has not loaded
         within wait_s (the load goes on for the next call)."""
         self.check_caps(spec.spec)
-        key = PoolKey(job_id, tenant or f"job:{job_id}", spec.digest)
-        if key not in self._pools:
-            await self._make_room(key)
-        pool = await asyncio.wait_for(asyncio.shield(self._loading(key, spec)), wait_s)
+        key = PoolKey(job_id, owner(job_id, tenant), spec.digest)
+        pool = await asyncio.wait_for(asyncio.shield(await self._start(key, spec)), wait_s)
         if pool.broken:  # no worker of it could be started again: drop it (once) and back off
             violations = [FieldViolation(_field(spec), pool.broken)]
             task = self._pools.get(key)
@@ -383,6 +387,12 @@ class Scorer:
             raise ConfigError(f"{_what(spec)} cannot load", violations)
         pool.last_used = time.monotonic()
         return pool
+
+    async def _start(self, key: PoolKey, spec: SpecInput) -> asyncio.Task[WorkerPool]:
+        """The task loading the pool of key, started (after making room for it) unless it is up or loading."""
+        if key not in self._pools:
+            await self._make_room(key)
+        return self._loading(key, spec)
 
     def _idle_pools(self) -> dict[PoolKey, WorkerPool]:
         """Pools that are up and hold no episode's worker (those may be closed)."""
@@ -430,7 +440,7 @@ class Scorer:
             raise InvalidArgument("too many items", [FieldViolation(
                 "items", f"{len(items)} > max_items_per_request {self.settings.max_items_per_request}")])
         if not items:  # a warm-up: the job's pool loads in the background for its first items
-            self._warm(job_id, spec, tenant)
+            await self._warm(job_id, spec, tenant)
             return []
         if not isinstance(spec.spec, RewardSpec):
             raise InvalidArgument("not a reward spec", [FieldViolation("spec", "an environment cannot score items")])
@@ -447,14 +457,12 @@ class Scorer:
             return self._unscored(job_id, items, start, str(error))
         return list(await asyncio.gather(*(self._score_one(job_id, pool, item, timeout_s) for item in items)))
 
-    def _warm(self, job_id: str, spec: SpecInput, tenant: str) -> None:
-        """Start loading the job's pool unless it is up or loading (the load's errors reach its first items)."""
-        key = PoolKey(job_id, tenant or f"job:{job_id}", spec.digest)
-        if key in self._pools:
-            return
+    async def _warm(self, job_id: str, spec: SpecInput, tenant: str) -> None:
+        """Start loading the job's pool unless it is up or loading, within the pool shares as any start
+        (the load's errors reach its first items)."""
         try:
             self.check_caps(spec.spec)
-            self._loading(key, spec)
+            await self._start(PoolKey(job_id, owner(job_id, tenant), spec.digest), spec)
         except FleetError as error:  # a spec that does not load, or is backing off: its items will say why
             log.info("warming the reward pool of job %s: %s", job_id, error)
 

@@ -45,7 +45,7 @@ from fleetrl.reward.metrics import RewardMetrics
 from fleetrl.reward.pool import ReplaceReason, WorkerPool
 from fleetrl.reward.protocol import finite_number
 from fleetrl.reward.sandbox import Outcome, WorkerProcess
-from fleetrl.reward.scorer import Scorer, SpecInput, Status
+from fleetrl.reward.scorer import Scorer, SpecInput, Status, owner
 from fleetrl.reward.settings import RewardSettings
 from fleetrl.spec.config import EnvironmentSpec
 
@@ -177,7 +177,7 @@ class EpisodeSessions:
         if not isinstance(spec.spec, EnvironmentSpec):
             raise InvalidArgument("not an environment spec", [FieldViolation("spec", "expected an environment")])
         _check_open(session_id, count)
-        key, tenant = (job_id, session_id), tenant or f"job:{job_id}"
+        key, tenant = (job_id, session_id), owner(job_id, tenant)
         opening = self._opening.get(key)
         if opening is None:
             if key in self._sessions:

@@ -131,8 +131,9 @@ class Actor:
                 break
             started = time.monotonic()
             if await self._take_until_stopped(self.jobs[job_id], rollout, stop):
-                self.fair.served(job_id, time.monotonic() - started, weights[job_id], idle)
-                metrics.SERVED_SECONDS.labels(job_id).inc(time.monotonic() - started)
+                seconds = time.monotonic() - started
+                self.fair.served(job_id, seconds, weights[job_id], idle)
+                metrics.SERVED_SECONDS.labels(job_id).inc(seconds)
                 return True
             idle.append(job_id)
         return False
