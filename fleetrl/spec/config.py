@@ -262,8 +262,8 @@ class TrainConfig(Strict):
     lora: LoraSpec | None = None
     """Train LoRA adapters instead of every weight (a `[train.lora]` table turns it on). The frozen base
     is also the KL reference, so no second model copy is loaded. Each published version is the adapter
-    tensors only; actors load the base model once and apply each version's adapters to it (the hf
-    backend; a vllm actor does not serve LoRA jobs)."""
+    tensors only; actors load the base model once and apply each version's adapters to it (an hf actor
+    merges them into the base; a vllm actor serves them as vLLM LoRA adapters)."""
     max_retries_per_episode: int = Field(3, ge=1, le=100)
     """Deliveries of a task before it goes to the dead-letter subject."""
     timeout_per_step_s: float = Field(600.0, gt=0, le=86_400)

@@ -178,7 +178,8 @@ class Actor:
         _, reward_file = await store.files(record.job_id)
         environment_file = await store.environment_file(record.job_id) if spec.environment is not None else None
         backend = await asyncio.to_thread(make_backend, s.backend, spec.model, dtype=s.dtype, device=s.device,
-                                          fixed_latency_s=s.fixed_latency_s, lora=spec.train.lora)
+                                          fixed_latency_s=s.fixed_latency_s, lora=spec.train.lora,
+                                          vllm_kv_cache_gib=s.vllm_kv_cache_gib)
         policy = JobPolicy(record.job_id, backend, weights, pull_attempts=s.weights_pull_attempts,
                            keep_payload=spec.train.full_publish_interval > 1)
         policy.start()
@@ -214,6 +215,7 @@ class Actor:
     async def _close_job(job: ServedJob) -> None:
         await job.context.policy.close()
         await job.queue.close()
+        await asyncio.to_thread(job.context.policy.backend.close)
 
     async def _close_jobs(self) -> None:
         for job in self.jobs.values():

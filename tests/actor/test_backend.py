@@ -13,7 +13,6 @@ import pytest
 import torch
 
 from fleetrl.env.tools import tool_schemas
-from fleetrl.errors import FailedPrecondition
 from fleetrl.policy import models
 from fleetrl.policy.backends import (
     LOGPROB_TOL,
@@ -23,7 +22,7 @@ from fleetrl.policy.backends import (
     make_backend,
     prompt_tokens,
 )
-from fleetrl.spec.config import LoraSpec, RolloutConfig
+from fleetrl.spec.config import RolloutConfig
 from fleetrl.spec.seeding import task_id, task_seed
 from fleetrl.train import reference
 
@@ -122,12 +121,6 @@ def test_fixed_backend_takes_its_latency_and_repeats_under_a_seed() -> None:
         assert c.logprobs == pytest.approx([-math.log(vocab)] * 6) and c.finish_reason == "length"
     backend.load_weights({})
     assert backend.weight_loads == 1
-
-
-def test_vllm_backend_refuses_lora_jobs_before_loading_anything() -> None:
-    """vLLM's LoRA path is untested here: a LoRA job on a vllm actor is a clear error naming train.lora."""
-    with pytest.raises(FailedPrecondition, match=r"train\.lora"):
-        make_backend("vllm", "tiny-llama", dtype="float32", device="cpu", lora=LoraSpec(rank=4))
 
 
 def test_an_environments_tools_reach_a_chat_template_with_a_tool_format() -> None:
