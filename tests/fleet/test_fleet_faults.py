@@ -167,6 +167,7 @@ def test_sigstop_replay_reward_nats_valkey_in_turn(fleet: FleetUnderTest) -> Non
     resumed = f"job {job} resumed from step" in learner_log
     retried = rf"job {job}: (publish of weights v\d+|task publish|dead-letter count) failed"
     nats_retried = re.findall(retried, learner_log)
+    epoch = lease_epoch(fleet.fleet.infra.valkey.url, job)  # type: ignore[union-attr]
     fleet.stop_actors()
     counts = ledger(fleet, job, STOP_STEPS)
     print(f"sigstop: injected {len(at_step)} stops {json.dumps(at_step)} (steps), {json.dumps(STOP_FOR_S)} (s); "
@@ -175,6 +176,11 @@ def test_sigstop_replay_reward_nats_valkey_in_turn(fleet: FleetUnderTest) -> Non
           f"learner NATS calls retried through the NATS stop: {nats_retried}; "
           f"{STOP_STEPS} steps in {time.monotonic() - started:.1f}s; ledger: {json.dumps(counts)}")
     assert {"Insert", "Score"} <= set(timed_out), "the stops were too short to outlive the actors' deadlines"
+    # the NATS stop outlived a learner call to JetStream, which failed and was tried again
+    assert nats_retried, f"no learner NATS call failed during the {STOP_FOR_S['nats']} s NATS stop"
+    # the Valkey stop outlived the 3 s job lease: the learner stopped, claimed the job again, resumed
+    assert re.search(rf"job {job}(: lease lost| stopped)", learner_log), "the Valkey stop did not stop the run"
+    assert resumed and epoch == 2, (resumed, epoch)
 
 
 # ---------------------------------------------------------------- NATS killed during a weight publish
