@@ -25,6 +25,7 @@ compare-and-set (`_APPEND_STEP` skips a step it holds).
 
 from __future__ import annotations
 
+import asyncio
 import builtins
 import enum
 import json
@@ -51,6 +52,10 @@ path that catches the builtins lets these through (tests/common/test_redis_error
 REDIS_RETRY_S = 10.0
 """How long a JobStore call keeps reconnecting to a Redis that refuses or drops its connection."""
 REDIS_RETRY_INTERVAL_S = 0.25
+RENEW_SHARE_OF_LEASE = 1 / 3
+"""The most one job-lease renewal may take, as a share of the lease: a renewal gives up after
+`lease_s * RENEW_SHARE_OF_LEASE` whatever the client's socket timeout (10 s) and retries (`RetryFor`,
+nested: about 2 x `REDIS_RETRY_S`) would allow, so a renewal never outlasts the lease it renews."""
 
 
 class RetryFor(Retry):
@@ -333,9 +338,18 @@ class JobStore:
         )
         return await self.get(text(job_id)) if job_id else None
 
-    async def renew(self, job_id: str, learner_id: str, lease_s: float) -> bool:
-        """Extend our lease; False means we lost the job (another learner may own it now)."""
-        return bool(await self._renew(keys=[_key(job_id, ":lease")], args=[learner_id, int(lease_s * 1000)]))
+    async def renew(self, job_id: str, learner_id: str, lease_s: float, *, timeout_s: float | None = None) -> bool:
+        """Extend our lease; False means we lost the job (another learner may own it now). Gives up after
+        timeout_s (default `lease_s * RENEW_SHARE_OF_LEASE`), raising redis-py's TimeoutError (one of
+        REDIS_UNREACHABLE) instead of waiting out the client's socket timeout and nested retries."""
+        bound_s = lease_s * RENEW_SHARE_OF_LEASE if timeout_s is None else timeout_s
+        try:
+            async with asyncio.timeout(bound_s):
+                return bool(await self._renew(keys=[_key(job_id, ":lease")],
+                                              args=[learner_id, int(lease_s * 1000)]))
+        except TimeoutError as error:  # the builtin, from asyncio.timeout: no redis-py timeout is one
+            raise redis.exceptions.TimeoutError(
+                f"job {job_id}: lease renewal gave up after {bound_s:.2f} s (Redis unreachable)") from error
 
     async def release(self, job_id: str, learner_id: str) -> None:
         await self._release(keys=[_key(job_id, ":lease")], args=[learner_id])

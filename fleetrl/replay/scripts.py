@@ -17,9 +17,9 @@ Keys of a job (prefix P = `fleetrl:replay:<job>:`):
   P..reuse    hash   task id -> times committed (kept with the lineage)
   P..lin      hash   task id -> lineage JSON (kept after consumption, bounded)
   P..linpv    zset   task id -> policy version of each lineage record (trim oldest versions first)
-  P..leases   zset   lease id -> expiry (unix ms) of open leases
+  P..leases   zset   lease id -> expiry (unix ms, by Redis's clock) of open leases
   P..lease:<id> set  task ids of one open lease
-  P..done     zset   lease id -> commit time of committed leases (commit twice is a no-op)
+  P..done     zset   lease id -> commit time (Redis's clock) of committed leases (commit twice is a no-op)
 
 INSERT, SAMPLE and COMMIT also take KEYS[1], the job's ledger `fate` hash (`fleetrl.tasks.ledger`):
 a group's arrival and its removal (consumed, stale, evicted) are recorded there in the same step.
@@ -28,6 +28,10 @@ expiry back while its holder lives). Insert carries no `allow-oom` flag, so Redi
 whole when out of memory (backpressure); Sample/Commit/Release/Renew may run out of memory
 because they free it or change nothing in size. The scripts build key names from the prefix,
 so the table of a job (and its ledger) must live on one Redis node.
+
+Time: lease expiry, renewal and reclaim read Redis's clock (`TIME`, through `now_ms` in each script), never
+the calling replica's. Replay replicas (the HA overlay runs three) share one Redis and so one clock: a
+replica whose clock is skewed or stepped by NTP can neither expire a live lease early nor keep a dead one.
 """
 
 from __future__ import annotations
@@ -35,6 +39,11 @@ from __future__ import annotations
 _COMMON = r"""
 local P = ARGV[1]
 local F = KEYS[1]
+local function now_ms()
+  -- Redis's clock, the one clock every replica shares (scripts replicate their effects, so TIME is allowed)
+  local t = redis.call('TIME')
+  return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+end
 local function delete_group(t, fate)
   redis.call('HSET', F, t, fate)
   redis.call('HDEL', P..'data', t)
@@ -138,14 +147,14 @@ out[#out + 1] = evicted
 return out
 """
 
-# KEYS: ledger fate hash; ARGV: prefix, now_ms, max_groups, min_policy_version, seed, lease_id
+# KEYS: ledger fate hash; ARGV: prefix, max_groups, min_policy_version, seed, lease_id
 # returns {-1} no table, or {stale_dropped, expires_ms, payload...}
 SAMPLE = "#!lua flags=allow-oom\n" + _COMMON + r"""
 local cfg = redis.call('HMGET', P..'cfg', 'selection', 'lease_timeout_ms', 'drops_stale')
 if not cfg[1] then return {-1} end
-local now = tonumber(ARGV[2])
-local k = tonumber(ARGV[3])
-local min_pv = ARGV[4]
+local now = now_ms()
+local k = tonumber(ARGV[2])
+local min_pv = ARGV[3]
 reclaim(now)
 local stale = 0
 local chosen = {}
@@ -159,7 +168,7 @@ if cfg[1] == 'oldest' then
   -- avail is in insertion order; with stale groups dropped above, every one of them is fresh
   chosen = redis.call('ZRANGE', P..'avail', 0, k - 1)
 else
-  math.randomseed(tonumber(ARGV[5]))
+  math.randomseed(tonumber(ARGV[4]))
   local ids = redis.call('ZRANGEBYSCORE', P..'pv', min_pv, '+inf')
   if cfg[1] == 'uniform' then
     for i = 1, math.min(k, #ids) do
@@ -180,7 +189,7 @@ else
 end
 if #chosen == 0 then return {stale, 0} end
 local expires = now + tonumber(cfg[2])
-local id = ARGV[6]
+local id = ARGV[5]
 for _, t in ipairs(chosen) do
   redis.call('ZREM', P..'avail', t)
   redis.call('ZREM', P..'pv', t)
@@ -194,15 +203,15 @@ for i = 1, #payloads do out[i + 2] = payloads[i] end
 return out
 """
 
-# KEYS: ledger fate hash; ARGV: prefix, now_ms, lease_id, lease_epoch; returns committed groups, or -1
+# KEYS: ledger fate hash; ARGV: prefix, lease_id, lease_epoch; returns committed groups, or -1
 # unknown/expired, -2 no table, -3 fenced (a newer job-lease epoch configured the table)
 COMMIT = "#!lua flags=allow-oom\n" + _COMMON + r"""
 local cfg = redis.call('HMGET', P..'cfg', 'max_reuse', 'fence')
 if not cfg[1] then return -2 end
-if tonumber(ARGV[4]) < tonumber(cfg[2] or '0') then return -3 end
+if tonumber(ARGV[3]) < tonumber(cfg[2] or '0') then return -3 end
 local max_reuse = cfg[1]
-local now = tonumber(ARGV[2])
-local id = ARGV[3]
+local now = now_ms()
+local id = ARGV[2]
 if redis.call('ZSCORE', P..'done', id) then return 0 end
 reclaim(now)
 if not redis.call('ZSCORE', P..'leases', id) then return -1 end
@@ -222,24 +231,24 @@ redis.call('HINCRBY', P..'ctr', 'committed', n)
 return n
 """
 
-# ARGV: prefix, now_ms, lease_id; returns released groups, -1 unknown/expired, -2 no table, -3 committed
+# ARGV: prefix, lease_id; returns released groups, -1 unknown/expired, -2 no table, -3 committed
 RELEASE = "#!lua flags=allow-oom\n" + _COMMON + r"""
 if redis.call('EXISTS', P..'cfg') == 0 then return -2 end
-local id = ARGV[3]
+local id = ARGV[2]
 if redis.call('ZSCORE', P..'done', id) then return -3 end
-reclaim(tonumber(ARGV[2]))
+reclaim(now_ms())
 if not redis.call('ZSCORE', P..'leases', id) then return -1 end
 return return_lease(id)
 """
 
-# ARGV: prefix, now_ms, lease_id...; returns {-1} no table, or {expires_ms, lease id not open...}
+# ARGV: prefix, lease_id...; returns {-1} no table, or {expires_ms, lease id not open...}
 RENEW = "#!lua flags=allow-oom\n" + _COMMON + r"""
 local timeout = redis.call('HGET', P..'cfg', 'lease_timeout_ms')
 if not timeout then return {-1} end
-local now = tonumber(ARGV[2])
+local now = now_ms()
 reclaim(now)
 local out = {now + tonumber(timeout)}
-for i = 3, #ARGV do
+for i = 2, #ARGV do
   if redis.call('ZSCORE', P..'leases', ARGV[i]) then
     redis.call('ZADD', P..'leases', out[1], ARGV[i])
   else
@@ -259,10 +268,10 @@ redis.call('HSET', P..'cfg', 'fence', epoch)
 return epoch
 """
 
-# ARGV: prefix, now_ms, min_policy_version; returns {stored, sampleable, eligible, expired now} or {-1}
+# ARGV: prefix, min_policy_version; returns {stored, sampleable, eligible, expired now} or {-1}
 STATUS = "#!lua flags=allow-oom\n" + _COMMON + r"""
 if redis.call('EXISTS', P..'cfg') == 0 then return {-1} end
-local expired = reclaim(tonumber(ARGV[2]))
+local expired = reclaim(now_ms())
 return {redis.call('ZCARD', P..'stored'), redis.call('ZCARD', P..'avail'),
-        redis.call('ZCOUNT', P..'pv', ARGV[3], '+inf'), expired}
+        redis.call('ZCOUNT', P..'pv', ARGV[2], '+inf'), expired}
 """

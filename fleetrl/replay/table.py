@@ -148,10 +148,6 @@ class LineageRow:
     lineage: dict[str, Any]
 
 
-def now_ms() -> int:
-    return int(time.time() * 1000)
-
-
 class ReplayTables:
     """All jobs' tables in one Redis. Every method is one atomic script (or a read)."""
 
@@ -243,7 +239,7 @@ class ReplayTables:
             await asyncio.sleep(self.poll_interval_s)
         lease_id = uuid.uuid4().hex
         seed = seed or random.getrandbits(31)
-        args: list[str | int] = [prefix(job_id), now_ms(), max_groups, min_policy_version, seed, lease_id]
+        args: list[str | int] = [prefix(job_id), max_groups, min_policy_version, seed, lease_id]
         out = await _run(self._sample(keys=[ledger.key(job_id, "fate")], args=args))
         if out[0] == -1:
             raise _no_table(job_id)
@@ -254,7 +250,7 @@ class ReplayTables:
         """Consume a lease's groups; 0 if it was committed before. Fenced when a newer job-lease epoch
         configured the table."""
         n = int(await _run(self._commit(keys=[ledger.key(job_id, "fate")],
-                                        args=[prefix(job_id), now_ms(), lease_id, lease_epoch])))
+                                        args=[prefix(job_id), lease_id, lease_epoch])))
         if n == -2:
             raise _no_table(job_id)
         if n == -3:
@@ -267,7 +263,7 @@ class ReplayTables:
 
     async def release(self, job_id: str, lease_id: str) -> int:
         """Return a lease's groups to the table now."""
-        n = int(await _run(self._release(args=[prefix(job_id), now_ms(), lease_id])))
+        n = int(await _run(self._release(args=[prefix(job_id), lease_id])))
         if n == -2:
             raise _no_table(job_id)
         if n == -1:
@@ -276,7 +272,7 @@ class ReplayTables:
 
     async def renew(self, job_id: str, lease_ids: list[str]) -> tuple[list[str], int]:
         """Extend open leases to lease_timeout_s from now: (ids not open any more, new expiry unix ms)."""
-        out = await _run(self._renew(args=[prefix(job_id), now_ms(), *lease_ids]))
+        out = await _run(self._renew(args=[prefix(job_id), *lease_ids]))
         if out[0] == -1:
             raise _no_table(job_id)
         return [lease.decode() for lease in out[1:]], int(out[0])
@@ -333,7 +329,7 @@ class ReplayTables:
         return rows
 
     async def _state(self, job_id: str, min_pv: int) -> list[int]:
-        out = await _run(self._status(args=[prefix(job_id), now_ms(), min_pv]))
+        out = await _run(self._status(args=[prefix(job_id), min_pv]))
         if out[0] == -1:
             raise _no_table(job_id)
         return [int(x) for x in out]

@@ -35,7 +35,8 @@ class LearnerSettings(InfraSettings):
     learner_id: str = Field(default_factory=default_learner_id)
     """Id of this learner replica in job leases and status (default host/pid/random)."""
     lease_s: float = Field(15.0, ge=1, le=3600)
-    """TTL of the job lease; renewed every lease_s / 3. A learner that cannot renew stops at once."""
+    """TTL of the job lease; renewed every lease_s / 3, each renewal giving up after lease_s / 3. A learner
+    with no successful renewal within lease_s of the last good one stops the run (its lease has lapsed)."""
     claim_poll_s: float = Field(1.0, gt=0, le=60)
     """How often an idle learner looks for a queued job."""
     device: Literal["auto", "cpu", "cuda"] = "auto"

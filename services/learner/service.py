@@ -23,7 +23,14 @@ import logging
 import time
 
 from fleetrl.errors import Cancelled, FailedPrecondition, Fenced
-from fleetrl.jobs.store import REDIS_UNREACHABLE, JobRecord, JobState, JobStore
+from fleetrl.jobs.store import (
+    REDIS_RETRY_INTERVAL_S,
+    REDIS_UNREACHABLE,
+    RENEW_SHARE_OF_LEASE,
+    JobRecord,
+    JobState,
+    JobStore,
+)
 from fleetrl.replay.client import ReplayClient
 from fleetrl.reward.client import RewardClient
 from fleetrl.runtime import telemetry
@@ -42,19 +49,32 @@ log = logging.getLogger(__name__)
 
 
 async def renew_loop(deps: Deps, job_id: str) -> None:
-    """Keep the job lease alive; set lease_lost when it is gone or cannot be renewed in time."""
+    """Keep the job lease alive; set lease_lost when Redis says it is gone, or when no renewal succeeded
+    within lease_s of the start of the last good one (at first, of this loop's start, just after the claim).
+    Each renewal gives up after a third of the lease (`JobStore.renew`), or when the lease ends if that is
+    sooner, so a learner cut off from Redis reaches its stop path about when its lease lapses there, not a
+    socket timeout and two retry budgets later. A loop that wakes past the lease (this process was
+    paused) makes one full try, and Redis's answer decides."""
     settings = deps.settings
-    last_ok = time.monotonic()
+    interval_s, bound_s = settings.lease_s / 3, settings.lease_s * RENEW_SHARE_OF_LEASE
+    good_until = time.monotonic() + settings.lease_s
+    pause_s = interval_s
     while True:
-        await asyncio.sleep(settings.lease_s / 3)
+        await asyncio.sleep(max(0.0, min(pause_s, good_until - time.monotonic())))
+        started = time.monotonic()
+        left_s = good_until - started
         try:
-            if not await deps.jobs.renew(job_id, settings.learner_id, settings.lease_s):
-                break
-            last_ok = time.monotonic()
-        except REDIS_UNREACHABLE as error:  # Redis restarting: retry until the lease would lapse
+            renewed = await deps.jobs.renew(job_id, settings.learner_id, settings.lease_s,
+                                            timeout_s=min(bound_s, left_s) if left_s > 0 else bound_s)
+        except REDIS_UNREACHABLE as error:  # Redis restarting or stopped: try again while the lease lasts
             log.warning("lease renewal of job %s failed: %s", job_id, error)
-            if time.monotonic() - last_ok >= settings.lease_s:
+            if good_until - time.monotonic() < REDIS_RETRY_INTERVAL_S:  # no time left for another try
                 break
+            pause_s = REDIS_RETRY_INTERVAL_S
+            continue
+        if not renewed:
+            break
+        good_until, pause_s = started + settings.lease_s, interval_s
     log.error("job %s: lease lost", job_id)
     deps.lease_lost.set()
 

@@ -7,6 +7,7 @@ Actors are `python -m fleetrl.services.actor` subprocesses that tests SIGKILL, S
 
 from __future__ import annotations
 
+import contextlib
 import subprocess
 from collections.abc import AsyncIterator, Iterator
 
@@ -14,6 +15,7 @@ import pytest
 import pytest_asyncio
 from actor_fleet import Fleet, Services, start_service
 
+from fleetrl.errors import FailedPrecondition
 from fleetrl.jobs.store import JobState, JobStore
 from fleetrl.launcher.embedded import EmbeddedNats, EmbeddedValkey, free_port
 from fleetrl.replay.client import ReplayClient
@@ -55,8 +57,9 @@ async def fleet(services: Services) -> AsyncIterator[Fleet]:
         yield fleet
     finally:
         fleet.stop_all()
-        for job_id in fleet.job_ids:  # later tests' actors must not serve this job
-            await jobs.set_state(job_id, JobState.SUCCEEDED)
+        for job_id in fleet.job_ids:  # later tests' actors must not serve this job (unless a learner ended it)
+            with contextlib.suppress(FailedPrecondition):
+                await jobs.set_state(job_id, JobState.SUCCEEDED)
         for name in fleet.actors:
             print(f"----- {name}\n{fleet.log_text(name)[-3000:]}")
         await replay.close()

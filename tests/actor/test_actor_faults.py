@@ -7,7 +7,8 @@
 - A task that always crashes the backend is dead-lettered after exactly max_retries deliveries.
 - A task that SIGKILLs its actor process on every delivery (two of three actors die) is stopped by
   the consumer's delivery limit after max_retries deliveries and moved to the dead-letter subject by
-  the learner's `bus.dead_letter_exhausted`; nothing stays in flight.
+  a real learner process (`bus.dead_letter_exhausted` while it waits for data), which publishes a
+  replacement; the job succeeds and the ledger shows the task dead-lettered, nothing lost.
 - Weights published mid-run are used by later tasks; a corrupt object is rejected and re-pulled.
 - Delta weights: a damaged delta is reported and the learner's repair lets the tasks that need it run.
 """
@@ -16,17 +17,24 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
+import os
 import re
 import signal
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import nats.errors
 import nats.js.errors
 import torch
-from actor_fleet import MODEL, Fleet, job_spec, perturbed_weights, wait_until
+from actor_fleet import MODEL, ROOT, Fleet, job_spec, perturbed_weights, wait_until
 
+from fleetrl.jobs.store import JobState
 from fleetrl.policy import models
 from fleetrl.tasks import bus
+from fleetrl.tasks.feeder import task_ids_in_order
 from fleetrl.weights.publish import WeightPublisher
 from fleetrl.weights.store import WeightPointer
 
@@ -170,39 +178,62 @@ async def test_task_that_always_crashes_is_dead_lettered_after_max_retries(fleet
     assert dead_task.task_id == "0/3" and "fault injection" in dead_task.reason
 
 
-async def test_task_that_kills_its_actor_is_dead_lettered_by_the_delivery_limit(fleet: Fleet) -> None:
-    spec = job_spec(train={"max_retries_per_episode": 2})
-    job = await fleet.create_job(spec, [])
-    await fleet.publish_weights(job, 0)
+POISON_STEPS = 4
+
+
+def start_learner(fleet: Fleet, run_dir: Path) -> subprocess.Popen[bytes]:
+    """`python -m fleetrl.services.learner --once`: claims the queued job, feeds it, trains it, exits."""
+    s = fleet.services
+    env = {**os.environ, "FLEETRL_LEARNER_LISTEN": "127.0.0.1:0",
+           "FLEETRL_LEARNER_SAMPLE_WAIT_S": "0.5", "FLEETRL_LEARNER_TORCH_THREADS": "1", "FLEETRL_TRACING": "0"}
+    cmd = [sys.executable, "-m", "fleetrl.services.learner", "--once", "--nats-url", s.nats_url, "--redis-url",
+           s.redis_url, "--replay-addr", s.replay_addr, "--set", f"reward_addr={s.reward_addr}",
+           "--run-dir", str(run_dir)]
+    with open(fleet.log("learner"), "ab") as out:
+        fleet.actors["learner"] = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
+    return fleet.actors["learner"]
+
+
+async def test_task_that_kills_its_actor_is_dead_lettered_by_the_learner(fleet: Fleet, tmp_path: Path) -> None:
+    """A real learner runs the job: its feeder publishes the poison task with the others, the task kills
+    each actor it is delivered to, the server stops delivering it after max_retries, and the learner,
+    waiting for data, moves it to the dead-letter subject and publishes a replacement. One task in flight
+    at a time (one prompt per step, no staleness), so the job cannot end unless the learner does so. The
+    poison is the second task published, and the job ends within the first epoch (the next one would
+    publish the poison prompt again)."""
+    spec = job_spec(train={"max_retries_per_episode": 2, "max_steps": POISON_STEPS, "checkpoint_interval": 2},
+                    rollout={"prompts_per_step": 1})
+    prompts = [_prompt(i) for i in range(2 * POISON_STEPS)]
+    poison_id = task_ids_in_order(len(prompts), spec.seed, 2)[1]  # the second task the feeder publishes
+    poison = int(poison_id.split("/")[1])
+    prompts[poison] = (prompts[poison][0] + " KILL-ME", prompts[poison][1])
+    body = "".join(json.dumps({"prompt": p, "answer": a}) + "\n" for p, a in prompts).encode()
+    record = await fleet.jobs.create("test", spec, body, None)
+    job = record.job_id
+    fleet.job_ids.append(job)
     names = ("p0", "p1", "p2")  # the server notices the limit when the next pull comes: one actor survives
     for name in names:
         fleet.start_actor(name, "fault_kill_marker=KILL-ME")
-    for name in names:
-        await _ready(fleet, name)
-    for i in range(3):
-        await fleet.publish_task(job, i, *_prompt(i))
-    await wait_until(lambda: _inserted(fleet, job, 3), 60, "the 3 healthy tasks")
-    prompt, answer = _prompt(3)
-    await fleet.publish_task(job, 3, prompt + " KILL-ME", answer)
-    moved, deadline = 0, time.monotonic() + 60
-    while moved == 0:  # the learner's part, while it waits for data
-        assert time.monotonic() < deadline, "the server never gave up on the task"
-        await asyncio.sleep(0.5)
-        moved = await bus.dead_letter_exhausted(fleet.js, job)
+    learner = start_learner(fleet, tmp_path / "run")
+    await wait_until(lambda: learner.poll() is not None, 180, "the learner to finish the job")
+    learner_log = fleet.log_text("learner")
+    assert learner.returncode == 0, learner_log[-3000:]
+    assert (await fleet.jobs.get(job)).state == JobState.SUCCEEDED
+    assert f"job {job}: 1 tasks dead-lettered so far; publishing replacements" in learner_log
     deaths = [name for name in names if fleet.actors[name].poll() == -signal.SIGKILL]
-    assert await bus.dead_letter_exhausted(fleet.js, job) == 0  # each advisory is handled once
     logs = "".join(fleet.log_text(name) for name in names)
-    assert sorted(re.findall(r"task 0/3 delivery (\d+) received", logs)) == ["1", "2"] and len(deaths) == 2
+    assert sorted(re.findall(rf"task {poison_id} delivery (\d+) received", logs)) == ["1", "2"] and len(deaths) == 2
     (dead,) = await _dead_letters(fleet, job)
     headers = dead.headers or {}
     assert headers["Fleet-Deliveries"] == "2" and headers["Fleet-Actor-Id"] == "server"
-    assert headers["Fleet-Original-Msg-Id"] == bus.task_msg_id(job, 0, 3) and "max_deliver" in headers["Fleet-Reason"]
-    info = await fleet.js.consumer_info(bus.TASKS_STREAM, bus.task_consumer(job))
-    assert info.num_pending == 0 and info.num_ack_pending == 0  # no in-flight slot held by the dead task
+    assert headers["Fleet-Original-Msg-Id"] == bus.task_msg_id(job, 0, poison)
+    assert "max_deliver" in headers["Fleet-Reason"]
     accounting = await fleet.ledger.account(fleet.js, job)
     print(f"poison task: {len(deaths)} actor deaths, ledger={accounting.counts}")
-    assert accounting.counts["dead_lettered"] == 1 and accounting.counts["pending"] == 3
-    assert accounting.counts["in_flight"] == accounting.counts["lost"] == 0
+    assert accounting.counts["dead_lettered"] == 1 and accounting.counts["trained"] == POISON_STEPS
+    assert accounting.counts["lost"] == accounting.counts["duplicated"] == accounting.counts["in_flight"] == 0
+    (dead_task,) = [t for t in accounting.tasks if t.fate == "dead_lettered"]
+    assert dead_task.task_id == poison_id
 
 
 async def test_weight_update_mid_run_and_corrupt_object(fleet: Fleet) -> None:

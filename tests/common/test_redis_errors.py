@@ -18,11 +18,12 @@ import pytest
 import redis.asyncio as aioredis
 
 from fleetrl.errors import Unavailable
-from fleetrl.jobs.store import REDIS_RETRY_S, REDIS_UNREACHABLE, JobStore
+from fleetrl.jobs.store import REDIS_RETRY_S, REDIS_UNREACHABLE, RENEW_SHARE_OF_LEASE, JobStore
 from fleetrl.launcher.embedded import EmbeddedValkey
 from fleetrl.replay.table import ReplayTables
 from fleetrl.services.learner.service import renew_loop
 from fleetrl.spec.config import JobSpec
+from fleetrl.train.settings import LearnerSettings
 
 SPEC = JobSpec.model_validate({"model": "tiny-llama", "prompts": "p.jsonl", "reward": {"builtin": "numeric_match"}})
 
@@ -91,3 +92,56 @@ async def test_a_store_call_waits_out_a_redis_restart_within_its_bound(valkey_se
         await gone.redis.get("x")
     assert time.monotonic() - started < 2 * 1.0 + 1.0
     await gone.close()
+
+
+DEFAULT_LEASE_S = float(LearnerSettings.model_fields["lease_s"].default)
+
+
+async def test_one_renewal_against_a_stopped_redis_gives_up_within_a_third_of_the_lease(
+        valkey_server: EmbeddedValkey) -> None:
+    """With the default 15 s lease, a renewal against a stopped Valkey raised after the client's 10 s
+    socket timeout, and could take about 20 s through the nested retries: longer than the lease."""
+    store = JobStore.from_url(valkey_server.url)
+    job = await store.create("t", SPEC, b"", None)
+    assert await store.claim("L1", lease_s=DEFAULT_LEASE_S) is not None
+    assert await store.renew(job.job_id, "L1", DEFAULT_LEASE_S)
+    bound_s = DEFAULT_LEASE_S * RENEW_SHARE_OF_LEASE
+    assert valkey_server.proc is not None
+    valkey_server.proc.send_signal(signal.SIGSTOP)
+    try:
+        started = time.monotonic()
+        with pytest.raises(REDIS_UNREACHABLE, match="gave up"):
+            await store.renew(job.job_id, "L1", DEFAULT_LEASE_S)
+        took = time.monotonic() - started
+    finally:
+        valkey_server.proc.send_signal(signal.SIGCONT)
+    print(f"renewal against a stopped Valkey gave up after {took:.2f} s (bound {bound_s:.1f} s)")
+    assert bound_s - 0.1 <= took < bound_s + 1.0
+    assert await store.renew(job.job_id, "L1", DEFAULT_LEASE_S)  # the client works again after SIGCONT
+    await store.close()
+
+
+async def test_lease_renewal_stops_the_run_when_redis_stays_stopped_past_the_lease(
+        valkey_server: EmbeddedValkey) -> None:
+    lease_s = 3.0
+    store = JobStore.from_url(valkey_server.url)
+    job = await store.create("t", SPEC, b"", None)
+    assert await store.claim("L1", lease_s=lease_s) is not None
+    deps = SimpleNamespace(settings=SimpleNamespace(lease_s=lease_s, learner_id="L1"), jobs=store,
+                           lease_lost=asyncio.Event())
+    renewer = asyncio.create_task(renew_loop(deps, job.job_id))  # type: ignore[arg-type]
+    await asyncio.sleep(lease_s / 3 + 0.3)  # a renewal went through
+    assert valkey_server.proc is not None
+    valkey_server.proc.send_signal(signal.SIGSTOP)
+    stopped_at = time.monotonic()
+    try:
+        await asyncio.wait_for(deps.lease_lost.wait(), lease_s + 3.0)
+        lost_after = time.monotonic() - stopped_at
+        await asyncio.wait_for(renewer, 1.0)  # the loop ended with it
+    finally:
+        valkey_server.proc.send_signal(signal.SIGCONT)
+    print(f"Valkey stopped: lease_lost set {lost_after:.2f} s later (lease {lease_s} s)")
+    # the last good renewal began at most a third of the lease before the stop, and the loop stops a
+    # lease after it: no sooner, and never a socket timeout (10 s) later
+    assert lease_s - lease_s / 3 - 0.3 <= lost_after <= lease_s + 1.0
+    await store.close()

@@ -1,7 +1,8 @@
 """Bad submissions: every mistake named in one INVALID_ARGUMENT, oversize is RESOURCE_EXHAUSTED,
-undecodable bytes never crash the server, and an unreachable reward service is UNAVAILABLE. Arbitrary
-spec text and prompt lines (random tables, huge integers, deep nesting, truncation) are never
-answered INTERNAL or UNKNOWN, and the gateway keeps serving."""
+undecodable bytes never crash the server, and an unreachable reward service is UNAVAILABLE. Garbage
+spec text and prompt files (random tables led by a key no spec has, prompt files holding a bad line;
+huge integers, deep nesting, truncation) always get a clear error (INVALID_ARGUMENT naming fields, or
+RESOURCE_EXHAUSTED), never OK, INTERNAL or UNKNOWN, and the gateway keeps serving."""
 
 from __future__ import annotations
 
@@ -360,7 +361,8 @@ scalars = st.one_of(st.none(), st.booleans(), st.integers(), st.integers(-2**70,
                     st.text(max_size=30), SURROGATES, st.integers(4301, 6000).map(Huge))
 values = st.recursive(scalars, lambda inner: st.one_of(st.lists(inner, max_size=4),
                                                         st.dictionaries(keys, inner, max_size=4)), max_leaves=16)
-tables = st.one_of(st.dictionaries(keys, values, max_size=6),  # random tables, and VALID with random parts
+tables = st.one_of(st.just(VALID),  # VALID, random tables, and VALID with random parts
+                   st.dictionaries(keys, values, max_size=6),
                    st.dictionaries(st.sampled_from(["seed", "optim", "rollout", "train", "reward", "name", "x"]),
                                    values, max_size=3).map(lambda extra: {**VALID, **extra}),
                    st.dictionaries(keys, values, max_size=3).map(
@@ -401,11 +403,17 @@ def toml_document(table: dict[str, Any]) -> str:
     return "\n".join(f"{quote(k)} = {to_toml(v)}" for k, v in table.items())
 
 
+GARBAGE_KEY = "not_a_spec_field"
+"""The first key of every generated spec: no spec has it, so whatever the rest holds the spec is garbage
+(mutations only cut or insert text: they can break the key, never turn it into a spec field)."""
+
+
 @st.composite
 def spec_texts(draw: st.DrawFn) -> tuple[str, str]:
-    """(text, format): a random table as TOML or JSON, maybe then truncated, spliced or deeply nested."""
+    """(text, format): garbage: a random table led by GARBAGE_KEY as TOML or JSON, maybe then truncated,
+    spliced or deeply nested."""
     fmt = draw(st.sampled_from(["toml", "json", "", "yaml"]))
-    table = draw(tables)
+    table = {GARBAGE_KEY: draw(st.one_of(st.integers(), values)), **draw(tables)}
     text = to_json(table) if fmt == "json" else toml_document(table)
     cut = draw(st.integers(0, len(text)))
     mutation = draw(st.sampled_from(["none", "none", "truncate", "splice", "deep", "deep_value"]))
@@ -419,8 +427,10 @@ def spec_texts(draw: st.DrawFn) -> tuple[str, str]:
     elif mutation == "deep_value":
         depth = draw(st.integers(30, 3000))
         nested = "[" * depth + "1" + "]" * depth
-        text = (to_json({**VALID, "reward": {"builtin": "numeric_match", "params": {"a": "$"}}}).replace('"$"', nested)
-                if fmt == "json" else f"{toml_document(VALID)}\nreward.params.a = {nested}")
+        garbage = {GARBAGE_KEY: 1, **VALID}
+        deep = {**garbage, "reward": {"builtin": "numeric_match", "params": {"a": "$"}}}
+        text = (to_json(deep).replace('"$"', nested)
+                if fmt == "json" else f"{toml_document(garbage)}\nreward.params.a = {nested}")
     return text, fmt
 
 
@@ -433,17 +443,33 @@ prompt_lines = st.one_of(
 )
 prompt_files = st.one_of(st.lists(prompt_lines, max_size=8).map(lambda lines: "\n".join(lines).encode()),
                          st.binary(max_size=64))
+BAD_LINES = [b"[1]", b'"2 + 2?"', b'{"answer": "4"}', b'{"prompt": ""}', b'{"prompt": 5}', b"2 + 2?", b"{"]
+"""Prompt lines no prompt file may hold (not JSON, not an object, no non-empty string "prompt")."""
+
+
+def with_line(data: bytes, line: bytes, at: int) -> bytes:
+    lines = data.split(b"\n") if data else []
+    lines.insert(min(at, len(lines)), line)
+    return b"\n".join(lines)
+
+
+good_prompt_files = st.lists(st.sampled_from([PROMPTS.strip(), b'{"prompt": "2 + 2?", "answer": "4"}']),
+                             max_size=4).map(b"\n".join)
+garbage_prompt_files = st.builds(with_line, st.one_of(good_prompt_files, prompt_files), st.sampled_from(BAD_LINES),
+                                 st.integers(0, 8))
+"""Good or random prompt files with at least one bad line somewhere: garbage, whatever the other lines are."""
 
 ANSWERED = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED}
 
 
 def check_answer(reply: Any, gateway: Proc) -> None:
-    event(reply.code().name if isinstance(reply, grpc.RpcError) else "OK")
-    if isinstance(reply, grpc.RpcError):
-        assert reply.code() in ANSWERED, (reply.code(), reply.details())
-        if reply.code() == grpc.StatusCode.INVALID_ARGUMENT:
-            assert field_violations(reply), reply.details()
+    """Garbage gets a clear error: INVALID_ARGUMENT naming fields, or RESOURCE_EXHAUSTED; never OK."""
     assert gateway.proc is not None and gateway.proc.poll() is None
+    assert isinstance(reply, grpc.RpcError), f"garbage accepted as job {reply.job_id}"
+    event(reply.code().name)
+    assert reply.code() in ANSWERED, (reply.code(), reply.details())
+    if reply.code() == grpc.StatusCode.INVALID_ARGUMENT:
+        assert field_violations(reply), reply.details()
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
@@ -456,12 +482,14 @@ def test_arbitrary_spec_text_is_never_internal(raw: Callable[..., Any], gateway:
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
                                                                    HealthCheck.too_slow])
-@given(prompts=prompt_files, reward_file=st.sampled_from([b"", b"def reward(c, p, **k):\n    return 1.0\n"]))
+@given(prompts=garbage_prompt_files,
+       reward_file=st.sampled_from([b"", b"def reward(c, p, **k):\n    return 1.0\n"]))
 def test_arbitrary_prompt_lines_are_never_internal(raw: Callable[..., Any], gateway: Proc, prompts: bytes,
                                                    reward_file: bytes) -> None:
     reply = submit(raw, json.dumps(VALID), prompts, "json", reward_file)
     check_answer(reply, gateway)
-    if isinstance(reply, grpc.RpcError) and reply.code() == grpc.StatusCode.INVALID_ARGUMENT:
+    if reply.code() == grpc.StatusCode.INVALID_ARGUMENT:
+        assert any(f.startswith("prompts") for f in violated(reply)), violated(reply)
         assert all(f.startswith(("prompts", "reward_file", "<more>")) for f in violated(reply)), violated(reply)
 
 

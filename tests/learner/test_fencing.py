@@ -2,12 +2,15 @@
 
 Learner A trains and is stopped while it writes checkpoint 4 (`checkpoint_delay_s` holds it between
 writing the files and making them complete). Its lease lapses, learner B claims the job (lease epoch
-2) and resumes from checkpoint 2; then A is continued. Whatever A was doing, nothing of it may land:
-every write it makes for the job carries epoch 1 and is refused (the unit tests of each write are in
-test_jobs, test_ledger, test_replay_table and test_weights), or A stops first because its lease is
-gone. A exits cleanly (exit 0, the job not marked failed); the job succeeds; every complete checkpoint
-after the takeover is B's; metrics, the job store's steps and the ledger hold each step once, and
-the ledger shows nothing trained twice and nothing lost.
+2) and resumes from checkpoint 2; then A is continued. B runs under A's learner id (as a replacement
+pod of a StatefulSet would), so A's own lease renewals keep succeeding on B's lease key and cannot tell
+A that it lost the job (B's slow checkpoints keep that key alive until A has moved): only the fence can
+stop A. Whatever A was doing, nothing of it may land: every
+write it makes for the job carries epoch 1 and is refused (the unit tests of each write are in
+test_jobs, test_ledger, test_replay_table and test_weights), and A's log names the refused write. A
+exits cleanly (exit 0, the job not marked failed); the job succeeds; every complete checkpoint after
+the takeover is B's; metrics, the job store's steps and the ledger hold each step once, and the ledger
+shows nothing trained twice and nothing lost.
 """
 
 from __future__ import annotations
@@ -29,6 +32,8 @@ from fleetrl.tasks.ledger import Ledger
 from fleetrl.train import checkpoint as ckpt
 
 STEPS, PPS, LEASE_S = 6, 2, 3.0
+LEARNER_ID = "learner-0"
+"""A's and B's learner id: A's renewals then succeed on B's lease, and only the fence stops A."""
 
 
 async def until(what: str, cond: object, timeout_s: float = 90) -> None:
@@ -46,11 +51,14 @@ async def test_a_learner_stopped_past_its_lease_is_fenced(nats_url: str, redis_u
         job = await create_job(jobs, spec)
         await insert_groups(replay, job, STEPS * PPS + 2)
         root = ckpt.checkpoint_root(run_dir, job.job_id)
-        a = learner_process(nats_url, redis_url, addr, run_dir, log_a, FLEETRL_LEARNER_CHECKPOINT_DELAY_S="4")
+        a = learner_process(nats_url, redis_url, addr, run_dir, log_a, FLEETRL_LEARNER_CHECKPOINT_DELAY_S="4",
+                            FLEETRL_LEARNER_LEARNER_ID=LEARNER_ID)
         await until("A writing checkpoint 4", lambda: any(root.glob("step-00000004*.tmp/state.json")))
         a.send_signal(signal.SIGSTOP)
         await asyncio.sleep(LEASE_S + 0.5)  # A's lease lapses
-        b = learner_process(nats_url, redis_url, addr, run_dir, log_b)
+        # B's checkpoints (4 and 6) are slow too, so B holds the lease key until well after A continues
+        b = learner_process(nats_url, redis_url, addr, run_dir, log_b, FLEETRL_LEARNER_CHECKPOINT_DELAY_S="5",
+                            FLEETRL_LEARNER_LEARNER_ID=LEARNER_ID)
         await until("B to resume the job", lambda: f"job {job.job_id} resumed from step 2" in log_b.read_text())
         a.send_signal(signal.SIGCONT)
         await finish(a)  # exit 0: the run ended on the fence or the lost lease, not on an error
@@ -66,7 +74,10 @@ async def test_a_learner_stopped_past_its_lease_is_fenced(nats_url: str, redis_u
     text_a = log_a.read_text()
     stopped = [line for line in text_a.splitlines() if f"job {job.job_id} stopped" in line]
     print("A:", stopped, "ledger:", accounting.counts)
-    assert stopped and "failed" not in text_a
+    assert "failed" not in text_a and "lease lost" not in text_a
+    # A was stopped by the fence, refusing a write of epoch 1 (checkpoint 4, the step's metrics or commits)
+    assert len(stopped) == 1 and f"job {job.job_id} stopped, fenced:" in stopped[0], stopped
+    assert "refused: written under lease epoch 1" in stopped[0], stopped
     assert record.state == JobState.SUCCEEDED and record.lease_epoch == 2, record.reason
     assert [s["step"] for s in steps] == list(range(1, STEPS + 1))
     assert [m["step"] for m in metrics(run_dir, job.job_id)] == list(range(1, STEPS + 1))

@@ -23,8 +23,9 @@ from fleetrl.replay.client import INSERTED, ReplayClient
 from fleetrl.replay.table import prefix
 from fleetrl.services.replay.server import running
 
-EVERYSEC_LOSS_BOUND_S = 2.0
-"""Documented bound: with appendfsync everysec, acks older than this survive a kill -9 of Redis."""
+LOAD_BEFORE_KILL_S = 3.0
+"""How long inserts run before the kill: several AOF `everysec` fsync periods, so the acknowledged set
+spans older and newer writes than the last background fsync."""
 
 
 async def load_until(client: ReplayClient, stop: asyncio.Event, acked: dict[str, float]) -> None:
@@ -52,6 +53,9 @@ async def stats_within(client: ReplayClient, job: str, timeout_s: float) -> Any:
 
 @pytest.mark.parametrize("fsync", ["always", "everysec"])
 async def test_acknowledged_inserts_survive_redis_kill9(tmp_path: Path, fsync: str) -> None:
+    """Every acknowledged insert survives a kill -9 of Valkey, under either fsync policy: Valkey writes
+    the AOF before it answers, and a killed process's writes stay in the page cache. The fsync policy
+    only matters when the machine itself goes down, which no test here can do (docs/guarantees.md)."""
     valkey = EmbeddedValkey(data_dir=tmp_path / "v", appendfsync=fsync)  # type: ignore[arg-type]
     with valkey:
         async with running(settings_for(valkey.url)) as svc, \
@@ -60,7 +64,7 @@ async def test_acknowledged_inserts_survive_redis_kill9(tmp_path: Path, fsync: s
             acked: dict[str, float] = {}
             stop = asyncio.Event()
             loader = asyncio.create_task(load_until(client, stop, acked))
-            await asyncio.sleep(1.0)
+            await asyncio.sleep(LOAD_BEFORE_KILL_S)
             valkey.kill()
             killed_at = time.monotonic()
             await asyncio.sleep(0.3)
@@ -70,12 +74,9 @@ async def test_acknowledged_inserts_survive_redis_kill9(tmp_path: Path, fsync: s
             await loader
             store = redis.Redis.from_url(valkey.url)
             present = {t for t in acked if store.hexists(prefix("j") + "data", t)}
-            before_kill = [t for t, at in acked.items() if at < killed_at]
-            assert len(before_kill) > 50
-            if fsync == "always":
-                assert present == set(acked)
-            else:
-                assert {t for t, at in acked.items() if at < killed_at - EVERYSEC_LOSS_BOUND_S} <= present
+            last_second = [t for t, at in acked.items() if killed_at - 1.0 <= at < killed_at]
+            assert len(acked) > 50 and last_second, (len(acked), len(last_second))
+            assert present == set(acked), sorted(set(acked) - present)[:10]
             # the service serves after the restart, once Valkey has replayed its AOF (bounded wait: a loaded
             # box can take longer than the 0.5 s above, and this client does not retry)
             assert (await stats_within(client, "j", 10.0)).size_groups >= len(present)
