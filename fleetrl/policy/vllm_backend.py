@@ -25,6 +25,15 @@ directory (`adapter_config.json` from the job's `LoraSpec` and the published ten
 already PEFT's file names) and becomes a new `LoRARequest` id, passed with every request; the
 previous id is removed. The prefix cache is keyed by adapter id, so no reset is needed.
 
+Shared bases. The LoRA jobs an actor serves on one base model (same dtype, device and LoRA rank
+bound) share one engine: the base's weights and KV cache are held once, and each job passes its own
+adapter with its requests, so no job samples another's adapter. Adapter ids are unique per engine;
+a job's close removes its adapter, and the last job's close shuts the engine down. A full-weight
+job changes the base, so it gets an engine of its own (`load_weights` on a shared engine is refused).
+Calls into an engine are serialized by its lock. What jobs share: the base weights, the KV cache's
+space and, for base-model requests (a LoRA job before its first version), prefix-cache entries,
+whose hits show only in timing.
+
 The engine runs in this process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`): weight loads are direct calls,
 with no pickling of tensors, and a SIGKILL of the actor leaves no orphaned engine process. On CPU:
 - `VLLM_CPU_KVCACHE_SPACE` is set from `kv_cache_gib` (vLLM's own default sizes the cache at most of
@@ -48,7 +57,9 @@ import json
 import os
 import shutil
 import tempfile
+import threading
 from collections.abc import Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -100,36 +111,68 @@ def _refresh_tied_head(model: Any) -> None:
         head.quant_method.process_weights_after_loading(head)
 
 
-class VLLMBackend:
-    """A `vllm.LLM` engine serving one job's policy (full weights or, for a LoRA job, adapter versions)."""
+@dataclass(eq=False)
+class _Engine:
+    """One `vllm.LLM` and the jobs using it. LoRA jobs on one base share one engine (module docstring)."""
 
     llm: Any
+    key: tuple[str, str, str, int] | None
+    """Its entry in `_SHARED` (model directory, dtype, device, max LoRA rank); None: one job's own engine."""
+    users: int = 0
+    adapter_ids: int = 0
+    """The last adapter id handed out; vLLM knows adapters by id, so ids are unique per engine."""
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    """Held by each call into the engine: `LLM` is not safe for concurrent callers."""
+
+
+_SHARED: dict[tuple[str, str, str, int], _Engine] = {}
+_SHARED_LOCK = threading.Lock()
+MAX_LORAS = 4
+"""Adapters one engine batch may hold (`max_loras`); more are kept in vLLM's CPU cache and swapped in."""
+
+
+class VLLMBackend:
+    """One job's policy on a vLLM engine: full weights on an engine of its own, or adapter versions on
+    the engine that every LoRA job of the same base (and dtype, device and rank bound) shares."""
+
     tokenizer: Any
 
     def __init__(self, model_name: str, *, dtype: str, device: str, lora: LoraSpec | None = None,
                  kv_cache_gib: int = DEFAULT_KV_CACHE_GIB,
                  gpu_memory_utilization: float = 0.5) -> None:
         on_cpu = device == "cpu" or (device == "auto" and not torch.cuda.is_available())
-        _configure_process("cpu" if on_cpu else device, kv_cache_gib)
-        vllm = importlib.import_module("vllm")
-        self._vllm = vllm
+        device = "cpu" if on_cpu else device
+        _configure_process(device, kv_cache_gib)
+        self._vllm = importlib.import_module("vllm")
         options: dict[str, Any] = {"dtype": dtype, "enable_prefix_caching": True, "logprobs_mode": "processed_logprobs",
                                    "seed": 0}
         if on_cpu:
             options["enforce_eager"] = True
         else:
             options["gpu_memory_utilization"] = gpu_memory_utilization
-        if lora is not None:
-            # max_loras=2: the version being replaced and its successor are both resident for a moment
-            options.update(enable_lora=True, max_loras=2, max_lora_rank=_vllm_rank(lora.rank))
-        self.llm = vllm.LLM(model=model_dir(model_name), **options)
+        path = model_dir(model_name)
+        if lora is None:
+            self._engine = _Engine(self._vllm.LLM(model=path, **options), None)
+        else:
+            rank = _vllm_rank(lora.rank)
+            options.update(enable_lora=True, max_loras=MAX_LORAS, max_lora_rank=rank)
+            with _SHARED_LOCK:
+                key = (path, dtype, device, rank)
+                if key not in _SHARED:
+                    _SHARED[key] = _Engine(self._vllm.LLM(model=path, **options), key)
+                self._engine = _SHARED[key]
+        self._engine.users += 1
         self.tokenizer = self.llm.get_tokenizer()
         self._lora = lora
         self._adapter_root = Path(tempfile.mkdtemp(prefix="fleetrl-vllm-lora-")) if lora is not None else None
         self._adapter: Any = None  # the LoRARequest of the version served, None before the first
-        self._adapter_ids = 0
         self.cached_prompt_tokens = 0
         """Prompt tokens the prefix cache served instead of a prefill, over all requests (vLLM's count)."""
+
+    @property
+    def llm(self) -> Any:
+        """The `vllm.LLM` this job generates with (shared with other LoRA jobs of its base)."""
+        return self._engine.llm
 
     def generate(
         self, prompt_token_ids: list[int], n: int, *, max_new_tokens: int, temperature: float, top_p: float,
@@ -137,8 +180,9 @@ class VLLMBackend:
     ) -> list[Completion]:
         params = self._vllm.SamplingParams(n=n, temperature=temperature, top_p=top_p, max_tokens=max_new_tokens,
                                            logprobs=0, seed=seed % (2**31), ignore_eos=ignore_eos)
-        (request,) = self.llm.generate([{"prompt_token_ids": prompt_token_ids}], params, use_tqdm=False,
-                                       lora_request=self._adapter)
+        with self._engine.lock:
+            (request,) = self.llm.generate([{"prompt_token_ids": prompt_token_ids}], params, use_tqdm=False,
+                                           lora_request=self._adapter)
         self.cached_prompt_tokens += request.num_cached_tokens or 0
         return [self._completion(output) for output in request.outputs]
 
@@ -147,8 +191,9 @@ class VLLMBackend:
     ) -> list[Completion]:
         params = [self._vllm.SamplingParams(n=1, temperature=temperature, top_p=top_p, max_tokens=budget, logprobs=0,
                                             seed=(seed + i) % (2**31)) for i, budget in enumerate(max_new_tokens)]
-        requests = self.llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False,
-                                     lora_request=self._adapter)
+        with self._engine.lock:
+            requests = self.llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False,
+                                         lora_request=self._adapter)
         self.cached_prompt_tokens += sum(request.num_cached_tokens or 0 for request in requests)
         return [self._completion(request.outputs[0]) for request in requests]
 
@@ -160,27 +205,42 @@ class VLLMBackend:
         return Completion(tokens, logprobs, output.text, reason)
 
     def load_weights(self, tensors: Mapping[str, Tensor]) -> None:
-        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(tensors.items())})
-        self.llm.apply_model(_refresh_tied_head)
-        self.llm.reset_prefix_cache()
+        if self._engine.key is not None:
+            raise FailedPrecondition("full weights for a LoRA job's vllm engine (its base is shared)")
+        with self._engine.lock:
+            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(tensors.items())})
+            self.llm.apply_model(_refresh_tied_head)
+            self.llm.reset_prefix_cache()
 
     def load_adapter(self, tensors: Mapping[str, Tensor]) -> None:
         if self._lora is None or self._adapter_root is None:
             raise FailedPrecondition("adapter weights for a vllm engine built without the job's train.lora")
-        self._adapter_ids += 1
-        directory = self._adapter_root / f"v{self._adapter_ids}"
-        _write_adapter(directory, tensors, self._lora)
-        previous = self._adapter
-        self._adapter = self._vllm.lora.request.LoRARequest(f"adapter-{self._adapter_ids}", self._adapter_ids,
-                                                            str(directory))
-        self.llm.llm_engine.add_lora(self._adapter)
-        if previous is not None:
-            self.llm.llm_engine.remove_lora(previous.lora_int_id)
-            shutil.rmtree(previous.lora_path, ignore_errors=True)
+        with self._engine.lock:
+            self._engine.adapter_ids += 1
+            adapter_id = self._engine.adapter_ids
+            directory = self._adapter_root / f"v{adapter_id}"
+            _write_adapter(directory, tensors, self._lora)
+            previous = self._adapter
+            self._adapter = self._vllm.lora.request.LoRARequest(f"adapter-{adapter_id}", adapter_id, str(directory))
+            self.llm.llm_engine.add_lora(self._adapter)
+            if previous is not None:
+                self._drop(previous)
+
+    def _drop(self, adapter: Any) -> None:
+        self.llm.llm_engine.remove_lora(adapter.lora_int_id)
+        shutil.rmtree(adapter.lora_path, ignore_errors=True)
 
     def close(self) -> None:
-        """Shut the engine core down and remove the adapter directories this engine wrote."""
-        self.llm.llm_engine.engine_core.shutdown()
+        """Drop this job's adapter; the last job using an engine shuts its core down."""
+        with _SHARED_LOCK, self._engine.lock:
+            if self._adapter is not None:
+                self._drop(self._adapter)
+                self._adapter = None
+            self._engine.users -= 1
+            if self._engine.users == 0:
+                if self._engine.key is not None:
+                    del _SHARED[self._engine.key]
+                self.llm.llm_engine.engine_core.shutdown()
         if self._adapter_root is not None:
             shutil.rmtree(self._adapter_root, ignore_errors=True)
 

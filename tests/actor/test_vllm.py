@@ -10,6 +10,7 @@ What is checked, each against the learner's own scoring (one full forward, `toke
   the same log-probs;
 - a new version loaded in place (full weights, deltas through the real weight store, LoRA adapter
   versions) is what the next generation samples from, prefix cache included;
+- two LoRA jobs share one engine (their base held once), each sampling its own adapter;
 - an actor process on the vllm backend SIGKILLed mid-generation: the task is redelivered to another
   vllm actor and stored once (ledger: 0 lost, 0 duplicated).
 """
@@ -168,42 +169,61 @@ async def test_delta_versions_through_the_weight_store(engine: vllm_backend.VLLM
         engine.load_weights(models.state_dict_for_publish(models.load(MODEL)[0], "float32"))
 
 
-async def test_lora_adapter_versions_through_the_weight_store(nats_url: str) -> None:
-    """A LoRA job: the learner publishes only adapters; the vllm engine serves each version as a vLLM
-    LoRA adapter (a new id per version, the old one removed) and samples what the learner scores."""
+async def test_lora_jobs_share_one_base_each_with_its_own_adapter_versions(nats_url: str) -> None:
+    """Two LoRA jobs on one base: the learners publish only adapters; both jobs' backends share one
+    vllm engine (the base held once) and each serves its own versions as vLLM LoRA adapters (a new id
+    per version, the old one removed), sampling what its own learner scores and never the other's.
+    Closing one job leaves the other serving; closing the last shuts the engine down."""
     spec = LoraSpec(rank=4, alpha=8)
     nc = await bus.connect(nats_url, "vllm-lora")
     store = WeightStore(nc, bus.jetstream(nc))
-    learner = adapters.wrap(models.load(MODEL)[0], spec, seed=1)
-    backend = make_backend("vllm", MODEL, dtype="float32", device=DEVICE, lora=spec)
-    assert isinstance(backend, vllm_backend.VLLMBackend)
-    publisher = WeightPublisher(store, "vl", "float32", interval=1, keep=2, lease_epoch=1, adapter_of=MODEL)
-    policy = JobPolicy("vl", backend, store)
-    prompt = prompt_tokens(backend.tokenizer, "What is 12 + 30?", RolloutConfig())
-    optimizer = torch.optim.AdamW([p for p in learner.parameters() if p.requires_grad], lr=1e-2)
+    jobs = ("vl-a", "vl-b")
+    learners = {job: adapters.wrap(models.load(MODEL)[0], spec, seed=seed) for seed, job in enumerate(jobs, 1)}
+    backends = {job: make_backend("vllm", MODEL, dtype="float32", device=DEVICE, lora=spec) for job in jobs}
+    assert all(isinstance(b, vllm_backend.VLLMBackend) for b in backends.values())
+    assert backends["vl-a"].llm is backends["vl-b"].llm  # one engine: the base is held once
+    publishers = {job: WeightPublisher(store, job, "float32", interval=1, keep=2, lease_epoch=1, adapter_of=MODEL)
+                  for job in jobs}
+    policies = {job: JobPolicy(job, backends[job], store) for job in jobs}
+    prompt = prompt_tokens(backends["vl-a"].tokenizer, "What is 12 + 30?", RolloutConfig())
     ids = torch.tensor([[*prompt, 5, 6, 7, 8]])
-    policy.start()
+    optimizers = {job: torch.optim.AdamW([p for p in learners[job].parameters() if p.requires_grad], lr=1e-2)
+                  for job in jobs}
+
+    def sample_and_check(job: str, version: int) -> None:
+        sampled = backends[job].generate(prompt, 8, max_new_tokens=16, temperature=0.7, top_p=1.0, seed=7)
+        gap = worst_gap(learners[job], [prompt] * 8, sampled, 0.7)
+        other = worst_gap(learners[next(j for j in jobs if j != job)], [prompt] * 8, sampled, 0.7)
+        print(f"{job} v{version}: max |vllm - learner| = {gap:.2e} (the other job's learner: {other:.2e})")
+        assert gap <= VLLM_LOGPROB_TOL
+        assert version == 0 or other > 0.1  # its own adapter, not the other job's
+
+    for policy in policies.values():
+        policy.start()
     try:
         for version in range(3):
-            for _ in range(3 if version else 0):  # real AdamW steps on the adapters between versions
-                optimizer.zero_grad()
-                learner(input_ids=ids, labels=ids).loss.backward()
-                optimizer.step()
-            pointer = await publisher.publish(learner, version)
-            assert pointer is not None and pointer.kind == "adapter"
-            assert await policy.ensure(version, 10.0) and policy.version == version
-            sampled = backend.generate(prompt, 8, max_new_tokens=16, temperature=0.7, top_p=1.0, seed=7)
-            gap = worst_gap(learner, [prompt] * 8, sampled, 0.7)
-            with learner.disable_adapter():
-                moved = worst_gap(learner, [prompt] * 8, sampled, 0.7)
-            print(f"v{version}: max |vllm - learner| = {gap:.2e} (the base is {moved:.2e} away)")
-            assert gap <= VLLM_LOGPROB_TOL
-            assert version == 0 or moved > 0.1  # the update matters
-        assert backend.llm.llm_engine.list_loras() == {3}  # only the version served stays loaded
+            for job in jobs:
+                for _ in range(3 if version else 0):  # real AdamW steps on the adapters between versions
+                    optimizers[job].zero_grad()
+                    learners[job](input_ids=ids, labels=ids * 0 + (7 if job == "vl-a" else 9)).loss.backward()
+                    optimizers[job].step()
+                pointer = await publishers[job].publish(learners[job], version)
+                assert pointer is not None and pointer.kind == "adapter"
+                assert await policies[job].ensure(version, 10.0) and policies[job].version == version
+            for job in jobs:
+                sample_and_check(job, version)
+        engine = backends["vl-a"].llm.llm_engine
+        assert len(engine.list_loras()) == 2  # each job's latest version only
+        await policies["vl-a"].close()
+        backends["vl-a"].close()
+        assert len(engine.list_loras()) == 1
+        sample_and_check("vl-b", 2)  # the other job keeps serving
     finally:
-        await policy.close()
+        for policy in policies.values():
+            await policy.close()
         await nc.close()
-        backend.close()
+        backends["vl-b"].close()
+    assert not vllm_backend._SHARED  # the last job's close shut the engine down
 
 
 async def test_an_actor_sigkilled_mid_generation_loses_and_duplicates_nothing(fleet: Fleet) -> None:
