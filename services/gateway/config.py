@@ -21,7 +21,7 @@ import annotated_types
 from pydantic import BaseModel, Field, model_validator
 from pydantic.fields import FieldInfo
 
-from fleetrl.policy.models import BUILTIN_MODELS
+from fleetrl.policy.models import ModelAllowList
 from fleetrl.runtime.tokens import TokenSettings
 from fleetrl.spec.config import InfraSettings, JobSpec, Strict
 
@@ -126,7 +126,7 @@ class TenantQuota(Strict):
     this quota. Concurrent episodes per tenant are the reward service's `max_episodes_per_tenant`."""
 
 
-class GatewaySettings(InfraSettings, TokenSettings):
+class GatewaySettings(InfraSettings, TokenSettings, ModelAllowList):
     """How one gateway process runs."""
 
     listen: str = "127.0.0.1:50051"
@@ -153,13 +153,6 @@ class GatewaySettings(InfraSettings, TokenSettings):
     """Size of the FileChunks DownloadModel streams."""
     grace_s: float = Field(5.0, ge=0, le=600)
     """Seconds in-flight calls may finish after SIGTERM."""
-    allowed_models: tuple[str, ...] = BUILTIN_MODELS
-    """Model names a job may train, matched exactly: built-in names and the hub ids the operator lists
-    (default: the built-in models). Setting it replaces the default list."""
-    allowed_model_roots: tuple[Path, ...] = ()
-    """Directories a job's model may be a local directory under: named by its absolute path, its real
-    path (symlinks and `..` resolved) must lie under one's real path. A directory under `run_dir` (every
-    job's checkpoints and exports) needs a root inside `run_dir`. Default: none."""
     job_caps: JobCaps = Field(default_factory=JobCaps)
     """The cap on every resource size a submitter chooses."""
     retention_s: float | None = Field(None, gt=0, le=10 * 365 * 86400)
