@@ -30,6 +30,7 @@ from fleetrl.spec.config import LoraSpec
 SCHEME = "tinker://"
 KINDS = ("weights", "sampler_weights")
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
+_MODEL_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.:-]{0,255}$")
 
 
 @dataclass(frozen=True)
@@ -47,7 +48,7 @@ class CheckpointPath:
 def parse(path: str, field: str = "path") -> CheckpointPath:
     """The checkpoint a tinker:// path names; InvalidArgument naming `field` when it is not one."""
     parts = path[len(SCHEME):].split("/") if path.startswith(SCHEME) else []
-    if len(parts) != 3 or parts[1] not in KINDS or not _NAME.match(parts[0]) or not _NAME.match(parts[2]):
+    if len(parts) != 3 or parts[1] not in KINDS or not _MODEL_ID.match(parts[0]) or not _NAME.match(parts[2]):
         raise InvalidArgument(f"{field} {path!r} is not a checkpoint path", [FieldViolation(
             field, f"expected {SCHEME}<model_id>/weights/<name> or {SCHEME}<model_id>/sampler_weights/<name>")])
     return CheckpointPath(*parts)

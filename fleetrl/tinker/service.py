@@ -123,7 +123,7 @@ class TinkerService:
             raise InvalidArgument(f"lora_config.rank {lora.rank} is outside 1..{self.limits.max_lora_rank}",
                                   [FieldViolation("lora_config.rank", f"1..{self.limits.max_lora_rank}")])
         spec = lora_spec(lora)
-        model_id = f"run-{uuid.uuid4().hex[:16]}"
+        model_id = model_id_of(session_id, model_seq_id)
         seed = lora.seed if lora.seed is not None else secrets.randbelow(2**31)
 
         def work() -> dict[str, Any]:
@@ -185,7 +185,7 @@ class TinkerService:
         which may have been saved by an earlier server process."""
         self.session(tenant, session_id)
         where = self._training_checkpoint(path)
-        model_id = f"run-{uuid.uuid4().hex[:16]}"
+        model_id = model_id_of(session_id, model_seq_id)
 
         def work() -> dict[str, Any]:
             checkpoint = self.checkpoints.load(tenant, where)
@@ -281,6 +281,11 @@ class TinkerService:
 
     def capabilities(self) -> tuple[str, ...]:
         return self.limits.allowed_models
+
+
+def model_id_of(session_id: str, model_seq_id: int) -> str:
+    """A training run's id: the SDK derives it the same way for a run created from a checkpoint."""
+    return f"{session_id}:train:{model_seq_id}"
 
 
 def _check_loss(loss_fn: str, settings: dict[str, float], data: list[Datum]) -> None:

@@ -50,6 +50,8 @@ from fleetrl.tinker.types import ForwardResult, SampleResult
 log = logging.getLogger("fleetrl.tinker")
 
 OPEN_PATHS = ("/api/v1/healthz",)
+TENANT = web.RequestKey("tenant", str)
+"""The caller's tenant, set on each request by the auth middleware."""
 STATUS: tuple[tuple[type[FleetError], int], ...] = (
     (Unauthenticated, 401), (PermissionDenied, 403), (NotFound, 404), (InvalidArgument, 400), (ConfigError, 400),
     (FailedPrecondition, 400), (ResourceExhausted, 429), (Unavailable, 503), (DeadlineExceeded, 504))
@@ -88,7 +90,7 @@ def authenticate(table: TokenTable) -> Any:
     @web.middleware
     async def auth(request: web.Request, handler: Handler) -> web.StreamResponse:
         if request.path not in OPEN_PATHS:
-            request["tenant"] = table.tenant_for_token(request.headers.get("X-API-Key"))
+            request[TENANT] = table.tenant_for_token(request.headers.get("X-API-Key"))
         return await handler(request)
 
     return auth
@@ -156,27 +158,27 @@ class Routes:
 
     async def create_session(self, request: web.Request) -> web.Response:
         convert.parse(convert.CreateSession, await _json(request))
-        session_id = self.service.create_session(request["tenant"])
+        session_id = self.service.create_session(request[TENANT])
         return web.json_response({"type": "create_session", "session_id": session_id})
 
     async def heartbeat(self, request: web.Request) -> web.Response:
         body = convert.parse(convert.SessionRef, await _json(request))
-        if self.service.session(request["tenant"], body.session_id).finished:
+        if self.service.session(request[TENANT], body.session_id).finished:
             raise web.HTTPGone(text="session finished")
         return web.json_response({"type": "session_heartbeat"})
 
     async def finish_session(self, request: web.Request) -> web.Response:
-        self.service.finish_session(request["tenant"], request.match_info["session_id"])
+        self.service.finish_session(request[TENANT], request.match_info["session_id"])
         return web.json_response({})
 
     async def create_model(self, request: web.Request) -> web.Response:
         body = convert.parse(convert.CreateModel, await _json(request))
-        return _answer(self.service.create_model(request["tenant"], body.session_id, body.model_seq_id,
+        return _answer(self.service.create_model(request[TENANT], body.session_id, body.model_seq_id,
                                                  body.base_model, body.lora()))
 
     async def get_info(self, request: web.Request) -> web.Response:
         body = convert.parse(convert.ModelRef, await _json(request))
-        run = self.service.model_info(request["tenant"], body.model_id)
+        run = self.service.model_info(request[TENANT], body.model_id)
         return web.json_response({
             "type": "get_info", "model_id": run.model_id, "model_name": run.base_model, "is_lora": True,
             "lora_rank": run.lora.rank, "optimizer_config": {"type": "adamw"},
@@ -186,20 +188,20 @@ class Routes:
     async def forward_backward(self, request: web.Request) -> web.Response:
         message = convert.forward_backward(await request.read(), request.headers.get("Content-Encoding"))
         return _answer(self.service.forward_backward(
-            request["tenant"], message.model_id, message.seq_id, convert.datums(message), message.loss_fn,
+            request[TENANT], message.model_id, message.seq_id, convert.datums(message), message.loss_fn,
             convert.loss_settings(message), message.forward_only))
 
     async def optim_step(self, request: web.Request) -> web.Response:
         body = convert.parse(convert.OptimStep, await _json(request))
-        return _answer(self.service.optim_step(request["tenant"], body.model_id, body.seq_id, body.adam()))
+        return _answer(self.service.optim_step(request[TENANT], body.model_id, body.seq_id, body.adam()))
 
     async def save_weights(self, request: web.Request) -> web.Response:
         body = convert.parse(convert.SaveWeights, await _json(request))
-        return _answer(self.service.save_state(request["tenant"], body.model_id, body.seq_id, body.path))
+        return _answer(self.service.save_state(request[TENANT], body.model_id, body.seq_id, body.path))
 
     async def load_weights(self, request: web.Request) -> web.Response:
         body = convert.parse(convert.LoadWeights, await _json(request))
-        tenant = request["tenant"]
+        tenant = request[TENANT]
         if body.session_id is not None and body.model_seq_id is not None:
             return _answer(self.service.create_from_state(tenant, body.session_id, body.model_seq_id, body.path,
                                                           body.optimizer))
@@ -209,17 +211,17 @@ class Routes:
 
     async def save_for_sampler(self, request: web.Request) -> web.Response:
         body = convert.parse(convert.SaveForSampler, await _json(request)).checked()
-        return _answer(self.service.save_for_sampler(request["tenant"], body.model_id, body.seq_id, body.path))
+        return _answer(self.service.save_for_sampler(request[TENANT], body.model_id, body.seq_id, body.path))
 
     async def create_sampling_session(self, request: web.Request) -> web.Response:
         body = convert.parse(convert.CreateSamplingSession, await _json(request))
         session = await asyncio.get_running_loop().run_in_executor(  # reads a checkpoint from disk
-            None, self.service.create_sampling_session, request["tenant"], body.session_id, body.base_model,
+            None, self.service.create_sampling_session, request[TENANT], body.session_id, body.base_model,
             body.model_path)
         return web.json_response({"type": "create_sampling_session", "sampling_session_id": session.id})
 
     async def get_sampler(self, request: web.Request) -> web.Response:
-        session = self.service.sampler(request["tenant"], request.match_info["sampler_id"])
+        session = self.service.sampler(request[TENANT], request.match_info["sampler_id"])
         return web.json_response({"sampler_id": session.id, "base_model": session.weights.base_model,
                                   "model_path": session.model_path})
 
@@ -227,11 +229,11 @@ class Routes:
         body = convert.parse(convert.Sample, await _json(request))
         if body.sampling_session_id is None or body.seq_id is None:
             raise convert.unsupported("sampling_session_id", "required (with seq_id): sample through a SamplingClient")
-        return _answer(self.service.sample(request["tenant"], body.sampling_session_id, body.seq_id, body.params()))
+        return _answer(self.service.sample(request[TENANT], body.sampling_session_id, body.seq_id, body.params()))
 
     async def retrieve_future(self, request: web.Request) -> web.Response:
         body = convert.parse(convert.Retrieve, await _json(request))
-        queued = self.service.log.get(request["tenant"], body.request_id)
+        queued = self.service.log.get(request[TENANT], body.request_id)
         if not await self.service.log.wait(queued, self.poll_s):
             return web.json_response({"type": "try_again", "request_id": queued.id, "queue_state": "active"})
         error = queued.future.exception()
