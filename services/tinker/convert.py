@@ -1,7 +1,8 @@
 """The SDK's wire format to `fleetrl.tinker.types` and back: JSON bodies and the protobuf ones.
 
 JSON requests are read through pydantic models that ignore fields they do not name (newer SDKs add
-fields) and name the field of any bad value (`InvalidArgument` with field violations). Requests for
+fields; the domain dataclasses `AdamParams` and `LoraRequest` are validated as they are, with their
+defaults, the SDK's) and name the field of any bad value (`InvalidArgument` with field violations). Requests for
 features fleetrl does not serve (images, top-k log-probs, stop strings, other optimizers) are
 refused here with the field's name, never silently ignored.
 
@@ -62,19 +63,11 @@ class SessionRef(Wire):
     session_id: str
 
 
-class WireLora(Wire):
-    rank: int
-    seed: int | None = None
-    train_mlp: bool = True
-    train_attn: bool = True
-    train_unembed: bool = True
-
-
 class CreateModel(Wire):
     session_id: str
     model_seq_id: int
     base_model: str
-    lora_config: WireLora | None = None
+    lora_config: LoraRequest | None = None
     optimizer_config: dict[str, Any] = Field(default_factory=lambda: {"type": "adamw"})
 
     def lora(self) -> LoraRequest:
@@ -83,34 +76,24 @@ class CreateModel(Wire):
         if self.optimizer_config.get("type", "adamw") != "adamw":
             raise unsupported("optimizer_config.type", f"{self.optimizer_config.get('type')!r} is not supported "
                               "(adamw only)")
-        c = self.lora_config
-        return LoraRequest(c.rank, c.seed, c.train_mlp, c.train_attn, c.train_unembed)
+        return self.lora_config
 
 
 class ModelRef(Wire):
     model_id: str
 
 
-class WireAdam(Wire):
-    learning_rate: float = 1e-4
-    beta1: float = 0.9
-    beta2: float = 0.95
-    eps: float = 1e-12
-    weight_decay: float = 0.0
-    grad_clip_norm: float = 0.0
-
-
 class OptimStep(Wire):
     model_id: str
     seq_id: int
-    adam_params: WireAdam | None = None
+    adam_params: AdamParams | None = None
     optimizer_params: dict[str, Any] | None = None
 
     def adam(self) -> AdamParams:
         if self.adam_params is None:
             kind = (self.optimizer_params or {}).get("type")
             raise unsupported("optimizer_params", f"optimizer {kind!r} is not supported (Adam only)")
-        return AdamParams(**self.adam_params.model_dump())
+        return self.adam_params
 
 
 class SaveWeights(Wire):
