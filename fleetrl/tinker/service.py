@@ -103,7 +103,11 @@ class TinkerService:
         return found
 
     def finish_session(self, tenant: str, session_id: str) -> None:
+        """Mark the session finished and free its training runs (their checkpoints stay on disk)."""
         self.session(tenant, session_id).finished = True
+        for model_id in [m for m in self._state.runs if m.startswith(f"{session_id}:")]:
+            del self._state.runs[model_id]
+            self.log.forget(model_id)
 
     # ------------------------------------------------------------------ training runs
 

@@ -152,3 +152,11 @@ def test_a_restarted_server_loads_saved_state(tmp_path: Path) -> None:
         assert resumed.optim_step(ADAM).result().metrics["step:max"] == 3.0  # the step count came back too
     finally:
         second.stop()
+
+
+def test_closing_the_session_frees_its_training_runs(server: TinkerServer) -> None:
+    sc = server.client()
+    tc = sc.create_lora_training_client(base_model=MODEL, rank=8, seed=6).result()
+    assert post(server, "get_info", {"model_id": tc.model_id}).status_code == 200
+    sc.close("success").result()
+    assert post(server, "get_info", {"model_id": tc.model_id}).status_code == 404
