@@ -36,6 +36,8 @@ from fleetrl.tinker.losses import LOSSES, LossBatch
 from fleetrl.tinker.types import AdamParams, Datum, ForwardResult, LoraRequest
 from fleetrl.weights.adapters import adapter_tensors, wrap
 
+MICRO_BATCH_SEQUENCES = 8
+"""Datums per forward/backward pass: bounds the activations and logits a chunk of any size holds at once."""
 ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP = ("gate_proj", "up_proj", "down_proj")
 
@@ -75,17 +77,36 @@ class TrainingRun:
 
     def forward_backward(self, data: list[Datum], loss_fn: str, settings: dict[str, float],
                          backward: bool) -> ForwardResult:
-        """The loss of `data` under `loss_fn`; with `backward`, its gradient is added to the run's."""
-        batch, lengths = self._batch(data, backward)
-        loss, metrics = LOSSES[loss_fn].fn(batch, settings)
+        """The loss of `data` under `loss_fn`; with `backward`, its gradient is added to the run's.
+
+        The datums go through in micro-batches of MICRO_BATCH_SEQUENCES (the loss is a sum, so their
+        gradients add up to the chunk's); if any micro-batch's loss is not finite, the gradient is put
+        back as it was before the chunk and the chunk fails."""
+        before = [None if p.grad is None else p.grad.clone() for p in self._params()] if backward else []
+        logprobs: list[np.ndarray] = []
+        parts: list[tuple[dict[str, float], float]] = []
+        for start in range(0, len(data), MICRO_BATCH_SEQUENCES):
+            batch, lengths = self._batch(data[start:start + MICRO_BATCH_SEQUENCES], backward)
+            loss, metrics = LOSSES[loss_fn].fn(batch, settings)
+            if backward:
+                if not math.isfinite(float(loss.detach())):
+                    self._restore(before)
+                    raise InvalidArgument(f"the {loss_fn} loss of this batch is not finite ({float(loss.detach())}); "
+                                          "no gradient was applied", [FieldViolation("data", "non-finite loss")])
+                loss.backward()
+            values = batch.logprobs.detach().float().numpy()
+            logprobs += [values[i, :n].copy() for i, n in enumerate(lengths)]
+            parts.append((metrics, float(batch.mask.sum())))
         if backward:
-            if not math.isfinite(float(loss.detach())):
-                raise InvalidArgument(f"the {loss_fn} loss of this batch is not finite ({float(loss.detach())}); "
-                                      "no gradient was applied", [FieldViolation("data", "non-finite loss")])
-            loss.backward()
             self.pending_chunks += 1
-        logprobs = batch.logprobs.detach().float().numpy()
-        return ForwardResult([logprobs[i, :n].copy() for i, n in enumerate(lengths)], metrics)
+        return ForwardResult(logprobs, _combined(parts))
+
+    def _params(self) -> list[torch.Tensor]:
+        return [p for group in self.optimizer.param_groups for p in group["params"]]
+
+    def _restore(self, grads: list[torch.Tensor | None]) -> None:
+        for param, grad in zip(self._params(), grads, strict=True):
+            param.grad = grad
 
     def _batch(self, data: list[Datum], grad: bool) -> tuple[LossBatch, list[int]]:
         lengths = [len(d.tokens) for d in data]
@@ -111,7 +132,7 @@ class TrainingRun:
 
     def optim_step(self, adam: AdamParams) -> dict[str, float]:
         """Apply the accumulated gradient with `adam` and clear it; the step's metrics."""
-        params = [p for group in self.optimizer.param_groups for p in group["params"]]
+        params = self._params()
         for group in self.optimizer.param_groups:
             group.update(lr=adam.learning_rate, betas=(adam.beta1, adam.beta2), eps=adam.eps,
                          weight_decay=adam.weight_decay)
@@ -147,3 +168,14 @@ class TrainingRun:
             self.steps = int(state["steps"])
         else:
             self.optimizer.state.clear()
+
+
+def _combined(parts: list[tuple[dict[str, float], float]]) -> dict[str, float]:
+    """Micro-batch metrics as one chunk's: `:sum` ones added, `:mean` ones weighted by tokens."""
+    combined: dict[str, float] = {}
+    tokens = sum(weight for _, weight in parts) or 1.0
+    for metrics, weight in parts:
+        for name, value in metrics.items():
+            share = value if name.endswith(":sum") else value * weight / tokens
+            combined[name] = combined.get(name, 0.0) + share
+    return combined

@@ -160,3 +160,13 @@ def test_closing_the_session_frees_its_training_runs(server: TinkerServer) -> No
     assert post(server, "get_info", {"model_id": tc.model_id}).status_code == 200
     sc.close("success").result()
     assert post(server, "get_info", {"model_id": tc.model_id}).status_code == 404
+
+
+def test_a_chunk_of_several_micro_batches_is_one_sum(alice: tinker.ServiceClient) -> None:
+    tc = alice.create_lora_training_client(base_model=MODEL, rank=8, seed=7).result()
+    sequences = [SEQUENCE[: 6 + i] for i in range(11)]  # 11 datums of different lengths: two micro-batches
+    out = tc.forward_backward([datum(s) for s in sequences], "cross_entropy").result()
+    singles = [forward_logprobs(tc, s) for s in sequences]
+    for got, alone in zip(out.loss_fn_outputs, singles, strict=True):
+        np.testing.assert_allclose(np.asarray(got["logprobs"].tolist()), alone, atol=1e-5)
+    assert out.metrics["loss:sum"] == pytest.approx(-sum(a.sum() for a in singles), rel=1e-5)
