@@ -147,6 +147,7 @@ class TinkerService:
                          settings: dict[str, float], forward_only: bool) -> Request:
         run = self.run(tenant, model_id)
         _check_loss(loss_fn, settings, data)
+        _check_token_ids(data, int(run.model.config.vocab_size))
         kind = "Forward" if forward_only else "ForwardBackward"
         return self.log.submit(tenant, (model_id, seq_id), kind,
                                lambda: run.forward_backward(data, loss_fn, settings, backward=not forward_only))
@@ -326,6 +327,15 @@ def _check_datum(i: int, datum: Datum, loss_fn: str, required: tuple[str, ...], 
         if not np.isfinite(values).all():
             raise InvalidArgument(f"{where}.{name} holds a non-finite value",
                                   [FieldViolation(f"{where}.{name}", "not finite")])
+
+
+def _check_token_ids(data: list[Datum], vocab_size: int) -> None:
+    for i, datum in enumerate(data):
+        for where, ids in ((f"data[{i}].model_input", np.asarray(datum.tokens)),
+                           (f"data[{i}].loss_fn_inputs.target_tokens", datum.inputs["target_tokens"])):
+            if ids.size and (ids.min() < 0 or ids.max() >= vocab_size):
+                raise InvalidArgument(f"{where} holds token ids outside the model's vocabulary [0, {vocab_size})",
+                                      [FieldViolation(where, "token id out of range")])
 
 
 def _check_adam(adam: AdamParams) -> None:

@@ -125,6 +125,8 @@ def test_bad_inputs_get_the_sdks_errors_naming_the_field(alice: tinker.ServiceCl
         tc.forward_backward([datum(SEQUENCE, weights=[1.0, 1.0, 1.0])], "cross_entropy").result()
     with pytest.raises(tinker.BadRequestError, match=r"missing \['logprobs', 'advantages'\]"):
         tc.forward_backward([datum(SEQUENCE)], "importance_sampling").result()
+    with pytest.raises(tinker.BadRequestError, match=r"target_tokens holds token ids outside"):
+        tc.forward([datum([*SEQUENCE, 10**9])], "cross_entropy").result()
     with pytest.raises(tinker.BadRequestError, match=r"adam_params\.learning_rate"):
         tc.optim_step(types.AdamParams(learning_rate=-1.0)).result()
     assert train(tc, 1)  # refused requests leave the client usable
