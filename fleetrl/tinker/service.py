@@ -108,6 +108,7 @@ class TinkerService:
         for model_id in [m for m in self._state.runs if m.startswith(f"{session_id}:")]:
             del self._state.runs[model_id]
             self.log.forget(model_id)
+        self.log.forget(f"create_model:{session_id}")
 
     # ------------------------------------------------------------------ training runs
 
