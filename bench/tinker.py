@@ -1,6 +1,6 @@
 """Round-trip overhead of the Tinker API per primitive: the official SDK over HTTP against the same call in-process.
 
-`python -m bench.tinker --json [--model tiny-llama] [--calls 10]` starts a Tinker API server
+`python -m bench.tinker --json [--model tiny-llama] [--calls 10] [--threads 1]` starts a Tinker API server
 (`services/tinker`) in a thread of this process on a free port, and times `--calls` calls of each
 primitive through the SDK (submission plus result, as a user's `.result()` sees them) and the same
 work through `TinkerService` directly (queued and waited on, no HTTP). It prints one JSON object with
@@ -27,6 +27,7 @@ from typing import Any
 
 import numpy as np
 import tinker
+import torch
 from tinker import types
 
 from fleetrl.runtime.tokens import hash_token
@@ -104,8 +105,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="tiny-llama")
     parser.add_argument("--calls", type=int, default=10)
+    parser.add_argument("--threads", type=int, default=1, help="torch threads (the service's torch_threads)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
     settings = TinkerSettings(listen="127.0.0.1:0", run_dir=Path(tempfile.mkdtemp(prefix="bench-tinker-")),
                               allowed_models=(args.model,), tokens={"bench": hash_token(KEY)}, poll_s=10.0)
     local = in_process(settings, args.calls)
