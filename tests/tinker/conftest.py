@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import tinker
+import torch
 
 from fleetrl.runtime.tokens import hash_token
 from fleetrl.services.tinker.config import TinkerSettings
@@ -63,6 +64,16 @@ class TinkerServer:
 
     def client(self, tenant: str = "alice") -> tinker.ServiceClient:
         return tinker.ServiceClient(base_url=self.url, api_key=KEYS[tenant])
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_torch_thread() -> Iterator[None]:
+    """The server's work runs with one torch thread, as `fleetrl tinker --set torch_threads=1`: on 2 busy
+    cores two OpenMP threads spin against each other (docs/tinker.md); restored after the module."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")
