@@ -13,22 +13,34 @@ being run again, which keeps the at-most-once promise after eviction.
 
 Design choice: request ids are random (uuid4), never derived from the name, and each records its
 tenant, so a request id from another tenant reads as unknown (NotFound) rather than leaking a result.
+
+Each request's work is a span (`tinker.<kind>`, with the tenant, scope and seq_id; child of the HTTP
+request's span) and is counted in `fleetrl_tinker_work_seconds{kind, outcome}`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import time
 import uuid
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from opentelemetry import context as otel_context
+from prometheus_client import Histogram
+
 from fleetrl.errors import FieldViolation, InvalidArgument, NotFound
+from fleetrl.runtime import telemetry
+from fleetrl.runtime.observe import LATENCY_BUCKETS_S
 
 Key = tuple[str, int]
 """(scope, seq_id): the client's name for a request."""
+WORK_SECONDS = Histogram("fleetrl_tinker_work_seconds", "Seconds of each Tinker request's work, by primitive",
+                         ["kind", "outcome"], buckets=LATENCY_BUCKETS_S)
+_TRACER = telemetry.tracer("fleetrl.tinker")
 
 
 @dataclass
@@ -75,7 +87,8 @@ class RequestLog:
         if seq_id <= known.evicted_upto:
             raise InvalidArgument(f"request {seq_id} of {scope} is older than the last {self.keep_per_scope} "
                                   "kept; it is not run again", [FieldViolation("seq_id", "too old to replay")])
-        request = Request(uuid.uuid4().hex, tenant, kind, self._executor.submit(work), dict(extra or {}))
+        traced = _traced(work, kind, {"tenant": tenant, "scope": scope, "seq_id": seq_id})
+        request = Request(uuid.uuid4().hex, tenant, kind, self._executor.submit(traced), dict(extra or {}))
         self._requests[request.id] = request
         known.names[seq_id] = request.id
         while len(known.names) > self.keep_per_scope:
@@ -103,3 +116,20 @@ class RequestLog:
         known = self._scopes.pop(scope, None)
         for request_id in (known.names.values() if known else ()):
             self._requests.pop(request_id, None)
+
+
+def _traced(work: Callable[[], Any], kind: str, attributes: dict[str, Any]) -> Callable[[], Any]:
+    """work, run in a span under the submitter's context, timed into WORK_SECONDS."""
+    parent = otel_context.get_current()
+
+    def run() -> Any:
+        outcome, start = "error", time.perf_counter()
+        with _TRACER.start_as_current_span(f"tinker.{kind}", context=parent, attributes=attributes):
+            try:
+                result = work()
+                outcome = "ok"
+                return result
+            finally:
+                WORK_SECONDS.labels(kind, outcome).observe(time.perf_counter() - start)
+
+    return run

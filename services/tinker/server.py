@@ -9,6 +9,9 @@ answers at once with the SDK's future (`{"request_id": ...}`); the SDK then poll
 Auth: the SDK sends its API key as `X-API-Key`; the key is a tenant token of `fleetrl.runtime.tokens`
 (the gateway's). Only `/api/v1/healthz` is open.
 
+Every call is a server span and is counted in `fleetrl_tinker_http_seconds{route, status}` (`observed`
+middleware); each request's work is a span under it (`fleetrl.tinker.requests`).
+
 Errors are mapped once (`errors` middleware): a bad request is 400 with the field's name (the SDK's
 BadRequestError), an unknown or another tenant's id 404 (NotFoundError), a bad key 401
 (AuthenticationError). A request that fails while running is answered through its future as
@@ -22,10 +25,13 @@ import asyncio
 import concurrent.futures
 import json
 import logging
+import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
 from aiohttp import web
+from opentelemetry import trace
+from prometheus_client import Histogram
 
 from fleetrl.errors import (
     ConfigError,
@@ -40,6 +46,8 @@ from fleetrl.errors import (
     Unauthenticated,
     Unavailable,
 )
+from fleetrl.runtime import telemetry
+from fleetrl.runtime.observe import LATENCY_BUCKETS_S, serve_metrics
 from fleetrl.runtime.tokens import TokenTable, auth_table
 from fleetrl.services.tinker import convert
 from fleetrl.services.tinker.config import TinkerSettings
@@ -66,6 +74,26 @@ CLIENT_CONFIG = {
 """The feature flags the SDK asks for at start: plain API keys, httpx, uncompressed protobuf, per-request polls."""
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+HTTP_SECONDS = Histogram("fleetrl_tinker_http_seconds", "Seconds to answer each Tinker API call, by route and status",
+                         ["route", "status"], buckets=LATENCY_BUCKETS_S)
+_TRACER = telemetry.tracer("fleetrl.tinker")
+
+
+@web.middleware
+async def observed(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """A server span and HTTP_SECONDS for every call, named by its route (`POST /api/v1/optim_step`)."""
+    route = request.match_info.route.resource.canonical if request.match_info.route.resource else "unknown"
+    start, status = time.perf_counter(), 500
+    with _TRACER.start_as_current_span(f"{request.method} {route}", kind=trace.SpanKind.SERVER):
+        try:
+            response = await handler(request)
+            status = response.status
+            return response
+        except web.HTTPException as error:
+            status = error.status
+            raise
+        finally:
+            HTTP_SECONDS.labels(route, str(status)).observe(time.perf_counter() - start)
 
 
 def status_of(error: FleetError) -> int:
@@ -262,7 +290,9 @@ async def serve(settings: TinkerSettings, stop: asyncio.Event,
     table = auth_table(settings, "tinker", log)
     executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tinker-work")
     service = TinkerService(limits_of(settings), RequestLog(executor, settings.keep_requests_per_scope))
-    app = web.Application(middlewares=[errors, authenticate(table)],
+    telemetry.setup_tracing("tinker", settings.run_dir)
+    serve_metrics(settings.metrics_port)
+    app = web.Application(middlewares=[observed, errors, authenticate(table)],
                           client_max_size=int(settings.max_request_mb * 1024 * 1024))
     app.add_routes(Routes(service, settings.poll_s).table())
     runner = web.AppRunner(app, access_log=None, shutdown_timeout=settings.grace_s)

@@ -11,6 +11,7 @@ import httpx
 import numpy as np
 import pytest
 import tinker
+from prometheus_client import REGISTRY
 from tinker import types
 
 from tests.tinker.conftest import KEYS, MODEL, TinkerServer
@@ -172,3 +173,15 @@ def test_a_chunk_of_several_micro_batches_is_one_sum(alice: tinker.ServiceClient
     for got, alone in zip(out.loss_fn_outputs, singles, strict=True):
         np.testing.assert_allclose(np.asarray(got["logprobs"].tolist()), alone, atol=1e-5)
     assert out.metrics["loss:sum"] == pytest.approx(-sum(a.sum() for a in singles), rel=1e-5)
+
+
+def test_each_call_and_its_work_are_measured(alice: tinker.ServiceClient) -> None:
+    def count(name: str, labels: dict[str, str]) -> float:
+        return REGISTRY.get_sample_value(f"{name}_count", labels) or 0.0
+
+    work = ("fleetrl_tinker_work_seconds", {"kind": "OptimStep", "outcome": "ok"})
+    calls = ("fleetrl_tinker_http_seconds", {"route": "/api/v1/optim_step", "status": "200"})
+    before = count(*work), count(*calls)
+    tc = alice.create_lora_training_client(base_model=MODEL, rank=8, seed=8).result()
+    train(tc, 1)
+    assert count(*work) == before[0] + 1 and count(*calls) == before[1] + 1
