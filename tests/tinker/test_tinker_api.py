@@ -130,6 +130,9 @@ def test_bad_inputs_get_the_sdks_errors_naming_the_field(alice: tinker.ServiceCl
         tc.forward([datum([*SEQUENCE, 10**9])], "cross_entropy").result()
     with pytest.raises(tinker.BadRequestError, match=r"adam_params\.learning_rate"):
         tc.optim_step(types.AdamParams(learning_rate=-1.0)).result()
+    sampler = alice.create_sampling_client(base_model=MODEL).result()
+    with pytest.raises(tinker.BadRequestError, match=r"sampling_params\.top_k"):
+        sampler.sample(types.ModelInput.from_ints(SEQUENCE), 1, types.SamplingParams(max_tokens=4, top_k=5)).result()
     assert train(tc, 1)  # refused requests leave the client usable
 
 
