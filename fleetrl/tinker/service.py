@@ -17,6 +17,7 @@ optimizers, and the samplers (`Samplers`, the actors' backend). Sampler versions
 from __future__ import annotations
 
 import secrets
+import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -54,6 +55,8 @@ class Session:
     id: str
     tenant: str
     finished: bool = False
+    last_seen: float = field(default_factory=time.monotonic)
+    """When it was created or last sent a heartbeat (time.monotonic)."""
 
 
 @dataclass
@@ -62,6 +65,8 @@ class SamplingSession:
 
     id: str
     tenant: str
+    session_id: str
+    """The session that made it; closing that session frees it."""
     weights: SamplerWeights
     model_path: str | None = None
 
@@ -102,13 +107,29 @@ class TinkerService:
             raise NotFound(f"session {session_id!r} not found")
         return found
 
+    def heartbeat(self, tenant: str, session_id: str) -> Session:
+        session = self.session(tenant, session_id)
+        session.last_seen = time.monotonic()
+        return session
+
     def finish_session(self, tenant: str, session_id: str) -> None:
-        """Mark the session finished and free its training runs (their checkpoints stay on disk)."""
+        """Mark the session finished and free its training runs and sampling sessions (checkpoints stay on disk)."""
         self.session(tenant, session_id).finished = True
         for model_id in [m for m in self._state.runs if m.startswith(f"{session_id}:")]:
             del self._state.runs[model_id]
             self.log.forget(model_id)
+        for sampler_id in [i for i, s in self._state.samplers.items() if s.session_id == session_id]:
+            del self._state.samplers[sampler_id]
+            self.log.forget(sampler_id)
         self.log.forget(f"create_model:{session_id}")
+
+    def reap(self, idle_s: float, now: float | None = None) -> list[str]:
+        """Finish every session silent for more than idle_s (no heartbeat: its client is gone); their ids."""
+        now = time.monotonic() if now is None else now
+        idle = [s for s in self._state.sessions.values() if not s.finished and now - s.last_seen > idle_s]
+        for session in idle:
+            self.finish_session(session.tenant, session.id)
+        return [session.id for session in idle]
 
     # ------------------------------------------------------------------ training runs
 
@@ -231,7 +252,7 @@ class TinkerService:
             if path is not None:
                 self.checkpoints.save(tenant, path, run.base_model, run.lora, {"adapter": tensors, "steps": run.steps})
                 return {"path": str(path), "type": "save_weights_for_sampler"}
-            session = self._new_sampler(tenant, weights, None)
+            session = self._new_sampler(tenant, model_id.partition(":")[0], weights, None)
             return {"sampling_session_id": session.id, "type": "save_weights_for_sampler"}
 
         return self.log.submit(tenant, (model_id, seq_id), "SaveWeightsForSampler", work)
@@ -248,13 +269,15 @@ class TinkerService:
                                       [FieldViolation("model_path", "not a sampler path")])
             checkpoint = self.checkpoints.load(tenant, where)
             weights = SamplerWeights(model_path, checkpoint.base_model, checkpoint.lora, checkpoint.adapter)
-            return self._new_sampler(tenant, weights, model_path)
+            return self._new_sampler(tenant, session_id, weights, model_path)
         if not base_model:
             raise InvalidArgument("give base_model or model_path", [FieldViolation("base_model", "missing")])
-        return self._new_sampler(tenant, SamplerWeights(f"base:{base_model}", self.check_model(base_model)), None)
+        weights = SamplerWeights(f"base:{base_model}", self.check_model(base_model))
+        return self._new_sampler(tenant, session_id, weights, None)
 
-    def _new_sampler(self, tenant: str, weights: SamplerWeights, model_path: str | None) -> SamplingSession:
-        session = SamplingSession(f"sampler-{uuid.uuid4().hex}", tenant, weights, model_path)
+    def _new_sampler(self, tenant: str, session_id: str, weights: SamplerWeights,
+                     model_path: str | None) -> SamplingSession:
+        session = SamplingSession(f"sampler-{uuid.uuid4().hex}", tenant, session_id, weights, model_path)
         self._state.samplers[session.id] = session
         return session
 

@@ -32,6 +32,9 @@ class TinkerSettings(InfraSettings, TokenSettings, ModelAllowList):
     poll_s: float = Field(10.0, gt=0, le=40)
     """How long a retrieve_future call waits for its result before answering try_again (the SDK waits
     45 s for an answer and polls again at once)."""
+    session_idle_s: float = Field(300.0, ge=30, le=7 * 86400)
+    """A session with no heartbeat for this long (the SDK sends one every 10 s while its client lives) is
+    finished: its training runs and sampling sessions are freed; its checkpoints stay on disk."""
     keep_requests_per_scope: int = Field(4096, ge=16, le=1_000_000)
     """Request ids (and results) kept per training run or sampling session; an older one is refused,
     never run again."""

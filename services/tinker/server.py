@@ -191,7 +191,7 @@ class Routes:
 
     async def heartbeat(self, request: web.Request) -> web.Response:
         body = convert.parse(convert.SessionRef, await _json(request))
-        if self.service.session(request[TENANT], body.session_id).finished:
+        if self.service.heartbeat(request[TENANT], body.session_id).finished:
             raise web.HTTPGone(text="session finished")
         return web.json_response({"type": "session_heartbeat"})
 
@@ -279,6 +279,15 @@ class Routes:
         return web.json_response(result)
 
 
+async def reap_loop(service: TinkerService, idle_s: float) -> None:
+    """Finish sessions whose client stopped sending heartbeats, every idle_s / 4 (freeing their runs)."""
+    while True:
+        await asyncio.sleep(idle_s / 4)
+        reaped = service.reap(idle_s)
+        if reaped:
+            log.info("finished %d sessions silent for over %gs: %s", len(reaped), idle_s, reaped)
+
+
 def limits_of(settings: TinkerSettings) -> Limits:
     return Limits(settings.allowed_models, settings.allowed_model_roots, settings.run_dir, settings.max_lora_rank,
                   settings.max_sample_tokens, settings.max_num_samples)
@@ -309,7 +318,9 @@ async def serve(settings: TinkerSettings, stop: asyncio.Event,
                  settings.run_dir / "tinker")
         if on_start is not None:
             on_start(bound)
+        reaper = asyncio.create_task(reap_loop(service, settings.session_idle_s))
         await stop.wait()
+        reaper.cancel()
     finally:
         await runner.cleanup()
         executor.shutdown(wait=False, cancel_futures=True)
