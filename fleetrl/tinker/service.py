@@ -115,10 +115,11 @@ class TinkerService:
     def finish_session(self, tenant: str, session_id: str) -> None:
         """Mark the session finished and free its training runs and sampling sessions (checkpoints stay on disk)."""
         self.session(tenant, session_id).finished = True
-        for model_id in [m for m in self._state.runs if m.startswith(f"{session_id}:")]:
+        # list(...) first: the work thread may add runs or samplers while this (the event loop) iterates
+        for model_id in [m for m in list(self._state.runs) if m.startswith(f"{session_id}:")]:
             del self._state.runs[model_id]
             self.log.forget(model_id)
-        for sampler_id in [i for i, s in self._state.samplers.items() if s.session_id == session_id]:
+        for sampler_id in [i for i, s in list(self._state.samplers.items()) if s.session_id == session_id]:
             del self._state.samplers[sampler_id]
             self.log.forget(sampler_id)
         self.log.forget(f"create_model:{session_id}")
