@@ -33,6 +33,7 @@ from fleetrl.reward import verifiers
 from fleetrl.rollout import settings as actor_config
 from fleetrl.services.gateway import config as gateway_config
 from fleetrl.services.replay import config as replay_config
+from fleetrl.services.tinker import config as tinker_config
 from fleetrl.spec.config import JobSpec
 from fleetrl.train import settings as learner_config
 
@@ -44,6 +45,7 @@ SERVICES: tuple[tuple[str, type[BaseModel], str], ...] = (
     ("reward", reward_config.RewardSettings, reward_config.ENV_PREFIX),
     ("learner", learner_config.LearnerSettings, learner_config.ENV_PREFIX),
     ("actor", actor_config.ActorSettings, actor_config.ENV_PREFIX),
+    ("tinker", tinker_config.TinkerSettings, tinker_config.ENV_PREFIX),
 )
 REQUIRED, SECTION, COMPUTED, UNSET = "required", "(section defaults)", "computed at start-up", "unset"
 _PLAIN_FACTORIES: dict[Any, str] = {dict: "{}", list: "[]", set: "[]", tuple: "[]"}

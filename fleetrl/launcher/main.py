@@ -25,6 +25,7 @@ ROUTES: dict[str, tuple[str, bool, str]] = {
     "reward": ("fleetrl.services.reward.__main__", False, "run the reward service"),
     "actor": ("fleetrl.services.actor.__main__", False, "run one actor (rollout worker)"),
     "learner": ("fleetrl.services.learner.__main__", False, "run a learner"),
+    "tinker": ("fleetrl.services.tinker.__main__", False, "serve the Tinker-compatible training API (HTTP)"),
     "submit": ("fleetrl.launcher.jobs_cli", True, "submit a job spec (TOML)"),
     "status": ("fleetrl.launcher.jobs_cli", True, "show a job, or all jobs"),
     "watch": ("fleetrl.launcher.jobs_cli", True, "follow a job's progress live"),

@@ -52,6 +52,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from fleetrl.errors import ConfigError, FailedPrecondition, FieldViolation, InvalidArgument, NotFound
+from fleetrl.spec.config import Strict
 
 if TYPE_CHECKING:
     import torch
@@ -104,6 +105,18 @@ BUILTIN_MODELS: tuple[str, ...] = (SMOLLM2, *TINY_MODELS)
 # --------------------------------------------------------------------------- the operator's allow-list
 
 
+class ModelAllowList(Strict):
+    """The settings of a service that loads models its callers name (the gateway's jobs, Tinker runs)."""
+
+    allowed_models: tuple[str, ...] = BUILTIN_MODELS
+    """Model names a job or Tinker run may train, matched exactly: built-in names and the hub ids the
+    operator lists (default: the built-in models). Setting it replaces the default list."""
+    allowed_model_roots: tuple[Path, ...] = ()
+    """Directories a model may be a local directory under: named by its absolute path, its real path
+    (symlinks and `..` resolved) must lie under one's real path. A directory under `run_dir` (every
+    job's checkpoints and exports) needs a root inside `run_dir`. Default: none."""
+
+
 def allow_list_problem(name: str, names: Collection[str], roots: Collection[Path],
                        run_dir: Path | None = None) -> str | None:
     """Why the operator's allow-list refuses `name` as a job's model, or None when it allows it.
@@ -119,7 +132,7 @@ def allow_list_problem(name: str, names: Collection[str], roots: Collection[Path
     if name in names:
         return None
     if not name.startswith(("/", ".", "~")):
-        return f"{name!r} is not in the allow-list of models (gateway setting allowed_models)"
+        return f"{name!r} is not in the allow-list of models (setting allowed_models)"
     if not name.startswith("/"):
         return f"{name!r}: a local model directory must be named by its absolute path"
     real = os.path.realpath(name)
@@ -128,10 +141,10 @@ def allow_list_problem(name: str, names: Collection[str], roots: Collection[Path
     if guarded is not None and _within(real, guarded):
         if not any(_within(root, guarded) for root in covering):
             return (f"{name!r} lies in the run directory, which holds every job's checkpoints and exports, and no "
-                    "allowed root inside the run directory covers it (gateway setting allowed_model_roots)")
+                    "allowed root inside the run directory covers it (setting allowed_model_roots)")
     elif not covering:
         return (f"{name!r} (symlinks and '..' resolved) lies outside the allowed model roots "
-                "(gateway setting allowed_model_roots)")
+                "(setting allowed_model_roots)")
     if not os.path.isdir(real):
         return f"{name!r}: no such model directory"
     return None

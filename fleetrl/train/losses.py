@@ -14,6 +14,7 @@ clamp(x, 1 - clip_eps, 1 + clip_eps_high), sg = stop-gradient):
     gspo   (GSPO)      s_i = exp(mean_t log r_t) over sequence i's tokens, w_i the geometric mean of its w_t,
                        pg_t = -w_i * min(s_i * A_i, clip(s_i) * A_i) on every token of sequence i
     cispo  (CISPO)     pg_t = -w_t * sg(clip(r_t)) * A * logprobs_t
+    importance_sampling  pg_t = -w_t * r_t * A          (no clip: Tinker's `importance_sampling` loss)
 
 aggregated over real completion tokens by `loss_agg`. A is one advantage per sequence from its
 group's rewards (`ADVANTAGES`), or, for ppo (`advantage == GAE`), per token from the critic's GAE
@@ -234,6 +235,11 @@ def _seq_mean_token_sum_norm(loss_BT: Tensor, inputs: LossInputs, cfg: LossConfi
     return per_seq.sum() / _num_sequences(inputs)
 
 
+def _token_sum(loss_BT: Tensor, inputs: LossInputs, cfg: LossConfig) -> Tensor:
+    """Sum over every real token, no normaliser: Tinker's losses are sums, the caller scales them."""
+    return _on_real(loss_BT, inputs.mask).sum()
+
+
 def _num_sequences(inputs: LossInputs) -> float:
     return inputs.num_sequences if inputs.num_sequences is not None else float(inputs.mask.shape[0])
 
@@ -242,6 +248,7 @@ LOSS_AGGREGATIONS: dict[str, Callable[[Tensor, LossInputs, LossConfig], Tensor]]
     "token_mean": _token_mean,
     "seq_mean_token_mean": _seq_mean_token_mean,
     "seq_mean_token_sum_norm": _seq_mean_token_sum_norm,
+    "token_sum": _token_sum,
 }
 """Per-token loss (B, T) -> scalar, by AlgorithmConfig.loss_agg name."""
 
@@ -314,8 +321,16 @@ def _cispo_surrogate(inputs: LossInputs, adv: Tensor, tis_w: Tensor, cfg: LossCo
     return Surrogate(pg_BT, ratio, ratio < 1 - cfg.clip_eps, ratio > 1 + cfg.clip_eps_high)
 
 
+def _importance_sampling_surrogate(inputs: LossInputs, adv: Tensor, tis_w: Tensor, cfg: LossConfig) -> Surrogate:
+    """The unclipped importance-weighted policy gradient: -r_t * A on every token."""
+    ratio = torch.exp(_log_ratio(inputs))  # (B, T)
+    never = torch.zeros_like(ratio, dtype=torch.bool)
+    return Surrogate(-tis_w * ratio * adv, ratio.detach(), never, never)
+
+
 SURROGATES: dict[str, Callable[[LossInputs, Tensor, Tensor, LossConfig], Surrogate]] = {
     "clip": _clip_surrogate,
+    "importance_sampling": _importance_sampling_surrogate,
     "gspo": _gspo_surrogate,
     "cispo": _cispo_surrogate,
 }

@@ -1,7 +1,6 @@
-"""Bearer-token authentication: a table of hashed tokens and the gRPC interceptor that checks them.
+"""Bearer-token authentication: the gRPC interceptor that checks the tenant tokens (`fleetrl.runtime.tokens`).
 
-Tokens are compared as sha256 digests with `hmac.compare_digest`, so the table holds no secret and
-a comparison leaks no timing. The interceptor wraps each JobService handler: a call without a valid
+The interceptor wraps each JobService handler: a call without a valid
 `authorization: Bearer <token>` is aborted with UNAUTHENTICATED before the servicer runs; a valid
 one runs with the tenant in the `TENANT` context variable. Health and reflection are exempt, so
 probes and `grpcurl list` work without a token. In open mode every caller is tenant `local`.
@@ -10,57 +9,23 @@ probes and `grpcurl list` work without a token. In open mode every caller is ten
 from __future__ import annotations
 
 import contextvars
-import hashlib
-import hmac
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import grpc
 
 from fleetrl.errors import Unauthenticated
+from fleetrl.runtime.tokens import OPEN_TENANT, TokenTable, hash_token
 
-OPEN_TENANT = "local"
+__all__ = ["OPEN_TENANT", "TENANT", "AuthInterceptor", "TokenTable", "current_tenant", "hash_token"]
+
 EXEMPT_PREFIXES = ("/grpc.health.v1.Health/", "/grpc.reflection.")
 TENANT: contextvars.ContextVar[str] = contextvars.ContextVar("fleetrl_tenant")
-
-
-def hash_token(token: str) -> str:
-    """The sha256 hex digest stored for a token."""
-    return hashlib.sha256(token.encode()).hexdigest()
 
 
 def current_tenant() -> str:
     """The tenant of the call being served (set by AuthInterceptor)."""
     return TENANT.get()
-
-
-class TokenTable:
-    """Tenant lookup by token; open mode maps everyone to `local`."""
-
-    digests: dict[str, str]
-    open_mode: bool
-
-    def __init__(self, digests: dict[str, str], open_mode: bool = False) -> None:
-        self.digests = dict(digests)
-        self.open_mode = open_mode
-
-    def tenant_for(self, authorization: str | None) -> str:
-        """The tenant an `authorization` header value belongs to; Unauthenticated if none."""
-        if self.open_mode:
-            return OPEN_TENANT
-        if not authorization:
-            raise Unauthenticated("missing authorization metadata: send 'authorization: Bearer <token>'")
-        scheme, _, token = authorization.partition(" ")
-        if scheme.lower() != "bearer" or not token.strip():
-            raise Unauthenticated("authorization metadata must be 'Bearer <token>'")
-        digest = hash_token(token.strip())
-        found = None
-        for tenant, known in self.digests.items():  # no early exit: time does not depend on the match
-            if hmac.compare_digest(digest, known):
-                found = tenant
-        if found is None:
-            raise Unauthenticated("invalid token")
-        return found
 
 
 def _authorization(metadata: Any) -> str | None:

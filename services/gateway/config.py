@@ -2,7 +2,8 @@
 
 Auth is closed by default: a gateway with no tokens and `open_mode = false` refuses to start, so
 forgetting to configure tokens never exposes jobs. Tokens are stored as sha256 hex digests only
-(`fleetrl gateway hash-token TOKEN` prints one).
+(`fleetrl gateway hash-token TOKEN` prints one); the token fields are `fleetrl.runtime.tokens.TokenSettings`,
+shared with the Tinker API.
 
 What a job may ask for is the operator's too: its model comes from an allow-list (`allowed_models`,
 `allowed_model_roots`), and every resource size a submitter chooses has a cap in the `[job_caps]`
@@ -13,20 +14,18 @@ it covers, so adding a cap is one field; a cap's bounds are its spec field's own
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 from typing import Any, cast
 
 import annotated_types
-from pydantic import BaseModel, Field, field_validator, model_validator
+from pydantic import BaseModel, Field, model_validator
 from pydantic.fields import FieldInfo
 
-from fleetrl.errors import ConfigError, FieldViolation
-from fleetrl.policy.models import BUILTIN_MODELS
-from fleetrl.spec.config import InfraSettings, JobSpec, Strict, read_toml
+from fleetrl.policy.models import ModelAllowList
+from fleetrl.runtime.tokens import TokenSettings
+from fleetrl.spec.config import InfraSettings, JobSpec, Strict
 
 ENV_PREFIX = "FLEETRL_GATEWAY_"
-_SHA256_HEX = re.compile(r"^[0-9a-f]{64}$")
 _CAPS_KEY = "caps"
 _BOUNDS: dict[type, str] = {annotated_types.Ge: "ge", annotated_types.Gt: "gt", annotated_types.Le: "le"}
 
@@ -127,7 +126,7 @@ class TenantQuota(Strict):
     this quota. Concurrent episodes per tenant are the reward service's `max_episodes_per_tenant`."""
 
 
-class GatewaySettings(InfraSettings):
+class GatewaySettings(InfraSettings, TokenSettings, ModelAllowList):
     """How one gateway process runs."""
 
     listen: str = "127.0.0.1:50051"
@@ -136,12 +135,6 @@ class GatewaySettings(InfraSettings):
     """RewardService address; SubmitJob asks it to check every reward spec."""
     reward_validate_timeout_s: float = Field(15.0, gt=0, le=600)
     """Deadline of one RewardService.Validate call."""
-    tokens: dict[str, str] = Field(default_factory=dict)
-    """Tenant -> sha256 hex digest of its bearer token."""
-    tokens_file: Path | None = None
-    """TOML file of `tenant = "sha256 hex"` lines, merged into `tokens`."""
-    open_mode: bool = False
-    """No authentication: every caller is tenant `local`. For a single-user machine only."""
     tls_cert: Path | None = None
     """PEM certificate chain; with tls_key, the gateway serves TLS only."""
     tls_key: Path | None = None
@@ -160,13 +153,6 @@ class GatewaySettings(InfraSettings):
     """Size of the FileChunks DownloadModel streams."""
     grace_s: float = Field(5.0, ge=0, le=600)
     """Seconds in-flight calls may finish after SIGTERM."""
-    allowed_models: tuple[str, ...] = BUILTIN_MODELS
-    """Model names a job may train, matched exactly: built-in names and the hub ids the operator lists
-    (default: the built-in models). Setting it replaces the default list."""
-    allowed_model_roots: tuple[Path, ...] = ()
-    """Directories a job's model may be a local directory under: named by its absolute path, its real
-    path (symlinks and `..` resolved) must lie under one's real path. A directory under `run_dir` (every
-    job's checkpoints and exports) needs a root inside `run_dir`. Default: none."""
     job_caps: JobCaps = Field(default_factory=JobCaps)
     """The cap on every resource size a submitter chooses."""
     retention_s: float | None = Field(None, gt=0, le=10 * 365 * 86400)
@@ -183,32 +169,8 @@ class GatewaySettings(InfraSettings):
             return self.tenant_quotas[tenant], f"tenant_quotas.{tenant}"
         return self.default_tenant_quota, "default_tenant_quota"
 
-    @field_validator("tokens")
-    @classmethod
-    def _hashes(cls, tokens: dict[str, str]) -> dict[str, str]:
-        bad = [tenant for tenant, digest in tokens.items() if not _SHA256_HEX.match(digest)]
-        if bad:
-            raise ValueError(f"tokens of {', '.join(bad)} are not sha256 hex digests (use hash-token)")
-        return tokens
-
     @model_validator(mode="after")
     def _tls_pair(self) -> GatewaySettings:
         if (self.tls_cert is None) != (self.tls_key is None):
             raise ValueError("set both tls_cert and tls_key, or neither")
         return self
-
-    def token_table(self) -> dict[str, str]:
-        """tokens merged with tokens_file; ConfigError if a digest is malformed."""
-        table = dict(self.tokens)
-        if self.tokens_file is not None:
-            data = read_toml(self.tokens_file, "tokens_file")
-            tokens = data.get("tokens", data)
-            if not isinstance(tokens, dict):
-                raise ConfigError("invalid tokens", [FieldViolation("tokens_file", f"{self.tokens_file}: "
-                                                                   "[tokens] must be a table")])
-            table.update(tokens)
-        bad = [FieldViolation(f"tokens.{t}", "not a sha256 hex digest") for t, d in table.items()
-               if not isinstance(d, str) or not _SHA256_HEX.match(d)]
-        if bad:
-            raise ConfigError("invalid tokens", bad)
-        return table

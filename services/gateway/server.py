@@ -18,13 +18,14 @@ from typing import Any
 
 import grpc
 
-from fleetrl.errors import ConfigError, FieldViolation, InvalidArgument
+from fleetrl.errors import InvalidArgument
 from fleetrl.jobs.store import JobStore
 from fleetrl.proto.fleetrl.v1 import gateway_pb2, gateway_pb2_grpc
 from fleetrl.reward.client import RewardClient
 from fleetrl.runtime import grpcutil, telemetry
 from fleetrl.runtime.grpcutil import map_errors, map_stream_errors
 from fleetrl.runtime.observe import ObservingInterceptor, serve_metrics
+from fleetrl.runtime.tokens import auth_table
 from fleetrl.services.gateway import convert
 from fleetrl.services.gateway.adapters import FleetProbe, JetStreamEvents, JetStreamPurger, StoreDeleter
 from fleetrl.services.gateway.auth import AuthInterceptor, TokenTable, current_tenant
@@ -159,16 +160,7 @@ def server_credentials(settings: GatewaySettings) -> grpc.ServerCredentials | No
 
 def token_table(settings: GatewaySettings) -> TokenTable:
     """The auth table; refuses a closed gateway without tokens, shouts about open mode."""
-    digests = settings.token_table()
-    if settings.open_mode:
-        log.warning("!!! OPEN MODE: no authentication, every caller is tenant 'local'. "
-                    "Use only on a single-user machine; configure tokens for anything else. !!!")
-        if digests:
-            log.warning("open mode ignores the %d configured tokens", len(digests))
-    elif not digests:
-        raise ConfigError("gateway settings", [FieldViolation(
-            "tokens", "no tokens configured: set tokens or tokens_file, or open_mode = true for local use")])
-    return TokenTable(digests, settings.open_mode)
+    return auth_table(settings, "gateway", log)
 
 
 async def retention_loop(gateway: Gateway, retention_s: float) -> None:

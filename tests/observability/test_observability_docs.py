@@ -12,6 +12,8 @@ from prometheus_client import REGISTRY, CollectorRegistry
 from prometheus_client.metrics_core import Metric
 
 import fleetrl.rollout.metrics
+import fleetrl.services.tinker.server
+import fleetrl.tinker.requests
 import fleetrl.train.observability
 from fleetrl.reward.metrics import RewardMetrics
 from fleetrl.runtime.observe import RpcMetrics
@@ -64,6 +66,7 @@ def _catalogue() -> dict[str, Family]:
 
 def test_the_catalogue_lists_every_metric_and_only_those() -> None:
     assert fleetrl.rollout.metrics.TASKS and fleetrl.train.observability.STEPS
+    assert fleetrl.tinker.requests.WORK_SECONDS and fleetrl.services.tinker.server.HTTP_SECONDS
     code, docs = _families(), _catalogue()
     assert sorted(set(code) - set(docs)) == [], "not in docs/OBSERVABILITY.md's catalogue"
     assert sorted(set(docs) - set(code)) == [], "catalogued in docs/OBSERVABILITY.md, but no code exposes it"

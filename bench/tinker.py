@@ -1,0 +1,123 @@
+"""Round-trip overhead of the Tinker API per primitive: the official SDK over HTTP against the same call in-process.
+
+`python -m bench.tinker --json [--model tiny-llama] [--calls 10] [--threads 1]` starts a Tinker API server
+(`services/tinker`) in a thread of this process on a free port, and times `--calls` calls of each
+primitive through the SDK (submission plus result, as a user's `.result()` sees them) and the same
+work through `TinkerService` directly (queued and waited on, no HTTP). It prints one JSON object with
+the median milliseconds of each side and their difference, the overhead of the wire. The in-process
+side is measured first, then the SDK side, on one training run each, with the same batch.
+
+What it does not measure yet: the example loop against the same training as a fleet job (issue 29's
+second figure), which waits for the primitives to run on the fleet.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import concurrent.futures
+import json
+import statistics
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import tinker
+import torch
+from tinker import types
+
+from fleetrl.runtime.tokens import hash_token
+from fleetrl.services.tinker.config import TinkerSettings
+from fleetrl.services.tinker.server import limits_of, serve
+from fleetrl.tinker import types as domain
+from fleetrl.tinker.requests import RequestLog
+from fleetrl.tinker.service import TinkerService
+
+KEY = "tml-bench"
+TOKENS = list(range(1000, 1032))
+
+
+def median_ms(call: Callable[[], Any], calls: int) -> float:
+    call()  # warm-up: first use loads models and fills caches
+    times = []
+    for _ in range(calls):
+        start = time.perf_counter()
+        call()
+        times.append(time.perf_counter() - start)
+    return 1000 * statistics.median(times)
+
+
+def in_process(settings: TinkerSettings, calls: int) -> dict[str, float]:
+    service = TinkerService(limits_of(settings), RequestLog(concurrent.futures.ThreadPoolExecutor(1)))
+    session = service.create_session("bench")
+    created = service.create_model("bench", session, 0, settings.allowed_models[0], domain.LoraRequest(rank=8, seed=0))
+    created.future.result()
+    model_id = created.extra["model_id"]
+    data = [domain.Datum(TOKENS[:-1], {"target_tokens": np.array(TOKENS[1:])})]
+    seq = iter(range(1, 1_000_000))
+    sampler = service.create_sampling_session("bench", session, settings.allowed_models[0], None)
+    sample = domain.SampleParams(TOKENS[:8], 1, 8, 1.0, 1.0, 0, None, False)
+    return {
+        "forward": median_ms(lambda: service.forward_backward("bench", model_id, next(seq), data, "cross_entropy", {},
+                                                              True).future.result(), calls),
+        "forward_backward": median_ms(lambda: service.forward_backward(
+            "bench", model_id, next(seq), data, "cross_entropy", {}, False).future.result(), calls),
+        "optim_step": median_ms(lambda: service.optim_step("bench", model_id, next(seq),
+                                                           domain.AdamParams()).future.result(), calls),
+        "sample": median_ms(lambda: service.sample("bench", sampler.id, next(seq), sample).future.result(), calls),
+    }
+
+
+def over_http(url: str, model: str, calls: int) -> dict[str, float]:
+    training = tinker.ServiceClient(base_url=url, api_key=KEY).create_lora_training_client(
+        base_model=model, rank=8, seed=0).result()
+    data = [types.Datum(model_input=types.ModelInput.from_ints(TOKENS[:-1]),
+                        loss_fn_inputs={"target_tokens": TOKENS[1:]})]
+    sampler = tinker.ServiceClient(base_url=url, api_key=KEY).create_sampling_client(base_model=model).result()
+    params = types.SamplingParams(max_tokens=8, seed=0)
+    prompt = types.ModelInput.from_ints(TOKENS[:8])
+    return {
+        "forward": median_ms(lambda: training.forward(data, "cross_entropy").result(), calls),
+        "forward_backward": median_ms(lambda: training.forward_backward(data, "cross_entropy").result(), calls),
+        "optim_step": median_ms(lambda: training.optim_step(types.AdamParams()).result(), calls),
+        "sample": median_ms(lambda: sampler.sample(prompt, 1, params).result(), calls),
+    }
+
+
+def start_server(settings: TinkerSettings) -> str:
+    started, box = threading.Event(), {}
+
+    def on_start(port: int) -> None:
+        box["url"] = f"http://127.0.0.1:{port}"
+        started.set()
+
+    threading.Thread(target=asyncio.run, args=(serve(settings, asyncio.Event(), on_start),), daemon=True).start()
+    if not started.wait(60):
+        raise RuntimeError("the tinker server did not start")
+    return str(box["url"])
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="tiny-llama")
+    parser.add_argument("--calls", type=int, default=10)
+    parser.add_argument("--threads", type=int, default=1, help="torch threads (the service's torch_threads)")
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    settings = TinkerSettings(listen="127.0.0.1:0", run_dir=Path(tempfile.mkdtemp(prefix="bench-tinker-")),
+                              allowed_models=(args.model,), tokens={"bench": hash_token(KEY)}, poll_s=10.0)
+    local = in_process(settings, args.calls)
+    remote = over_http(start_server(settings), args.model, args.calls)
+    result = {"model": args.model, "calls": args.calls, "in_process_ms": local, "sdk_ms": remote,
+              "overhead_ms": {name: remote[name] - local[name] for name in local}}
+    print(json.dumps(result) if args.json else json.dumps(result, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

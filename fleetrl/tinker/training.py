@@ -1,0 +1,181 @@
+"""A Tinker training run: one LoRA adapter on a frozen base model, its AdamW state and its gradients.
+
+`forward_backward` adds the gradient of a chunk's loss to what earlier chunks left; `optim_step`
+applies the sum with the step's Adam parameters and clears it, as Tinker's TrainingClient expects
+(several forward_backward calls, then one optim_step). The adapters are put on with fleetrl's own
+LoRA code (`fleetrl.weights.adapters.wrap`, the learner's), and the log-probs come from the learner's
+`token_logprobs`, so a Tinker run trains exactly what a LoRA job would on the same tokens.
+
+Design choices:
+- Adam's hyperparameters come with each optim_step (Tinker's contract), so they are written into the
+  optimizer's parameter group before each step; its moments persist across steps.
+- Finite numbers only: a chunk whose loss is not finite applies no gradient and fails with
+  InvalidArgument; a step whose gradient norm is not finite zeroes the gradient and is reported as
+  skipped (`skipped:sum` 1), so a NaN never reaches the adapter.
+- `train_unembed` is accepted and not applied: adapters go on the attention and MLP projections
+  only. An adapter on a tied lm_head would also move the input embedding, and the samplers merge
+  adapters into linear layers by name (`MergedAdapter`), which a tied weight would break.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+from peft import PeftModel
+
+from fleetrl.errors import FieldViolation, InvalidArgument
+from fleetrl.policy import models
+from fleetrl.policy.logprobs import token_logprobs
+from fleetrl.policy.lora import adapter_state_dict, load_adapters
+from fleetrl.spec.config import LoraSpec
+from fleetrl.tinker.losses import LOSSES, LossBatch
+from fleetrl.tinker.types import AdamParams, Datum, ForwardResult, LoraRequest
+from fleetrl.weights.adapters import adapter_tensors, wrap
+
+MICRO_BATCH_SEQUENCES = 8
+"""Datums per forward/backward pass: bounds the activations and logits a chunk of any size holds at once."""
+ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
+MLP = ("gate_proj", "up_proj", "down_proj")
+
+
+def lora_spec(request: LoraRequest) -> LoraSpec:
+    """The fleetrl LoRA spec of a create_model request (alpha 32, fleetrl's default, at every rank)."""
+    targets = (ATTENTION if request.train_attn else ()) + (MLP if request.train_mlp else ())
+    if not targets:
+        raise InvalidArgument("no layer to train", [FieldViolation(
+            "lora_config", "set train_attn or train_mlp (train_unembed alone is not supported)")])
+    return LoraSpec(rank=request.rank, target_modules=targets)
+
+
+@dataclass
+class TrainingRun:
+    """One TrainingClient's model on the server (its model_id)."""
+
+    model_id: str
+    tenant: str
+    base_model: str
+    lora: LoraSpec
+    model: PeftModel
+    tokenizer: Any
+    optimizer: torch.optim.AdamW
+    steps: int = 0
+    """optim_steps applied."""
+    pending_chunks: int = 0
+    """forward_backward chunks whose gradient waits for the next optim_step."""
+
+    @classmethod
+    def create(cls, model_id: str, tenant: str, base_model: str, lora: LoraSpec, seed: int) -> TrainingRun:
+        base, tokenizer = models.load(base_model)
+        model = wrap(base, lora, seed)
+        params = [p for p in model.parameters() if p.requires_grad]
+        optimizer = torch.optim.AdamW(params, fused=True)
+        return cls(model_id, tenant, base_model, lora, model, tokenizer, optimizer)
+
+    def forward_backward(self, data: list[Datum], loss_fn: str, settings: dict[str, float],
+                         backward: bool) -> ForwardResult:
+        """The loss of `data` under `loss_fn`; with `backward`, its gradient is added to the run's.
+
+        The datums go through in micro-batches of MICRO_BATCH_SEQUENCES (the loss is a sum, so their
+        gradients add up to the chunk's); if any micro-batch's loss is not finite, the gradient is put
+        back as it was before the chunk and the chunk fails."""
+        before = [None if p.grad is None else p.grad.clone() for p in self._params()] if backward else []
+        logprobs: list[np.ndarray] = []
+        parts: list[tuple[dict[str, float], float]] = []
+        for start in range(0, len(data), MICRO_BATCH_SEQUENCES):
+            batch, lengths = self._batch(data[start:start + MICRO_BATCH_SEQUENCES], backward)
+            loss, metrics = LOSSES[loss_fn].fn(batch, settings)
+            if backward:
+                if not math.isfinite(float(loss.detach())):
+                    self._restore(before)
+                    raise InvalidArgument(f"the {loss_fn} loss of this batch is not finite ({float(loss.detach())}); "
+                                          "no gradient was applied", [FieldViolation("data", "non-finite loss")])
+                loss.backward()
+            values = batch.logprobs.detach().float().numpy()
+            logprobs += [values[i, :n].copy() for i, n in enumerate(lengths)]
+            parts.append((metrics, float(batch.mask.sum())))
+        if backward:
+            self.pending_chunks += 1
+        return ForwardResult(logprobs, _combined(parts))
+
+    def _params(self) -> list[torch.Tensor]:
+        return [p for group in self.optimizer.param_groups for p in group["params"]]
+
+    def _restore(self, grads: list[torch.Tensor | None]) -> None:
+        for param, grad in zip(self._params(), grads, strict=True):
+            param.grad = grad
+
+    def _batch(self, data: list[Datum], grad: bool) -> tuple[LossBatch, list[int]]:
+        lengths = [len(d.tokens) for d in data]
+        width = max(lengths)
+        tokens = torch.zeros((len(data), width), dtype=torch.long)  # (B, T)
+        targets = torch.zeros_like(tokens)
+        mask = torch.zeros((len(data), width), dtype=torch.float32)
+        names = {name for d in data for name in d.inputs if name != "target_tokens"}
+        inputs = {name: torch.zeros((len(data), width), dtype=torch.float32) for name in names}
+        for i, d in enumerate(data):
+            n = lengths[i]
+            tokens[i, :n] = torch.tensor(d.tokens)
+            targets[i, :n] = torch.from_numpy(d.inputs["target_tokens"].astype(np.int64))
+            mask[i, :n] = 1.0
+            for name in names:
+                if name in d.inputs:
+                    inputs[name][i, :n] = torch.from_numpy(d.inputs[name].astype(np.float32))
+        self.model.train(grad)
+        with torch.set_grad_enabled(grad):
+            logits = self.model(input_ids=tokens, attention_mask=mask.long()).logits  # (B, T, V)
+            logprobs, _ = token_logprobs(logits, targets)
+        return LossBatch(logprobs, mask, inputs), lengths
+
+    def optim_step(self, adam: AdamParams) -> dict[str, float]:
+        """Apply the accumulated gradient with `adam` and clear it; the step's metrics."""
+        params = self._params()
+        for group in self.optimizer.param_groups:
+            group.update(lr=adam.learning_rate, betas=(adam.beta1, adam.beta2), eps=adam.eps,
+                         weight_decay=adam.weight_decay)
+        max_norm = adam.grad_clip_norm if adam.grad_clip_norm > 0 else math.inf
+        norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm))
+        skipped = not math.isfinite(norm)
+        if not skipped:
+            self.optimizer.step()
+            self.steps += 1
+        self.optimizer.zero_grad(set_to_none=True)
+        chunks, self.pending_chunks = self.pending_chunks, 0
+        return {"grad_norm:mean": norm if not skipped else 0.0, "skipped:sum": float(skipped),
+                "chunks:sum": float(chunks), "step:max": float(self.steps)}
+
+    def sampler_tensors(self) -> dict[str, torch.Tensor]:
+        """The adapter as samplers apply it (PEFT's file names, float32 copies)."""
+        return adapter_tensors(self.model, torch.float32)
+
+    def state(self, with_optimizer: bool = True) -> dict[str, Any]:
+        """What save_state keeps: the adapter, and the optimizer's moments and step count."""
+        state: dict[str, Any] = {"adapter": adapter_state_dict(self.model), "steps": self.steps}
+        if with_optimizer:
+            state["optimizer"] = self.optimizer.state_dict()
+        return state
+
+    def load_state(self, state: dict[str, Any], with_optimizer: bool) -> None:
+        """Restore a `state()`: the adapter always, the optimizer when asked (else its moments restart)."""
+        load_adapters(self.model, state["adapter"])
+        self.optimizer.zero_grad(set_to_none=True)
+        self.pending_chunks = 0
+        if with_optimizer and "optimizer" in state:
+            self.optimizer.load_state_dict(state["optimizer"])
+            self.steps = int(state["steps"])
+        else:
+            self.optimizer.state.clear()
+
+
+def _combined(parts: list[tuple[dict[str, float], float]]) -> dict[str, float]:
+    """Micro-batch metrics as one chunk's: `:sum` ones added, `:mean` ones weighted by tokens."""
+    combined: dict[str, float] = {}
+    tokens = sum(weight for _, weight in parts) or 1.0
+    for metrics, weight in parts:
+        for name, value in metrics.items():
+            share = value if name.endswith(":sum") else value * weight / tokens
+            combined[name] = combined.get(name, 0.0) + share
+    return combined

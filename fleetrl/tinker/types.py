@@ -1,0 +1,85 @@
+"""The domain values of the Tinker API: what a request asks for and what its result holds, free of HTTP.
+
+services/tinker converts the SDK's JSON and protobuf bodies into these and back (its convert.py);
+the library's service, training runs and samplers see only these.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class Datum:
+    """One training example: input tokens and the loss function's per-token inputs."""
+
+    tokens: list[int]
+    inputs: dict[str, np.ndarray]
+    """loss_fn_inputs by name, each 1-D, as long as `tokens` (`target_tokens` int64, the rest float32)."""
+
+
+@dataclass(frozen=True)
+class LoraRequest:
+    """What create_model asks for (the SDK's LoraConfig)."""
+
+    rank: int
+    seed: int | None = None
+    train_mlp: bool = True
+    train_attn: bool = True
+    train_unembed: bool = True
+
+
+@dataclass(frozen=True)
+class AdamParams:
+    """One optim_step's hyperparameters (the SDK's AdamParams, its defaults)."""
+
+    learning_rate: float = 1e-4
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-12
+    weight_decay: float = 0.0
+    grad_clip_norm: float = 0.0
+    """0: no clipping."""
+
+
+@dataclass(frozen=True)
+class SampleParams:
+    """One sample request."""
+
+    prompt: list[int]
+    num_samples: int
+    max_tokens: int
+    temperature: float
+    top_p: float
+    seed: int | None
+    stop_tokens: frozenset[int] | None
+    """None: the model's end-of-sequence tokens; empty: none (sample max_tokens)."""
+    prompt_logprobs: bool
+
+
+@dataclass(frozen=True)
+class Sequence:
+    """One sampled sequence."""
+
+    tokens: list[int]
+    logprobs: list[float]
+    stopped: bool
+    """True when a stop token ended it, False when max_tokens did."""
+
+
+@dataclass(frozen=True)
+class SampleResult:
+    """The sequences of one sample request, and the prompt's log-probs when asked (NaN first)."""
+
+    sequences: list[Sequence]
+    prompt_logprobs: list[float] | None = None
+
+
+@dataclass(frozen=True)
+class ForwardResult:
+    """A forward or forward_backward result: each datum's target log-probs and the loss's metrics."""
+
+    logprobs: list[np.ndarray]
+    metrics: dict[str, float] = field(default_factory=dict)

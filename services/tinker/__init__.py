@@ -1,0 +1,12 @@
+"""The Tinker API: `fleetrl tinker`, an HTTP server the official `tinker` SDK talks to unchanged.
+
+Components (`server.serve` wires them):
+- `config`: TinkerSettings (environment prefix FLEETRL_TINKER_): listen address, tenant tokens
+  (`fleetrl.runtime.tokens`, the gateway's), the model allow-list and the caps.
+- `convert`: the SDK's JSON and protobuf bodies to `fleetrl.tinker.types` and results back.
+- `server`: the aiohttp routes, one error middleware mapping fleetrl errors to the HTTP statuses the
+  SDK turns into its exception types, auth by `X-API-Key`, and the process lifecycle.
+
+The domain (sessions, training runs, samplers, request ids) is `fleetrl.tinker.service.TinkerService`.
+Endpoints, what is supported and what is not: docs/tinker.md.
+"""

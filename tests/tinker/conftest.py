@@ -1,0 +1,88 @@
+"""A real Tinker API server (services/tinker) on a free port, driven by the official `tinker` SDK.
+
+The server runs `serve` on its own event loop in a thread of the test process, the way `fleetrl
+tinker` runs it, and stops through its stop event; its checkpoints go under a directory the test
+chooses, so a second server on the same directory is a restarted one. Two tenants, alice and bob,
+each with its own token (the SDK's API key).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import tinker
+import torch
+
+from fleetrl.runtime.tokens import hash_token
+from fleetrl.services.tinker.config import TinkerSettings
+from fleetrl.services.tinker.server import serve
+
+KEYS = {"alice": "tml-alice-key", "bob": "tml-bob-key"}
+MODEL = "tiny-llama"
+
+
+class TinkerServer:
+    """One server process's worth of Tinker API, in a thread."""
+
+    run_dir: Path
+    url: str
+    _loop: asyncio.AbstractEventLoop | None
+    _stop: asyncio.Event | None
+    _thread: threading.Thread | None
+
+    def __init__(self, run_dir: Path) -> None:
+        self.run_dir, self.url = run_dir, ""
+        self._loop = self._stop = self._thread = None
+
+    def start(self) -> TinkerServer:
+        settings = TinkerSettings(listen="127.0.0.1:0", run_dir=self.run_dir, poll_s=5.0, allowed_models=(MODEL,),
+                                  tokens={tenant: hash_token(key) for tenant, key in KEYS.items()})
+        started = threading.Event()
+
+        async def main() -> None:
+            self._loop, self._stop = asyncio.get_running_loop(), asyncio.Event()
+
+            def on_start(port: int) -> None:
+                self.url = f"http://127.0.0.1:{port}"
+                started.set()
+
+            await serve(settings, self._stop, on_start)
+
+        self._thread = threading.Thread(target=asyncio.run, args=(main(),), daemon=True)
+        self._thread.start()
+        assert started.wait(30), "the tinker server did not start"
+        return self
+
+    def stop(self) -> None:
+        assert self._loop is not None and self._stop is not None and self._thread is not None
+        self._loop.call_soon_threadsafe(self._stop.set)
+        self._thread.join(30)
+
+    def client(self, tenant: str = "alice") -> tinker.ServiceClient:
+        return tinker.ServiceClient(base_url=self.url, api_key=KEYS[tenant])
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_torch_thread() -> Iterator[None]:
+    """The server's work runs with one torch thread, as `fleetrl tinker --set torch_threads=1`: on 2 busy
+    cores two OpenMP threads spin against each other (docs/tinker.md); restored after the module."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TinkerServer]:
+    running = TinkerServer(tmp_path_factory.mktemp("tinker")).start()
+    yield running
+    running.stop()
+
+
+@pytest.fixture(scope="module")
+def alice(server: TinkerServer) -> tinker.ServiceClient:
+    return server.client("alice")

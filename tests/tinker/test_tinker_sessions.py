@@ -1,0 +1,32 @@
+"""A session whose client went away (no heartbeat for session_idle_s) is finished and its runs freed."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import time
+from pathlib import Path
+
+import pytest
+
+from fleetrl.errors import NotFound
+from fleetrl.tinker.requests import RequestLog
+from fleetrl.tinker.service import Limits, TinkerService
+from fleetrl.tinker.types import LoraRequest
+from tests.tinker.conftest import MODEL
+
+
+def test_a_silent_session_is_reaped_and_a_live_one_kept(tmp_path: Path) -> None:
+    service = TinkerService(Limits((MODEL,), (), tmp_path, 64, 64, 4),
+                            RequestLog(concurrent.futures.ThreadPoolExecutor(1)))
+    silent, live = service.create_session("alice"), service.create_session("alice")
+    created = service.create_model("alice", silent, 0, MODEL, LoraRequest(rank=4, seed=0))
+    created.future.result()
+    sampler = service.create_sampling_session("alice", silent, MODEL, None)
+    later = time.monotonic() + 301
+    service.heartbeat("alice", live).last_seen = later - 10  # the live client's heartbeat, 10 s before
+    assert service.reap(300, now=later) == [silent]
+    with pytest.raises(NotFound):
+        service.run("alice", created.extra["model_id"])
+    with pytest.raises(NotFound):
+        service.sampler("alice", sampler.id)
+    assert not service.session("alice", live).finished
