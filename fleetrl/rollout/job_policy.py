@@ -4,7 +4,9 @@ A background watch of the job's weight pointer records the newest announced vers
 applies it between tasks (`refresh`), never while a generation runs, so a generation always sees one
 version, the one recorded in its group. Pulls use the weight store's fast chunk reader and its sha256
 check; a corrupt or vanished object is rejected, counted, and the pointer re-read and pulled again,
-a bounded number of times. The held version never decreases.
+a bounded number of times. The held version never decreases. A pointer read that fails because NATS
+is unreachable leaves the held version in place (the next refresh reads it again): it must not end
+the actor's task loop, which calls `refresh` outside any task (a NATS restart crashed actors so).
 
 For a job that publishes deltas (`train.full_publish_interval` > 1) the policy keeps the payload of
 the version it loaded, in the published dtype, so the next pull reads only the deltas after it
@@ -26,6 +28,7 @@ from fleetrl.errors import DeadlineExceeded, NotFound, Unavailable
 from fleetrl.policy.backends import Backend
 from fleetrl.rollout import metrics
 from fleetrl.runtime import telemetry
+from fleetrl.tasks import bus
 from fleetrl.weights.store import HeldWeights, Pulled, WeightPointer, WeightsCorrupt, decode_safetensors
 
 log = logging.getLogger(__name__)
@@ -103,7 +106,11 @@ class JobPolicy:
         """Pull and load the pointer's object; re-read the pointer after a corrupt or missing object
         or a lost connection (the chunk reader does not reconnect: the next attempt connects anew)."""
         for attempt in range(1, self.pull_attempts + 1):
-            pointer = await self._source.latest(self.job_id)
+            try:
+                pointer = await self._source.latest(self.job_id)
+            except bus.NATS_UNREACHABLE as error:  # NATS restarting: keep what we hold, read it next time
+                log.warning("job %s: reading the weights pointer failed: %r", self.job_id, error)
+                return
             if pointer is None or pointer.version <= self.version:
                 return
             try:

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 from prometheus_client import REGISTRY
 
+from fleetrl.launcher.embedded import EmbeddedNats
 from fleetrl.policy import models
 from fleetrl.policy.backends import LOGPROB_TOL, HFBackend, make_backend, prompt_tokens
 from fleetrl.policy.logprobs import token_logprobs
@@ -183,3 +186,23 @@ async def test_lora_actor_applies_adapters_and_agrees_with_the_learner(nats_url:
     assert changed and all(n.endswith("_proj.weight") for n in changed)  # the targets, nothing else
     backend.load_adapter(v0)
     assert all(torch.equal(p, base_before[n]) for n, p in backend.model.named_parameters())
+
+
+async def test_a_pointer_read_while_nats_is_down_keeps_the_held_version(nats_server: EmbeddedNats) -> None:
+    """The actor's task loop calls `refresh` outside any task: with a newer version announced and NATS
+    SIGKILLed, the pointer read fails, and refresh must answer with the version held instead of raising
+    (a raised nats timeout ended the actor's process: tests/fleet/test_fleet_e2e.py's NATS kill, 2026-12-06)."""
+    nc = await bus.connect(nats_server.url, "policy-outage")
+    store = WeightStore(nc, bus.jetstream(nc))
+    model, tokenizer = models.load("tiny-llama")
+    policy = JobPolicy("jo", HFBackend(model, tokenizer), store, pull_attempts=2)
+    try:
+        await store.publish("jo", 0, _payload(model, 0.0), "bfloat16")
+        assert await policy.refresh() and policy.version == 0
+        policy.announced = 1  # as the watch records a newer version
+        nats_server.kill()
+        assert await policy.refresh() and policy.version == 0
+    finally:
+        await policy.close()
+        with contextlib.suppress(Exception):
+            await nc.close()
