@@ -19,8 +19,7 @@ takes the published tensors (HF names, as a checkpoint holds them; vLLM fuses q/
 itself and restores the loaders that the CPU's weight repacking drops, which a plain `model.load_weights`
 after start-up trips over); a tied output layer is re-packed from the reloaded embedding
 (`_refresh_tied_head`); then the prefix cache is reset, since it holds keys and values computed by the
-old weights. A LoRA
-job's versions are served as vLLM LoRA adapters: each version is written once as a PEFT adapter
+old weights. A LoRA job's versions are served as vLLM LoRA adapters: each version is written once as a PEFT adapter
 directory (`adapter_config.json` from the job's `LoraSpec` and the published tensors, which are
 already PEFT's file names) and becomes a new `LoRARequest` id, passed with every request; the
 previous id is removed. The prefix cache is keyed by adapter id, so no reset is needed.
@@ -44,8 +43,8 @@ with no pickling of tensors, and a SIGKILL of the actor leaves no orphaned engin
   in-process engine does not have;
 - torch.compile is disabled (`torch._dynamo.config.disable`): vLLM compiles three small ops with
   inductor (the sampled token's rank, top-k/top-p, the vocabulary mask), which runs g++ on the first
-  request (about 40 s here), and the slim image has no compiler. Eager, they cost little
-  (`python -m bench.generate --backends hf,vllm` measures the whole).
+  request (about 40 s here), and the slim image has no compiler. Their eager cost is inside the
+  figures `python -m bench.generate --backends hf,vllm` gives (not measured apart).
 Built-in model names are resolved to HF directories first: `smollm2-135m` to fleetrl's converted
 cache, `tiny-*` models exported once.
 """
