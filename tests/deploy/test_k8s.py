@@ -31,6 +31,8 @@ OVERLAYS = ["cpu", "gpu", "ha"]
 COMPONENTS = sorted(p.name for p in (K8S / "components").iterdir())
 SETTINGS = {name: (cls, prefix) for name, cls, prefix in SERVICES}
 GRPC_SERVICES = {"gateway", "replay", "reward", "learner"}
+HTTP_SERVICES = {"tinker": "/api/v1/healthz"}
+"""Services that serve HTTP, with the unauthenticated path their probes read."""
 
 
 def overlay_of(tmp_path: Path, components: list[str], patches: list[dict[str, Any]] | None = None) -> Path:
@@ -142,17 +144,22 @@ def torchrun_options() -> set[str]:
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
-def test_grpc_services_are_probed_through_grpc_health(rendered: dict[str, list[dict[str, Any]]], overlay: str) -> None:
+def test_servers_are_probed_through_their_health_endpoints(rendered: dict[str, list[dict[str, Any]]],
+                                                           overlay: str) -> None:
     for service, container in fleetrl_containers(rendered[overlay]):
         prefix = SETTINGS[service][1]
         env = {v["name"]: v.get("value") for v in container.get("env", [])}
-        if service not in GRPC_SERVICES:
+        if service not in GRPC_SERVICES and service not in HTTP_SERVICES:
             assert f"{prefix}LISTEN" not in env and not any(k in container for k in ("livenessProbe", "readinessProbe"))
             continue
         port = int(env[f"{prefix}LISTEN"].rsplit(":", 1)[1])
-        assert port in {p["containerPort"] for p in container["ports"]}
+        ports = {p["containerPort"]: p.get("name") for p in container["ports"]}
+        assert port in ports
         for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
-            assert container[probe]["grpc"] == {"port": port}, f"{service} {probe}"
+            if service in HTTP_SERVICES:
+                assert container[probe]["httpGet"] == {"path": HTTP_SERVICES[service], "port": ports[port]}, probe
+            else:
+                assert container[probe]["grpc"] == {"port": port}, f"{service} {probe}"
 
 
 @pytest.mark.parametrize("overlay", [*OVERLAYS, "all-components"])

@@ -25,6 +25,7 @@ SETTINGS = {
     "reward": "fleetrl.reward.settings:RewardSettings",
     "learner": "fleetrl.train.settings:LearnerSettings",
     "actor": "fleetrl.rollout.settings:ActorSettings",
+    "tinker": "fleetrl.services.tinker.config:TinkerSettings",
 }
 
 

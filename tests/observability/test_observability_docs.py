@@ -20,7 +20,7 @@ from fleetrl.runtime.observe import RpcMetrics
 from fleetrl.services.replay.server import Metrics as ReplayMetrics
 
 ROOT = Path(__file__).resolve().parents[2]
-FLEETRL = ("gateway", "replay", "reward", "learner", "actor")
+FLEETRL = ("gateway", "replay", "reward", "learner", "actor", "tinker")
 
 
 CATALOGUE_ROW = re.compile(r"^\| `(?P<name>[a-z_0-9]+)` \| (?P<type>[a-z ]+) \|(?P<labels>[^|]*)\|", re.MULTILINE)
@@ -112,11 +112,12 @@ def test_prometheus_scrapes_the_ports_compose_configures() -> None:
 
 
 def test_every_published_port_is_on_loopback_only() -> None:
-    """Nothing in the compose fleet asks for a password (the gateway runs in open mode)."""
+    """Nothing in the compose fleet asks for a password (the gateway and the Tinker API run in open mode)."""
     services = _compose("docker-compose.yml")
     assert services["gateway"]["environment"]["FLEETRL_GATEWAY_OPEN_MODE"] == "true"
+    assert services["tinker"]["environment"]["FLEETRL_TINKER_OPEN_MODE"] == "true"
     published = {name: svc["ports"] for name, svc in services.items() if "ports" in svc}
-    assert set(published) == {"gateway", "prometheus", "grafana", "jaeger"}
+    assert set(published) == {"gateway", "tinker", "prometheus", "grafana", "jaeger"}
     for name, ports in published.items():
         assert all(port.startswith("127.0.0.1:") for port in ports), f"{name} publishes {ports} beyond this host"
 
