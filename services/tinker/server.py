@@ -29,22 +29,19 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+import grpc
 from aiohttp import web
 from opentelemetry import trace
 from prometheus_client import Histogram
 
 from fleetrl.errors import (
     ConfigError,
-    DeadlineExceeded,
     FailedPrecondition,
     FieldViolation,
     FleetError,
     InvalidArgument,
     NotFound,
-    PermissionDenied,
-    ResourceExhausted,
-    Unauthenticated,
-    Unavailable,
+    grpc_code,
 )
 from fleetrl.runtime import telemetry
 from fleetrl.runtime.observe import LATENCY_BUCKETS_S, serve_metrics
@@ -60,10 +57,12 @@ log = logging.getLogger("fleetrl.tinker")
 OPEN_PATHS = ("/api/v1/healthz",)
 TENANT = web.RequestKey("tenant", str)
 """The caller's tenant, set on each request by the auth middleware."""
-STATUS: tuple[tuple[type[FleetError], int], ...] = (
-    (Unauthenticated, 401), (PermissionDenied, 403), (NotFound, 404), (InvalidArgument, 400), (ConfigError, 400),
-    (FailedPrecondition, 400), (ResourceExhausted, 429), (Unavailable, 503), (DeadlineExceeded, 504))
-"""HTTP status of each domain error; the SDK maps these to BadRequestError, NotFoundError, ..."""
+HTTP_STATUS: dict[grpc.StatusCode, int] = {
+    grpc.StatusCode.UNAUTHENTICATED: 401, grpc.StatusCode.PERMISSION_DENIED: 403, grpc.StatusCode.NOT_FOUND: 404,
+    grpc.StatusCode.INVALID_ARGUMENT: 400, grpc.StatusCode.FAILED_PRECONDITION: 400,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: 429, grpc.StatusCode.UNAVAILABLE: 503, grpc.StatusCode.DEADLINE_EXCEEDED: 504}
+"""HTTP status of each gRPC status a domain error maps to (`fleetrl.errors.grpc_code`, the one mapping of
+domain errors); the SDK maps these to BadRequestError, NotFoundError, ... Any other is 500."""
 USER_ERRORS = (InvalidArgument, NotFound, ConfigError, FailedPrecondition)
 """Errors of a queued request that are the caller's (RequestErrorCategory user), not the server's."""
 CLIENT_CONFIG = {
@@ -97,7 +96,7 @@ async def observed(request: web.Request, handler: Handler) -> web.StreamResponse
 
 
 def status_of(error: FleetError) -> int:
-    return next((status for kind, status in STATUS if isinstance(error, kind)), 500)
+    return HTTP_STATUS.get(grpc_code(error), 500)
 
 
 @web.middleware
