@@ -151,16 +151,16 @@ class VLLMBackend:
             options["gpu_memory_utilization"] = gpu_memory_utilization
         path = model_dir(model_name)
         if lora is None:
-            self._engine = _Engine(self._vllm.LLM(model=path, **options), None)
+            self._engine = _Engine(self._vllm.LLM(model=path, **options), None, users=1)
         else:
             rank = _vllm_rank(lora.rank)
             options.update(enable_lora=True, max_loras=MAX_LORAS, max_lora_rank=rank)
-            with _SHARED_LOCK:
+            with _SHARED_LOCK:  # counted under the lock that close() takes, so a closing job cannot shut it first
                 key = (path, dtype, device, rank)
                 if key not in _SHARED:
                     _SHARED[key] = _Engine(self._vllm.LLM(model=path, **options), key)
                 self._engine = _SHARED[key]
-        self._engine.users += 1
+                self._engine.users += 1
         self.tokenizer = self.llm.get_tokenizer()
         self._lora = lora
         self._adapter_root = Path(tempfile.mkdtemp(prefix="fleetrl-vllm-lora-")) if lora is not None else None
