@@ -1,7 +1,7 @@
 """A model's episodes on a multi-turn example job: mean episode reward and success rate on held-out prompts.
 
 `python -m bench.episode_eval --json --job examples/retry_feedback/job.toml --eval-file examples/addition/eval.jsonl`
-prints one JSON object: `fleetrl.launcher.episode_eval.evaluate` (a real RewardService, its jail and
+prints one JSON object: `fleetrl.launcher.episode_eval.evaluate`'s figures (a real RewardService, its jail and
 sandboxed workers, running the job's environment file; `fleetrl.rollout.episodes.EpisodeRunner` playing
 `--episodes` episodes of each of the first `--problems` prompts of the eval file with the job's
 rollout settings on the HF backend) with `--model` (default: the job's model; a trained model's
@@ -36,8 +36,9 @@ def main() -> None:
     if spec.environment is None:
         raise SystemExit(f"{args.job} has no [environment]")
     lines = [json.loads(line) for line in args.eval_file.read_text().splitlines() if line.strip()][: args.problems]
-    result = {"job": str(args.job), **episode_eval.evaluate(spec, payload.environment_file, args.model or spec.model,
-                                                             lines, args.episodes)}
+    figures = episode_eval.figures(episode_eval.evaluate(spec, payload.environment_file, args.model or spec.model,
+                                                         lines, args.episodes))
+    result = {"job": str(args.job), **figures}
     print(json.dumps(result) if args.json else json.dumps(result, indent=2))
 
 

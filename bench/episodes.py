@@ -9,6 +9,11 @@ length, done after `--turns`); `fleetrl.rollout.episodes.EpisodeRunner` plays gr
   OpenEpisodes round trip per group (a worker held and `reset` per episode);
 - generate_ms: one turn's generation of the group on the HF backend (`--model`, default tiny-llama;
   `--model smollm2-135m` for the real one), mean over turns; overhead_per_turn: env_step_ms / generate_ms;
+- agent: the same figures for an agent file playing the same episodes through the `openai` client
+  (each call one turn: the sandbox round trip plus the worker's bookkeeping of the call), its
+  overhead_per_call (goal <= 0.10), and rerender_changed: the fraction of agent episodes whose
+  tokens would have changed had the conversation been re-rendered through the chat template from
+  the decoded texts (what a trainer that re-tokenizes would have trained on);
 - episodes_per_s: with the fixed backend (`--fixed-latency-s` per turn), for 1, 2 and 4 runners
   playing different tasks concurrently against the one service. The runners share this process and
   its event loop (an actor process each would add their own CPU); the figure is the service's
@@ -25,6 +30,7 @@ import statistics
 import time
 from collections import defaultdict
 from collections.abc import Iterator
+from typing import Any
 
 from fleetrl.policy import models
 from fleetrl.policy.backends import Backend, FixedBackend, HFBackend
@@ -48,6 +54,17 @@ class Env:
         self.turn += 1
         return f"You wrote {len(action)} characters. More.", 1.0, self.turn >= self.turns
 '''
+
+AGENT = b'''
+def run(client, task, turns=3):
+    messages = [{"role": "user", "content": "Tell me something."}]
+    for _ in range(turns):
+        reply = client.chat.completions.create(model="policy", messages=messages)
+        text = reply.choices[0].message.content
+        messages += [reply.choices[0].message, {"role": "user", "content": f"You wrote {len(text)} characters. More."}]
+    return 1.0
+'''
+FILES = {"env": ENV, "agent": AGENT}
 
 
 class Timings:
@@ -73,7 +90,7 @@ def task(index: int) -> common_pb2.Task:
 async def play(runner: EpisodeRunner, backend: Backend, env: EnvironmentSpec, rollout: RolloutConfig,
                tasks: list[common_pb2.Task]) -> list[common_pb2.Sample]:
     samples: list[common_pb2.Sample] = []
-    proto = environment_to_proto(env, ENV)
+    proto = environment_to_proto(env, FILES[env.kind])
     for one in tasks:
         samples += await runner.play("bench", 0, rollout, env, proto, backend, one)
     return samples
@@ -82,29 +99,65 @@ async def play(runner: EpisodeRunner, backend: Backend, env: EnvironmentSpec, ro
 async def measure(args: argparse.Namespace) -> dict[str, object]:
     env = EnvironmentSpec(file="env.py", params={"turns": args.turns}, max_turns=args.turns, max_total_tokens=4096,
                           step_timeout_s=10.0, memory_limit_mb=512)
+    agent = env.model_copy(update={"kind": "agent"})
     rollout = RolloutConfig(samples_per_prompt=args.episodes, max_new_tokens=args.new_tokens)
-    settings = RewardSettings(listen="127.0.0.1:0", workers_per_pool=args.episodes, grace_s=0.5)
+    settings = RewardSettings(listen="127.0.0.1:0", workers_per_pool=args.episodes, grace_s=0.5,
+                              episode_idle_timeout_s=900)  # a loaded machine can take minutes a turn
     model, tokenizer = models.load(args.model)
     out: dict[str, object] = {"model": args.model, "episodes_per_group": args.episodes, "turns": args.turns,
                               "new_tokens_per_turn": args.new_tokens}
     async with running(settings) as service:
         client = RewardClient(f"127.0.0.1:{service.port}", timeout_s=60)
         try:
-            timings = Timings()
-            runner = EpisodeRunner(ActorSettings(actor_id="bench"), client, timings.stage)
-            await play(runner, HFBackend(model, tokenizer), env, rollout, [task(-1)])  # warm the pool
-            timings.seconds.clear()
+            runner = EpisodeRunner(ActorSettings(actor_id="bench"), client, Timings().stage)
+            for spec in (env, agent):  # warm both pools
+                await play(runner, HFBackend(model, tokenizer), spec, rollout, [task(-1)])
             tasks = [task(i) for i in range(args.groups)]
-            samples = await play(runner, HFBackend(model, tokenizer), env, rollout, tasks)
-            sandbox_ms = 1000 * statistics.fmean(t.env_latency_s for s in samples for t in s.turns)
-            out.update(env_open_ms=timings.mean_ms("env_open"), env_step_ms=timings.mean_ms("env_step"),
-                       env_step_sandbox_ms=sandbox_ms, generate_ms=timings.mean_ms("generate"))
-            out["overhead_per_turn"] = timings.mean_ms("env_step") / timings.mean_ms("generate")
+            figures = {spec.kind: await turn_costs(client, HFBackend(model, tokenizer), spec, rollout, tasks)
+                       for spec in (env, agent)}
+            figures["env"].pop("samples")
+            out.update(figures["env"])
+            agent_figures = figures["agent"]
+            samples = agent_figures.pop("samples")
+            agent_figures["overhead_per_call"] = agent_figures.pop("overhead_per_turn")
+            agent_figures["rerender_changed"] = rerender_changed(tokenizer, samples, rollout)
+            out["agent"] = agent_figures
             out["episodes_per_s"] = {str(n): await throughput(client, tokenizer, env, rollout, n, args)
                                      for n in (1, 2, 4)}
         finally:
             await client.close()
     return out
+
+
+async def turn_costs(client: RewardClient, backend: Backend, spec: EnvironmentSpec, rollout: RolloutConfig,
+                     tasks: list[common_pb2.Task]) -> dict[str, Any]:
+    """The per-turn figures of one kind of episode (env or agent), and its samples."""
+    timings = Timings()
+    samples = await play(EpisodeRunner(ActorSettings(actor_id="bench"), client, timings.stage), backend, spec,
+                         rollout, tasks)
+    sandbox_ms = 1000 * statistics.fmean(t.env_latency_s for s in samples for t in s.turns)
+    return {"env_open_ms": timings.mean_ms("env_open"), "env_step_ms": timings.mean_ms("env_step"),
+            "env_step_sandbox_ms": sandbox_ms, "generate_ms": timings.mean_ms("generate"),
+            "overhead_per_turn": timings.mean_ms("env_step") / timings.mean_ms("generate"), "samples": samples}
+
+
+def rerender_changed(tokenizer: Any, samples: list[common_pb2.Sample], rollout: RolloutConfig) -> float:
+    """The fraction of samples whose tokens differ from their conversation re-rendered through the chat
+    template from the decoded texts of its turns (`AGENT`'s conversation, rebuilt from the sample)."""
+    changed = 0
+    for sample in samples:
+        ids = list(sample.completion_token_ids)
+        texts = [tokenizer.decode(ids[t.start:t.end], skip_special_tokens=True) for t in sample.turns]
+        messages = [{"role": "user", "content": "Tell me something."}]
+        for k, text in enumerate(texts):
+            messages.append({"role": "assistant", "content": text})
+            if k + 1 < len(texts):
+                messages.append({"role": "user", "content": f"You wrote {len(text)} characters. More."})
+        system = [{"role": "system", "content": rollout.system_prompt}] if rollout.system_prompt else []
+        rendered = list(tokenizer.apply_chat_template([*system, *messages], tokenize=True, return_dict=False))
+        stored = [*sample.prompt_token_ids, *ids]
+        changed += rendered[:len(stored)] != stored
+    return changed / max(1, len(samples))
 
 
 async def throughput(client: RewardClient, tokenizer: object, env: EnvironmentSpec, rollout: RolloutConfig,

@@ -33,6 +33,9 @@ its reference pass.
   peft: what any learner holds before its first weight); rest_rss_gb: after the timed steps, between
   steps; peak_beyond_base_over_state: (peak_rss_gb - base_rss_gb) / state_gb, the peak's ratio with
   the libraries' fixed cost left out.
+- `--micro-batch-tokens N` adds a path with `train.micro_batch_tokens` N: its peak RSS beyond the
+  base over the job path's (`bounded_over_job_peak_rss_beyond_base`) and its step time over the job
+  path's; `--max-new-tokens` sets the completions' length (long agent segments).
 - `--malloc-mmap-threshold N` fixes glibc's mmap threshold as the learner's
   `malloc_mmap_threshold_bytes` does (fleetrl/runtime/heap.py): with `--activation-checkpointing`
   and 1048576 the peak RSS meets 1.3x the state, each step slower.
@@ -154,7 +157,8 @@ def step_flops(
     cfg = loss_config_for(spec)
     batch = build_batch(groups, [group_rewards(group) for group in groups], optim.PAD_ID)
     ratio = optim.packing_cost_ratio(module) if spec.train.share_prompts else None
-    micros = [share_prompts(m, ratio) for m in micro_batches(batch, spec.train.micro_batch_samples)]
+    slices = micro_batches(batch, spec.train.micro_batch_samples, spec.train.micro_batch_tokens)
+    micros = [share_prompts(m, ratio) for m in slices]
     computed = sum((m.input_ids if m.packed is None else m.packed.input_ids).numel() for m in micros)
     scored = sum(m.completion_mask.numel() if m.packed is None else m.packed.keep.numel() * m.packed.input_ids.shape[0]
                  for m in micros)
@@ -193,6 +197,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         spec = spec.model_copy(update={"model": args.model})
     if args.algorithm:
         spec = spec.model_copy(update={"algorithm": spec.algorithm.model_copy(update={"name": args.algorithm})})
+    if args.max_new_tokens:
+        rollout = spec.rollout.model_copy(update={"max_new_tokens": args.max_new_tokens})
+        spec = spec.model_copy(update={"rollout": rollout})
     prompts_file = args.job.parent / spec.prompts
     prompts = [json.loads(line)["prompt"] for line in prompts_file.read_text().splitlines()[:64] if line.strip()]
     gc.collect()
@@ -238,6 +245,19 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         old_layout = {"unshared_step_s": round(min(times), 3), "unshared_step_s_all": [round(t, 3) for t in times],
                       "unshared_peak_rss_gb": round(rss, 3),
                       "unshared_over_shared_step_time": round(min(times) / min(new_times), 3)}
+    bounded: dict[str, Any] = {}
+    if args.micro_batch_tokens:
+        train_config = spec.train.model_copy(update={"micro_batch_tokens": args.micro_batch_tokens})
+        job = spec.model_copy(update={"train": train_config})
+        times, rss = timed_steps(train, args.steps, f"micro_batch_tokens {args.micro_batch_tokens}")
+        whole = build_batch(groups, [group_rewards(g) for g in groups], optim.PAD_ID)
+        bounded = {"bounded_micro_batch_tokens": args.micro_batch_tokens,
+                   "bounded_micro_batches": len(micro_batches(whole, job.train.micro_batch_samples,
+                                                              args.micro_batch_tokens)),
+                   "bounded_step_s": round(min(times), 3), "bounded_peak_rss_gb": round(rss, 3),
+                   "bounded_over_job_peak_rss_beyond_base": round((rss - base_rss) / (new_rss - base_rss), 3),
+                   "bounded_over_job_step_time": round(min(times) / min(new_times), 3)}
+        job = spec
     naive: dict[str, Any] = {}
     if args.naive_steps:
         with naive_path():
@@ -279,6 +299,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "base_rss_gb": round(base_rss, 3), "rest_rss_gb": round(rest_rss, 3),
         "peak_beyond_base_over_state": round((new_rss - base_rss) / (state / 1e9), 3),
         **old_layout,
+        **bounded,
         **naive,
     }
 
@@ -302,6 +323,11 @@ def main(argv: list[str] | None = None) -> int:
                         help="train.activation_checkpointing on (default: the job's setting)")
     parser.add_argument("--malloc-mmap-threshold", type=int, default=0,
                         help="glibc's mmap threshold in bytes, as the learner's malloc_mmap_threshold_bytes")
+    parser.add_argument("--max-new-tokens", type=int, default=0,
+                        help="rollout.max_new_tokens instead of the job's: every completion's length")
+    parser.add_argument("--micro-batch-tokens", type=int, default=0,
+                        help="also time steps with train.micro_batch_tokens at this bound (bounded_* figures, the "
+                             "job's own path the baseline)")
     parser.add_argument("--json", action="store_true", help="print one JSON object (the default output)")
     args = parser.parse_args(argv)
     if args.naive_steps is None:

@@ -34,8 +34,9 @@ class EnvError(Exception):
     """The environment returned something the episode protocol does not allow."""
 
 
-def observation_messages(value: Any) -> list[dict[str, str]]:
-    """The messages of an observation (str, None or a list of role/content dicts); EnvError otherwise."""
+def observation_messages(value: Any, roles: tuple[str, ...] = ROLES) -> list[dict[str, str]]:
+    """The messages of an observation (str, None or a list of role/content dicts whose roles are in
+    roles); EnvError otherwise."""
     if value is None:
         return []
     if isinstance(value, str):
@@ -47,10 +48,16 @@ def observation_messages(value: Any) -> list[dict[str, str]]:
         if not isinstance(message, dict) or set(message) - {"role", "content"}:
             raise EnvError(f"observation[{index}] is not a {{'role', 'content'}} dict")
         role, content = message.get("role", "user"), message.get("content")
-        if role not in ROLES or not isinstance(content, str):
-            raise EnvError(f"observation[{index}] needs role in {ROLES} and a str content")
+        if role not in roles or not isinstance(content, str):
+            raise EnvError(f"observation[{index}] needs role in {roles} and a str content")
         messages.append({"role": role, "content": content})
     return messages
+
+
+def observation_roles(reply: dict[str, Any]) -> tuple[str, ...]:
+    """Roles a reply's observation may hold: an agent's segment (a whole conversation) has the
+    assistant's turns too (`fleetrl.env.agent`)."""
+    return (*ROLES, "assistant") if reply.get("segment") is True else ROLES
 
 
 def step_reply(value: Any) -> dict[str, Any]:
@@ -75,7 +82,7 @@ def declared_tools(env: Any) -> list[dict[str, Any]]:
     return env_tools.tool_schemas(tools)
 
 
-def _empty(directory: str) -> None:
+def empty_dir(directory: str) -> None:
     """Remove everything in directory (the worker's private temp dir), leaving the directory."""
     for entry in os.scandir(directory):
         if entry.is_dir(follow_symlinks=False):
@@ -141,7 +148,7 @@ class EnvHost:
         op = request.get("op")
         if op == "reset":
             self.env = None
-            _empty(self.tmpdir)  # an episode starts with none of the previous episode's files
+            empty_dir(self.tmpdir)  # an episode starts with none of the previous episode's files
             self.env = self.cls(request["task"], **request["params"])
             reply = {"observation": observation_messages(self.env.reset()), "reward": 0.0, "done": False}
             return {**reply, "tools": declared_tools(self.env)}

@@ -7,7 +7,7 @@ and by the learner's periodic evaluation (`eval.interval`). Per problem: one gre
 Every completion is scored through `RewardClient.score`, so the reward runs in the reward
 service's sandbox exactly as in training. A completion passes when it was scored OK with a reward
 at least `threshold`. Sampled pass@1 and pass@k use the unbiased estimator of Chen et al. (2021),
-averaged over problems.
+averaged over problems. The figures are an `EvalResult` (fleetrl/eval/result.py).
 """
 
 from __future__ import annotations
@@ -15,12 +15,13 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, cast
 
 import torch
 from transformers import GenerationMixin, PreTrainedModel, PreTrainedTokenizerBase
 
+from fleetrl.eval.result import EvalResult
 from fleetrl.policy.backends import HFBackend, prompt_tokens
 from fleetrl.proto.fleetrl.v1 import common_pb2, reward_pb2
 from fleetrl.reward.client import RewardClient
@@ -36,29 +37,6 @@ class Completions:
     greedy: list[str]
     sampled: list[list[str]]
     samples: int
-
-
-@dataclass(frozen=True)
-class HeldOut:
-    problems: int
-    samples: int
-    threshold: float
-    greedy_pass_at_1: float
-    greedy_reward_mean: float
-    sampled_pass_at_1: float | None
-    sampled_pass_at_k: float | None
-    sampled_reward_mean: float | None
-    errors: int
-    """Completions the reward service did not score OK (error, timeout, ...): they do not pass."""
-
-    def metrics(self, prefix: str = "eval_") -> dict[str, float]:
-        """Step-metric values: pass@1 is the sampled estimator when there are samples, else greedy."""
-        out = {"greedy_pass_at_1": self.greedy_pass_at_1, "reward_mean": self.greedy_reward_mean,
-               "errors": float(self.errors),
-               "pass_at_1": self.sampled_pass_at_1 if self.sampled_pass_at_1 is not None else self.greedy_pass_at_1}
-        if self.sampled_pass_at_k is not None:
-            out["pass_at_k"] = self.sampled_pass_at_k
-        return {prefix + key: value for key, value in out.items()}
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -126,16 +104,17 @@ async def score(reward: RewardClient, job_id: str, spec: reward_pb2.RewardSpec, 
     return results
 
 
-def summarise(results: Sequence[reward_pb2.ScoreResult], problems: int, samples: int, threshold: float) -> HeldOut:
+def summarise(results: Sequence[reward_pb2.ScoreResult], problems: int, samples: int, threshold: float) -> EvalResult:
     """The figures of `score`'s results."""
     n = problems
     passed = [r.status == common_pb2.REWARD_STATUS_OK and r.reward >= threshold for r in results]
     errors = sum(r.status != common_pb2.REWARD_STATUS_OK for r in results)
-    greedy_pass, greedy_reward = sum(passed[:n]) / n, sum(r.reward for r in results[:n]) / n
+    greedy = EvalResult(problems=n, threshold=threshold, greedy_pass_at_1=sum(passed[:n]) / n,
+                        greedy_reward_mean=sum(r.reward for r in results[:n]) / n, errors=errors)
     if samples == 0:
-        return HeldOut(n, 0, threshold, greedy_pass, greedy_reward, None, None, None, errors)
+        return greedy
     correct = [sum(passed[n + i * samples:n + (i + 1) * samples]) for i in range(n)]
-    return HeldOut(n, samples, threshold, greedy_pass, greedy_reward,
-                   sum(pass_at_k(samples, c, 1) for c in correct) / n,
-                   sum(pass_at_k(samples, c, samples) for c in correct) / n,
-                   sum(r.reward for r in results[n:]) / (n * samples), errors)
+    return replace(greedy, samples=samples,
+                   sampled_pass_at_1=sum(pass_at_k(samples, c, 1) for c in correct) / n,
+                   sampled_pass_at_k=sum(pass_at_k(samples, c, samples) for c in correct) / n,
+                   sampled_reward_mean=sum(r.reward for r in results[n:]) / (n * samples))

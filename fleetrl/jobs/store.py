@@ -10,6 +10,7 @@ out of a terminal state. Keys (all under `fleetrl:`):
 - `job:<id>` hash (record fields);  `job:<id>:prompts`, `job:<id>:reward_file`,
   `job:<id>:environment_file`, `job:<id>:eval_prompts` bytes
 - `job:<id>:lease` learner id with TTL;  `job:<id>:steps` list of step-metric JSON
+- `tenant:<tenant>:submit-lock` a random token with TTL (`submission_lock`)
 
 Fencing: every claim increments the record's `lease_epoch`, and the claimant carries that epoch
 on every write it makes for the job. `FENCE_LUA` is the one rule, used by the scripts here and by
@@ -27,11 +28,12 @@ from __future__ import annotations
 
 import asyncio
 import builtins
+import contextlib
 import enum
 import json
 import secrets
 import time
-from collections.abc import Mapping
+from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, cast
@@ -41,14 +43,46 @@ import redis.exceptions
 from redis.asyncio.retry import Retry
 from redis.backoff import ConstantBackoff
 
-from fleetrl.errors import FailedPrecondition, Fenced, NotFound
+from fleetrl.errors import FailedPrecondition, Fenced, NotFound, Unavailable
 from fleetrl.spec.config import JobSpec
 
 PREFIX = "fleetrl:"
+SUBMIT_LOCK_TTL_MS = 30_000
+"""A submission lock's lifetime: far above a create (a transaction of at most the size caps' bytes)."""
+SUBMIT_LOCK_WAIT_S = 10.0
+SUBMIT_LOCK_POLL_S = 0.02
+_UNLOCK = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
+return 0
+"""
 REDIS_UNREACHABLE: tuple[type[Exception], ...] = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError)
 """What redis-py raises when Redis is down, restarting (BusyLoadingError is a ConnectionError) or stopped
 past the socket timeout. Neither is a subclass of the builtin ConnectionError or TimeoutError: a retry
 path that catches the builtins lets these through (tests/common/test_redis_errors.py)."""
+
+
+def redis_full(error: BaseException) -> str:
+    """Why Redis refused a write for want of space, or "" when error is anything else. Two refusals are
+    one condition to their callers: at `maxmemory` under `noeviction`, a write is refused OOM
+    (redis-py's OutOfMemoryError); when Valkey cannot write its AOF (its disk is full), every write is
+    refused MISCONF. Reads, and under OOM deletes and expiry changes, still work, and writes are
+    accepted again once memory or disk is freed: a full Redis is an outage of writes, not an error of
+    the job that hit it."""
+    if not isinstance(error, redis.exceptions.ResponseError):
+        return ""
+    text = str(error)
+    if isinstance(error, redis.exceptions.OutOfMemoryError) or text.startswith("OOM"):
+        return f"{REDIS_FULL[0]} (maxmemory reached, noeviction): {text}"
+    if text.startswith("MISCONF"):
+        return f"{REDIS_FULL[1]} (MISCONF, is its disk full?): {text}"
+    return ""
+
+
+REDIS_FULL = ("Redis is out of memory", "Redis cannot persist writes")
+"""How each `redis_full` reason begins, so a reason that crossed gRPC (replay's RESOURCE_EXHAUSTED carries
+it) is known again: `reason.startswith(REDIS_FULL)`."""
+
+
 REDIS_RETRY_S = 10.0
 """How long a JobStore call keeps reconnecting to a Redis that refuses or drops its connection."""
 REDIS_RETRY_INTERVAL_S = 0.25
@@ -180,6 +214,14 @@ return 1
 """
 
 
+# KEYS: job hash; ARGV: lease epoch, reason, now ms. Returns -1 fenced, 0 not running, 1 set.
+_SET_PAUSE_REASON = FENCE_LUA + """
+if fenced(KEYS[1], ARGV[1]) then return -1 end
+if redis.call('HGET', KEYS[1], 'state') ~= 'running' then return 0 end
+redis.call('HSET', KEYS[1], 'reason', ARGV[2], 'updated_ms', ARGV[3])
+return 1
+"""
+
 # KEYS[1]=job hash; ARGV: new state, reason, now ms, allowed-from states...
 _SET_STATE = """
 local cur = redis.call('HGET', KEYS[1], 'state')
@@ -194,7 +236,8 @@ return {0, cur}
 """
 
 # KEYS[1]=index zset; ARGV: learner id, lease ms, now ms, prefix. Claims the oldest active job
-# without a live lease; a RUNNING job without a lease is one whose learner died: it is resumed.
+# without a live lease; a RUNNING job without a lease is one whose learner died: it is resumed (and a
+# pause reason its previous learner left is cleared).
 _CLAIM = """
 local ids = redis.call('ZRANGE', KEYS[1], 0, -1)
 for _, id in ipairs(ids) do
@@ -203,7 +246,7 @@ for _, id in ipairs(ids) do
   if st == 'queued' or st == 'running' then
     if redis.call('SET', h .. ':lease', ARGV[1], 'NX', 'PX', ARGV[2]) then
       redis.call('HINCRBY', h, 'lease_epoch', 1)
-      redis.call('HSET', h, 'state', 'running', 'updated_ms', ARGV[3], 'learner_id', ARGV[1])
+      redis.call('HSET', h, 'state', 'running', 'updated_ms', ARGV[3], 'learner_id', ARGV[1], 'reason', '')
       return id
     end
   end
@@ -211,8 +254,10 @@ end
 return false
 """
 
-# KEYS[1]=lease key; ARGV: learner id, lease ms. Renew only our own lease.
-_RENEW = """
+# KEYS[1]=lease key; ARGV: learner id, lease ms. Renew only our own lease. A write script (the shebang,
+# without allow-oom): a Redis that refuses writes refuses the renewal, OOM included, where a bare PEXPIRE
+# would go through, so a learner that writes nothing else meanwhile (waiting for groups) still meets it.
+_RENEW = """#!lua
 if redis.call('GET', KEYS[1]) == ARGV[1] then
   redis.call('PEXPIRE', KEYS[1], ARGV[2]); return 1
 end
@@ -237,7 +282,9 @@ class JobStore:
         self._renew = client.register_script(_RENEW)
         self._release = client.register_script(_RELEASE)
         self._append_step = client.register_script(_APPEND_STEP)
+        self._set_pause_reason = client.register_script(_SET_PAUSE_REASON)
         self._fence = client.register_script(FENCE_LUA + "return fenced(KEYS[1], ARGV[1]) and 1 or 0")
+        self._unlock = client.register_script(_UNLOCK)
 
     @classmethod
     def from_url(cls, url: str, retry_s: float = REDIS_RETRY_S) -> JobStore:
@@ -278,6 +325,25 @@ class JobStore:
             await pipe.execute()
         return await self.get(job_id)
 
+    @contextlib.asynccontextmanager
+    async def submission_lock(self, tenant: str, wait_s: float = SUBMIT_LOCK_WAIT_S) -> AsyncIterator[None]:
+        """Hold the tenant's submission lock: one submission of a tenant at a time across every gateway
+        replica, so its quota count and idempotency check and its create see no other submission of the
+        tenant between them (checked, then created, two concurrent submissions would both pass the
+        quota, or both create a job for one idempotency key). Unavailable after wait_s of waiting. A
+        lock its holder left (a gateway killed) lapses after SUBMIT_LOCK_TTL_MS; only the holder's
+        token releases it."""
+        key, token = f"{PREFIX}tenant:{tenant}:submit-lock", secrets.token_hex(8)
+        deadline = time.monotonic() + wait_s
+        while not await self.redis.set(key, token, nx=True, px=SUBMIT_LOCK_TTL_MS):
+            if time.monotonic() > deadline:
+                raise Unavailable(f"another submission of tenant {tenant!r} held its submission lock for {wait_s:g}s")
+            await asyncio.sleep(SUBMIT_LOCK_POLL_S)
+        try:
+            yield
+        finally:
+            await self._unlock(keys=[key], args=[token])
+
     async def find_idempotent(self, tenant: str, idempotency_key: str) -> JobRecord | None:
         """The job the tenant submitted with this idempotency key, or None (always None without a key)."""
         if not idempotency_key:
@@ -296,7 +362,10 @@ class JobStore:
         ids = await self.redis.zrevrange(f"{PREFIX}jobs:index", 0, -1)
         out: builtins.list[JobRecord] = []
         for raw in ids:
-            record = await self.get(text(raw))
+            try:
+                record = await self.get(text(raw))
+            except NotFound:  # deleted (retention, DeleteJob) since the index was read
+                continue
             if tenant is None or record.tenant == tenant:
                 out.append(record)
                 if len(out) >= limit:
@@ -339,7 +408,8 @@ class JobStore:
         return await self.get(text(job_id)) if job_id else None
 
     async def renew(self, job_id: str, learner_id: str, lease_s: float, *, timeout_s: float | None = None) -> bool:
-        """Extend our lease; False means we lost the job (another learner may own it now). Gives up after
+        """Extend our lease; False means we lost the job (another learner may own it now). A Redis that refuses
+        writes (`redis_full`) refuses the renewal too, OOM included. Gives up after
         timeout_s (default `lease_s * RENEW_SHARE_OF_LEASE`), raising redis-py's TimeoutError (one of
         REDIS_UNREACHABLE) instead of waiting out the client's socket timeout and nested retries."""
         bound_s = lease_s * RENEW_SHARE_OF_LEASE if timeout_s is None else timeout_s
@@ -366,6 +436,13 @@ class JobStore:
         if int(done) == -1:
             raise fenced(job_id, lease_epoch, f"step {metrics['step']}'s metrics")
 
+    async def set_pause_reason(self, job_id: str, reason: str, *, lease_epoch: int) -> None:
+        """Say why the running job is paused (a store its learner writes to is full), or "" once it goes
+        on: GetJob shows the reason beside state RUNNING. A job no longer running keeps its own reason.
+        Fenced when a newer claim than lease_epoch exists."""
+        if int(await self._set_pause_reason(keys=[_key(job_id)], args=[lease_epoch, reason, now_ms()])) == -1:
+            raise fenced(job_id, lease_epoch, "the job's pause reason")
+
     async def check_fence(self, job_id: str, lease_epoch: int, what: str) -> None:
         """Fenced when the job was claimed again after the claim of lease_epoch (before writing `what`)."""
         if int(await self._fence(keys=[_key(job_id)], args=[lease_epoch])):
@@ -382,7 +459,10 @@ class JobStore:
     async def active_jobs(self) -> builtins.list[JobRecord]:
         """Jobs queued or running, oldest first (what actors serve)."""
         ids = await self.redis.zrange(f"{PREFIX}jobs:index", 0, -1)
-        records = [await self.get(text(raw)) for raw in ids]
+        records = []
+        for raw in ids:
+            with contextlib.suppress(NotFound):  # deleted (retention, DeleteJob) since the index was read
+                records.append(await self.get(text(raw)))
         return [r for r in records if r.state in ACTIVE]
 
 

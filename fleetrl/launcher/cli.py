@@ -10,7 +10,7 @@ import threading
 from pathlib import Path
 
 from fleetrl.launcher import cores, devices
-from fleetrl.launcher.fleet import Fleet, FleetLayout, FleetOptions, request_scale
+from fleetrl.launcher.fleet import TINKER, Fleet, FleetLayout, FleetOptions, request_scale
 from fleetrl.spec.config import redacted
 
 
@@ -26,6 +26,9 @@ def _up_parser(prog: str) -> argparse.ArgumentParser:
     parser.add_argument("--model-root", action="append", default=[], type=_directory, metavar="DIR",
                         help="a directory under which jobs may name local model directories by absolute path "
                              "(repeatable; default: none)")
+    parser.add_argument("--tinker", action="store_true",
+                        help="also serve the Tinker API (HTTP) for the official tinker SDK, in open mode: any "
+                             "API key starting with tml- is tenant local")
     add_placement_flags(parser)
     return parser
 
@@ -72,7 +75,8 @@ def options_from(args: argparse.Namespace) -> FleetOptions:
     return FleetOptions(run_dir=args.dir, actors=args.actors, nats_url=args.nats_url, redis_url=args.redis_url,
                         tracing=args.tracing, cores=args.cores, learner_threads=args.learner_threads,
                         actor_threads=args.actor_threads, cores_mode=args.cores_mode, gpus=args.gpus,
-                        allowed_models=tuple(args.allow_model), model_roots=tuple(args.model_root))
+                        allowed_models=tuple(args.allow_model), model_roots=tuple(args.model_root),
+                        tinker=args.tinker)
 
 
 def print_layout(layout: FleetLayout, actors: int) -> None:
@@ -101,6 +105,8 @@ def up(argv: list[str]) -> int:
         print_layout(layout, args.actors)
         gateway = layout.addresses["gateway"]
         print(f"submit with: fleetrl submit JOB.toml --gateway {gateway}   (Ctrl-C stops the fleet)")
+        if TINKER in layout.addresses:
+            print(f"Tinker SDK: TINKER_BASE_URL=http://{layout.addresses[TINKER]} TINKER_API_KEY=tml-local")
         sys.stdout.flush()
         fleet.serve(stop)
     finally:

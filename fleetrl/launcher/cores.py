@@ -47,7 +47,7 @@ ACTOR_SHARE = 0.4
 """Fraction of the cores the actors share together; the learner takes the rest."""
 THREAD_ENV = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS")
 """Thread-pool sizes of OpenMP and the BLAS libraries, read when a library loads."""
-TORCH_THREADS_SERVICES = ("learner", "actor")
+TORCH_THREADS_SERVICES = ("learner", "actor", "tinker")
 """Services with a `torch_threads` setting."""
 MODES = ("split", "lend", "turns")
 """How the learner and the actors divide the cores (see the module's docstring)."""

@@ -5,6 +5,10 @@ directory, or `--gateway`), submit `examples/addition/job.toml` through the Pyth
 show each step live, wait for the job, download the trained model, stop the fleet it started,
 and write the report of `fleetrl.launcher.report` into the run directory.
 
+`--warm-start SFT_TOML` trains an sft job first, on the same fleet, and submits the job with
+`model = "job:<the sft job>"`: the RL job starts from the sft model, and the report evaluates the
+base, the sft and the trained model on the same held-out problems.
+
 Design choice: the demo is a client of the fleet like any user script. It submits the job
 TOML through the gateway, reads metrics only from `WatchJob` and gets the model only through
 `DownloadModel`, so it works the same against a remote gateway. The evaluation runs here after
@@ -16,10 +20,10 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import signal
 import threading
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -30,10 +34,11 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from fleetrl.errors import ConfigError, FieldViolation, FleetError, InvalidArgument, NotFound
 from fleetrl.launcher.cli import add_placement_flags
 from fleetrl.launcher.fleet import Fleet, FleetLayout, FleetOptions, model_admission
-from fleetrl.launcher.report import EVAL_SAMPLES
+from fleetrl.launcher.report import EVAL_SAMPLES, Trained
+from fleetrl.policy.models import JOB_MODEL_PREFIX
 from fleetrl.sdk.client import Client, Run, load_job_file
 from fleetrl.sdk.records import JobInfo, StepInfo
-from fleetrl.spec.config import parse_job_spec, read_bytes
+from fleetrl.spec.config import JobSpec, parse_job_spec, read_bytes
 from fleetrl.spec.prompts import read_prompts
 
 EXIT_OK, EXIT_FAILURE, EXIT_BAD_INPUT = 0, 1, 2
@@ -44,16 +49,6 @@ DEFAULT_JOB = EXAMPLES / "addition" / "job.toml"
 DEFAULT_EVAL = EXAMPLES / "addition" / "eval.jsonl"
 SUPERVISE_S = 0.25
 COMPONENT_LABELS = {"reward/correct": "acc"}
-
-
-@dataclass(frozen=True)
-class Trained:
-    """What training left for the report: the job, its steps, the model and the wall time."""
-
-    job: JobInfo
-    steps: list[StepInfo]
-    model_dir: Path | None
-    train_wall_s: float
 
 
 def parser() -> argparse.ArgumentParser:
@@ -67,6 +62,9 @@ def parser() -> argparse.ArgumentParser:
                    help=f"sampled completions a problem for pass@1 and pass@k (default {EVAL_SAMPLES}; 0: greedy only)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a job spec field")
     p.add_argument("--job", type=Path, default=DEFAULT_JOB, help="job TOML (default examples/addition/job.toml)")
+    p.add_argument("--warm-start", type=Path, metavar="SFT_TOML",
+                   help="an sft job to train first; the job then starts from its model, and the report evaluates "
+                        "it too (--model applies to it, --set and --max-steps do not)")
     p.add_argument("--eval-file", type=Path, help="held-out prompts JSONL with answers (default: the job's directory's "
                                                   "eval.jsonl if it has one, else examples/addition/eval.jsonl)")
     p.add_argument("--gateway", help="use the fleet behind this gateway address instead of a local one")
@@ -81,6 +79,8 @@ def main(argv: list[str]) -> int:
     except SystemExit as exit_:
         return int(exit_.code or 0)
     out = Console(soft_wrap=True, highlight=False)
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, _interrupt)
     try:
         return run(args, out)
     except BAD_INPUT as error:
@@ -94,6 +94,13 @@ def main(argv: list[str]) -> int:
         return EXIT_FAILURE
 
 
+def _interrupt(signum: int, _frame: object) -> None:
+    """SIGTERM (`kill`, a container stop) ends the demo as Ctrl-C does: the job is cancelled and the fleet
+    and its servers are stopped on the way out; without this handler the interpreter would exit at once
+    and leave them running, holding their ports."""
+    raise KeyboardInterrupt(signal.Signals(signum).name)
+
+
 def _report_error(error: FleetError, out: Console) -> None:
     out.print(f"[bold red]error:[/] {type(error).__name__}: {error}")
     for violation in getattr(error, "violations", []):
@@ -105,6 +112,9 @@ def run(args: argparse.Namespace, out: Console) -> int:
     overrides = job_overrides(args)
     payload = load_job_file(args.job, overrides)
     spec = parse_job_spec(payload.spec, "json")  # fail before starting anything
+    sft_overrides = model_override(args)
+    if args.warm_start:
+        check_warm_start(parse_job_spec(load_job_file(args.warm_start, sft_overrides).spec, "json"), spec)
     problems = eval_problems(args.eval_file or eval_file_of(args.job), args.eval_problems)
     if args.eval_samples < 0:
         raise ConfigError("bad option", [FieldViolation("--eval-samples", "must be >= 0")])
@@ -116,12 +126,16 @@ def run(args: argparse.Namespace, out: Console) -> int:
     run_dir.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
     with fleet_address(args, run_dir, out, spec.model) as address, Client(address, token=args.token) as client:
-        trained = train(client, args.job, overrides, run_dir, out)
+        warm = train(client, args.warm_start, sft_overrides, run_dir / "sft-model", out) if args.warm_start else None
+        if warm is not None and warm.job.state != "succeeded":
+            return EXIT_FAILURE
+        start_from = [f"model={json.dumps(JOB_MODEL_PREFIX + warm.job.job_id)}"] if warm else []
+        trained = train(client, args.job, overrides + start_from, run_dir / "model", out)
     from fleetrl.launcher import report  # torch and matplotlib only once there is something to report
 
     summary = report.write(run_dir, spec, trained.job, trained.steps, trained.model_dir, problems,
                            train_wall_s=trained.train_wall_s, out=out, samples=args.eval_samples,
-                           environment_file=payload.environment_file)
+                           environment_file=payload.environment_file, warm_start=warm)
     summary["wall_s"] = time.monotonic() - started
     (run_dir / report.REPORT_JSON).write_text(json.dumps(summary, indent=2) + "\n")
     report.print_summary(summary, out)
@@ -132,13 +146,30 @@ def job_overrides(args: argparse.Namespace) -> list[str]:
     """`--set` overrides, with --model and --max-steps folded in."""
     if args.max_steps is not None and args.max_steps < 1:
         raise ConfigError("bad option", [FieldViolation("--max-steps", "must be >= 1")])
-    overrides = list(args.set)
-    if args.model:
-        model = str(Path(args.model).resolve()) if Path(args.model).is_dir() else args.model  # the gateway wants /...
-        overrides.append(f"model={json.dumps(model)}")
+    overrides = list(args.set) + model_override(args)
     if args.max_steps is not None:
         overrides.append(f"train.max_steps={args.max_steps}")
     return overrides
+
+
+def model_override(args: argparse.Namespace) -> list[str]:
+    """--model as an override (none without it): the one that applies to a warm start's sft job too."""
+    if not args.model:
+        return []
+    model = str(Path(args.model).resolve()) if Path(args.model).is_dir() else args.model  # the gateway wants /...
+    return [f"model={json.dumps(model)}"]
+
+
+def check_warm_start(sft: JobSpec, spec: JobSpec) -> None:
+    """A warm start is an sft job of the model the job names (which is then the report's base model)."""
+    problems = []
+    if sft.algorithm.name != "sft":
+        problems.append(FieldViolation("--warm-start", f"must be an sft job (algorithm.name = \"sft\"), not "
+                                                       f"{sft.algorithm.name}"))
+    if sft.model != spec.model:
+        problems.append(FieldViolation("--warm-start", f"trains {sft.model}, but the job's model is {spec.model}"))
+    if problems:
+        raise ConfigError("bad option", problems)
 
 
 def eval_file_of(job: Path) -> Path:
@@ -215,8 +246,8 @@ def _supervise(fleet: Fleet, stop: threading.Event) -> None:
 # ----------------------------------------------------------------------------- training
 
 
-def train(client: Client, job_file: Path, overrides: list[str], run_dir: Path, out: Console) -> Trained:
-    """Submit the job, follow it to its end, and download its model if it succeeded."""
+def train(client: Client, job_file: Path, overrides: list[str], model_dir: Path, out: Console) -> Trained:
+    """Submit the job, follow it to its end, and download its model into model_dir if it succeeded."""
     job = client.submit_file(job_file, overrides)
     out.print(f"submitted [bold]{job.job_id}[/] ({job.name}): {job.spec.get('model')}, {job.max_steps} steps")
     handle = Run(client, job.job_id)
@@ -232,7 +263,7 @@ def train(client: Client, job_file: Path, overrides: list[str], run_dir: Path, o
         return Trained(final, steps, None, wall_s)
     out.print(f"job {final.job_id} succeeded in {wall_s:.0f}s; downloading the model ...")
     # merged: the report evaluates a whole model, also for a LoRA job (whose default download is its adapters)
-    return Trained(final, steps, handle.download_model(run_dir / "model", merged=True), wall_s)
+    return Trained(final, steps, handle.download_model(model_dir, merged=True), wall_s)
 
 
 def follow(handle: Run, out: Console) -> tuple[JobInfo, list[StepInfo]]:
@@ -255,9 +286,11 @@ def follow(handle: Run, out: Console) -> tuple[JobInfo, list[StepInfo]]:
 
 def step_line(step: StepInfo, max_steps: int) -> str:
     """`step 3/40  reward 0.41  acc 0.22  format 0.38  exact 0.09  KL 0.002  tok/s 9  s/step 24.1`:
-    the mean reward, each reward component (`correct` shown as acc), KL and throughput."""
+    the mean reward, each reward component (`correct` shown as acc), KL and throughput; an sft job's
+    step shows its loss instead of a reward."""
     values = step.values
-    parts = [f"reward {values['reward_mean']:.3f}"] if "reward_mean" in values else []
+    parts = ([f"reward {values['reward_mean']:.3f}"] if "reward_mean" in values
+             else [f"loss {values['loss']:.3f}"] if "loss" in values else [])
     parts += [f"{COMPONENT_LABELS.get(key, key[7:])} {values[key]:.2f}" for key in sorted(values)
               if key.startswith("reward/")]
     parts += [f"{label} {fmt.format(values[key])}" for key, label, fmt in

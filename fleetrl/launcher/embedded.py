@@ -178,17 +178,20 @@ class EmbeddedNats(EmbeddedServer):
     """HTTP monitoring port (for `/healthz`); a free one the first time, then kept across restarts."""
     credentials: Credentials | None = None
     """A user and password every client must present (None: none)."""
+    max_file_store_mb: int = 0
+    """JetStream's file storage limit, `max_file_store` (0: the server's default, sized from the disk)."""
 
     def command(self) -> list[str]:
         while self.monitor_port in (0, self.port):
             self.monitor_port = free_port(self.host)
         auth = (f'authorization {{ user: "{self.credentials.user}", password: "{self.credentials.password}" }}\n'
                 if self.credentials else "")
+        limit = f", max_file_store: {self.max_file_store_mb}MB" if self.max_file_store_mb else ""
         conf = self.data_dir / "nats.conf"
         conf.write_text(
             f'host: "{self.host}"\nport: {self.port}\nmax_payload: {self.max_payload_mb * 1024 * 1024}\n'
             f'http: "{self.host}:{self.monitor_port}"\n'
-            f'jetstream {{ store_dir: "{self.data_dir / "jetstream"}" }}\n{auth}'
+            f'jetstream {{ store_dir: "{self.data_dir / "jetstream"}"{limit} }}\n{auth}'
         )
         conf.chmod(0o600)
         return [nats_server_binary(), "-c", str(conf)]

@@ -5,7 +5,9 @@ example, and `python -m bench.episode_eval`). A RewardService runs in this proce
 and sandboxed workers, and hosts the job's environment file; `fleetrl.rollout.episodes.EpisodeRunner` plays
 `episodes` episodes of each problem on the HF backend with the job's rollout settings (its sampling
 temperature and seed), exactly the episodes an actor plays, the job's built-in verifier included.
-An episode *succeeds* when its reward is above 0.
+An episode *succeeds* when its reward is above 0. The figures are an `EvalResult` (fleetrl/eval/result.py):
+the success rate is its `sampled_pass_at_1`, the mean episode reward its `sampled_reward_mean`; `figures`
+lays them out as the demo's report and the bench print them.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import time
 from collections import Counter
 from typing import Any
 
+from fleetrl.eval.result import EvalResult
 from fleetrl.policy import models
 from fleetrl.policy.backends import HFBackend
 from fleetrl.proto.fleetrl.v1 import common_pb2, reward_pb2
@@ -33,21 +36,32 @@ CALL_TIMEOUT_S = 60.0
 
 
 def evaluate(spec: JobSpec, environment_file: bytes, model_name: str, problems: list[dict[str, Any]],
-             episodes: int) -> dict[str, Any]:
-    """{"model", "problems", "episodes", "reward_mean", "success_rate", "turns_mean", "status": {end: fraction},
-    "temperature", "wall_s"} of `episodes` episodes of each problem (a prompt line: "prompt" and its metadata)."""
+             episodes: int) -> EvalResult:
+    """`episodes` episodes of each problem (a prompt line: "prompt" and its metadata): the mean episode reward,
+    the success rate, and in `extras` the episodes played, turns per episode, how they ended and the temperature."""
     if spec.environment is None:
         raise ValueError("the job has no [environment]")
     started = time.monotonic()
     samples = asyncio.run(_play(spec, environment_file, model_name, problems, episodes))
     statuses = Counter(common_pb2.EpisodeStatus.Name(s.episode_status).removeprefix("EPISODE_STATUS_").lower()
                        for s in samples)
-    return {"model": model_name, "problems": len(problems), "episodes": len(samples),
-            "reward_mean": statistics.fmean(s.reward for s in samples),
-            "success_rate": sum(s.reward > 0 for s in samples) / len(samples),
-            "turns_mean": statistics.fmean(len(s.turns) for s in samples),
-            "status": {k: v / len(samples) for k, v in sorted(statuses.items())},
-            "temperature": spec.rollout.temperature, "wall_s": round(time.monotonic() - started, 1)}
+    return EvalResult(
+        model=model_name, problems=len(problems), samples=episodes,
+        sampled_reward_mean=statistics.fmean(s.reward for s in samples),
+        sampled_pass_at_1=sum(s.reward > 0 for s in samples) / len(samples),
+        wall_s=round(time.monotonic() - started, 1),
+        extras={"episodes": len(samples), "turns_mean": statistics.fmean(len(s.turns) for s in samples),
+                "status": {k: v / len(samples) for k, v in sorted(statuses.items())},
+                "temperature": spec.rollout.temperature})
+
+
+def figures(result: EvalResult) -> dict[str, Any]:
+    """{"model", "problems", "episodes", "reward_mean", "success_rate", "turns_mean", "status": {end: fraction},
+    "temperature", "wall_s"}: a stage of the demo's eval.json, and `bench.episode_eval`'s JSON."""
+    return {"model": result.model, "problems": result.problems, "episodes": result.extras["episodes"],
+            "reward_mean": result.sampled_reward_mean, "success_rate": result.sampled_pass_at_1,
+            "turns_mean": result.extras["turns_mean"], "status": result.extras["status"],
+            "temperature": result.extras["temperature"], "wall_s": result.wall_s}
 
 
 async def _play(spec: JobSpec, environment_file: bytes, model_name: str, problems: list[dict[str, Any]],

@@ -24,7 +24,7 @@ import os
 import re
 import tempfile
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -32,6 +32,7 @@ from rich.console import Console
 from rich.table import Table
 
 from fleetrl.errors import ConfigError, FieldViolation, FleetError
+from fleetrl.eval.result import EvalResult
 from fleetrl.launcher.jobs_cli import report as report_error
 from fleetrl.proto.fleetrl.v1 import reward_pb2
 from fleetrl.spec.config import JobSpec, RewardSpec, RolloutConfig, read_bytes
@@ -55,21 +56,6 @@ class Target:
     rollout: RolloutConfig
     seed: int
     label: str
-
-
-@dataclass(frozen=True)
-class EvalReport:
-    model: str
-    problems: int
-    samples: int
-    threshold: float
-    greedy_pass_at_1: float
-    greedy_reward_mean: float
-    sampled_pass_at_1: float | None
-    sampled_pass_at_k: float | None
-    sampled_reward_mean: float | None
-    errors: int
-    wall_s: float
 
 
 def parser() -> argparse.ArgumentParser:
@@ -105,13 +91,13 @@ def main(argv: list[str]) -> int:
         report_error(error, args.json)
         return EXIT_FAILURE
     if args.json:
-        print(json.dumps(asdict(report)))
+        print(json.dumps(report.as_dict()))
     else:
         out.print(table(report))
     return EXIT_OK
 
 
-def run(args: argparse.Namespace) -> EvalReport:
+def run(args: argparse.Namespace) -> EvalResult:
     problems = read_problems(args.prompts, args.problems)
     if args.samples < 0:
         raise ConfigError("bad --samples", [FieldViolation("samples", "must be >= 0")])
@@ -192,7 +178,7 @@ def reward_address(args: argparse.Namespace) -> str:
 
 
 def evaluate(target: Target, problems: list[dict[str, Any]], samples: int, max_new_tokens: int, threshold: float,
-             reward_addr: str) -> EvalReport:
+             reward_addr: str) -> EvalResult:
     """Generate greedy and sampled completions, score them through the reward service, and sum up."""
     from fleetrl.eval import passk as evaluation
     from fleetrl.policy import models
@@ -203,7 +189,7 @@ def evaluate(target: Target, problems: list[dict[str, Any]], samples: int, max_n
                                       max_new_tokens=max_new_tokens, seed=target.seed)
     results = asyncio.run(_score(reward_addr, target.reward_spec, problems, completions))
     held_out = evaluation.summarise(results, len(problems), samples, threshold)
-    return EvalReport(target.label, **asdict(held_out), wall_s=round(time.monotonic() - started, 1))
+    return replace(held_out, model=target.label, wall_s=round(time.monotonic() - started, 1))
 
 
 async def _score(addr: str, spec: reward_pb2.RewardSpec, problems: list[dict[str, Any]],
@@ -219,7 +205,7 @@ async def _score(addr: str, spec: reward_pb2.RewardSpec, problems: list[dict[str
         await reward.close()
 
 
-def table(report: EvalReport) -> Table:
+def table(report: EvalResult) -> Table:
     out = Table(title=f"{report.model}: {report.problems} problems, pass = reward >= {report.threshold:g}")
     out.add_column("")
     out.add_column("pass@1", justify="right")

@@ -30,6 +30,8 @@ log = logging.getLogger(__name__)
 STATE_FILE = "fleet.json"
 SCALE_FILE = "fleet.scale"
 SERVICES = ("replay", "reward", "gateway", "learner")
+TINKER = "tinker"
+"""The Tinker API service (`fleetrl up --tinker`): started after SERVICES when asked for."""
 # Seconds a service may take to listen: imports of torch/transformers take tens of seconds on a busy 2-core box.
 SERVICE_START_S = 120.0
 DEFAULT_CORES_MODE = cores.DEFAULT_MODE  # (FleetOptions.cores, a field, hides the module in its body)
@@ -64,6 +66,8 @@ class FleetOptions:
     """Model names (hub ids) jobs may train besides the built-in ones (the gateway's allowed_models)."""
     model_roots: tuple[Path, ...] = ()
     """Directories under which jobs may name local model directories (the gateway's allowed_model_roots)."""
+    tinker: bool = False
+    """Also serve the Tinker API (HTTP), open mode and the gateway's allow-list, as the gateway."""
 
 
 @dataclass
@@ -109,17 +113,20 @@ class Fleet:
         self.cores = options.cores or cores.machine_cores()
         self.threads = cores.budget(self.cores, options.actors, options.learner_threads, options.actor_threads,
                                     options.cores_mode)
+        if options.tinker:  # it trains and samples as a learner does, on the learner's share of the cores
+            self.threads[TINKER] = self.threads["learner"]
+        self.services = (*SERVICES, TINKER) if options.tinker else SERVICES
         self.gpus = options.gpus if options.gpus is not None else devices.visible_gpus()
 
     def start(self) -> FleetLayout:
         nats_url, redis_url = self._start_infra()
         host = self.options.host
-        addresses = {name: f"{host}:{embedded.free_port(host)}" for name in SERVICES}
-        metrics = {name: embedded.free_port(host) if self.options.metrics else 0 for name in SERVICES}
+        addresses = {name: f"{host}:{embedded.free_port(host)}" for name in self.services}
+        metrics = {name: embedded.free_port(host) if self.options.metrics else 0 for name in self.services}
         self.layout = FleetLayout(nats_url, redis_url, addresses, metrics, self.supervisor.log_dir, os.getpid(),
                                   dict(self.threads), list(self.gpus))
         self._log_threads()
-        for name in SERVICES:
+        for name in self.services:
             self.supervisor.add(ChildSpec(name, _module_argv(name), self._env(name, threads=self.threads[name])))
         self._wait_listening()
         self.set_actors(self.options.actors)
@@ -176,16 +183,17 @@ class Fleet:
             env["METRICS_PORT"] = str(port)
         if service == "actor":
             env["ACTOR_ID"] = f"actor-{actor_index}"
-        if service == "gateway":
-            env.update(self._gateway_env())
+        if service in ("gateway", TINKER):
+            env.update(self._admission_env())
         out = {prefix + key: value for key, value in env.items()}
         out["FLEETRL_TRACING"] = "1" if self.options.tracing else "0"
         out["TOKENIZERS_PARALLELISM"] = "false"
         return {**out, **cores.thread_env(service, threads, self.options.cores_mode),
                 **devices.device_env(service, self.gpus, actor_index), **self.options.extra_env}
 
-    def _gateway_env(self) -> dict[str, str]:
-        """Open mode (one user, this machine), and the models its jobs may train."""
+    def _admission_env(self) -> dict[str, str]:
+        """The gateway's and the Tinker API's: open mode (one user, this machine), and the models its
+        jobs and training runs may train."""
         env = {"OPEN_MODE": "true"}
         if self.options.allowed_models:
             env["ALLOWED_MODELS"] = json.dumps([*BUILTIN_MODELS, *self.options.allowed_models])

@@ -9,11 +9,15 @@ Files written into the run directory:
   first SAMPLED_PROBLEMS of them (k completions a problem at the job's temperature and top-p, the
   unbiased estimator).
 - `report.json` and `report.md`: the job, the figures above, wall times and file names.
+- `sft-metrics.jsonl`, with a warm start (`fleetrl demo --warm-start`): the sft job's steps.
 
 A job with an `[environment]` is evaluated by its episodes instead (`fleetrl.launcher.episode_eval`):
 `eval.json` holds the base and the trained model's mean episode reward, success rate (reward above
 0), turns per episode and how episodes ended, over `episodes` episodes of each of the first
 EPISODE_PROBLEMS held-out problems at the job's sampling settings.
+
+With a warm start, the sft job's model is evaluated too, between the two (`sft` in eval.json and the
+tables), on the same problems: base, after sft, after RL.
 
 Design choice: both models are evaluated here, the same way (greedy, the job's prompt encoding,
 `EVAL_NEW_TOKENS` new tokens, which is more than training's budget so the base model's
@@ -24,16 +28,19 @@ from __future__ import annotations
 
 import json
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from rich.console import Console
 from rich.table import Table
 
+from fleetrl.eval.result import EvalResult
 from fleetrl.sdk.records import JobInfo, StepInfo
 from fleetrl.spec.config import JobSpec
 
 METRICS_JSONL, PLOT_PNG, EVAL_JSON = "metrics.jsonl", "training.png", "eval.json"
+SFT_METRICS_JSONL = "sft-metrics.jsonl"
 REPORT_JSON, REPORT_MD = "report.json", "report.md"
 EVAL_NEW_TOKENS = 16
 EVAL_SAMPLES = 8
@@ -46,6 +53,9 @@ EPISODE_PROBLEMS = 20
 is several turns of generation."""
 EPISODES_PER_PROBLEM = 4
 EPISODE_FIGURES = ("reward_mean", "success_rate", "turns_mean")
+STAGES = ("base", "sft", "trained")
+"""The models a report evaluates, in this order, those it has: the job's base model, the warm start's
+sft model, the trained one."""
 COMPONENTS = "reward/"
 PLOTTED = (("mean reward of the training samples", ("reward_mean",)),
            ("reward components of the training samples (correct = accuracy)", (COMPONENTS,)),
@@ -61,30 +71,40 @@ LABELS = {"reward_mean": "reward", "kl": "KL", "eval_pass_at_1": "pass@1", "eval
           "eval_greedy_pass_at_1": "greedy pass@1"}
 
 
+@dataclass(frozen=True)
+class Trained:
+    """What a job left for the report: the job, its steps, its downloaded model and the wall time."""
+
+    job: JobInfo
+    steps: list[StepInfo]
+    model_dir: Path | None
+    train_wall_s: float
+
+
 def write(run_dir: Path, spec: JobSpec, job: JobInfo, steps: list[StepInfo], model_dir: Path | None,
           problems: list[dict[str, Any]], *, train_wall_s: float, out: Console,
-          samples: int = EVAL_SAMPLES, environment_file: bytes = b"") -> dict[str, Any]:
+          samples: int = EVAL_SAMPLES, environment_file: bytes = b"",
+          warm_start: Trained | None = None) -> dict[str, Any]:
     """Write every report file (the evaluation only when there is a trained model); the summary.
 
     `samples` completions a problem give pass@1 and pass@`samples`; 0 leaves sampled evaluation out.
     A job with an environment (its file's contents in environment_file) plays `samples` episodes
-    (EPISODES_PER_PROBLEM when 0) of each of the first EPISODE_PROBLEMS problems instead.
+    (EPISODES_PER_PROBLEM when 0) of each of the first EPISODE_PROBLEMS problems instead. `warm_start`,
+    the sft job the trained one started from, adds its model to the evaluation, and `spec.model` is then
+    the base model both started from.
     """
     write_metrics(run_dir / METRICS_JSONL, steps)
+    if warm_start is not None:
+        write_metrics(run_dir / SFT_METRICS_JSONL, warm_start.steps)
     plot(run_dir / PLOT_PNG, steps)
     evaluation = None
-    if model_dir is not None and spec.environment is not None:
-        problems = problems[:EPISODE_PROBLEMS]
-        episodes = samples or EPISODES_PER_PROBLEM
-        out.print(f"playing {episodes} episodes of {len(problems)} held-out problems with the base and the "
-                  "trained model ...")
-        evaluation = evaluate_episodes_both(spec, environment_file, model_dir, problems, episodes)
-    elif model_dir is not None:
-        out.print(f"evaluating the base and the trained model on {len(problems)} held-out problems ...")
-        evaluation = evaluate_both(spec, model_dir, problems, samples)
+    if model_dir is not None:
+        models = {"base": spec.model, **({"sft": str(warm_start.model_dir)} if warm_start else {}),
+                  "trained": str(model_dir)}
+        evaluation = evaluate(spec, models, problems, samples, environment_file, out)
     if evaluation is not None:
         (run_dir / EVAL_JSON).write_text(json.dumps(evaluation, indent=2) + "\n")
-    summary = summarise(job, steps, model_dir, evaluation, train_wall_s)
+    summary = summarise(job, steps, model_dir, evaluation, train_wall_s, warm_start)
     (run_dir / REPORT_MD).write_text(markdown(summary))
     return summary
 
@@ -140,25 +160,40 @@ def _expand(keys: tuple[str, ...], steps: list[StepInfo]) -> list[str]:
 # ----------------------------------------------------------------------------- evaluation
 
 
-def evaluate_both(spec: JobSpec, model_dir: Path, problems: list[dict[str, str]], samples: int) -> dict[str, Any]:
-    """{"problems", "max_new_tokens", "samples", "base": figures, "trained": figures} (see evaluate_model)."""
+def evaluate(spec: JobSpec, models: dict[str, str], problems: list[dict[str, Any]], samples: int,
+             environment_file: bytes, out: Console) -> dict[str, Any]:
+    """What eval.json holds: each of `models` ({stage: model name}) on the same held-out problems, by
+    episodes for a job with an environment (evaluate_episodes), else by completions (evaluate_models)."""
+    stages = [f"the {stage}" for stage in models]
+    named = (", ".join(stages[:-1]) + " and " if len(stages) > 1 else "") + stages[-1] + " model"
+    if spec.environment is not None:
+        problems = problems[:EPISODE_PROBLEMS]
+        episodes = samples or EPISODES_PER_PROBLEM
+        out.print(f"playing {episodes} episodes of {len(problems)} held-out problems with {named} ...")
+        return evaluate_episodes(spec, environment_file, models, problems, episodes)
+    out.print(f"evaluating {named} on {len(problems)} held-out problems ...")
+    return evaluate_models(spec, models, problems, samples)
+
+
+def evaluate_models(spec: JobSpec, models: dict[str, str], problems: list[dict[str, Any]],
+                    samples: int) -> dict[str, Any]:
+    """{"problems", "max_new_tokens", "samples", and a stage's figures under its name} (see evaluate_model)."""
     return {"problems": len(problems), "max_new_tokens": EVAL_NEW_TOKENS, "samples": samples,
-            "base": evaluate_model(spec.model, spec, problems, samples),
-            "trained": evaluate_model(str(model_dir), spec, problems, samples)}
+            **{stage: evaluate_model(name, spec, problems, samples) for stage, name in models.items()}}
 
 
-def evaluate_episodes_both(spec: JobSpec, environment_file: bytes, model_dir: Path, problems: list[dict[str, Any]],
-                           episodes: int) -> dict[str, Any]:
-    """{"kind": "episodes", "problems", "episodes", "base": figures, "trained": figures} (see episode_eval)."""
+def evaluate_episodes(spec: JobSpec, environment_file: bytes, models: dict[str, str], problems: list[dict[str, Any]],
+                      episodes: int) -> dict[str, Any]:
+    """{"kind": "episodes", "problems", "episodes", and a stage's figures under its name} (see episode_eval)."""
     from fleetrl.launcher import episode_eval
 
     return {"kind": "episodes", "problems": len(problems), "episodes": episodes,
-            "base": episode_eval.evaluate(spec, environment_file, spec.model, problems, episodes),
-            "trained": episode_eval.evaluate(spec, environment_file, str(model_dir), problems, episodes)}
+            **{stage: episode_eval.figures(episode_eval.evaluate(spec, environment_file, name, problems, episodes))
+               for stage, name in models.items()}}
 
 
 def evaluate_model(model_name: str, spec: JobSpec, problems: list[dict[str, str]], samples: int) -> dict[str, Any]:
-    """Greedy EvalResult fields, plus `sampled` (a SampledResult dict, or None when samples is 0)."""
+    """A stage's figures in eval.json (see stage_figures)."""
     from fleetrl.eval import addition as evaluate
     from fleetrl.policy import models
     from fleetrl.policy.backends import HFBackend, prompt_tokens
@@ -166,42 +201,62 @@ def evaluate_model(model_name: str, spec: JobSpec, problems: list[dict[str, str]
     started = time.monotonic()
     model, tokenizer = models.load(model_name)
     prompt_ids = [prompt_tokens(tokenizer, p["prompt"], spec.rollout) for p in problems]
-    result = evaluate.as_dict(evaluate.evaluate(model, tokenizer, problems, prompt_ids, EVAL_NEW_TOKENS))
+    greedy = evaluate.evaluate(model, tokenizer, problems, prompt_ids, EVAL_NEW_TOKENS)
     sampled = None
     if samples > 0:
         first = slice(0, SAMPLED_PROBLEMS)
-        sampled = evaluate.as_dict(evaluate.sampled(
+        sampled = evaluate.sampled(
             HFBackend(model, tokenizer), problems[first], prompt_ids[first], samples, max_new_tokens=EVAL_NEW_TOKENS,
-            temperature=spec.rollout.temperature, top_p=spec.rollout.top_p, seed=spec.seed))
-    return {"model": model_name, **result, "sampled": sampled, "wall_s": round(time.monotonic() - started, 1)}
+            temperature=spec.rollout.temperature, top_p=spec.rollout.top_p, seed=spec.seed)
+    return stage_figures(model_name, greedy, sampled, round(time.monotonic() - started, 1))
+
+
+def stage_figures(model_name: str, greedy: EvalResult, sampled: EvalResult | None, wall_s: float) -> dict[str, Any]:
+    """{"model", "problems", "accuracy", "number_only_rate", "examples", "sampled", "wall_s"}: the greedy
+    addition check, and `sampled` ({"problems", "samples", "temperature", "pass_at_1", "pass_at_k",
+    "correct_per_problem"}, or None without samples)."""
+    return {"model": model_name, "problems": greedy.problems, "accuracy": greedy.greedy_pass_at_1,
+            "number_only_rate": greedy.extras["number_only_rate"], "examples": greedy.extras["examples"],
+            "sampled": None if sampled is None else {
+                "problems": sampled.problems, "samples": sampled.samples, "temperature": sampled.extras["temperature"],
+                "pass_at_1": sampled.sampled_pass_at_1, "pass_at_k": sampled.sampled_pass_at_k,
+                "correct_per_problem": sampled.extras["correct_per_problem"]},
+            "wall_s": wall_s}
 
 
 # ----------------------------------------------------------------------------- summary
 
 
 def summarise(job: JobInfo, steps: list[StepInfo], model_dir: Path | None, evaluation: dict[str, Any] | None,
-              train_wall_s: float) -> dict[str, Any]:
-    """What report.json holds."""
-    files = [METRICS_JSONL, PLOT_PNG] + ([EVAL_JSON] if evaluation else []) + [REPORT_JSON, REPORT_MD]
-    return {
+              train_wall_s: float, warm_start: Trained | None = None) -> dict[str, Any]:
+    """What report.json holds; `warm_start` (the sft job's own summary, less its evaluation and files) only
+    with one."""
+    files = ([METRICS_JSONL] + ([SFT_METRICS_JSONL] if warm_start else []) + [PLOT_PNG]
+             + ([EVAL_JSON] if evaluation else []) + [REPORT_JSON, REPORT_MD])
+    summary = {
         "job_id": job.job_id, "state": job.state, "reason": job.reason, "model": job.spec.get("model"),
         "steps": len(steps), "max_steps": job.max_steps, "train_wall_s": round(train_wall_s, 1),
         "first_step": steps[0].values if steps else {}, "last_step": steps[-1].values if steps else {},
         "model_dir": str(model_dir) if model_dir else None, "eval": _figures(evaluation), "files": files,
         "spec": job.spec,
     }
+    if warm_start is not None:
+        sft = summarise(warm_start.job, warm_start.steps, warm_start.model_dir, None, warm_start.train_wall_s)
+        summary["warm_start"] = {k: v for k, v in sft.items() if k not in ("eval", "files")}
+    return summary
 
 
 def _figures(evaluation: dict[str, Any] | None) -> dict[str, Any] | None:
     if evaluation is None:
         return None
+    stages = [stage for stage in STAGES if stage in evaluation]
     if evaluation.get("kind") == "episodes":
         return {"kind": "episodes", "problems": evaluation["problems"], "episodes": evaluation["episodes"],
-                **{which: {k: evaluation[which][k] for k in EPISODE_FIGURES} for which in ("base", "trained")}}
+                **{which: {k: evaluation[which][k] for k in EPISODE_FIGURES} for which in stages}}
     keys = ("accuracy", "number_only_rate")
     figures: dict[str, Any] = {"problems": evaluation["problems"], "samples": evaluation["samples"],
                                "sampled_problems": min(evaluation["problems"], SAMPLED_PROBLEMS)}
-    for which in ("base", "trained"):
+    for which in stages:
         sampled = evaluation[which]["sampled"] or {}
         figures[which] = {**{k: evaluation[which][k] for k in keys},
                           "pass_at_1": sampled.get("pass_at_1"), "pass_at_k": sampled.get("pass_at_k")}
@@ -210,12 +265,13 @@ def _figures(evaluation: dict[str, Any] | None) -> dict[str, Any] | None:
 
 def _table(figures: dict[str, Any]) -> tuple[str, list[str], list[list[str]]]:
     """(what was measured, columns, a row per model) of the held-out evaluation, for report.md and the terminal."""
+    stages = [stage for stage in STAGES if stage in figures]
     if figures.get("kind") == "episodes":
         what = (f"Held-out episodes: {figures['episodes']} episodes of each of {figures['problems']} problems at "
                 "the job's sampling settings; success = an episode reward above 0.")
         columns = ["model", "mean episode reward", "success rate", "turns per episode"]
         rows = [[which, f"{figures[which]['reward_mean']:.3f}", f"{figures[which]['success_rate']:.1%}",
-                 f"{figures[which]['turns_mean']:.2f}"] for which in ("base", "trained")]
+                 f"{figures[which]['turns_mean']:.2f}"] for which in stages]
         return what, columns, rows
     k = figures["samples"]
     what = f"Held-out evaluation, {figures['problems']} problems: greedy accuracy and number-only rate"
@@ -224,7 +280,7 @@ def _table(figures: dict[str, Any]) -> tuple[str, list[str], list[list[str]]]:
     columns = ["model", "accuracy", "number-only"] + (["pass@1", f"pass@{k}"] if k else [])
     rows = [[which, f"{figures[which]['accuracy']:.1%}", f"{figures[which]['number_only_rate']:.1%}"]
             + ([f"{figures[which][key]:.1%}" for key in ("pass_at_1", "pass_at_k")] if k else [])
-            for which in ("base", "trained")]
+            for which in stages]
     return what, columns, rows
 
 
@@ -232,6 +288,8 @@ def markdown(summary: dict[str, Any]) -> str:
     lines = [f"# fleetrl demo: job {summary['job_id']} ({summary['state']})", "",
              f"Model `{summary['model']}`, {summary['steps']}/{summary['max_steps']} steps, "
              f"training wall time {summary['train_wall_s']:.0f} s.", ""]
+    if "warm_start" in summary:
+        lines += [warm_start_line(summary["warm_start"]), ""]
     figures = summary["eval"]
     if figures:
         what, columns, rows = _table(figures)
@@ -241,6 +299,14 @@ def markdown(summary: dict[str, Any]) -> str:
         lines.append(f"No evaluation: the job ended {summary['state']} {summary['reason']}".rstrip())
     lines += ["", f"![training curves]({PLOT_PNG})", "", "Per-step metrics: `metrics.jsonl`; details: `eval.json`."]
     return "\n".join(lines) + "\n"
+
+
+def warm_start_line(sft: dict[str, Any]) -> str:
+    """`Warm start: sft job j-... (succeeded), 12/12 steps, loss 1.234 -> 0.056, 95 s.`"""
+    losses = [sft[key].get("loss") for key in ("first_step", "last_step")]
+    loss = f", loss {losses[0]:.3f} -> {losses[1]:.3f}" if None not in losses else ""
+    return (f"Warm start: sft job {sft['job_id']} ({sft['state']}), {sft['steps']}/{sft['max_steps']} steps{loss}, "
+            f"{sft['train_wall_s']:.0f} s.")
 
 
 def print_summary(summary: dict[str, Any], out: Console) -> None:
@@ -253,5 +319,7 @@ def print_summary(summary: dict[str, Any], out: Console) -> None:
         for row in rows:
             table.add_row(*row)
         out.print(table)
+    if "warm_start" in summary:
+        out.print(warm_start_line(summary["warm_start"]), markup=False)
     out.print(f"job {summary['job_id']} {summary['state']}: {summary['steps']} steps, "
               f"training {summary['train_wall_s']:.0f} s, total {summary.get('wall_s', 0):.0f} s")

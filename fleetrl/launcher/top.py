@@ -3,9 +3,11 @@
 Each refresh (every second by default, on a fixed cadence: the calls' own time is not added to the
 period) makes two calls: GetFleet (live actors and learners from their heartbeats, the task queue of
 each of the caller's active jobs) and ListJobs (each job's last step: reward, staleness, tokens/s).
-One frame shows actors (state, job, policy version, tokens/s, busy), learners (phase, job, step) and
-jobs (state, step, reward, staleness, queue). `--once` prints one frame and exits (scripts, tests);
-`--json` prints the frame's data as one JSON object per refresh instead. The gateway is `--gateway`,
+One frame shows actors (state, job, policy version, tokens/s, busy), learners (phase, job, step),
+jobs (state, step, reward, staleness, queue) and tenants: the caller's share of the actors' time over
+the last ~30 s against its fair share, and every other tenant's together (never their names).
+`--once` prints one frame and exits (scripts, tests); `--json` prints the frame's data as one JSON
+object per refresh instead. The gateway is `--gateway`,
 else the one a local fleet recorded in `<--dir>/fleet.json`, else FLEETRL_GATEWAY, else 127.0.0.1:50051.
 """
 
@@ -28,7 +30,7 @@ from rich.text import Text
 from fleetrl.errors import FleetError
 from fleetrl.launcher.fleet import FleetLayout
 from fleetrl.sdk.client import Client
-from fleetrl.sdk.records import FleetInfo, JobInfo, MemberInfo, QueueInfo
+from fleetrl.sdk.records import FleetInfo, JobInfo, MemberInfo, QueueInfo, ShareInfo
 
 EXIT_OK, EXIT_FAILURE = 0, 1
 JOBS_SHOWN = 10
@@ -95,7 +97,7 @@ def render(frame: Frame) -> Group:
     sandbox = Text(f"reward sandbox: {frame.fleet.reward_sandbox or 'unknown'}",
                    style="bold red" if not frame.fleet.reward_sandbox.startswith("mode jail") else "")
     return Group(head, sandbox, actors_table(actors), learners_table(learners),
-                 jobs_table(frame.jobs, frame.fleet.queues))
+                 jobs_table(frame.jobs, frame.fleet.queues), shares_table(frame.fleet.shares))
 
 
 def actors_table(actors: list[MemberInfo]) -> Table:
@@ -132,6 +134,19 @@ def jobs_table(jobs: list[JobInfo], queues: list[QueueInfo]) -> Table:
         counts = f"{queue.pending}/{queue.in_flight}/{queue.redelivered}/{queue.dead_lettered}" if queue else "-"
         table.add_row(job.job_id, job.state, f"{job.last.step if job.last else 0}/{job.max_steps}",
                       _number(values.get("reward_mean")), _number(values.get("staleness_mean")), counts)
+    return table
+
+
+def shares_table(shares: list[ShareInfo]) -> Table:
+    """Your tenant's share of the actors' time over the last ~30 s against its fair share (its weight over
+    the weights of every tenant with an active job), and every other tenant's together."""
+    table = Table(title="tenants (actor time over the last ~30 s)", title_justify="left", expand=True)
+    table.add_column("tenant", no_wrap=True)
+    for column in ("jobs", "weight", "actor s", "share", "fair share"):
+        table.add_column(column, justify="right", no_wrap=True)
+    for s in shares:
+        table.add_row(s.tenant or "(other tenants)", str(s.jobs), f"{s.weight:g}", f"{s.served_s:.1f}",
+                      f"{s.share:.0%}", f"{s.fair_share:.0%}")
     return table
 
 

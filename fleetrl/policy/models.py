@@ -56,7 +56,7 @@ from fleetrl.spec.config import Strict
 
 if TYPE_CHECKING:
     import torch
-    from transformers import PreTrainedModel, PreTrainedTokenizerBase
+    from transformers import PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
 
 SMOLLM2 = "smollm2-135m"
 """Built-in name of the default real model."""
@@ -100,6 +100,14 @@ TINY_MODELS: dict[str, TinySpec] = {
 
 BUILTIN_MODELS: tuple[str, ...] = (SMOLLM2, *TINY_MODELS)
 """Every built-in model name: the gateway's default allow-list."""
+JOB_MODEL_PREFIX = "job:"
+"""`model = "job:<job id>"` names the exported model of one of the submitter's own succeeded jobs (an sft
+warm start); the gateway resolves it to that directory at submission."""
+
+
+def job_reference(name: str) -> str | None:
+    """The job id of a model name `job:<job id>`, or None for any other name."""
+    return name.removeprefix(JOB_MODEL_PREFIX) if name.startswith(JOB_MODEL_PREFIX) else None
 
 
 # --------------------------------------------------------------------------- the operator's allow-list
@@ -131,6 +139,8 @@ def allow_list_problem(name: str, names: Collection[str], roots: Collection[Path
     """
     if name in names:
         return None
+    if job_reference(name) is not None:
+        return f"{name!r}: a job's model is resolved by the gateway, at submission, for the job's own tenant"
     if not name.startswith(("/", ".", "~")):
         return f"{name!r} is not in the allow-list of models (setting allowed_models)"
     if not name.startswith("/"):
@@ -200,6 +210,20 @@ def load(
     _complete_special_tokens(name_or_path, model, tokenizer)
     model.to(device)  # type: ignore[arg-type]  # transformers wraps `to` in a decorator mypy misreads
     return model.eval(), tokenizer
+
+
+def load_tokenizer(name_or_path: str, cache_dir: Path | None = None) -> PreTrainedTokenizerBase:
+    """The tokenizer `load(name_or_path)` would give, without loading the model: what the gateway measures
+    an sft job's conversations with (the built-in names share the SmolLM2 tokenizer, cached on its own)."""
+    from transformers import AutoTokenizer
+
+    if name_or_path == SMOLLM2 or name_or_path in TINY_MODELS:
+        return smollm2_tokenizer(cache_dir)
+    source = _check_local(name_or_path)
+    try:
+        return AutoTokenizer.from_pretrained(source)
+    except OSError as e:
+        raise NotFound(f"the tokenizer of model {source!r} could not be loaded (offline?): {e}") from e
 
 
 def check_available(name_or_path: str, cache_dir: Path | None = None) -> None:
@@ -317,6 +341,58 @@ def _build_tiny(name: str, cache_dir: Path, dtype: torch.dtype) -> tuple[PreTrai
         torch.manual_seed(TINY_SEED)
         model = AutoModelForCausalLM.from_config(config)  # always initialised in fp32, then cast
     return model.to(dtype), tokenizer
+
+
+@dataclass(frozen=True)
+class WeightSizes:
+    """What a model's weights take, from its config (`weight_sizes`)."""
+
+    total: int
+    """Bytes of every weight (tied weights once)."""
+    targeted: int
+    """Bytes of the linear layers a LoRA spec targets."""
+    adapter_per_rank: int
+    """Bytes of a LoRA adapter on those layers per unit of rank: (in + out) features summed."""
+
+
+def model_config(name_or_path: str, cache_dir: Path | None = None) -> PretrainedConfig:
+    """The model's transformers config, read without its weights (for a built-in, from its tokenizer or
+    converted directory)."""
+    from transformers import AutoConfig, LlamaConfig
+
+    cache = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+    if name_or_path in TINY_MODELS:
+        return LlamaConfig(vocab_size=len(smollm2_tokenizer(cache)), **asdict(TINY_MODELS[name_or_path]))
+    source = str(ensure_smollm2(cache)) if name_or_path == SMOLLM2 else _check_local(name_or_path)
+    config: PretrainedConfig = AutoConfig.from_pretrained(source)
+    return config
+
+
+def head_size(name_or_path: str, cache_dir: Path | None = None) -> int:
+    """The model's attention head size (its config's head_dim, else hidden size over heads)."""
+    config = model_config(name_or_path, cache_dir)
+    return int(getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads)
+
+
+def weight_sizes(name_or_path: str, dtype: torch.dtype | str, targets: tuple[str, ...] = (),
+                 cache_dir: Path | None = None) -> WeightSizes:
+    """The model's weight sizes in dtype, with the linear layers named by targets (PEFT's rule), from
+    its config on torch's meta device: nothing is read or allocated but the config (and, for a
+    built-in, its tokenizer or converted directory)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from fleetrl.weights.adapters import targeted  # PEFT's rule for target names (it imports this module)
+
+    config = model_config(name_or_path, cache_dir)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    size = as_dtype(dtype).itemsize
+    layers = [module for name, module in model.named_modules()
+              if isinstance(module, torch.nn.Linear) and targeted(name, targets)]
+    return WeightSizes(sum(p.numel() for p in model.parameters()) * size,
+                       sum(layer.weight.numel() for layer in layers) * size,
+                       sum(layer.in_features + layer.out_features for layer in layers) * size)
 
 
 def _complete_special_tokens(name: str, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> None:

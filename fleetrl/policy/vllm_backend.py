@@ -153,7 +153,7 @@ class VLLMBackend:
         if lora is None:
             self._engine = _Engine(self._vllm.LLM(model=path, **options), None, users=1)
         else:
-            rank = _vllm_rank(lora.rank)
+            rank = engine_rank(lora.rank)
             options.update(enable_lora=True, max_loras=MAX_LORAS, max_lora_rank=rank)
             with _SHARED_LOCK:  # counted under the lock that close() takes, so a closing job cannot shut it first
                 key = (path, dtype, device, rank)
@@ -244,12 +244,17 @@ class VLLMBackend:
             shutil.rmtree(self._adapter_root, ignore_errors=True)
 
 
-def _vllm_rank(rank: int) -> int:
-    """The smallest rank vLLM accepts as `max_lora_rank` that holds `rank` (it takes a fixed list)."""
-    for allowed in (8, 16, 32, 64, 128, 256, 320, 512):
+ENGINE_RANKS = (8, 16, 32, 64, 128, 256, 320, 512)
+"""The ranks vLLM accepts as `max_lora_rank`."""
+
+
+def engine_rank(rank: int) -> int:
+    """The smallest rank vLLM accepts as `max_lora_rank` that holds `rank` (it takes a fixed list): LoRA
+    jobs whose ranks round to the same one share an engine."""
+    for allowed in ENGINE_RANKS:
         if rank <= allowed:
             return allowed
-    raise ValueError(f"train.lora.rank {rank} is larger than vLLM's largest LoRA rank (512)")
+    raise ValueError(f"train.lora.rank {rank} is larger than vLLM's largest LoRA rank ({ENGINE_RANKS[-1]})")
 
 
 def _write_adapter(directory: Path, tensors: Mapping[str, Tensor], spec: LoraSpec) -> None:

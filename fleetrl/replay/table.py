@@ -27,7 +27,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import redis.asyncio as aioredis
-from redis.exceptions import OutOfMemoryError, ResponseError
+from redis.exceptions import ResponseError
 
 from fleetrl.errors import (
     FailedPrecondition,
@@ -38,7 +38,7 @@ from fleetrl.errors import (
     ResourceExhausted,
     Unavailable,
 )
-from fleetrl.jobs.store import REDIS_UNREACHABLE
+from fleetrl.jobs.store import REDIS_UNREACHABLE, redis_full
 from fleetrl.replay import scripts
 from fleetrl.replay.samplers import SAMPLERS, Sampler
 from fleetrl.spec.config import DEFAULT_LEASE_TIMEOUT_S, MAX_CAPACITY_GROUPS, MAX_LEASE_TIMEOUT_S, MAX_REUSE
@@ -345,8 +345,8 @@ def _no_table(job_id: str) -> NotFound:
 
 
 def _mapped(error: BaseException) -> BaseException:
-    if isinstance(error, OutOfMemoryError) or (isinstance(error, ResponseError) and str(error).startswith("OOM")):
-        return ResourceExhausted(f"Redis is out of memory, retry later: {error}")
+    if full := redis_full(error):
+        return ResourceExhausted(f"{full} (retry later)")
     if isinstance(error, REDIS_UNREACHABLE):
         return Unavailable(f"Redis unreachable: {error}")
     return error
@@ -356,7 +356,8 @@ _MAPPED: tuple[type[Exception], ...] = (ResponseError, *REDIS_UNREACHABLE)
 
 
 async def _run(awaitable: Any) -> Any:
-    """Await a Redis call, turning OOM into ResourceExhausted and lost connections into Unavailable."""
+    """Await a Redis call, turning a full Redis (`redis_full`) into ResourceExhausted and lost connections into
+    Unavailable."""
     try:
         return await awaitable
     except _MAPPED as error:

@@ -396,8 +396,9 @@ async def _read_exact(fd: int, size: int, eof_ok: bool = False) -> bytes:
 
 
 def _spec_field(boot: dict[str, Any]) -> str:
-    return {"file": "reward.file", "env": "environment.file"}.get(boot.get("mode", ""), "reward.params")
+    return {"file": "reward.file", "env": "environment.file", "agent": "agent.file"}.get(boot.get("mode", ""),
+                                                                                       "reward.params")
 
 
 def _what(boot: dict[str, Any]) -> str:
-    return "environment" if boot.get("mode") == "env" else "reward spec"
+    return {"env": "environment", "agent": "agent"}.get(boot.get("mode", ""), "reward spec")

@@ -148,7 +148,7 @@ def check_builtin(name: str, params: dict[str, Any]) -> None:
 def boot_message(spec: SpecInput) -> dict[str, Any]:
     """What a worker needs to load the spec."""
     if isinstance(spec.spec, EnvironmentSpec):
-        return {"mode": "env", "spec": {"params": spec.spec.params}, "source": spec.source}
+        return {"mode": spec.spec.kind, "spec": {"params": spec.spec.params}, "source": spec.source}
     if spec.spec.builtin is not None:
         return {"mode": "builtin", "spec": {"builtin": spec.spec.builtin, "params": spec.spec.params}}
     return {"mode": "file", "spec": {"params": spec.spec.params}, "source": spec.source}
@@ -156,7 +156,7 @@ def boot_message(spec: SpecInput) -> dict[str, Any]:
 
 def _kind(spec: SpecInput) -> str:
     if isinstance(spec.spec, EnvironmentSpec):
-        return "environment file"
+        return "agent file" if spec.spec.kind == "agent" else "environment file"
     return "reward file" if spec.spec.file is not None else "reward spec"
 
 

@@ -39,13 +39,13 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from fleetrl.env.host import EnvError, observation_messages
+from fleetrl.env.host import EnvError, observation_messages, observation_roles
 from fleetrl.errors import FailedPrecondition, FieldViolation, InvalidArgument, NotFound, ResourceExhausted, Unavailable
 from fleetrl.reward.metrics import RewardMetrics
 from fleetrl.reward.pool import ReplaceReason, WorkerPool
 from fleetrl.reward.protocol import finite_number
 from fleetrl.reward.sandbox import Outcome, WorkerProcess
-from fleetrl.reward.scorer import Scorer, SpecInput, Status, owner
+from fleetrl.reward.scorer import MAX_COMPONENTS, Scorer, SpecInput, Status, owner
 from fleetrl.reward.settings import RewardSettings
 from fleetrl.spec.config import EnvironmentSpec
 
@@ -70,11 +70,38 @@ class EpisodeResult:
     reason: str = ""
     latency_s: float = 0.0
     tools_json: str = ""
-    """On an open: the environment's tools as a JSON list of function schemas ("" without tools)."""
+    """On an open (and an agent's segment): the tools as a JSON list of function schemas ("" without tools)."""
+    segment: bool = False
+    """Agent episodes: the observation is a whole new conversation (`fleetrl.env.agent`)."""
+    max_new_tokens: int = 0
+    """Agent episodes: the call's cap on new tokens (0: none)."""
+    answer: str = ""
+    """Agent episodes that ended: the final answer for the job's verifier."""
+    components: dict[str, float] = field(default_factory=dict)
+    """Agent episodes that ended: the reward components `run` returned."""
+
+
+@dataclass(frozen=True)
+class Action:
+    """One episode's next action, as the actor sent it."""
+
+    episode: int
+    turn: int
+    text: str
+    finish_reason: str = ""
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+
+    def request(self) -> dict[str, Any]:
+        """The worker's step request."""
+        return {"op": "step", "action": self.text, "finish_reason": self.finish_reason,
+                "prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens}
 
 
 MAX_TOOLS_JSON = 16 << 10
 """Most bytes of an environment's tool schemas (they go into every episode's first prompt)."""
+MAX_ANSWER_CHARS = 1 << 20
+"""Most characters of an agent's final answer."""
 
 
 @dataclass
@@ -114,20 +141,32 @@ def check_reply(index: int, outcome: Outcome) -> EpisodeResult:
     reply = outcome.reply
     if "error" in reply:
         return EpisodeResult(index, [], 0.0, True, Status.ERROR, str(reply["error"])[:4000], outcome.latency_s)
-    reward, done = finite_number(reply.get("reward")), reply.get("done")
     try:
-        observation = observation_messages(reply.get("observation"))
+        return _checked(index, reply, outcome.latency_s)
     except EnvError as error:
         return EpisodeResult(index, [], 0.0, True, Status.ERROR, str(error), outcome.latency_s)
+
+
+def _checked(index: int, reply: dict[str, Any], latency_s: float) -> EpisodeResult:
+    reward, done = finite_number(reply.get("reward")), reply.get("done")
+    segment = reply.get("segment", False) is True
+    observation = observation_messages(reply.get("observation"), observation_roles(reply))
     if reward is None or not isinstance(done, bool):
-        return EpisodeResult(index, [], 0.0, True, Status.ERROR, "malformed reply from the environment worker",
-                             outcome.latency_s)
+        raise EnvError("malformed reply from the environment worker")
     tools = reply.get("tools", [])
     tools_json = json.dumps(tools, separators=(",", ":")) if tools else ""
     if not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools) or len(tools_json) > MAX_TOOLS_JSON:
-        return EpisodeResult(index, [], 0.0, True, Status.ERROR, f"the environment's tools are not a list of "
-                             f"function schemas of at most {MAX_TOOLS_JSON} bytes", outcome.latency_s)
-    return EpisodeResult(index, observation, reward, done, Status.OK, "", outcome.latency_s, tools_json)
+        raise EnvError(f"the tools are not a list of function schemas of at most {MAX_TOOLS_JSON} bytes")
+    cap, answer, components = reply.get("max_new_tokens", 0), reply.get("answer", ""), reply.get("components", {})
+    if isinstance(cap, bool) or not isinstance(cap, int) or not 0 <= cap < 1 << 32:
+        raise EnvError("the call's max_tokens is not an int in [0, 2**32)")
+    if not isinstance(answer, str) or len(answer) > MAX_ANSWER_CHARS:
+        raise EnvError(f"the agent's answer is not a str of at most {MAX_ANSWER_CHARS} characters")
+    numbers = {str(k): finite_number(v) for k, v in components.items()} if isinstance(components, dict) else {}
+    if not isinstance(components, dict) or len(numbers) > MAX_COMPONENTS or None in numbers.values():
+        raise EnvError(f"the reward components are not at most {MAX_COMPONENTS} finite numbers")
+    return EpisodeResult(index, observation, reward, done, Status.OK, "", latency_s, tools_json, segment, cap, answer,
+                         {k: v for k, v in numbers.items() if v is not None})
 
 
 class EpisodeSessions:
@@ -224,42 +263,41 @@ class EpisodeSessions:
                                                     for e in session.episodes)))
         session.touched = time.monotonic()
 
-    async def step(self, job_id: str, session_id: str, actions: list[tuple[int, int, str]]) -> list[EpisodeResult]:
-        """One result per (episode, turn, text) action, in order."""
+    async def step(self, job_id: str, session_id: str, actions: list[Action]) -> list[EpisodeResult]:
+        """One result per action, in order."""
         session = self._sessions.get((job_id, session_id))
         if session is None:
             raise NotFound(f"no episode session {session_id!r} of job {job_id!r} (closed, reaped after idle, or the "
                            "reward service restarted)")
-        episodes = [index for index, _, _ in actions]
+        episodes = [action.episode for action in actions]
         if len(set(episodes)) != len(episodes):
             raise InvalidArgument("one action per episode", [FieldViolation("actions", "an episode appears twice")])
         async with session.lock:
             session.touched = time.monotonic()
             todo = [self._check_action(session, i, a) for i, a in enumerate(actions)]
-            fresh = [(episode, text) for episode, text in todo if episode is not None]
-            results = await asyncio.gather(*(self._step(session, e, text) for e, text in fresh))
+            fresh = [(episode, action) for episode, action in todo if episode is not None]
+            results = await asyncio.gather(*(self._step(session, e, action) for e, action in fresh))
             answers = iter(results)
             session.touched = time.monotonic()
             out = []
-            for (episode, _), (index, _, _) in zip(todo, actions, strict=True):
-                out.append(next(answers) if episode is not None else self._last(session, index))
+            for (episode, _), action in zip(todo, actions, strict=True):
+                out.append(next(answers) if episode is not None else self._last(session, action.episode))
             return out
 
-    def _check_action(self, session: Session, position: int,
-                      action: tuple[int, int, str]) -> tuple[Episode | None, str]:
+    def _check_action(self, session: Session, position: int, action: Action) -> tuple[Episode | None, Action]:
         """The episode to step for an action, or None when the action is a repeat of the last one."""
-        index, turn, text = action
+        index, turn = action.episode, action.turn
         if not 0 <= index < len(session.episodes):
             raise InvalidArgument("no such episode", [FieldViolation(
                 f"actions[{position}].episode", f"{index} is not in [0, {len(session.episodes)})")])
         episode = session.episodes[index]
         if turn + 1 == episode.turn and episode.last is not None:
-            return None, text
+            return None, action
         if turn != episode.turn:
             raise FailedPrecondition(f"episode {index} expects turn {episode.turn}, not {turn}")
         if episode.worker is None:
             raise FailedPrecondition(f"episode {index} has ended")
-        return episode, text
+        return episode, action
 
     @staticmethod
     def _last(session: Session, index: int) -> EpisodeResult:
@@ -267,8 +305,8 @@ class EpisodeSessions:
         assert last is not None
         return last
 
-    async def _step(self, session: Session, episode: Episode, text: str) -> EpisodeResult:
-        result = await self._call(session, episode, {"op": "step", "action": text}, "step")
+    async def _step(self, session: Session, episode: Episode, action: Action) -> EpisodeResult:
+        result = await self._call(session, episode, action.request(), "step")
         episode.turn += 1
         episode.last = result
         return result
@@ -312,6 +350,8 @@ class EpisodeSessions:
         if worker is None:
             return
         kill = KILL_REASONS.get(status)
+        if status == "closed" and session.spec.kind == "agent":
+            kill = "cancelled"  # its run is still waiting inside a call: the worker cannot serve another episode
         if kill is None:
             session.pool.give_back(worker)  # a no-op when the pool killed it already (step timeout, crash)
         else:

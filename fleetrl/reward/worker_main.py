@@ -9,14 +9,17 @@ before any user code runs. The second request loads the spec (a reward file's co
 first) and is answered {"ok": true} or {"ok": false, "reason": traceback}. Then each item is
 answered {"value": x} | {"components": {...}} | {"error": reason} with its CPU seconds so far; in
 "env" mode (an environment file) the requests are an episode's reset, steps and close instead
-(`fleetrl.env.host`).
+(`fleetrl.env.host`), and in "agent" mode (an agent file) the same requests run the agent, whose
+chat completions answer them (`fleetrl.env.agent`).
 User code sees /dev/null as stdin, stdout and stderr. Stdlib only, plus pyseccomp in the jail and
 the built-in registry in "builtin" mode (both imported before the uid drop).
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import linecache
 import os
 import resource
 import socket
@@ -31,7 +34,7 @@ from fleetrl.reward import codeexec, guard, protocol
 
 RewardFn = Callable[..., Any]
 Handler = Callable[[dict[str, Any]], dict[str, Any]]
-USER_CODE_MODES = ("file", "env")
+USER_CODE_MODES = ("file", "env", "agent")
 LOAD_WARNINGS: list[str] = []
 """Deprecation warnings the spec's load raised, reported to the service with the load's reply."""
 
@@ -73,6 +76,8 @@ def isolate(boot: dict[str, Any], sock: socket.socket, reply_fd: int) -> dict[st
     os.chdir(boot["tmpdir"])
     if boot["mode"] == "builtin":
         _preload_builtins(boot)
+    if boot["mode"] == "agent":
+        _preload_agent()
     guard.set_limits(limits["memory_mb"], limits["cpu_s"], limits["file_mb"], limits["open_files"],
                      limits["processes"])
     uid = int(boot.get("uid") or 0)
@@ -118,12 +123,25 @@ def _preload_builtins(boot: dict[str, Any]) -> None:
     verifiers.preload(boot["spec"]["builtin"], boot["spec"]["params"])
 
 
+def _preload_agent() -> None:
+    """Import the openai SDK (and what it imports lazily on a first call) while files can still be read
+    freely and before the limits: an agent's first call then costs no imports."""
+    import openai
+    import openai.resources.chat  # noqa: F401
+
+    from fleetrl.env import agent  # noqa: F401
+
+
 def run_user_file(source: str, tmpdir: str, root: str, name: str) -> dict[str, Any]:
     """Execute a user's file under the audit hook; its module namespace."""
     sys.path[:] = [p for p in sys.path if p != root]
     guard.install_hook(tmpdir)
-    namespace: dict[str, Any] = {"__name__": name, "__file__": f"{name}.py"}
-    exec(compile(source, f"{name}.py", "exec"), namespace)
+    filename = f"{name}.py"
+    # the file exists only here: its lines in linecache give `inspect.getsource` (smolagents' @tool reads
+    # a tool's source) and tracebacks its text; an entry with no mtime is never checked against a file
+    linecache.cache[filename] = (len(source), None, source.splitlines(keepends=True), filename)
+    namespace: dict[str, Any] = {"__name__": name, "__file__": filename}
+    exec(compile(source, filename, "exec"), namespace)
     return namespace
 
 
@@ -155,8 +173,42 @@ def load_scorer(boot: dict[str, Any]) -> RewardFn:
     return verifiers.resolve(boot["spec"]["builtin"], boot["spec"]["params"])
 
 
-def load(boot: dict[str, Any]) -> Handler:
+def _inline(function: Callable[..., Any]) -> Callable[..., Any]:
+    """`function` as a coroutine function that runs it in the event loop's thread."""
+
+    async def run(*args: Any, **kwargs: Any) -> Any:
+        return function(*args, **kwargs)
+
+    return run
+
+
+def load_agent(source: str, tmpdir: str, root: str, channel: Channel) -> Handler:
+    """Execute a user's agent file and host its `run`: its clients, and every httpx client it makes,
+    are answered by the policy through the channel. The event loop and clients are made before the
+    audit hook (which refuses the loop's self-pipe socket) and reused by every episode; the agent's
+    environment (`agent.ENVIRONMENT`) is set before its file runs, for clients it builds at import."""
+    import openai
+
+    from fleetrl.env import agent
+
+    # the async client finds the platform in a worker thread on its first call (`asyncify`), and that idle
+    # thread would outlive the call: the lookup is quick file reads, so it runs inline instead
+    openai._base_client.asyncify = _inline  # type: ignore[attr-defined]
+    loop = asyncio.new_event_loop()
+    asyncio.set_event_loop(loop)
+    clients = (openai.OpenAI(base_url=agent.BASE_URL, api_key=agent.API_KEY, max_retries=0),
+               openai.AsyncOpenAI(base_url=agent.BASE_URL, api_key=agent.API_KEY, max_retries=0))
+    os.environ.update(agent.ENVIRONMENT)
+    run = agent.agent_run(run_user_file(source, tmpdir, root, "agent_file"))
+    host = agent.AgentHost(run, tmpdir, channel.exchange, loop, clients)
+    agent.serve_httpx(host)
+    return host.handle
+
+
+def load(boot: dict[str, Any], channel: Channel) -> Handler:
     """What answers one request, for the boot's mode."""
+    if boot["mode"] == "agent":
+        return load_agent(boot["source"], boot["tmpdir"], boot["root"], channel)
     if boot["mode"] == "env":
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always", DeprecationWarning)
@@ -208,17 +260,36 @@ def reply(fd: int, message: dict[str, Any]) -> None:
             os.close(fd)
 
 
-def serve(handler: Handler, sock: socket.socket) -> None:
-    while True:
+class Channel:
+    """The worker's end of the request socket: the request in hand, and the pipe its reply goes to."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock, self.reply_fd = sock, -1
+
+    def next(self) -> dict[str, Any] | None:
+        """The next request (None once the service has hung up)."""
         try:
-            request, reply_fd = protocol.receive(sock)
+            request, self.reply_fd = protocol.receive(self.sock)
         except (EOFError, ConnectionError):
-            return
-        codeexec.CHILD_CLOSE_FDS[:] = [sock.fileno(), reply_fd]
-        result = handler(request)
+            return None
+        codeexec.CHILD_CLOSE_FDS[:] = [self.sock.fileno(), self.reply_fd]
+        return request
+
+    def answer(self, message: dict[str, Any]) -> None:
+        """Reply to the request in hand, with this process's CPU seconds so far."""
         usage = resource.getrusage(resource.RUSAGE_SELF)
-        result["cpu_s"] = usage.ru_utime + usage.ru_stime
-        reply(reply_fd, result)
+        reply(self.reply_fd, {**message, "cpu_s": usage.ru_utime + usage.ru_stime})
+
+    def exchange(self, message: dict[str, Any]) -> dict[str, Any]:
+        """Answer the request in hand with message and wait for the next one ({} once the service hung up):
+        how an agent's chat completion waits for the actor's reply."""
+        self.answer(message)
+        return self.next() or {}
+
+
+def serve(handler: Handler, channel: Channel) -> None:
+    while (request := channel.next()) is not None:
+        channel.answer(handler(request))
 
 
 def _reason(error: BaseException) -> str:
@@ -235,11 +306,12 @@ def main() -> None:
         os._exit(3)
     reply(reply_fd, {"ok": True, "isolation": isolation})
     _, reply_fd = protocol.receive(sock)
+    channel = Channel(sock)
     try:
-        handler = load(boot)
+        handler = load(boot, channel)
     except BaseException as error:  # report why the spec cannot load, then exit
         reply(reply_fd, {"ok": False, "reason": _reason(error)})
         os._exit(3)
     reply(reply_fd, {"ok": True, "warnings": LOAD_WARNINGS})
-    serve(handler, sock)
+    serve(handler, channel)
     os._exit(0)

@@ -24,10 +24,23 @@ assistant turn of every live episode in one batch (`Backend.generate_batch`), se
   is scored): its value is added to the last turn's reward, and the sample's components are the
   verifier's, plus `environment` (the steps' sum) and `verifier` (its value). A verifier failure
   fails the episode's reward like a failed single-turn score (reward 0, the status and reason kept).
+- Agent episodes (`environment.kind = "agent"`, `fleetrl.env.agent`): each chat completion the agent
+  asks for is a turn. A call that extends the previous one (its messages, then the reply it was given,
+  then new messages) comes as an ordinary observation, so the sequence holds exactly the tokens the
+  policy generated and saw, never re-rendered. Any other call opens a new segment (`segment`): its
+  whole conversation through the chat template, with the call's tools. An episode becomes one sample
+  per segment that holds a turn, all with the episode's reward and status; every sample but an
+  episode's last has `continues` set, and the learner's group baseline counts the episode once. A
+  call's `max_tokens` caps its turn. `run` may return an answer (a str) for the job's verifier, which
+  then scores it in place of the last action, or named components, which the sample reports.
 - The observation that ends an episode (done) is not appended: nothing is generated after it.
   Each turn may generate up to `rollout.max_new_tokens`, less what is left of `max_total_tokens`;
   an observation that would leave no room for another token ends the episode as TRUNCATED.
-- One episode uses one policy version: weights are applied between tasks only (`job_policy`).
+- One episode uses one policy version: weights are applied between tasks only (`job_policy`), unless
+  the job sets `environment.inflight_updates`: then the actor loads the newest weights before each
+  turn after the first. Each turn records the version that generated it (`Turn.policy_version`),
+  and its behaviour log-probs are that version's, which is what the learner's off-policy
+  correction reads; the group's `policy_version` is the first turn's (the oldest).
 - Turn k of a task is sampled with the seed `task_seed(job seed, "<task id>/turn<k>")`, so a
   redelivery under the same weights and a deterministic environment gives the same group.
 - The session id is fresh per delivery. If the reward service restarts, its next step is NOT_FOUND
@@ -78,45 +91,80 @@ class EpisodeHost(Protocol):
 Stage = Callable[[str, str], AbstractContextManager[None]]
 """A named step of a task: its span, its step_seconds sample and the actor's state (Rollout._stage)."""
 
+class Weights(Protocol):
+    """The job's weights as the actor holds them (fleetrl.rollout.job_policy.JobPolicy)."""
+
+    version: int
+
+    async def refresh(self) -> bool: ...
+
+
 Verifier = Callable[[list[str]], Awaitable[list[reward_pb2.ScoreResult]]]
 """Scores final actions with the job's built-in verifier, one result per text (Rollout.verifier)."""
 
 
 @dataclass
-class Episode:
-    """One episode's sequence as it grows."""
+class Segment:
+    """One stretch of an episode's sequence that grows by appending: a prompt, then turns and
+    observations. An agent that rewrites its history starts a new one (`EpisodeResult.segment`)."""
 
-    index: int
     prompt_ids: list[int]
     completion_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     mask: list[bool] = field(default_factory=list)
     turns: list[common_pb2.Turn] = field(default_factory=list)
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.prompt_ids + self.completion_ids
+
+
+@dataclass
+class Episode:
+    """One episode's sequence as it grows: its segments (one, unless an agent rewrote its history)."""
+
+    index: int
+    segments: list[Segment]
     status: common_pb2.EpisodeStatus = LIVE
     reward_status: common_pb2.RewardStatus = OK
     reason: str = ""
     last_action: str = ""
+    """What the verifier scores: the last action, or the answer an agent's run returned."""
     components: dict[str, float] = field(default_factory=dict)
+    cap: int = 0
+    """The next turn's cap on new tokens an agent's call set (0: none)."""
+    answered: bool = False
+    """An agent's run returned a final answer (for the verifier) rather than a reward."""
 
     @property
     def live(self) -> bool:
         return self.status == LIVE
 
     @property
+    def current(self) -> Segment:
+        return self.segments[-1]
+
+    @property
     def tokens(self) -> list[int]:
-        return self.prompt_ids + self.completion_ids
+        return self.current.tokens
+
+    @property
+    def turns(self) -> list[common_pb2.Turn]:
+        """Every turn of every segment, in order."""
+        return [turn for segment in self.segments for turn in segment.turns]
 
     def end(self, status: common_pb2.EpisodeStatus, reward_status: common_pb2.RewardStatus = OK,
             reason: str = "") -> None:
         self.status, self.reward_status, self.reason = status, reward_status, reason
 
-    def add_action(self, completion: Completion) -> None:
-        start = len(self.completion_ids)
-        self.completion_ids += completion.token_ids
-        self.logprobs += completion.logprobs
-        self.mask += [True] * len(completion.token_ids)
-        self.turns.append(common_pb2.Turn(start=start, end=len(self.completion_ids),
-                                          finish_reason=completion.finish_reason))
+    def add_action(self, completion: Completion, version: int = 0) -> None:
+        segment = self.current
+        start = len(segment.completion_ids)
+        segment.completion_ids += completion.token_ids
+        segment.logprobs += completion.logprobs
+        segment.mask += [True] * len(completion.token_ids)
+        segment.turns.append(common_pb2.Turn(start=start, end=len(segment.completion_ids),
+                                             finish_reason=completion.finish_reason, policy_version=version))
         self.last_action = completion.text
 
     def verified(self, result: reward_pb2.ScoreResult) -> None:
@@ -125,14 +173,16 @@ class Episode:
         if result.status != OK:
             self.reward_status, self.reason = result.status, result.reason
             return
-        steps = sum(t.reward for t in self.turns)
-        self.turns[-1].reward += result.reward
+        turns = self.turns
+        steps = sum(t.reward for t in turns)
+        turns[-1].reward += result.reward
         self.components = {**result.components, "environment": steps, "verifier": result.reward}
 
     def add_observation(self, token_ids: list[int]) -> None:
-        self.completion_ids += token_ids
-        self.logprobs += [0.0] * len(token_ids)
-        self.mask += [False] * len(token_ids)
+        segment = self.current
+        segment.completion_ids += token_ids
+        segment.logprobs += [0.0] * len(token_ids)
+        segment.mask += [False] * len(token_ids)
 
     def check_total(self) -> None:
         """Fails the episode's reward (REWARD_STATUS_ERROR) when the sum of its turns' rewards is not finite."""
@@ -152,18 +202,30 @@ class Episode:
             return unfinished_reward
         return sum(t.reward for t in self.turns)
 
-    def sample(self, tokenizer: Any, unfinished_reward: float | None = None) -> common_pb2.Sample:
-        return common_pb2.Sample(
-            prompt_token_ids=self.prompt_ids, completion_token_ids=self.completion_ids,
-            behaviour_logprobs=self.logprobs, completion_text=tokenizer.decode(self.completion_ids),
-            reward=self.reward(unfinished_reward), reward_status=self.reward_status,
-            reward_reason=self.reason, finish_reason=self.turns[-1].finish_reason if self.turns else "",
-            loss_mask=self.mask, turns=self.turns, episode_status=self.status, reward_components=self.components)
+    def samples(self, tokenizer: Any, unfinished_reward: float | None = None) -> list[common_pb2.Sample]:
+        """One sample per segment that holds a turn (the first segment when none does), each with the
+        episode's reward and status; all but the last have `continues` set."""
+        segments = [s for s in self.segments if s.turns] or self.segments[:1]
+        reward, turns = self.reward(unfinished_reward), self.turns
+        finish = turns[-1].finish_reason if turns else ""
+        return [common_pb2.Sample(
+            prompt_token_ids=s.prompt_ids, completion_token_ids=s.completion_ids, behaviour_logprobs=s.logprobs,
+            completion_text=tokenizer.decode(s.completion_ids), reward=reward, reward_status=self.reward_status,
+            reward_reason=self.reason, finish_reason=finish, loss_mask=s.mask, turns=s.turns,
+            episode_status=self.status, reward_components=self.components, continues=i < len(segments) - 1)
+            for i, s in enumerate(segments)]
 
 
 def messages_of(tokenizer: Any, result: reward_pb2.EpisodeResult) -> list[dict[str, str]]:
     """The environment's observation messages, their contents escaped for the chat template (`chat_escape`)."""
     return escape_messages(tokenizer, [{"role": m.role, "content": m.content} for m in result.observation])
+
+
+def conversation_of(tokenizer: Any, result: reward_pb2.EpisodeResult, rollout: RolloutConfig) -> list[int]:
+    """The tokens of a whole conversation the environment (or an agent's call) opens a segment with:
+    its messages and tools through the chat template, ready for the assistant's turn."""
+    tools = escape_json(tokenizer, json.loads(result.tools_json)) if result.tools_json else None
+    return conversation_tokens(tokenizer, messages_of(tokenizer, result), rollout, tools)
 
 
 class EpisodeRunner:
@@ -178,10 +240,13 @@ class EpisodeRunner:
 
     async def play(self, job_id: str, spec_seed: int, rollout: RolloutConfig, env: EnvironmentSpec,
                    env_proto: reward_pb2.EnvironmentSpec, backend: Backend, task: common_pb2.Task,
-                   verifier: Verifier | None = None, tenant: str = "") -> list[common_pb2.Sample]:
+                   verifier: Verifier | None = None, tenant: str = "",
+                   weights: Weights | None = None) -> list[common_pb2.Sample]:
         """The group's samples, one per episode, in episode order (verifier: the job's built-in
         verifier, which scores each episode's last action; tenant: the job's, for the reward service's
-        per-tenant share of episode slots)."""
+        per-tenant share of episode slots; weights: the job's weights the backend holds, whose version
+        each turn records and which, with `env.inflight_updates`, are refreshed before each turn after
+        the first)."""
         session = f"{self.settings.actor_id}/{task.task_id}/{uuid.uuid4().hex[:12]}"[-128:]
         timeout_s = env.step_timeout_s + self.settings.reward_timeout_s
         with self._stage("env_open", "stepping_env"):
@@ -193,8 +258,12 @@ class EpisodeRunner:
                 live = [e for e in episodes if e.live]
                 if not live:
                     break
+                if turn and env.inflight_updates and weights is not None:
+                    with self._stage("ensure_weights", "waiting_for_weights"):
+                        await weights.refresh()
+                version = weights.version if weights is not None else 0
                 await self._turn(job_id, task_seed(spec_seed, f"{task.task_id}/turn{turn}"), rollout, env,
-                                 backend, session, live, turn, timeout_s)
+                                 backend, session, live, turn, timeout_s, version)
             for episode in episodes:
                 if episode.live:
                     episode.end(common_pb2.EPISODE_STATUS_MAX_TURNS)
@@ -204,8 +273,13 @@ class EpisodeRunner:
         if verifier is not None:
             await self._verify(verifier, episodes)
         for episode in episodes:
+            if verifier is None and episode.answered and episode.reward_status == OK:
+                episode.reward_status = common_pb2.REWARD_STATUS_ERROR
+                episode.reason = "the agent's run returned an answer (a str), but the job has no verifier to score " \
+                                 "it: set reward.builtin, or return the reward (a number)"
+        for episode in episodes:
             episode.check_total()
-        return [e.sample(backend.tokenizer, env.unfinished_reward) for e in episodes]
+        return [sample for e in episodes for sample in e.samples(backend.tokenizer, env.unfinished_reward)]
 
     @staticmethod
     async def _verify(verifier: Verifier, episodes: list[Episode]) -> None:
@@ -223,31 +297,32 @@ class EpisodeRunner:
     def _first(tokenizer: Any, result: reward_pb2.EpisodeResult, rollout: RolloutConfig, env: EnvironmentSpec,
                task: common_pb2.Task) -> Episode:
         if result.status != OK:
-            episode = Episode(result.episode, prompt_tokens(tokenizer, task.prompt, rollout))
+            episode = Episode(result.episode, [Segment(prompt_tokens(tokenizer, task.prompt, rollout))])
             episode.end(common_pb2.EPISODE_STATUS_ENV_ERROR, result.status, result.reason)
             return episode
-        tools = escape_json(tokenizer, json.loads(result.tools_json)) if result.tools_json else None
-        first = conversation_tokens(tokenizer, messages_of(tokenizer, result), rollout, tools)
-        episode = Episode(result.episode, first)
+        episode = Episode(result.episode, [Segment(conversation_of(tokenizer, result, rollout))])
+        episode.cap = result.max_new_tokens
         if result.done:
             episode.end(common_pb2.EPISODE_STATUS_DONE)
-        elif len(episode.prompt_ids) >= env.max_total_tokens:
+        elif len(episode.tokens) >= env.max_total_tokens:
             episode.end(common_pb2.EPISODE_STATUS_TRUNCATED)
         return episode
 
     async def _turn(self, job_id: str, seed: int, rollout: RolloutConfig, env: EnvironmentSpec, backend: Backend,
-                    session: str, live: list[Episode], turn: int, timeout_s: float) -> None:
+                    session: str, live: list[Episode], turn: int, timeout_s: float, version: int) -> None:
         """One assistant turn of every live episode, then the environment's answers."""
-        budgets = [min(rollout.max_new_tokens, env.max_total_tokens - len(e.tokens)) for e in live]
+        budgets = [min(rollout.max_new_tokens, env.max_total_tokens - len(e.tokens), e.cap or rollout.max_new_tokens)
+                   for e in live]
         with self._stage("generate", "generating"):
             completions = await asyncio.to_thread(
                 backend.generate_batch, [e.tokens for e in live], max_new_tokens=budgets,
                 temperature=rollout.temperature, top_p=rollout.top_p, seed=seed)
         metrics.GENERATED_TOKENS.labels(job_id).inc(sum(len(c.token_ids) for c in completions))
-        for episode, completion in zip(live, completions, strict=True):
-            episode.add_action(completion)
-        actions = [reward_pb2.Action(episode=e.index, turn=turn, text=c.text)
+        actions = [reward_pb2.Action(episode=e.index, turn=turn, text=c.text, finish_reason=c.finish_reason,
+                                     prompt_tokens=len(e.tokens), completion_tokens=len(c.token_ids))
                    for e, c in zip(live, completions, strict=True)]
+        for episode, completion in zip(live, completions, strict=True):
+            episode.add_action(completion, version)
         with self._stage("env_step", "stepping_env"):
             results = await self._host.step_episodes(job_id, session, actions, timeout_s)
         if len(results) != len(actions):
@@ -258,13 +333,25 @@ class EpisodeRunner:
     @staticmethod
     def _answer(tokenizer: Any, rollout: RolloutConfig, env: EnvironmentSpec, episode: Episode,
                 completion: Completion, result: reward_pb2.EpisodeResult) -> None:
-        last = episode.turns[-1]
+        last = episode.current.turns[-1]
         last.reward, last.env_latency_s = result.reward, result.latency_s
         metrics.ENV_STEP_SECONDS.observe(result.latency_s)
+        episode.cap = result.max_new_tokens
         if result.status != OK:
             episode.end(common_pb2.EPISODE_STATUS_ENV_ERROR, result.status, result.reason)
         elif result.done:
             episode.end(common_pb2.EPISODE_STATUS_DONE)
+            if result.answer:
+                episode.last_action, episode.answered = result.answer, True
+            if result.components:
+                episode.components = dict(result.components)
+        elif result.segment:
+            segment = Segment(conversation_of(tokenizer, result, rollout))
+            if len(segment.tokens) >= env.max_total_tokens:
+                episode.end(common_pb2.EPISODE_STATUS_TRUNCATED)
+            else:
+                episode.segments.append(segment)
+                metrics.AGENT_SEGMENTS.inc()
         else:
             observed = observation_tokens(tokenizer, messages_of(tokenizer, result), rollout,
                                           after_eos=completion.finish_reason == "eos")

@@ -10,6 +10,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from prometheus_client import Counter, Enum, Gauge, Histogram, Info
 
@@ -44,6 +45,14 @@ EPISODE_TURNS = Histogram("fleetrl_actor_episode_turns", "Assistant turns per ep
                           buckets=(1, 2, 3, 4, 6, 8, 12, 16, 32, 64))
 ENV_STEP_SECONDS = Histogram("fleetrl_actor_env_step_seconds",
                              "Seconds of one environment step in the reward service's sandbox")
+MEMORY_BUDGET = Gauge("fleetrl_actor_memory_budget_bytes", "Memory the jobs this actor holds may commit")
+MEMORY_COMMITTED = Gauge("fleetrl_actor_memory_committed_bytes", "Estimated memory of the jobs this actor holds")
+JOBS_DROPPED = Counter("fleetrl_actor_jobs_dropped_total", "Jobs dropped to make room for another (memory budget)",
+                       ["job"])
+JOBS_DEFERRED = Counter("fleetrl_actor_jobs_deferred_total",
+                        "Refreshes at which a running job was not taken: it did not fit the memory budget", ["job"])
+AGENT_SEGMENTS = Counter("fleetrl_actor_agent_segments_total",
+                         "Segments started after the first in agent episodes (the agent rewrote its history)")
 STEP_SECONDS = Histogram("fleetrl_actor_step_seconds", "Seconds per task-loop step", ["step"])
 STATE = Enum("fleetrl_actor_state", "What the actor is doing", states=list(STATES))
 BUSY_SECONDS = Counter("fleetrl_actor_busy_seconds_total", "Seconds spent holding a task")
@@ -62,9 +71,11 @@ class Activity:
     def __init__(self, window_s: float = WINDOW_S, clock: Callable[[], float] = time.monotonic) -> None:
         self.state, self.job_id, self.window_s = "idle", "", window_s
         self._clock = clock
-        self._busy_s, self._tokens = 0.0, 0
+        self._tokens = 0
         self._busy_since: float | None = None
-        self._marks: deque[tuple[float, float, int]] = deque([(clock(), 0.0, 0)])
+        self._ended: dict[str, float] = {}
+        """Busy seconds of tasks that ended since the last mark, by job (the next mark's share of them)."""
+        self._marks: deque[Mark] = deque([Mark(clock(), 0, {})])
 
     def begin(self, job_id: str) -> None:
         """A task of job_id was taken."""
@@ -73,9 +84,9 @@ class Activity:
     def end(self) -> None:
         """The task was acked, released or dead-lettered."""
         if self._busy_since is not None:
-            held = self._clock() - self._busy_since
-            self._busy_s += held
-            BUSY_SECONDS.inc(held)
+            now = self._clock()
+            BUSY_SECONDS.inc(now - self._busy_since)
+            self._ended[self.job_id] = self._ended.get(self.job_id, 0.0) + now - self._uncounted_since()
         self._busy_since = None
         self.set_state("idle")
 
@@ -89,13 +100,41 @@ class Activity:
     def rates(self) -> tuple[float, float]:
         """(busy fraction, tokens per second) since the oldest mark inside the window; sets the gauges."""
         now = self._clock()
-        busy = self._busy_s + (now - self._busy_since if self._busy_since is not None else 0.0)
-        self._marks.append((now, busy, self._tokens))
-        while len(self._marks) > 2 and self._marks[1][0] <= now - self.window_s:
+        busy, self._ended = self._ended, {}
+        if self._busy_since is not None:  # the task in hand, up to now
+            busy[self.job_id] = busy.get(self.job_id, 0.0) + now - self._uncounted_since()
+        self._marks.append(Mark(now, self._tokens, busy))
+        while len(self._marks) > 2 and self._marks[1].at <= now - self.window_s:
             self._marks.popleft()
-        start, busy0, tokens0 = self._marks[0]
-        elapsed = max(now - start, 1e-9)
-        fraction, rate = min(1.0, (busy - busy0) / elapsed), (self._tokens - tokens0) / elapsed
+        first = self._marks[0]
+        elapsed = max(now - first.at, 1e-9)
+        busy_s = sum(sum(mark.busy_by_job.values()) for mark in list(self._marks)[1:])
+        fraction, rate = min(1.0, busy_s / elapsed), (self._tokens - first.tokens) / elapsed
         BUSY_RATIO.set(fraction)
         TOKENS_PER_SECOND.set(rate)
         return fraction, rate
+
+    def served_s(self) -> dict[str, float]:
+        """Seconds spent on each job's tasks from the oldest mark inside the window to the last `rates` call:
+        what `fleetrl top` adds up over actors into each tenant's share of the fleet's time."""
+        served: dict[str, float] = {}
+        for mark in list(self._marks)[1:]:
+            for job, seconds in mark.busy_by_job.items():
+                served[job] = served.get(job, 0.0) + seconds
+        return {job: round(seconds, 3) for job, seconds in served.items() if seconds > 0}
+
+    def _uncounted_since(self) -> float:
+        """Where the task in hand's time not yet in a mark begins: its start, or the last mark after it."""
+        assert self._busy_since is not None
+        return max(self._busy_since, self._marks[-1].at)
+
+
+@dataclass(frozen=True)
+class Mark:
+    """One `Activity.rates` call: the tokens generated so far, and the busy seconds by job since the mark
+    before (only the jobs served in between, so a long-lived actor's marks do not grow with every job it
+    ever served). The window's figures are the marks after its oldest."""
+
+    at: float
+    tokens: int
+    busy_by_job: dict[str, float]

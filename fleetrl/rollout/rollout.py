@@ -121,7 +121,8 @@ class Rollout:
             raise TaskFailed("this actor has no episode host for a job with an environment")
         self._check_fault(task)
         samples = await self._episodes.play(job.job_id, spec.seed, spec.rollout, environment, job.environment,
-                                            job.policy.backend, task, self.verifier(job, task), tenant=job.tenant)
+                                            job.policy.backend, task, self.verifier(job, task), tenant=job.tenant,
+                                            weights=job.policy)
         policy_tokens = sum(sum(s.loss_mask) for s in samples)
         self.activity.add_tokens(policy_tokens)
         for sample in samples:

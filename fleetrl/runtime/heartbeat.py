@@ -9,7 +9,7 @@ than a NATS KV bucket because a per-key TTL is what makes silence mean "gone".
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Literal
 
 import redis.asyncio as aioredis
@@ -35,6 +35,8 @@ class Beat:
     tokens_per_s: float = 0.0
     busy_fraction: float = 0.0
     unix_ms: int = 0
+    served_s: dict[str, float] = field(default_factory=dict)
+    """Actors: seconds of the last activity window spent on each job's tasks (the tenants' shares in `top`)."""
 
 
 def key(kind: Kind, member_id: str) -> str:

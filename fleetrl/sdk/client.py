@@ -41,7 +41,7 @@ from fleetrl.spec.config import apply_overrides, read_bytes, read_toml, set_dott
 
 DEFAULT_ADDRESS = "127.0.0.1:50051"
 ENV_ADDRESS, ENV_TOKEN, ENV_CA_FILE, ENV_TLS = "FLEETRL_GATEWAY", "FLEETRL_TOKEN", "FLEETRL_CA_FILE", "FLEETRL_TLS"
-SECTIONS = ("reward", "environment", "algorithm", "optim", "rollout", "train", "replay", "eval")
+SECTIONS = ("reward", "environment", "agent", "algorithm", "optim", "rollout", "train", "replay", "eval", "sft")
 FLAT_PARAMS = {
     "learning_rate": "optim.learning_rate", "warmup_steps": "optim.warmup_steps",
     "clip_eps": "algorithm.clip_eps", "clip_eps_high": "algorithm.clip_eps_high",
@@ -112,7 +112,7 @@ def job_payload(data: dict[str, Any], base: Path) -> JobPayload:
         return read_bytes(base / name, field) if isinstance(name, str) and name else b""
 
     return JobPayload(json.dumps(data, default=str), named("", "prompts"), named("reward", "file"),
-                      named("eval", "prompts"), named("environment", "file"))
+                      named("eval", "prompts"), named("environment", "file") or named("agent", "file"))
 
 
 class Client:

@@ -16,6 +16,7 @@ from fleetrl.sdk.records import (
     JobInfo,
     MemberInfo,
     QueueInfo,
+    ShareInfo,
     StepInfo,
     TaskAccountInfo,
 )
@@ -56,7 +57,8 @@ def fleet_info(status: gateway_pb2.FleetStatus) -> FleetInfo:
     members = [MemberInfo(m.kind, m.member_id, m.state, m.job_id, m.policy_version, m.tokens_per_s,
                           m.busy_fraction, m.seen_unix_ms) for m in status.members]
     queues = [QueueInfo(q.job_id, q.pending, q.in_flight, q.redelivered, q.dead_lettered) for q in status.queues]
-    return FleetInfo(members, queues, status.unix_ms, status.reward_sandbox)
+    shares = [ShareInfo(s.tenant, s.jobs, s.weight, s.served_s, s.share, s.fair_share) for s in status.shares]
+    return FleetInfo(members, queues, status.unix_ms, status.reward_sandbox, shares)
 
 
 def accounting_info(accounting: gateway_pb2.JobAccounting) -> AccountingInfo:

@@ -87,6 +87,18 @@ class QueueInfo:
 
 
 @dataclass(frozen=True)
+class ShareInfo:
+    """A tenant's share of the actors' time (see TenantShare in gateway.proto); tenant "" is every other tenant."""
+
+    tenant: str
+    jobs: int
+    weight: float
+    served_s: float
+    share: float
+    fair_share: float
+
+
+@dataclass(frozen=True)
 class FleetInfo:
     """GetFleet's answer: live members and the caller's task queues."""
 
@@ -95,6 +107,8 @@ class FleetInfo:
     unix_ms: int
     reward_sandbox: str = ""
     """The reward service's sandbox: "mode jail: ... hold; missing: ...", or why it did not answer."""
+    shares: list[ShareInfo] = field(default_factory=list)
+    """The caller's share of the actors' time, then every other tenant's together."""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

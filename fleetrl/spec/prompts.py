@@ -24,7 +24,7 @@ def read_prompts(data: bytes, field: str = "prompts") -> list[dict[str, Any]]:
     """The objects of a prompt file's non-empty lines, in order; ConfigError naming `<field>[line N]` and
     why for the first bad line, or `field` when the file is not UTF-8 or holds no prompt."""
     rows: list[dict[str, Any]] = []
-    for number, line in enumerate(_text(data, field).splitlines(), start=1):
+    for number, line in enumerate(utf8_text(data, field).splitlines(), start=1):
         if not line.strip():
             continue
         if problem := line_problem(line):
@@ -40,38 +40,52 @@ def prompt_violations(data: bytes, field: str = "prompts") -> list[FieldViolatio
     if not data.strip():
         return [FieldViolation(field, "the prompt file is empty")]
     try:
-        text = _text(data, field)
+        text = utf8_text(data, field)
     except ConfigError as error:
         return error.violations
-    bad = [FieldViolation(f"{field}[line {n}]", problem)
-           for n, line in enumerate(text.splitlines(), 1) if (problem := line_problem(line))]
-    if len(bad) > MAX_REPORTED_LINES:
-        more = len(bad) - MAX_REPORTED_LINES
-        bad = [*bad[:MAX_REPORTED_LINES], FieldViolation(field, f"{more} more bad lines not shown")]
-    return bad
+    return capped([FieldViolation(f"{field}[line {n}]", problem)
+                   for n, line in enumerate(text.splitlines(), 1) if (problem := line_problem(line))], field)
+
+
+def capped(bad: list[FieldViolation], field: str) -> list[FieldViolation]:
+    """The first MAX_REPORTED_LINES bad lines of a file, and a count of the rest under `field`."""
+    if len(bad) <= MAX_REPORTED_LINES:
+        return bad
+    more = len(bad) - MAX_REPORTED_LINES
+    return [*bad[:MAX_REPORTED_LINES], FieldViolation(field, f"{more} more bad lines not shown")]
 
 
 def line_problem(line: str) -> str | None:
     """Why one prompt line is unusable, or None."""
-    if not line.strip():
-        return "blank line: the file must hold one JSON object per line"
-    try:
-        item = json.loads(line)
-    except ValueError as error:  # JSONDecodeError, or an integer literal of more than 4300 digits
-        return f"not JSON: {error}"
-    except RecursionError:
-        return "not JSON: nested too deeply"
-    if not isinstance(item, dict):
-        return "not a JSON object"
-    if "\\u" in line and (problems := value_problems(item, max_depth=None)):  # an unpaired surrogate escape
-        return "; ".join(f"{v.field}: {v.description}" for v in problems[:3])
+    item, problem = line_object(line)
+    if item is None:
+        return problem
     prompt = item.get("prompt")
     if not isinstance(prompt, str) or not prompt:
         return 'needs a non-empty string field "prompt"'
     return None
 
 
-def _text(data: bytes, field: str) -> str:
+def line_object(line: str) -> tuple[dict[str, Any] | None, str | None]:
+    """A JSONL line's object, or None and why the line holds none (blank, not JSON, not an object, or a
+    string with an unpaired surrogate escape)."""
+    if not line.strip():
+        return None, "blank line: the file must hold one JSON object per line"
+    try:
+        item = json.loads(line)
+    except ValueError as error:  # JSONDecodeError, or an integer literal of more than 4300 digits
+        return None, f"not JSON: {error}"
+    except RecursionError:
+        return None, "not JSON: nested too deeply"
+    if not isinstance(item, dict):
+        return None, "not a JSON object"
+    if "\\u" in line and (problems := value_problems(item, max_depth=None)):  # an unpaired surrogate escape
+        return None, "; ".join(f"{v.field}: {v.description}" for v in problems[:3])
+    return item, None
+
+
+def utf8_text(data: bytes, field: str) -> str:
+    """A submitted file's text; ConfigError naming `field` when it is not UTF-8."""
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError as error:

@@ -36,7 +36,7 @@ from nats.js.errors import BadRequestError, NotFoundError
 from nats.js.kv import KeyValue
 from nats.js.object_store import ObjectStore
 
-from fleetrl.errors import FieldViolation, InvalidArgument, Unavailable, clip
+from fleetrl.errors import FieldViolation, FleetError, InvalidArgument, Unavailable, clip
 from fleetrl.spec.config import JobSpec
 
 log = logging.getLogger(__name__)
@@ -57,9 +57,32 @@ NATS_UNREACHABLE: tuple[type[Exception], ...] = (
 """What a NATS call raises while the server is dead, restarting or stopped: a request sent to the dead
 server gets no reply (nats.errors.TimeoutError is a TimeoutError, as is asyncio.wait_for's), and
 JetStream answers 503 or nobody while it recovers its streams."""
+JETSTREAM_FULL: dict[int, str] = {
+    10023: "the server's or the account's JetStream storage limit (max_file_store, max_memory_store) is reached",
+    10028: "the server's JetStream memory (max_memory_store) is used up",
+    10047: "the server's JetStream storage (max_file_store) is used up",
+    10077: "a stream or bucket is at its limit (max_bytes, max_msgs), or its store cannot be written",
+}
+"""JetStream's error codes for a write refused for want of space, and what each means. A write meets 10023
+or 10077, answered 503, which nats-py raises as ServiceUnavailableError, the error of a recovering server
+too; a reservation (a stream with max_bytes) meets 10028 or 10047, answered 500."""
+_RETRY_OR_FULL: tuple[type[Exception], ...] = (*NATS_UNREACHABLE, nats.js.errors.APIError)
 OUTAGE_RETRY_S = 60.0
 """How long `retry_outage` repeats a call through a NATS outage before it lets the error through."""
 _JOB_ID_RE = re.compile(r"[A-Za-z0-9_-]{1,64}")
+
+
+class JetStreamFull(FleetError, RuntimeError):
+    """JetStream refused a write for want of space (`jetstream_full`): not an outage that passes by itself,
+    so `retry_outage` raises it at once; the learner waits it out with its job paused
+    (`fleetrl.train.full_stores`)."""
+
+
+def jetstream_full(error: BaseException) -> str:
+    """Why JetStream refused a write for want of space, or "" when error is anything else."""
+    if not isinstance(error, nats.js.errors.APIError) or error.err_code not in JETSTREAM_FULL:
+        return ""
+    return f"JetStream is full: {error.description} (err_code {error.err_code}: {JETSTREAM_FULL[error.err_code]})"
 
 
 def check_job_id(job_id: str) -> str:
@@ -135,15 +158,19 @@ async def retry_outage(call: Callable[[], Awaitable[T]], *, what: str, deadline_
                        interval_s: float = 1.0) -> T:
     """call() again while it fails with NATS_UNREACHABLE, every interval_s, until deadline_s after the
     first try (then the error goes through); each failure is logged. Only for calls that are safe to
-    repeat: a JetStream publish with a `Nats-Msg-Id`, a read, a write that checks what landed."""
+    repeat: a JetStream publish with a `Nats-Msg-Id`, a read, a write that checks what landed. A write
+    refused for want of space (`jetstream_full`, most often answered 503 like an outage) is not retried
+    here: it raises JetStreamFull naming what was refused and why."""
     deadline = time.monotonic() + deadline_s
     attempt = 0
     while True:
         attempt += 1
         try:
             return await call()
-        except NATS_UNREACHABLE as error:
-            if time.monotonic() + interval_s >= deadline:
+        except _RETRY_OR_FULL as error:
+            if full := jetstream_full(error):
+                raise JetStreamFull(f"{what} refused: {full}") from error
+            if not isinstance(error, NATS_UNREACHABLE) or time.monotonic() + interval_s >= deadline:
                 raise
             log.warning("%s failed (attempt %d: %s %s); again in %.1fs", what, attempt, type(error).__name__,
                         error, interval_s)

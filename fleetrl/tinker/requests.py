@@ -77,6 +77,12 @@ class RequestLog:
         self._requests = {}
         self._scopes = {}
 
+    def queues(self, key: Key) -> bool:
+        """Whether `submit` would queue new work for this name: it is neither known nor too old."""
+        scope, seq_id = key
+        known = self._scopes.get(scope)
+        return known is None or (seq_id not in known.names and seq_id > known.evicted_upto)
+
     def submit(self, tenant: str, key: Key, kind: str, work: Callable[[], Any],
                extra: dict[str, Any] | None = None) -> Request:
         """The request named `key`: the first submission's, or a new one whose work is queued."""

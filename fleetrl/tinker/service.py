@@ -6,7 +6,11 @@ NotFound), then queues its work in the `RequestLog` and returns the request; the
 model, forward_backward, optim_step, saving, sampling) runs on the log's one thread in arrival order.
 
 Tenancy: every session, training run, sampling session, request and checkpoint records its tenant,
-and every lookup takes the caller's tenant, so another tenant's ids read as unknown (NotFound).
+and every lookup takes the caller's tenant, so another tenant's ids read as unknown (NotFound). A
+tenant holds at most `max_sessions_per_tenant` live sessions and `max_training_runs_per_tenant`
+training runs (held or queued for creation; each holds a copy of its base model in this process);
+one more is refused ResourceExhausted, naming the setting, so one tenant cannot take the process's
+memory from the others.
 Models come from the operator's allow-list (`policy.models.allow_list_problem`, the gateway's rule).
 
 In this landing everything runs in the tinker service process: the training runs' adapters and
@@ -16,21 +20,22 @@ optimizers, and the samplers (`Samplers`, the actors' backend). Sampler versions
 
 from __future__ import annotations
 
+import contextlib
 import secrets
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from fleetrl.errors import FieldViolation, InvalidArgument, NotFound
+from fleetrl.errors import FieldViolation, InvalidArgument, NotFound, ResourceExhausted
 from fleetrl.policy.models import allow_list_problem
 from fleetrl.tinker.checkpoints import CheckpointPath, CheckpointStore, check_name, parse
 from fleetrl.tinker.losses import LOSSES
-from fleetrl.tinker.requests import Request, RequestLog
+from fleetrl.tinker.requests import Key, Request, RequestLog
 from fleetrl.tinker.sampling import Samplers, SamplerWeights
 from fleetrl.tinker.training import TrainingRun, lora_spec
 from fleetrl.tinker.types import AdamParams, Datum, LoraRequest, SampleParams
@@ -46,6 +51,8 @@ class Limits:
     max_lora_rank: int
     max_sample_tokens: int
     max_num_samples: int
+    max_sessions_per_tenant: int
+    max_training_runs_per_tenant: int
 
 
 @dataclass
@@ -75,6 +82,8 @@ class SamplingSession:
 class _State:
     sessions: dict[str, Session] = field(default_factory=dict)
     runs: dict[str, TrainingRun] = field(default_factory=dict)
+    creating: dict[str, str] = field(default_factory=dict)
+    """Training runs queued for creation, not yet in `runs`: model id -> tenant (they count to its quota)."""
     samplers: dict[str, SamplingSession] = field(default_factory=dict)
 
 
@@ -97,6 +106,8 @@ class TinkerService:
     # ------------------------------------------------------------------ sessions
 
     def create_session(self, tenant: str) -> str:
+        held = sum(1 for s in self._state.sessions.values() if s.tenant == tenant and not s.finished)
+        _check_quota(tenant, "sessions", held, self.limits.max_sessions_per_tenant, "max_sessions_per_tenant")
         session = Session(f"session-{uuid.uuid4().hex}", tenant)
         self._state.sessions[session.id] = session
         return session.id
@@ -152,13 +163,35 @@ class TinkerService:
         spec = lora_spec(lora)
         model_id = model_id_of(session_id, model_seq_id)
         seed = lora.seed if lora.seed is not None else secrets.randbelow(2**31)
+        key = (f"create_model:{session_id}", model_seq_id)
+        self._reserve_run(tenant, model_id, key)
 
         def work() -> dict[str, Any]:
-            self._state.runs[model_id] = TrainingRun.create(model_id, tenant, base_model, spec, seed)
+            with self._creating(model_id):
+                self._state.runs[model_id] = TrainingRun.create(model_id, tenant, base_model, spec, seed)
             return {"model_id": model_id}
 
-        return self.log.submit(tenant, (f"create_model:{session_id}", model_seq_id), "CreateModel", work,
-                               {"model_id": model_id})
+        return self.log.submit(tenant, key, "CreateModel", work, {"model_id": model_id})
+
+    def _reserve_run(self, tenant: str, model_id: str, key: Key) -> None:
+        """Count a training run about to be queued against its tenant's quota; a request the log answers
+        without queuing work (a retry or replay of a name it knows, or one too old to run) counts nothing."""
+        if not self.log.queues(key):
+            return
+        # list(...) first: the work thread adds and removes runs while this (the event loop) counts
+        held = sum(1 for r in list(self._state.runs.values()) if r.tenant == tenant)
+        held += sum(1 for owner in list(self._state.creating.values()) if owner == tenant)
+        _check_quota(tenant, "training runs", held, self.limits.max_training_runs_per_tenant,
+                     "max_training_runs_per_tenant")
+        self._state.creating[model_id] = tenant
+
+    @contextlib.contextmanager
+    def _creating(self, model_id: str) -> Iterator[None]:
+        """The queued creation of a training run: its reservation ends with it, created or failed."""
+        try:
+            yield
+        finally:
+            self._state.creating.pop(model_id, None)
 
     def run(self, tenant: str, model_id: str) -> TrainingRun:
         found = self._state.runs.get(model_id)
@@ -214,18 +247,20 @@ class TinkerService:
         self.session(tenant, session_id)
         where = self._training_checkpoint(path)
         model_id = model_id_of(session_id, model_seq_id)
+        key = (f"create_model:{session_id}", model_seq_id)
+        self._reserve_run(tenant, model_id, key)
 
         def work() -> dict[str, Any]:
-            checkpoint = self.checkpoints.load(tenant, where)
-            self.check_model(checkpoint.base_model)
-            run = TrainingRun.create(model_id, tenant, checkpoint.base_model, checkpoint.lora, seed=0)
-            run.load_state({"adapter": checkpoint.adapter, "steps": checkpoint.steps,
-                            **({"optimizer": checkpoint.optimizer} if checkpoint.optimizer else {})}, optimizer)
-            self._state.runs[model_id] = run
+            with self._creating(model_id):
+                checkpoint = self.checkpoints.load(tenant, where)
+                self.check_model(checkpoint.base_model)
+                run = TrainingRun.create(model_id, tenant, checkpoint.base_model, checkpoint.lora, seed=0)
+                run.load_state({"adapter": checkpoint.adapter, "steps": checkpoint.steps,
+                                **({"optimizer": checkpoint.optimizer} if checkpoint.optimizer else {})}, optimizer)
+                self._state.runs[model_id] = run
             return {"path": path, "model_id": model_id, "type": "load_weights"}
 
-        return self.log.submit(tenant, (f"create_model:{session_id}", model_seq_id), "LoadWeights", work,
-                               {"model_id": model_id})
+        return self.log.submit(tenant, key, "LoadWeights", work, {"model_id": model_id})
 
     @staticmethod
     def _training_checkpoint(path: str) -> CheckpointPath:
@@ -311,6 +346,13 @@ class TinkerService:
 
     def capabilities(self) -> tuple[str, ...]:
         return self.limits.allowed_models
+
+
+def _check_quota(tenant: str, what: str, held: int, most: int, setting: str) -> None:
+    """Refuse one more of `what` to a tenant holding `most` already (ResourceExhausted: HTTP 429, not retried)."""
+    if held >= most:
+        raise ResourceExhausted(f"tenant {tenant!r} holds {held} {what}, the most the server allows ({setting} = "
+                                f"{most}); close a ServiceClient (its session's runs and samplers are freed) first")
 
 
 def model_id_of(session_id: str, model_seq_id: int) -> str:

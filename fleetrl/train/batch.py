@@ -92,9 +92,24 @@ def group_rewards(group: common_pb2.Group) -> Tensor:
     return torch.tensor([sample.reward for sample in group.samples], dtype=torch.float32)
 
 
+def episode_ends(group: common_pb2.Group) -> list[int]:
+    """The index of each episode's last sample: consecutive samples linked by `continues` are the
+    segments of one agent episode (the group's last sample ends one whatever it says); every other
+    sample is an episode of its own."""
+    last = len(group.samples) - 1
+    return [i for i, sample in enumerate(group.samples) if not sample.continues or i == last]
+
+
 def group_advantages(groups: list[common_pb2.Group], cfg: LossConfig) -> list[Tensor]:
-    """Per group, the advantages (G,) of its samples under cfg.advantage."""
-    return [compute_group_advantages(group_rewards(group), cfg.advantage) for group in groups]
+    """Per group, the advantages (G,) of its samples under cfg.advantage. The baseline counts each
+    episode once: an episode's segments share its reward and get its advantage."""
+    advantages = []
+    for group in groups:
+        rewards, ends = group_rewards(group), episode_ends(group)
+        per_episode = compute_group_advantages(rewards[ends], cfg.advantage)
+        segments = torch.tensor([end - start for start, end in zip([-1, *ends], ends, strict=False)])
+        advantages.append(per_episode.repeat_interleave(segments))
+    return advantages
 
 
 def component_means(groups: list[common_pb2.Group]) -> dict[str, float]:
@@ -183,10 +198,21 @@ def select_rows(batch: TrainBatch, rows: slice) -> TrainBatch:
     )
 
 
-def micro_batches(batch: TrainBatch, micro_batch_samples: int) -> list[TrainBatch]:
-    """Consecutive slices of at most micro_batch_samples rows, each trimmed to its own padding."""
-    size, step = batch.num_sequences, micro_batch_samples
-    return [select_rows(batch, slice(i, min(i + step, size))) for i in range(0, size, step)]
+def micro_batches(batch: TrainBatch, micro_batch_samples: int, micro_batch_tokens: int = 0) -> list[TrainBatch]:
+    """Consecutive slices of at most micro_batch_samples rows, each trimmed to its own padding. With
+    micro_batch_tokens, a slice also holds at most that many padded tokens (its rows times its longest
+    row), which is what bounds a forward's activations and logits; a row longer than the budget is a
+    slice of its own. Slices keep the batch's order, so a group's rows stay together (share_prompts)."""
+    lengths = (batch.prompt_lens + batch.completion_lens).tolist()
+    slices, first, longest = [], 0, 0
+    for row, length in enumerate(lengths):
+        rows, widest = row - first + 1, max(longest, length)
+        if row > first and (rows > micro_batch_samples or 0 < micro_batch_tokens < rows * widest):
+            slices.append(slice(first, row))
+            first, widest = row, length
+        longest = widest
+    slices.append(slice(first, len(lengths)))
+    return [select_rows(batch, rows) for rows in slices]
 
 
 ATTENTION_MASK_DTYPES = {"sdpa": torch.bool, "eager": torch.float32}

@@ -10,6 +10,10 @@ fsynced, the directory is renamed to `step-N`, and only then is `COMPLETE` writt
 A reader trusts only directories with the marker, so a learner killed at any moment leaves
 either the previous complete checkpoint or a new complete one, never a half-read state. `write` and
 `complete` are the two halves, so the learner can check its fencing token between them.
+
+Every file is written through `files.write_file`, so a full disk raises `files.NoSpace` naming the
+file and ENOSPC; `write` deletes its partial directory first, so a failed attempt does not keep the
+space it took (the learner waits for space: `fleetrl.train.full_stores`).
 """
 
 from __future__ import annotations
@@ -26,6 +30,8 @@ from typing import Any
 
 import torch
 from safetensors.torch import load_file, save_file
+
+from fleetrl.train.files import NoSpace, torch_save, write_file
 
 MARKER = "COMPLETE"
 CRITIC_FILE = "critic.safetensors"
@@ -88,18 +94,28 @@ def write(root: Path, ckpt: Checkpoint, *, delay_s: float = 0.0, lease_epoch: in
     tmp = root / f"step-{ckpt.step:08d}{owner}.tmp"
     shutil.rmtree(tmp, ignore_errors=True)  # a previous incarnation's partial attempt at this step
     tmp.mkdir()
-    save_file(ckpt.model, str(tmp / "model.safetensors"))
-    if ckpt.critic is not None:
-        save_file(ckpt.critic, str(tmp / CRITIC_FILE))
-    torch.save(ckpt.optimizer, tmp / "optimizer.pt")
-    torch.save({"scheduler": ckpt.scheduler, "rng": ckpt.rng}, tmp / "extra.pt")
-    (tmp / "state.json").write_text(json.dumps({"step": ckpt.step, **ckpt.state}, sort_keys=True))
-    for item in tmp.iterdir():
-        _fsync(item)
-    _fsync(tmp)
+    try:
+        _write_files(tmp, ckpt)
+    except NoSpace:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     if delay_s:
         time.sleep(delay_s)
     return tmp
+
+
+def _write_files(tmp: Path, ckpt: Checkpoint) -> None:
+    write_file(tmp / "model.safetensors", lambda path: save_file(ckpt.model, str(path)))
+    if ckpt.critic is not None:
+        critic = ckpt.critic
+        write_file(tmp / CRITIC_FILE, lambda path: save_file(critic, str(path)))
+    write_file(tmp / "optimizer.pt", torch_save(ckpt.optimizer))
+    write_file(tmp / "extra.pt", torch_save({"scheduler": ckpt.scheduler, "rng": ckpt.rng}))
+    state = json.dumps({"step": ckpt.step, **ckpt.state}, sort_keys=True)
+    write_file(tmp / "state.json", lambda path: path.write_text(state))
+    for item in tmp.iterdir():
+        write_file(item, _fsync)
+    write_file(tmp, _fsync)
 
 
 def complete(root: Path, tmp: Path) -> Path:
@@ -110,8 +126,8 @@ def complete(root: Path, tmp: Path) -> Path:
     shutil.rmtree(final, ignore_errors=True)
     os.rename(tmp, final)
     _fsync(root)
-    (final / MARKER).write_text(str(int(final.name.removeprefix("step-"))))
-    _fsync(final / MARKER)
+    write_file(final / MARKER, lambda path: path.write_text(str(int(final.name.removeprefix("step-")))))
+    write_file(final / MARKER, _fsync)
     _fsync(final)
     return final
 

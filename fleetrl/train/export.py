@@ -8,6 +8,7 @@ the state that survived.
 from __future__ import annotations
 
 import json
+import math
 import os
 from pathlib import Path
 from typing import Any
@@ -17,6 +18,18 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from fleetrl.jobs.store import ADAPTER_DIR, job_dir
 from fleetrl.policy import models
+from fleetrl.train.files import NoSpace, write_file
+
+
+def _strict(value: Any) -> Any:
+    """value with every float that is not finite replaced by None, in dicts and lists at any depth."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {key: _strict(item) for key, item in value.items()}
+    if isinstance(value, list | tuple):
+        return [_strict(item) for item in value]
+    return value
 
 
 class MetricsLog:
@@ -39,10 +52,24 @@ class MetricsLog:
         os.replace(tmp, self.path)
 
     def append(self, record: dict[str, Any]) -> None:
-        with self.path.open("a") as handle:
-            handle.write(json.dumps(record, sort_keys=True) + "\n")
-            handle.flush()
-            os.fsync(handle.fileno())
+        """Append one step's record as strict JSON: a value that is not a finite number (the loss of a
+        skipped non-finite step) is written as null, never as the `NaN` / `Infinity` that JSON parsers
+        other than Python's refuse. On a full disk (`files.NoSpace`) the part of the line that fitted is
+        cut off again, so the file never holds half a line and the append can be repeated."""
+        line = json.dumps(_strict(record), sort_keys=True, allow_nan=False) + "\n"
+        size = self.path.stat().st_size if self.path.exists() else 0
+
+        def append(path: Path) -> None:
+            with path.open("a") as handle:
+                handle.write(line)
+                handle.flush()
+                os.fsync(handle.fileno())
+
+        try:
+            write_file(self.path, append)
+        except NoSpace:
+            os.truncate(self.path, size)
+            raise
 
     def read(self) -> list[dict[str, Any]]:
         if not self.path.exists():
@@ -51,12 +78,17 @@ class MetricsLog:
 
 
 def export_model(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, run_dir: Path, job_id: str) -> Path:
-    """`{run_dir}/jobs/{job}/model`: loadable by AutoModelForCausalLM/AutoTokenizer.from_pretrained."""
-    return models.export(model, tokenizer, job_dir(run_dir, job_id) / "model")
+    """`{run_dir}/jobs/{job}/model`: loadable by AutoModelForCausalLM/AutoTokenizer.from_pretrained.
+    Written into a temporary directory that replaces it whole; on a full disk, NoSpace naming the
+    directory, and nothing left (safe to try again)."""
+    target = job_dir(run_dir, job_id) / "model"
+    write_file(target, lambda out: models.export(model, tokenizer, out))
+    return target
 
 
 def export_adapter(model: PeftModel, run_dir: Path, job_id: str) -> Path:
     """`{run_dir}/jobs/{job}/adapter`: a LoRA job's adapters, loadable by `PeftModel.from_pretrained`
-    on the base model (the merged model is `export_model`'s)."""
+    on the base model (the merged model is `export_model`'s); written as `export_model` is."""
     target = job_dir(run_dir, job_id) / ADAPTER_DIR
-    return models.write_dir_atomically(target, lambda tmp: model.save_pretrained(str(tmp)))
+    write_file(target, lambda out: models.write_dir_atomically(out, lambda tmp: model.save_pretrained(str(tmp))))
+    return target

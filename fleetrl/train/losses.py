@@ -5,9 +5,11 @@ trainer state, and every variant is picked from a registry by name (`ADVANTAGES`
 `KL_ESTIMATORS`, `LOSS_AGGREGATIONS`) instead of an if-ladder in the trainer. The loss is
 
     w_t     = min(exp(old_logprobs_t - behaviour_logprobs_t), tis_cap)          (detached)
-    loss_t  = pg_t(w) + kl_coef * KL_t(policy || ref) - entropy_coef * H_t
+    loss_t  = pg_t(w) + kl_coef * KL_t(policy || ref) - entropy_coef * H_t,     0 on dropped tokens
 
-with the surrogate pg_t of `cfg.surrogate` (r_t = exp(logprobs_t - old_logprobs_t), clip(x) =
+with w_t and the dropped tokens those of `cfg.off_policy` (fleetrl/train/off_policy.py: the truncated
+IS above by default, or a token, sequence, geometric-mean or IcePop mask), the surrogate pg_t of
+`cfg.surrogate` (r_t = exp(logprobs_t - old_logprobs_t), clip(x) =
 clamp(x, 1 - clip_eps, 1 + clip_eps_high), sg = stop-gradient):
 
     clip   (PPO/GRPO)  pg_t = -w_t * min(r_t * A, clip(r_t) * A)
@@ -15,6 +17,8 @@ clamp(x, 1 - clip_eps, 1 + clip_eps_high), sg = stop-gradient):
                        pg_t = -w_i * min(s_i * A_i, clip(s_i) * A_i) on every token of sequence i
     cispo  (CISPO)     pg_t = -w_t * sg(clip(r_t)) * A * logprobs_t
     importance_sampling  pg_t = -w_t * r_t * A          (no clip: Tinker's `importance_sampling` loss)
+    nll    (sft)       pg_t = -logprobs_t                  (supervised: the tokens are demonstrations, so no
+                                                           advantage, ratio or IS weight enters)
 
 aggregated over real completion tokens by `loss_agg`. A is one advantage per sequence from its
 group's rewards (`ADVANTAGES`), or, for ppo (`advantage == GAE`), per token from the critic's GAE
@@ -37,6 +41,7 @@ import torch
 from torch import Tensor
 
 from fleetrl.spec.config import JobSpec
+from fleetrl.train.off_policy import OFF_POLICY, Correction, mismatch_metrics
 
 GRPO_STD_EPS = 1e-6
 """Added to the group's reward std in GRPO advantages, so a constant group gives 0, not NaN."""
@@ -64,6 +69,10 @@ class LossConfig:
     value_coef: float = 0.0
     value_clip_eps: float | None = None
     normalize_advantages: bool = False
+    off_policy: str = "tis"
+    """The actor/learner mismatch correction, by fleetrl/train/off_policy.py's OFF_POLICY name."""
+    off_policy_band: tuple[float, float] = (0.0, math.inf)
+    """[low, high] of a masking off_policy method (unused by tis, which truncates at tis_cap)."""
 
     @property
     def uses_critic(self) -> bool:
@@ -95,6 +104,8 @@ PRESETS: dict[str, _Preset] = {
     "gspo": _Preset("grpo", "seq_mean_token_mean", 4e-4, False, surrogate="gspo", clip_eps=3e-4),
     # MiniMax-M1 (arXiv 2506.13585) clips only the upper side of the detached weight
     "cispo": _Preset("grpo", "token_mean", 4.0, False, surrogate="cispo", clip_eps=1.0),
+    # supervised fine-tuning: the mean negative log-likelihood of the step's assistant tokens
+    "sft": _Preset("grpo", "token_mean", None, False, surrogate="nll"),
 }
 """Defaults per algorithm name for the fields a JobSpec leaves as None."""
 
@@ -122,6 +133,8 @@ def loss_config_for(spec: JobSpec) -> LossConfig:
         value_coef=algo.value_coef,
         value_clip_eps=algo.value_clip_eps,
         normalize_advantages=algo.normalize_advantages,
+        off_policy=algo.off_policy.method,
+        off_policy_band=algo.off_policy.band(),
     )
 
 
@@ -260,7 +273,7 @@ LOSS_AGGREGATIONS: dict[str, Callable[[Tensor, LossInputs, LossConfig], Tensor]]
 class Surrogate:
     """A policy-gradient surrogate's per-token loss and what its clip did, for the metrics."""
 
-    pg_BT: Tensor  # (B, T) loss with the truncated IS weights applied, before aggregation
+    pg_BT: Tensor  # (B, T) loss with the off-policy weights applied, before aggregation
     ratio_BT: Tensor  # (B, T) the ratio the surrogate clips (a sequence's ratio on each of its tokens), detached
     clip_low_BT: Tensor  # (B, T) bool: the lower clip bound changed this token's gradient
     clip_high_BT: Tensor  # (B, T) bool: the upper clip bound did
@@ -271,37 +284,38 @@ def _log_ratio(inputs: LossInputs) -> Tensor:
     return _on_real(inputs.logprobs - inputs.old_logprobs, inputs.mask)
 
 
-def _log_tis_raw(inputs: LossInputs) -> Tensor:
-    """log of the uncapped IS weight, old_logprobs_t - behaviour_logprobs_t, on real tokens, 0 on
-    masked columns (B, T), detached."""
+def _log_rho(inputs: LossInputs) -> Tensor:
+    """log rho_t = old_logprobs_t - behaviour_logprobs_t (the learner's probability of the token over the
+    actor's, which every off-policy correction starts from) on real tokens, 0 on masked columns (B, T),
+    detached."""
     return _on_real(inputs.old_logprobs - inputs.behaviour_logprobs, inputs.mask).detach()
 
 
-def _clip_surrogate(inputs: LossInputs, adv: Tensor, tis_w: Tensor, cfg: LossConfig) -> Surrogate:
+def _clip_surrogate(inputs: LossInputs, adv: Tensor, w: Correction, cfg: LossConfig) -> Surrogate:
     """PPO's clipped surrogate on token ratios: a clipped token's gradient is zero."""
     ratio = torch.exp(_log_ratio(inputs))  # (B, T)
     clipped = ratio.clamp(1 - cfg.clip_eps, 1 + cfg.clip_eps_high)
     pg_BT = -torch.minimum(ratio * adv, clipped * adv)
     ratio = ratio.detach()
-    return Surrogate(tis_w * pg_BT, ratio, (ratio < 1 - cfg.clip_eps) & (adv < 0),
+    return Surrogate(w.weight_BT * pg_BT, ratio, (ratio < 1 - cfg.clip_eps) & (adv < 0),
                      (ratio > 1 + cfg.clip_eps_high) & (adv > 0))
 
 
-def _gspo_surrogate(inputs: LossInputs, adv: Tensor, tis_w: Tensor, cfg: LossConfig) -> Surrogate:
+def _gspo_surrogate(inputs: LossInputs, adv: Tensor, w: Correction, cfg: LossConfig) -> Surrogate:
     """GSPO: one length-normalised ratio per sequence, clipped per sequence, on each of its tokens.
 
     Token-level advantages are averaged over the sequence's tokens (GSPO defines A per sequence);
-    the truncated IS weights enter as their geometric mean over the sequence, like the ratio. Both
-    means are taken of log-prob differences (`_log_ratio`, `_log_tis_raw`), never of the log of an exp
-    that may underflow to 0 (so `tis_w` itself is not used here).
+    the off-policy weights enter as their geometric mean over the sequence, like the ratio. Both
+    means are taken of log-prob differences (`_log_ratio`, `w.log_weight_BT`), never of the log of an
+    exp that may underflow to 0 (so `w.weight_BT` itself is not used here). `inputs.mask` holds only
+    the tokens the off-policy correction kept, so a dropped token is in neither mean.
     """
     mask = inputs.mask
     lengths_B = mask.sum(-1).clamp(min=1)
     log_s_B = _log_ratio(inputs).sum(-1) / lengths_B
     s_B1 = torch.exp(log_s_B)[:, None]  # (B, 1)
     adv_B1 = adv if adv.shape[-1] == 1 else (_on_real(adv, mask).sum(-1) / lengths_B)[:, None]
-    log_w_BT = _log_tis_raw(inputs).clamp(max=math.log(cfg.tis_cap))  # log of tis_w, on real tokens
-    w_B1 = torch.exp(log_w_BT.sum(-1) / lengths_B)[:, None]
+    w_B1 = torch.exp(w.log_weight_BT.sum(-1) / lengths_B)[:, None]
     clipped = s_B1.clamp(1 - cfg.clip_eps, 1 + cfg.clip_eps_high)
     pg_B1 = -w_B1 * torch.minimum(s_B1 * adv_B1, clipped * adv_B1)
     s_BT = s_B1.detach().expand_as(mask)
@@ -309,7 +323,7 @@ def _gspo_surrogate(inputs: LossInputs, adv: Tensor, tis_w: Tensor, cfg: LossCon
                      ((s_B1 > 1 + cfg.clip_eps_high) & (adv_B1 > 0)).expand_as(mask))
 
 
-def _cispo_surrogate(inputs: LossInputs, adv: Tensor, tis_w: Tensor, cfg: LossConfig) -> Surrogate:
+def _cispo_surrogate(inputs: LossInputs, adv: Tensor, w: Correction, cfg: LossConfig) -> Surrogate:
     """CISPO: REINFORCE weighted by the clipped, detached ratio; every token keeps its gradient.
 
     The loss's value is -w * A * logprob (its gradient is what matters); a clipped token's
@@ -317,22 +331,30 @@ def _cispo_surrogate(inputs: LossInputs, adv: Tensor, tis_w: Tensor, cfg: LossCo
     """
     ratio = torch.exp(_log_ratio(inputs)).detach()  # (B, T)
     weight = ratio.clamp(1 - cfg.clip_eps, 1 + cfg.clip_eps_high)
-    pg_BT = -tis_w * weight * adv * _on_real(inputs.logprobs, inputs.mask)
+    pg_BT = -w.weight_BT * weight * adv * _on_real(inputs.logprobs, inputs.mask)
     return Surrogate(pg_BT, ratio, ratio < 1 - cfg.clip_eps, ratio > 1 + cfg.clip_eps_high)
 
 
-def _importance_sampling_surrogate(inputs: LossInputs, adv: Tensor, tis_w: Tensor, cfg: LossConfig) -> Surrogate:
+def _importance_sampling_surrogate(inputs: LossInputs, adv: Tensor, w: Correction, cfg: LossConfig) -> Surrogate:
     """The unclipped importance-weighted policy gradient: -r_t * A on every token."""
     ratio = torch.exp(_log_ratio(inputs))  # (B, T)
     never = torch.zeros_like(ratio, dtype=torch.bool)
-    return Surrogate(-tis_w * ratio * adv, ratio.detach(), never, never)
+    return Surrogate(-w.weight_BT * ratio * adv, ratio.detach(), never, never)
 
 
-SURROGATES: dict[str, Callable[[LossInputs, Tensor, Tensor, LossConfig], Surrogate]] = {
+def _nll_surrogate(inputs: LossInputs, adv: Tensor, w: Correction, cfg: LossConfig) -> Surrogate:
+    """Supervised fine-tuning: the negative log-likelihood of each real token; nothing is clipped and no
+    off-policy weight applies (a demonstration has no behaviour policy)."""
+    never = torch.zeros_like(inputs.logprobs, dtype=torch.bool)
+    return Surrogate(-_on_real(inputs.logprobs, inputs.mask), torch.ones_like(inputs.logprobs), never, never)
+
+
+SURROGATES: dict[str, Callable[[LossInputs, Tensor, Correction, LossConfig], Surrogate]] = {
     "clip": _clip_surrogate,
     "importance_sampling": _importance_sampling_surrogate,
     "gspo": _gspo_surrogate,
     "cispo": _cispo_surrogate,
+    "nll": _nll_surrogate,
 }
 """Policy-gradient surrogates by LossConfig.surrogate (see the module docstring for the formulas)."""
 
@@ -341,11 +363,19 @@ SURROGATES: dict[str, Callable[[LossInputs, Tensor, Tensor, LossConfig], Surroga
 
 
 def policy_loss(inputs: LossInputs, cfg: LossConfig) -> LossOutputs:
-    """The surrogate of cfg with truncated importance sampling, KL and entropy terms, aggregated by cfg."""
+    """The surrogate of cfg with the off-policy correction of cfg, KL and entropy terms, aggregated by cfg.
+
+    A token the correction drops is out of every term (its loss and gradient are 0) and still in the
+    aggregation's normaliser (fleetrl/train/off_policy.py says why)."""
     inputs = replace(inputs, mask=inputs.mask.to(inputs.logprobs.dtype))
     adv = inputs.advantages if inputs.advantages.dim() == 2 else inputs.advantages[:, None]  # (B, T) | (B, 1)
-    tis_raw = torch.exp(_log_tis_raw(inputs))  # (B, T), 1 on masked columns
-    surrogate = SURROGATES[cfg.surrogate](inputs, adv, tis_raw.clamp(max=cfg.tis_cap), cfg)
+    log_rho = _log_rho(inputs)  # (B, T), 0 on masked columns
+    correction = OFF_POLICY[cfg.off_policy](log_rho, inputs.mask, cfg.tis_cap, cfg.off_policy_band)
+    keep = correction.keep_BT
+    kept = replace(inputs, mask=torch.where(keep, inputs.mask, 0.0))  # a dropped token is not real to the surrogate
+    surrogate = SURROGATES[cfg.surrogate](kept, adv, correction, cfg)
+    surrogate = Surrogate(torch.where(keep, surrogate.pg_BT, 0.0), torch.where(keep, surrogate.ratio_BT, 1.0),
+                          surrogate.clip_low_BT & keep, surrogate.clip_high_BT & keep)  # GSPO fills every column
     loss_BT = surrogate.pg_BT
     kl_BT = None
     if inputs.ref_logprobs is not None:
@@ -354,9 +384,11 @@ def policy_loss(inputs: LossInputs, cfg: LossConfig) -> LossOutputs:
         loss_BT = loss_BT + cfg.kl_coef * kl_BT
     if inputs.entropy is not None and cfg.entropy_coef > 0:
         loss_BT = loss_BT - cfg.entropy_coef * inputs.entropy
+    loss_BT = torch.where(keep, loss_BT, 0.0)
     aggregate = LOSS_AGGREGATIONS[cfg.loss_agg]
     loss = aggregate(loss_BT, inputs, cfg)
-    metrics = _metrics(inputs, surrogate, cfg, tis_raw, kl_BT)
+    metrics = _metrics(inputs, surrogate, correction, kl_BT)
+    metrics.update(mismatch_metrics(log_rho, inputs.mask, correction))
     metrics["loss"] = float(loss.detach())
     metrics["pg_loss"] = float(aggregate(surrogate.pg_BT.detach(), inputs, cfg))
     return LossOutputs(loss=loss, metrics=metrics)
@@ -369,21 +401,25 @@ def _masked_mean(values_BT: Tensor, mask: Tensor) -> float:
 def _metrics(
     inputs: LossInputs,
     surrogate: Surrogate,
-    cfg: LossConfig,
-    tis_raw: Tensor,
+    correction: Correction,
     kl_BT: Tensor | None,
 ) -> dict[str, float]:
-    """Token means over this micro-batch's real tokens, plus its token count for weighting."""
+    """Token means over this micro-batch's real tokens, plus its token and sequence counts for weighting.
+
+    tis_weight_mean is the mean off-policy weight applied (0 on dropped tokens), tis_frac the fraction of
+    tokens whose weight was truncated (tis only: the masks drop tokens instead); a dropped token counts
+    as ratio 1, unclipped, in the ratio and clip metrics."""
     mask = inputs.mask
     clip_low, clip_high = surrogate.clip_low_BT, surrogate.clip_high_BT
     return {
         "tokens": float(mask.sum()),
+        "sequences": float(mask.shape[0]),
         "ratio_mean": _masked_mean(surrogate.ratio_BT, mask),
         "clip_low_frac": _masked_mean(clip_low, mask),
         "clip_high_frac": _masked_mean(clip_high, mask),
         "clip_frac": _masked_mean(clip_low | clip_high, mask),
-        "tis_frac": _masked_mean(tis_raw > cfg.tis_cap, mask),
-        "tis_weight_mean": _masked_mean(tis_raw.clamp(max=cfg.tis_cap), mask),
+        "tis_frac": _masked_mean(correction.truncated_BT, mask),
+        "tis_weight_mean": _masked_mean(correction.weight_BT, mask),
         "pg_token_mean": _masked_mean(surrogate.pg_BT, mask),
         "kl": _masked_mean(kl_BT, mask) if kl_BT is not None else 0.0,
         "entropy": _masked_mean(inputs.entropy, mask) if inputs.entropy is not None else 0.0,

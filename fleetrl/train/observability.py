@@ -52,6 +52,9 @@ STALE_DROPPED = Counter("fleetrl_learner_stale_dropped_total", "Groups replay dr
                         ["job"])
 NONFINITE_STEPS = Counter("fleetrl_learner_nonfinite_steps_total",
                           "Steps whose update was skipped because their loss or gradient was not finite", ["job"])
+STORE_FULL = Gauge("fleetrl_learner_store_full", "1 while the learner's job is paused because a store refuses "
+                   "its writes for want of space: redis (out of memory or MISCONF), disk (checkpoints, "
+                   "metrics.jsonl), nats (JetStream's storage limit, or a stream's or bucket's)", ["store"])
 POLICY_VERSION = Gauge("fleetrl_learner_policy_version", "Policy version (optimizer steps applied)", ["job"])
 REWARD_MEAN = Gauge("fleetrl_learner_reward_mean", "Mean reward of the last step's samples", ["job"])
 QUEUE_PENDING = Gauge("fleetrl_task_queue_pending", "Tasks published and not yet delivered to an actor", ["job"])

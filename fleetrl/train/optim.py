@@ -6,8 +6,9 @@ single-process algorithm: a data-parallel rank (`trained_policy.Policy.step`) on
 step's trainable groups it trains and how its loss is scaled (`train`, `loss_scale`).
 
 Schedule of one step (documented choice): the batch is built once; `epochs_per_step` passes go
-over it, each pass accumulating gradients over micro-batches of `micro_batch_samples` sequences
-and ending in ONE grad-norm clip and ONE optimizer.step(); the scheduler steps once per call.
+over it, each pass accumulating gradients over micro-batches of `micro_batch_samples` sequences (and at
+most `micro_batch_tokens` padded tokens) and ending in ONE grad-norm clip and ONE optimizer.step();
+the scheduler steps once per call.
 `old_logprobs` are the learner's log-probs from the first pass (taken before any update of this
 step), so the first pass is exactly on the learner's policy and later passes are clipped against
 it. Losses are normalised by the whole batch's token/sequence counts, so the accumulated gradient
@@ -58,13 +59,14 @@ from fleetrl.train.batch import (
 )
 from fleetrl.train.critic import CRITIC_TOKEN_MEANS, ValueTargets, actor_critic_loss, gae_micro_batches
 from fleetrl.train.losses import LossConfig, LossInputs, LossOutputs, policy_loss
+from fleetrl.train.off_policy import SEQUENCE_MEANS as OFF_POLICY_SEQUENCE_MEANS
 
 PAD_ID = 0
 """Id written into padding positions; attention_mask hides them, so any valid id works."""
 
 STEP_SUMS = ("loss", "tokens", "sequences")
 """train_step metrics that are sums over the trained samples (a data-parallel step adds the ranks')."""
-SEQUENCE_MEANS = ("completion_len_mean",)
+SEQUENCE_MEANS = ("completion_len_mean", *OFF_POLICY_SEQUENCE_MEANS)
 """train_step metrics that are means over the trained sequences."""
 BATCH_METRICS = ("reward_mean", "reward_std", "groups", "groups_skipped", "lr", "grad_norm", "nonfinite_steps")
 """train_step metrics of the whole step, the same on every rank (grad_norm is taken after DDP's all-reduce;
@@ -73,7 +75,7 @@ RANK_TIMINGS = ("forward_backward_s", "optimizer_s")
 """Wall-clock seconds of this rank's passes. Every other train_step metric is a mean over real
 completion tokens (TOKEN_MEANS)."""
 TOKEN_MEANS = ("ratio_mean", "clip_low_frac", "clip_high_frac", "clip_frac", "tis_frac", "tis_weight_mean",
-               "pg_token_mean", "kl", "entropy")
+               "pg_token_mean", "kl", "entropy", "mismatch_logprob_abs_diff", "mismatch_k3_kl", "offpolicy_masked_frac")
 """The token-mean metrics of losses.policy_loss that a step reports (tests/learner/test_losses.py
 checks that a step with nothing to train reports the same keys as one that trained)."""
 
@@ -129,13 +131,13 @@ class _Cached:
     ref_logprobs: list[Tensor | None] = field(default_factory=list)
 
 
-_NOT_TOKEN_MEANS = ("tokens", "loss", "pg_loss")
-"""The metrics of policy_loss that are not token means (the step reports the first two its own way)."""
+_NOT_MEANS = ("tokens", "sequences", "loss", "pg_loss")
+"""The metrics of policy_loss that are not token or sequence means (the step reports the first three its own way)."""
 
 
 @dataclass
 class _Totals:
-    """Token-weighted sums of micro-batch metrics over the first pass."""
+    """Token-weighted (sequence-weighted for SEQUENCE_MEANS) sums of micro-batch metrics over the first pass."""
 
     sums: dict[str, float] = field(default_factory=dict)
     loss: float = 0.0
@@ -143,11 +145,13 @@ class _Totals:
     def add(self, metrics: dict[str, float], loss: float) -> None:
         self.loss += loss
         for key, value in metrics.items():
-            if key not in _NOT_TOKEN_MEANS:
-                self.sums[key] = self.sums.get(key, 0.0) + value * metrics["tokens"]
+            if key not in _NOT_MEANS:
+                count = metrics["sequences"] if key in SEQUENCE_MEANS else metrics["tokens"]
+                self.sums[key] = self.sums.get(key, 0.0) + value * count
 
-    def means(self, tokens: float) -> dict[str, float]:
-        return {key: value / max(tokens, 1.0) for key, value in self.sums.items()}
+    def means(self, tokens: float, sequences: float) -> dict[str, float]:
+        return {key: value / max(sequences if key in SEQUENCE_MEANS else tokens, 1.0)
+                for key, value in self.sums.items()}
 
 
 def _ref_logprobs(
@@ -306,7 +310,8 @@ def _advantaged_micro_batches(
     advantages = group_advantages(groups, cfg) if not cfg.uses_critic else [group_rewards(g) for g in groups]
     batch = build_batch(groups, advantages, PAD_ID)
     ratio = packing_cost_ratio(model) if spec.train.share_prompts else None
-    micros = [share_prompts(m, ratio).to(device) for m in micro_batches(batch, spec.train.micro_batch_samples)]
+    slices = micro_batches(batch, spec.train.micro_batch_samples, spec.train.micro_batch_tokens)
+    micros = [share_prompts(m, ratio).to(device) for m in slices]
     if not cfg.uses_critic:
         return micros, batch, None
     micros, targets = gae_micro_batches(model, micros, cfg, counted=counted)
@@ -352,7 +357,7 @@ def _update(
     optimizer.zero_grad(set_to_none=True)
     assert first is not None  # epochs_per_step >= 1
     return {
-        **first.means(float(batch.num_tokens)),
+        **first.means(float(batch.num_tokens), float(batch.num_sequences)),
         "loss": first.loss,
         "grad_norm": float(grad_norm),
         "nonfinite_steps": float(not finite),

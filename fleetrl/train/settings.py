@@ -65,6 +65,13 @@ class LearnerSettings(InfraSettings):
     jittered backoff capped at 5 s (30: about two minutes), so a replay restart does not fail the job."""
     grace_s: float = Field(5.0, ge=0, le=600)
     """Seconds in-flight status calls may finish at shutdown."""
+    store_full_wait_s: float = Field(900.0, ge=0, le=7 * 24 * 3600)
+    """How long a job waits for space when a checkpoint file (ENOSPC) or a JetStream write (its storage
+    limit, or a stream's or bucket's) is refused for want of it: paused, its reason naming the refusal,
+    and trying again every store_full_retry_s with its leases kept; past this the job fails with that
+    reason. (A full Redis pauses the job until Redis takes writes, however long.)"""
+    store_full_retry_s: float = Field(5.0, gt=0, le=600)
+    """How often a job paused on a full checkpoint disk or JetStream tries the refused write again."""
     checkpoint_delay_s: float = Field(0.0, ge=0, le=600)
     """Fault injection for tests: sleep this long after a checkpoint's files are written and
     before it is renamed and marked complete (0 in production)."""

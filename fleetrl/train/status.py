@@ -9,7 +9,8 @@ from dataclasses import dataclass, field
 
 from fleetrl.errors import NotFound
 
-PHASES = ("idle", "starting", "waiting_for_data", "training", "publishing", "checkpointing", "exporting", "done")
+PHASES = ("idle", "starting", "waiting_for_data", "training", "publishing", "checkpointing", "exporting", "done",
+          "paused")
 
 
 @dataclass
@@ -31,16 +32,22 @@ class StatusBoard:
     checkpoint_step: int = 0
     phase: str = "idle"
     last: StepRecord | None = None
+    paused_reason: str = ""
+    """Why the job waits on a full store (phase "paused"); empty when it does not."""
     history: dict[str, StatusBoard] = field(default_factory=dict, repr=False)
 
     def start_job(self, job_id: str) -> None:
         if self.job_id:
             self.history[self.job_id] = StatusBoard(
                 self.learner_id, self.job_id, self.step, self.policy_version, self.checkpoint_step,
-                self.phase, self.last,
+                self.phase, self.last, self.paused_reason,
             )
         self.job_id, self.step, self.policy_version, self.checkpoint_step = job_id, 0, 0, 0
-        self.phase, self.last = "starting", None
+        self.phase, self.last, self.paused_reason = "starting", None, ""
+
+    def pause(self, reason: str) -> None:
+        """The job waits on a full store: phase "paused", and why."""
+        self.phase, self.paused_reason = "paused", reason
 
     def for_job(self, job_id: str) -> StatusBoard:
         """The status of job_id ("" = the current job); NotFound if this learner never ran it."""

@@ -4,7 +4,9 @@ Reads top to bottom like torchtitan's `Trainer.train`: `setup` (model, replay ta
 consumer, resume, publish the current weights, start the feeder), then per step
 `wait_for_data -> train -> publish -> feed -> checkpoint -> report`, then `finish` (final
 checkpoint, export, SUCCEEDED). Components (Feeder, Policy, WeightPublisher, LeaseBook,
-MetricsLog, StepObserver) do not know each other; JobRun wires them. Replay leases are committed only after
+MetricsLog, StepObserver, FullStoreWait) do not know each other; JobRun wires them. A checkpoint or
+metrics write, task publish or weight publish that a full disk or JetStream refuses is waited out with
+the job paused (`full_stores`). Replay leases are committed only after
 the checkpoint that includes their steps is complete (see `leases` for the exactly-once
 argument). Policy version == optimizer steps applied: step s trains at version s - 1 on groups
 of version >= s - 1 - max_staleness and produces version s.
@@ -51,6 +53,7 @@ from fleetrl.tasks.ledger import Ledger
 from fleetrl.train import checkpoint as ckpt
 from fleetrl.train.batch import component_means, episode_metrics
 from fleetrl.train.export import MetricsLog, export_adapter, export_model
+from fleetrl.train.full_stores import FullStoreWait
 from fleetrl.train.leases import LeaseBook, LeaseRecord
 from fleetrl.train.observability import StepObserver
 from fleetrl.train.settings import LearnerSettings
@@ -126,6 +129,8 @@ class JobRun:
     epoch: int
     """The job lease's epoch (fencing token) of this run's claim."""
     publisher: WeightPublisher
+    full_stores: FullStoreWait
+    """Waits out a full checkpoint disk or JetStream with the job paused."""
     book: LeaseBook
     metrics: MetricsLog
     obs: StepObserver
@@ -147,6 +152,9 @@ class JobRun:
         self.job_bus = JobBus(deps.nc, record.job_id)
         self.ledger = Ledger(deps.jobs.redis)
         self.epoch = record.lease_epoch
+        self.full_stores = FullStoreWait(deps.jobs, deps.board, record.job_id, self.epoch,
+                                         wait_s=deps.settings.store_full_wait_s,
+                                         retry_s=deps.settings.store_full_retry_s, check=self.check_lease)
         self._policy = policy
 
     @property
@@ -177,7 +185,7 @@ class JobRun:
         if self.held_out is not None and self.held_out.due(self.step):
             values.update(await self.obs.timed("eval", self.held_out.run(self.policy)))
         await self.obs.timed("publish", self.publish())
-        await self.feed()
+        await self.top_up()
         await self.obs.timed("checkpoint", self.checkpoint_if_due())
         await self.report(values, data)
         self.fail_after_nonfinite_steps()
@@ -197,13 +205,17 @@ class JobRun:
         await self.job_bus.prepare(self.spec)
         cursor = await self.resume()
         self.feeder = Feeder(self.job_bus, self.ledger, self.epoch, self.spec, prompts, cursor)
+        await self.start_publisher()
+        await self.top_up()
+
+    async def start_publisher(self) -> None:
+        """The job's weight publisher, and the current weights published (version 0 for a new job)."""
         self.publisher = WeightPublisher(self.deps.weights, self.job_id, self.spec.train.weights_dtype,
                                          self.spec.train.publish_interval, self.spec.train.keep_weight_versions,
                                          self.epoch, self.spec.train.full_publish_interval,
                                          adapter_of=self.spec.model if self.spec.train.lora is not None else "")
         await self.publisher.sync()
-        await self.publisher.publish(self.policy.model, self.step)
-        await self.feeder.top_up(self.publisher.published_version)
+        await self.full_stores.call(lambda: self.publisher.publish(self.policy.model, self.step))
 
     async def held_out_eval(self, reward_file: bytes | None) -> HeldOutEval | None:
         """The job's periodic evaluation, when its spec asks for one."""
@@ -287,8 +299,8 @@ class JobRun:
                 await self.replace_dead_lettered()
                 # After a resume the cursor may hold room that no settle announced: tasks settled before this
                 # incarnation published them again (deduplicated) are settled once, here or earlier.
-                await self.feeder.top_up(self.publisher.published_version)
-                await self.publisher.repair_if_requested()
+                await self.top_up()
+                await self.full_stores.call(self.publisher.repair_if_requested)
                 try:
                     await self.check_cancelled()
                 except Cancelled:
@@ -303,7 +315,7 @@ class JobRun:
         if stale:
             data.stale_dropped += stale
             await self.settle_stale()
-            await self.feeder.top_up(self.publisher.published_version)
+            await self.top_up()
         if not lease_id:
             return
         self.book.hold(lease_id)
@@ -319,11 +331,11 @@ class JobRun:
 
     async def replace_dead_lettered(self) -> None:
         """Tasks dead-lettered by actors will never bring a group: settle them and publish others."""
-        dead_lettered = await self.job_bus.dead_lettered()
+        dead_lettered = await self.full_stores.call(self.job_bus.dead_lettered)
         if self.feeder.settle_dead_lettered(dead_lettered):
             log.warning("job %s: %d tasks dead-lettered so far; publishing replacements", self.job_id,
                         dead_lettered)
-            await self.feeder.top_up(self.publisher.published_version)
+            await self.top_up()
 
     async def release(self, data: StepData) -> None:
         """Give back the leases of a step that will not be trained."""
@@ -374,10 +386,11 @@ class JobRun:
     async def publish(self) -> None:
         if self.publisher.due(self.step, self.step == self.spec.train.max_steps):
             self.phase("publishing")
-            await self.publisher.publish(self.policy.model, self.step)
+            await self.full_stores.call(lambda: self.publisher.publish(self.policy.model, self.step))
 
-    async def feed(self) -> None:
-        await self.feeder.top_up(self.publisher.published_version)
+    async def top_up(self) -> None:
+        """The feeder's top-up for the published version, waiting out a full JetStream."""
+        await self.full_stores.call(lambda: self.feeder.top_up(self.publisher.published_version))
 
     async def checkpoint_if_due(self) -> None:
         if self.step % self.spec.train.checkpoint_interval == 0 or self.step == self.spec.train.max_steps:
@@ -389,13 +402,11 @@ class JobRun:
             return
         self.check_lease()
         self.phase("checkpointing")
-        extra = {"version": self.step, "cursor": self.feeder.cursor.to_dict(), "leases": self.book.to_state(),
-                 "lease_epoch": self.epoch}
-        saved = self.policy.state(self.step, extra)
+        saved = self.policy.state(self.step, self.checkpoint_state())
         what = f"checkpoint {self.step}"
         await self.deps.jobs.check_fence(self.job_id, self.epoch, what)
-        tmp = await asyncio.to_thread(ckpt.write, self.root, saved, delay_s=self.deps.settings.checkpoint_delay_s,
-                                      lease_epoch=self.epoch)
+        tmp = await self.full_stores.call(lambda: asyncio.to_thread(
+            ckpt.write, self.root, saved, delay_s=self.deps.settings.checkpoint_delay_s, lease_epoch=self.epoch))
         self.check_lease()
         await self.deps.jobs.check_fence(self.job_id, self.epoch, what)
         await asyncio.to_thread(ckpt.complete, self.root, tmp)
@@ -403,6 +414,11 @@ class JobRun:
         await asyncio.to_thread(ckpt.prune, self.root, self.spec.train.keep_checkpoints)
         self.check_lease()
         await self.commit(self.book)
+
+    def checkpoint_state(self) -> dict[str, object]:
+        """What a checkpoint records besides the model's and optimizer's state (its `state.json`)."""
+        return {"version": self.step, "cursor": self.feeder.cursor.to_dict(), "leases": self.book.to_state(),
+                "lease_epoch": self.epoch}
 
     async def commit(self, book: LeaseBook) -> None:
         for record in book.take_pending():
@@ -417,7 +433,8 @@ class JobRun:
         unix_ms = int(time.time() * 1000)
         record = {"step": self.step, "policy_version": self.step, "unix_ms": unix_ms, **values}
         await self.deps.jobs.append_step(self.job_id, record, lease_epoch=self.epoch)
-        self.metrics.append({**record, "task_ids": [g.task_id for g in data.groups]})
+        line = {**record, "task_ids": [g.task_id for g in data.groups]}
+        await self.full_stores.call(lambda: asyncio.to_thread(self.metrics.append, line))
         await self.job_bus.event({"type": "step", **record})
         board = self.deps.board
         board.step, board.policy_version = self.step, self.step
@@ -429,10 +446,11 @@ class JobRun:
         await self.checkpoint()
         self.phase("exporting")
         exported = await asyncio.to_thread(self.policy.exportable)
-        path = await asyncio.to_thread(export_model, exported, self.policy.tokenizer, self.deps.settings.run_dir,
-                                       self.job_id)
-        if isinstance(self.policy.model, PeftModel):
-            await asyncio.to_thread(export_adapter, self.policy.model, self.deps.settings.run_dir, self.job_id)
+        run_dir, model = self.deps.settings.run_dir, self.policy.model
+        path = await self.full_stores.call(lambda: asyncio.to_thread(
+            export_model, exported, self.policy.tokenizer, run_dir, self.job_id))
+        if isinstance(model, PeftModel):
+            await self.full_stores.call(lambda: asyncio.to_thread(export_adapter, model, run_dir, self.job_id))
         self.check_lease()
         await self.deps.jobs.check_fence(self.job_id, self.epoch, "the job's end")
         await self.deps.jobs.set_model_uri(self.job_id, str(path.resolve()))

@@ -74,7 +74,7 @@ class MergedAdapter:
     def __init__(self, model: torch.nn.Module, spec: LoraSpec) -> None:
         self.scale, self.rank = spec.alpha / spec.rank, spec.rank
         self._weights = {name: module.weight for name, module in model.named_modules()
-                         if isinstance(module, torch.nn.Linear) and _targeted(name, spec.target_modules)}
+                         if isinstance(module, torch.nn.Linear) and targeted(name, spec.target_modules)}
         if not self._weights:
             raise InvalidArgument("LoRA target modules match no linear layer of the model", [FieldViolation(
                 "train.lora.target_modules", f"{list(spec.target_modules)} match no torch.nn.Linear")])
@@ -90,22 +90,34 @@ class MergedAdapter:
                 b = tensors[f"{PEFT_PREFIX}{name}.lora_B.weight"].to(device=weight.device, dtype=weight.dtype)
                 weight.copy_(self._bases[name]).addmm_(b, a, alpha=self.scale)  # (out, in) += (out, r) @ (r, in)
 
-    def _check(self, tensors: Mapping[str, torch.Tensor]) -> None:
+    def expected_shapes(self) -> dict[str, tuple[int, ...]]:
+        """The published name and shape of every adapter tensor a version must hold."""
         expected: dict[str, tuple[int, ...]] = {}
         for name, weight in self._weights.items():
             out_features, in_features = weight.shape
             expected[f"{PEFT_PREFIX}{name}.lora_A.weight"] = (self.rank, in_features)
             expected[f"{PEFT_PREFIX}{name}.lora_B.weight"] = (out_features, self.rank)
-        violations = [FieldViolation(name, "missing") for name in expected if name not in tensors]
-        violations += [FieldViolation(name, "not an adapter of the model") for name in tensors if name not in expected]
-        violations += [FieldViolation(name, f"shape {tuple(t.shape)} != {expected[name]}")
-                       for name, t in tensors.items() if name in expected and tuple(t.shape) != expected[name]]
+        return expected
+
+    def _check(self, tensors: Mapping[str, torch.Tensor]) -> None:
+        violations = adapter_violations(tensors, self.expected_shapes())
         if violations:
             detail = "; ".join(f"{v.field}: {v.description}" for v in violations[:5])
             raise InvalidArgument(f"adapter tensors do not fit the model ({len(violations)} problems): {detail}",
                                   violations)
 
 
-def _targeted(module_name: str, targets: tuple[str, ...]) -> bool:
+def adapter_violations(tensors: Mapping[str, torch.Tensor],
+                       expected: Mapping[str, tuple[int, ...]]) -> list[FieldViolation]:
+    """What keeps a published adapter version from fitting an adapter whose tensors are `expected`
+    (name -> shape): every tensor present, nothing else, each of its shape."""
+    violations = [FieldViolation(name, "missing") for name in expected if name not in tensors]
+    violations += [FieldViolation(name, "not an adapter of the model") for name in tensors if name not in expected]
+    violations += [FieldViolation(name, f"shape {tuple(t.shape)} != {tuple(expected[name])}")
+                   for name, t in tensors.items() if name in expected and tuple(t.shape) != tuple(expected[name])]
+    return violations
+
+
+def targeted(module_name: str, targets: tuple[str, ...]) -> bool:
     """PEFT's rule for a list of target names: the module's name is one, or ends with "." + one."""
     return any(module_name == t or module_name.endswith(f".{t}") for t in targets)

@@ -482,12 +482,24 @@ class WeightStore:
         count = 0
         for start in range(0, len(payload), chunk):
             if len(window) >= PUBLISH_WINDOW:
-                await asyncio.wait_for(window.popleft(), bus.REQUEST_TIMEOUT_S)
+                await self._acked(window.popleft(), subject, chunk)
             window.append(await self._js.publish_async(subject, bytes(view[start : start + chunk])))
             count += 1
         for future in window:
-            await asyncio.wait_for(future, bus.REQUEST_TIMEOUT_S)
+            await self._acked(future, subject, chunk)
         return count
+
+    async def _acked(self, future: asyncio.Future[api.PubAck], subject: str, chunk: int) -> None:
+        """Wait for one chunk's ack. nats-py never completes the future of a `publish_async` that JetStream
+        refused (its reply handler raises the refusal into the connection's error callback), so when an
+        ack does not come, a chunk of zeros is published to the same subject the waiting way, which raises
+        the refusal if that is why (a full store: `bus.jetstream_full`); a timeout otherwise. The probe is
+        purged with the failed object's chunks."""
+        try:
+            await asyncio.wait_for(future, bus.REQUEST_TIMEOUT_S)
+        except TimeoutError:
+            await self._js.publish(subject, bytes(chunk))
+            raise
 
     async def _info(self, job_id: str, name: str) -> api.ObjectInfo:
         try:

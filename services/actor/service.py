@@ -1,7 +1,8 @@
 """The actor process: which jobs to serve, their models and consumers, and the lifecycle.
 
 `Actor.run(stop)` owns NATS, the job store and the two gRPC clients in one AsyncExitStack. Every
-poll_interval_s it re-reads the running jobs (oldest first); for a job it has not seen it loads the
+poll_interval_s it re-reads the running jobs (oldest first; an sft job, which has nothing to generate,
+is never served); for a job it has not seen it loads the
 base model (`backends.make_backend`), starts the weight watch, and binds the job's shared durable
 pull consumer (created with `bus.ensure_job_consumer`, the same settings the learner uses, so
 max_ack_pending bounds how many tasks all actors together hold). It then takes one task at a time from
@@ -36,6 +37,7 @@ from fleetrl.reward.client import RewardClient, environment_to_proto, spec_to_pr
 from fleetrl.rollout import metrics
 from fleetrl.rollout.fair_share import FairShare, job_weights
 from fleetrl.rollout.job_policy import JobPolicy
+from fleetrl.rollout.memory import Cost, MemoryBudget, budget_bytes, job_cost
 from fleetrl.rollout.rollout import JobContext, Rollout
 from fleetrl.rollout.settings import ActorSettings
 from fleetrl.runtime import heartbeat, telemetry
@@ -84,6 +86,9 @@ class Actor:
         self.activity = metrics.Activity()
         self._next_refresh = 0.0
         self.fair = FairShare()
+        self.memory = MemoryBudget(budget_bytes(settings), settings.job_min_residency_s)
+        self._costs: dict[str, Cost] = {}
+        self._deferred: set[str] = set()
         self._warming: set[asyncio.Task[None]] = set()
 
     async def run(self, stop: asyncio.Event) -> None:
@@ -91,6 +96,7 @@ class Actor:
         s = self.settings
         telemetry.setup_tracing("actor", s.run_dir)
         metrics.ACTOR.info({"actor_id": s.actor_id})
+        metrics.MEMORY_BUDGET.set(self.memory.limit)
         if s.metrics_port:
             start_http_server(s.metrics_port)
         async with AsyncExitStack() as stack:
@@ -133,6 +139,7 @@ class Actor:
             if await self._take_until_stopped(self.jobs[job_id], rollout, stop):
                 seconds = time.monotonic() - started
                 self.fair.served(job_id, seconds, weights[job_id], idle)
+                self.memory.mark_served(job_id, time.monotonic())
                 metrics.SERVED_SECONDS.labels(job_id).inc(seconds)
                 return True
             idle.append(job_id)
@@ -160,17 +167,53 @@ class Actor:
             return
         self._next_refresh = time.monotonic() + self.settings.poll_interval_s
         active: Iterable[JobRecord] = await store.active_jobs()
-        running = [r for r in active if r.state == JobState.RUNNING]
+        running = [r for r in active if r.state == JobState.RUNNING and r.spec.rolls_out]  # sft jobs need none
         for job_id in set(self.jobs) - {r.job_id for r in running}:
             log.info("job %s no longer running; dropping it", job_id)
-            self.fair.forget(job_id)
-            await self._close_job(self.jobs.pop(job_id))
+            await self._drop_job(job_id)
+        for job_id in set(self._costs) - {r.job_id for r in running}:
+            del self._costs[job_id]
         for record in running:
-            if record.job_id not in self.jobs:
-                self.jobs[record.job_id] = job = await self._open_job(record, store, js, weights)
+            if record.job_id not in self.jobs and await self._make_room(record):
+                try:
+                    self.jobs[record.job_id] = job = await self._open_job(record, store, js, weights)
+                except BaseException:
+                    self.memory.release(record.job_id)
+                    raise
                 warming = asyncio.create_task(rollout.warm(job.context))
                 self._warming.add(warming)
                 warming.add_done_callback(self._warming.discard)
+
+    async def _make_room(self, record: JobRecord) -> bool:
+        """Whether the job fits the memory budget now, after dropping the jobs `MemoryBudget` names;
+        if so, its cost is held for it."""
+        job_id = record.job_id
+        if job_id not in self._costs:
+            self._costs[job_id] = await asyncio.to_thread(job_cost, record.spec, self.settings)
+        cost, now = self._costs[job_id], time.monotonic()
+        victims = self.memory.make_room(cost, now)
+        if victims is None:
+            metrics.JOBS_DEFERRED.labels(job_id).inc()
+            if job_id not in self._deferred:  # logged once per wait, counted at every refresh
+                self._deferred.add(job_id)
+                log.info("job %s (%s) does not fit the memory budget now (%d of %d MiB held): not taken", job_id,
+                         cost, self.memory.used >> 20, self.memory.limit >> 20)
+            return False
+        self._deferred.discard(job_id)
+        for victim in victims:
+            log.info("dropping job %s to make room for job %s (memory budget)", victim, job_id)
+            metrics.JOBS_DROPPED.labels(victim).inc()
+            await self._drop_job(victim)
+        self.memory.hold(job_id, cost, now)
+        metrics.MEMORY_COMMITTED.set(self.memory.used)
+        return True
+
+    async def _drop_job(self, job_id: str) -> None:
+        """Stop serving a job (it stopped running, or makes room for another): its tasks stay in the queue."""
+        self.fair.forget(job_id)
+        self.memory.release(job_id)
+        metrics.MEMORY_COMMITTED.set(self.memory.used)
+        await self._close_job(self.jobs.pop(job_id))
 
     async def _open_job(self, record: JobRecord, store: JobStore, js: JetStreamContext,
                         weights: WeightStore) -> ServedJob:
@@ -179,13 +222,14 @@ class Actor:
         environment_file = await store.environment_file(record.job_id) if spec.environment is not None else None
         backend = await asyncio.to_thread(make_backend, s.backend, spec.model, dtype=s.dtype, device=s.device,
                                           fixed_latency_s=s.fixed_latency_s, lora=spec.train.lora,
-                                          vllm_kv_cache_gib=s.vllm_kv_cache_gib)
+                                          vllm_kv_cache_gib=s.vllm_kv_cache_gib, share_lora_base=s.share_lora_base,
+                                          job_id=record.job_id)
         policy = JobPolicy(record.job_id, backend, weights, pull_attempts=s.weights_pull_attempts,
                            keep_payload=spec.train.full_publish_interval > 1)
         policy.start()
         await bus.ensure_job_consumer(js, record.job_id, spec)
         sub = await js.pull_subscribe_bind(durable=bus.task_consumer(record.job_id), stream=bus.TASKS_STREAM)
-        log.info("serving job %s (model %s)", record.job_id, spec.model)
+        log.info("serving job %s (model %s, backend %s)", record.job_id, spec.model, type(backend).__name__)
         queue = JobQueue(record.job_id, spec.train, js, sub, s, self.activity)
         return ServedJob(JobContext(record.job_id, spec, job_reward_spec(spec, reward_file), policy,
                                     job_environment(spec, environment_file), tenant=record.tenant), queue,
@@ -205,7 +249,7 @@ class Actor:
         job = self.jobs.get(activity.job_id)
         version = max(0, job.context.policy.version) if job else 0
         return heartbeat.Beat("actor", self.settings.actor_id, activity.state, activity.job_id if job else "",
-                              version, tokens_per_s, busy, int(time.time() * 1000))
+                              version, tokens_per_s, busy, int(time.time() * 1000), activity.served_s())
 
     async def _clear_beat(self, store: JobStore) -> None:
         with contextlib.suppress(Exception):  # best effort: the beat expires anyway

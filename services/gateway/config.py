@@ -112,6 +112,10 @@ class JobCaps(Strict):
     """Most eval prompts per evaluation (`eval.problems`)."""
     eval_samples: int = _cap(64, "eval.samples")
     """Most sampled completions per eval problem (`eval.samples`)."""
+    sft_conversations_per_step: int = _cap(1024, "sft.conversations_per_step")
+    """Most demonstration conversations per step of an sft job (`sft.conversations_per_step`)."""
+    sft_max_seq_tokens: int = _cap(32768, "sft.max_seq_tokens")
+    """Longest demonstration conversation, in tokens, an sft job may train on (`sft.max_seq_tokens`)."""
 
 
 class TenantQuota(Strict):

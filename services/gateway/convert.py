@@ -60,8 +60,10 @@ def fleet_to_proto(view: FleetView) -> gateway_pb2.FleetStatus:
         tokens_per_s=m.tokens_per_s, busy_fraction=m.busy_fraction, seen_unix_ms=m.unix_ms) for m in view.members]
     queues = [gateway_pb2.TaskQueue(job_id=q.job_id, pending=q.pending, in_flight=q.in_flight,
                                     redelivered=q.redelivered, dead_lettered=q.dead_lettered) for q in view.queues]
+    shares = [gateway_pb2.TenantShare(tenant=s.tenant, jobs=s.jobs, weight=s.weight, served_s=s.served_s,
+                                      share=s.share, fair_share=s.fair_share) for s in view.shares]
     return gateway_pb2.FleetStatus(members=members, queues=queues, unix_ms=view.unix_ms,
-                                   reward_sandbox=view.reward_sandbox)
+                                   reward_sandbox=view.reward_sandbox, shares=shares)
 
 
 def accounting_to_proto(accounting: Accounting, include_tasks: bool) -> gateway_pb2.JobAccounting:

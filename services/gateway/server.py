@@ -17,6 +17,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import grpc
+from prometheus_client import Gauge
 
 from fleetrl.errors import InvalidArgument
 from fleetrl.jobs.store import JobStore
@@ -38,6 +39,11 @@ from fleetrl.tasks import bus
 log = logging.getLogger(__name__)
 RETENTION_CHECK_S = 60.0
 """How often the gateway looks for finished jobs past their retention."""
+BACKLOG_CHECK_S = 5.0
+"""How often the gateway reads every active job's queue into TASK_BACKLOG (KEDA polls every 15 s)."""
+TASK_BACKLOG = Gauge("fleetrl_gateway_task_backlog",
+                     "Tasks queued or in flight over every active job, read every few seconds: the actors' "
+                     "autoscaling metric (deploy/k8s/base/actor.yaml)")
 SERVICE_NAME = gateway_pb2.DESCRIPTOR.services_by_name["JobService"].full_name
 
 
@@ -175,6 +181,17 @@ async def retention_loop(gateway: Gateway, retention_s: float) -> None:
         await asyncio.sleep(min(RETENTION_CHECK_S, retention_s))
 
 
+async def backlog_loop(gateway: Gateway) -> None:
+    """Keep TASK_BACKLOG current. A failed read (NATS away) leaves the last figure: the autoscaler then holds
+    the actor count rather than scaling the fleet down in an outage."""
+    while True:
+        try:
+            TASK_BACKLOG.set(await gateway.backlog())
+        except Exception as error:  # NATS or Redis away: the next pass retries
+            log.warning("task backlog not read: %s", error)
+        await asyncio.sleep(BACKLOG_CHECK_S)
+
+
 async def serve(settings: GatewaySettings, stop: asyncio.Event,
                 on_start: Callable[[int], None] | None = None) -> None:
     """Run the gateway until stop is set."""
@@ -197,6 +214,8 @@ async def serve(settings: GatewaySettings, stop: asyncio.Event,
             Admission.of(settings), deleter=StoreDeleter(store.redis, js, settings.run_dir),
             poll_s=settings.watch_poll_s, chunk_bytes=settings.download_chunk_kb * 1024,
         )
+        backlog = asyncio.create_task(backlog_loop(gateway))
+        stack.callback(backlog.cancel)
         if settings.retention_s is not None:
             expiring = asyncio.create_task(retention_loop(gateway, settings.retention_s))
             stack.callback(expiring.cancel)

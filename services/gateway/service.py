@@ -15,6 +15,10 @@ Design choices:
 - Cancel is idempotent: cancelling a cancelled job purges its queued tasks again (a retry after a
   failed purge completes it); cancelling a succeeded or failed job is a no-op.
 - The ledger of a job (GetJobAccounting) is computed on demand from Redis and NATS, never cached.
+- `model = "job:<id>"` (a warm start from an sft job) is resolved at submission to that job's exported
+  directory, only for the job's own tenant (another tenant's reads as not existing) and only once it has
+  succeeded; the stored spec names the directory. A job some queued or running job starts from is not
+  deleted (by DeleteJob or retention) until that job ends.
 - The fleet view lists every live member (capacity is shared), but a member working on another
   tenant's job is shown without that job, and only the caller's own queues are listed.
 """
@@ -41,8 +45,17 @@ from fleetrl.errors import (
 )
 from fleetrl.jobs.retention import Footprint
 from fleetrl.jobs.store import ACTIVE, ADAPTER_DIR, JobRecord, JobState, JobStore, now_ms
+from fleetrl.policy.models import JOB_MODEL_PREFIX
 from fleetrl.runtime.heartbeat import Beat
-from fleetrl.services.gateway.checks import Admission, Limits, Submission, check_sizes, check_submission
+from fleetrl.services.gateway.checks import (
+    Admission,
+    JobModel,
+    Limits,
+    Submission,
+    check_sizes,
+    check_submission,
+    job_reference_of,
+)
 from fleetrl.services.gateway.config import TenantQuota
 from fleetrl.spec.config import EnvironmentSpec, RewardSpec
 from fleetrl.tasks import ledger
@@ -97,13 +110,35 @@ class FleetSource(Protocol):
 
 
 @dataclass(frozen=True)
+class TenantShare:
+    """A tenant's share of the actors' time over the heartbeat window (`fleetrl top`'s tenants table).
+
+    `tenant` is "" for every other tenant together: a caller sees its own row and the rest of the fleet
+    as one, never another tenant's name or jobs.
+    """
+
+    tenant: str
+    jobs: int
+    """Its queued and running jobs."""
+    weight: float
+    """Its weight (the gateway's `TenantQuota.weight` at submission); summed for the other tenants."""
+    served_s: float
+    """Actor seconds spent on its jobs' tasks in the window, summed over live actors."""
+    share: float
+    """served_s over every tenant's served_s (0 when no actor served anything)."""
+    fair_share: float
+    """weight over the weights of every tenant with an active job: its share when all of them keep actors busy."""
+
+
+@dataclass(frozen=True)
 class FleetView:
-    """What GetFleet answers: live members and the caller's task queues, as of unix_ms."""
+    """What GetFleet answers: live members, the caller's task queues and its share, as of unix_ms."""
 
     members: list[Beat]
     queues: list[TaskQueue]
     unix_ms: int
     reward_sandbox: str = ""
+    shares: list[TenantShare] = dataclasses.field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -149,7 +184,9 @@ class Gateway:
     async def submit(self, tenant: str, sub: Submission) -> JobRecord:
         """Check everything, then store the job with its files (same idempotency key, same job)."""
         check_sizes(sub, self.limits)
-        checked = await asyncio.to_thread(check_submission, sub, self.admission)
+        reference = job_reference_of(sub)
+        job_model = await self.job_model(tenant, reference) if reference is not None else None
+        checked = await asyncio.to_thread(check_submission, sub, self.admission, job_model)
         violations = list(checked.violations)
         sandbox = ""
         if checked.reward is not None:
@@ -161,13 +198,26 @@ class Gateway:
             sandbox = verdict.sandbox
         if violations or checked.spec is None:
             raise ConfigError("invalid job submission", reported(violations))
-        quota = await self._check_quota(tenant, sub.idempotency_key)
-        record = await self.store.create(tenant, checked.spec, sub.prompts, sub.reward_file or None,
-                                         sub.idempotency_key, eval_prompts=sub.eval_prompts or None, sandbox=sandbox,
-                                         environment_file=sub.environment_file or None, weight=quota.weight)
+        async with self.store.submission_lock(tenant):  # the quota count and the create, with nothing between
+            quota = await self._check_quota(tenant, sub.idempotency_key)
+            record = await self.store.create(tenant, checked.spec, sub.prompts, sub.reward_file or None,
+                                             sub.idempotency_key, eval_prompts=sub.eval_prompts or None,
+                                             sandbox=sandbox, environment_file=sub.environment_file or None,
+                                             weight=quota.weight)
         log.info("job %s (%s) submitted by %s", record.job_id, record.name, tenant)
         await self.events.publish(record.job_id, {"type": "submitted", "state": record.state.value})
         return record
+
+    async def job_model(self, tenant: str, reference: str) -> JobModel:
+        """`job:<id>` resolved for the tenant: the exported model directory of its own succeeded job; another
+        tenant's job reads as one that does not exist."""
+        job_id = reference.removeprefix(JOB_MODEL_PREFIX)
+        try:
+            return JobModel(reference, str(model_dir(await self.get(tenant, job_id), merged=True)))
+        except (NotFound, InvalidArgument):
+            return JobModel(reference, None, f"{clip(reference, 80)!r}: job {clip(job_id, 80)!r} does not exist")
+        except FailedPrecondition as error:
+            return JobModel(reference, None, f"{reference!r}: {error}")
 
     async def _check_quota(self, tenant: str, idempotency_key: str) -> TenantQuota:
         """The tenant's quota; ResourceExhausted naming it when the tenant holds max_active_jobs queued or
@@ -232,8 +282,17 @@ class Gateway:
         return await self._delete(record)
 
     async def _deletable(self, record: JobRecord) -> bool:
-        """A finished job whose learner has let go of it (a learner writes until it releases its lease)."""
-        return record.state not in ACTIVE and await self.store.lease_holder(record.job_id) is None
+        """A finished job whose learner has let go of it (a learner writes until it releases its lease) and
+        whose exported model no queued or running job starts from."""
+        return (record.state not in ACTIVE and await self.store.lease_holder(record.job_id) is None
+                and await self._started_from(record) is None)
+
+    async def _started_from(self, record: JobRecord) -> JobRecord | None:
+        """A queued or running job whose model is this job's export (`job:<id>`), or None."""
+        if not record.model_uri:
+            return None
+        exported = record.model_uri.removeprefix("file://")
+        return next((r for r in await self.store.active_jobs() if r.spec.model == exported), None)
 
     async def expire(self, retention_s: float) -> list[str]:
         """Delete every finished job that ended more than retention_s ago; their ids."""
@@ -247,6 +306,9 @@ class Gateway:
     async def _delete(self, record: JobRecord) -> Footprint:
         if self.deleter is None:
             raise FailedPrecondition("this gateway cannot delete jobs (no deleter wired)")
+        if (user := await self._started_from(record)) is not None:
+            raise FailedPrecondition(f"job {user.job_id} ({user.state.value}) starts from job {record.job_id}'s model: "
+                                     "delete it once that job has ended")
         if not await self._deletable(record):
             raise FailedPrecondition(f"job {record.job_id}'s learner still holds it: delete it again in a moment")
         held = await self.deleter.delete(record.job_id)
@@ -277,12 +339,22 @@ class Gateway:
     async def fleet(self, tenant: str) -> FleetView:
         """Every live member (another tenant's job hidden) and the queue of each of the tenant's active jobs."""
         members = await self.fleet_source.members()
-        owners = {job: await self._owner(job) for job in {m.job_id for m in members if m.job_id}}
-        visible = [m if owners.get(m.job_id) == tenant else dataclasses.replace(m, job_id="", policy_version=0)
-                   for m in members]
-        active = sorted((r for r in await self.store.active_jobs() if r.tenant == tenant), key=lambda r: r.job_id)
-        queues = [await self.fleet_source.queue(record.job_id) for record in active]
-        return FleetView(visible, queues, now_ms(), await self._reward_sandbox())
+        active = await self.store.active_jobs()
+        owners: dict[str, str | None] = {record.job_id: record.tenant for record in active}
+        for job in {m.job_id for m in members if m.job_id} | {job for m in members for job in m.served_s}:
+            if job not in owners:  # finished since a member's beat, or deleted
+                owners[job] = await self._owner(job)
+        visible = [seen_by(tenant, member, owners) for member in members]
+        mine = sorted((r for r in active if r.tenant == tenant), key=lambda r: r.job_id)
+        queues = [await self.fleet_source.queue(record.job_id) for record in mine]
+        shares = tenant_shares(tenant, members, owners, active)
+        return FleetView(visible, queues, now_ms(), await self._reward_sandbox(), shares)
+
+    async def backlog(self) -> int:
+        """Tasks queued or in flight over every tenant's active jobs: what the actors' autoscaler scales on
+        (one figure for the whole fleet, since every actor serves every job)."""
+        queues = [await self.fleet_source.queue(record.job_id) for record in await self.store.active_jobs()]
+        return sum(queue.pending + queue.in_flight for queue in queues)
 
     async def _reward_sandbox(self) -> str:
         try:
@@ -355,3 +427,36 @@ async def file_chunks(path: Path, rel: str, chunk_bytes: int) -> AsyncIterator[M
 
 def event_payload(job_id: str, event: dict[str, Any]) -> dict[str, Any]:
     return {"job_id": job_id, "unix_ms": now_ms(), **event}
+
+
+def seen_by(tenant: str, member: Beat, owners: dict[str, str | None]) -> Beat:
+    """A member's beat as the tenant may see it: another tenant's job, its version and its seconds hidden."""
+    own = owners.get(member.job_id) == tenant
+    return dataclasses.replace(member, job_id=member.job_id if own else "",
+                               policy_version=member.policy_version if own else 0,
+                               served_s={job: s for job, s in member.served_s.items() if owners.get(job) == tenant})
+
+
+def tenant_shares(tenant: str, members: list[Beat], owners: dict[str, str | None],
+                  active: list[JobRecord]) -> list[TenantShare]:
+    """The caller's row and one row for every other tenant together (omitted when there are none), from the
+    actors' windowed served seconds and the active jobs' weights."""
+    served: dict[bool, float] = {True: 0.0, False: 0.0}
+    for member in members:
+        for job, seconds in member.served_s.items():
+            if owners.get(job) is not None:  # a deleted job's seconds belong to nobody
+                served[owners[job] == tenant] += seconds
+    weights: dict[str, float] = {}
+    for record in active:
+        weights[record.tenant] = max(weights.get(record.tenant, 0.0), record.weight)
+    total_s, total_weight = sum(served.values()), sum(weights.values())
+    rows = []
+    for own in (True, False):
+        count = sum((r.tenant == tenant) == own for r in active)
+        weight = weights.get(tenant, 0.0) if own else total_weight - weights.get(tenant, 0.0)
+        if not own and not count and not served[False]:
+            continue
+        rows.append(TenantShare(tenant if own else "", count, weight, round(served[own], 3),
+                                served[own] / total_s if total_s else 0.0,
+                                weight / total_weight if total_weight else 0.0))
+    return rows

@@ -15,6 +15,7 @@ def status_to_proto(board: StatusBoard) -> learner_pb2.LearnerStatus:
     status = learner_pb2.LearnerStatus(
         job_id=board.job_id, learner_id=board.learner_id, step=board.step,
         policy_version=board.policy_version, checkpoint_step=board.checkpoint_step, phase=board.phase,
+        paused_reason=board.paused_reason,
     )
     if board.last is not None:
         status.last.CopyFrom(step_to_proto(board.last))

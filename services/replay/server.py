@@ -20,6 +20,7 @@ import grpc
 import redis.asyncio as aioredis
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
+from fleetrl.errors import ResourceExhausted
 from fleetrl.proto.fleetrl.v1 import replay_pb2, replay_pb2_grpc
 from fleetrl.replay.table import ReplayTables
 from fleetrl.runtime import telemetry
@@ -175,7 +176,7 @@ async def reclaim_loop(tables: ReplayTables, metrics: Metrics, interval_s: float
         try:
             metrics.expired_leases.inc(await tables.reclaim_all())
             await refresh_sizes(tables, metrics)
-        except ConnectionError as error:  # Redis restarting: try again next period
+        except (ConnectionError, ResourceExhausted) as error:  # Redis restarting or full: try again next period
             log.warning("lease reclaim skipped: %s", error)
 
 

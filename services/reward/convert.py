@@ -11,7 +11,7 @@ from typing import Any
 from fleetrl.errors import FieldViolation, InvalidArgument
 from fleetrl.proto.fleetrl.v1 import common_pb2, reward_pb2
 from fleetrl.reward.scorer import Item, Result, SandboxState, SpecInput, Status, parse_environment, parse_spec
-from fleetrl.reward.sessions import EpisodeResult
+from fleetrl.reward.sessions import Action, EpisodeResult
 
 STATUS_TO_PROTO = {
     Status.OK: common_pb2.REWARD_STATUS_OK,
@@ -54,9 +54,10 @@ def to_task(request: reward_pb2.OpenEpisodesRequest) -> dict[str, Any]:
     return {**_metadata(request.metadata_json, "metadata_json"), "prompt": request.prompt}
 
 
-def to_actions(request: reward_pb2.StepEpisodesRequest) -> list[tuple[int, int, str]]:
-    """(episode, turn, text) of each action, in order."""
-    return [(a.episode, a.turn, a.text) for a in request.actions]
+def to_actions(request: reward_pb2.StepEpisodesRequest) -> list[Action]:
+    """The request's actions, in order."""
+    return [Action(a.episode, a.turn, a.text, a.finish_reason, a.prompt_tokens, a.completion_tokens)
+            for a in request.actions]
 
 
 def episode_to_proto(result: EpisodeResult) -> reward_pb2.EpisodeResult:
@@ -65,7 +66,8 @@ def episode_to_proto(result: EpisodeResult) -> reward_pb2.EpisodeResult:
         episode=result.episode, observation=[reward_pb2.Message(role=m["role"], content=m["content"])
                                              for m in result.observation],
         reward=result.reward, done=result.done, status=STATUS_TO_PROTO[result.status], reason=result.reason,
-        latency_s=result.latency_s, tools_json=result.tools_json)
+        latency_s=result.latency_s, tools_json=result.tools_json, segment=result.segment,
+        max_new_tokens=result.max_new_tokens, answer=result.answer, components=result.components)
 
 
 def to_proto(result: Result) -> reward_pb2.ScoreResult:

@@ -27,6 +27,13 @@ class TinkerSettings(InfraSettings, TokenSettings, ModelAllowList):
     """Largest max_tokens of one sample request."""
     max_num_samples: int = Field(128, ge=1, le=4096)
     """Most sequences one sample request may ask for."""
+    max_sessions_per_tenant: int = Field(64, ge=1, le=100_000)
+    """Live sessions (ServiceClients not closed, nor reaped after `session_idle_s`) one tenant may hold;
+    one more is refused with 429 and `x-should-retry: false` (the SDK raises RateLimitError at once)."""
+    max_training_runs_per_tenant: int = Field(8, ge=1, le=10_000)
+    """Training runs one tenant may hold, created or queued, over all its sessions: each holds its own
+    copy of the base model, its adapter and its optimizer state in this process. One more is refused as
+    `max_sessions_per_tenant` is; closing a session frees its runs."""
     max_request_mb: float = Field(256.0, gt=0, le=4096)
     """Largest request body (a forward_backward chunk); larger ones are refused with 413."""
     poll_s: float = Field(10.0, gt=0, le=40)

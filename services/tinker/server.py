@@ -41,6 +41,7 @@ from fleetrl.errors import (
     FleetError,
     InvalidArgument,
     NotFound,
+    ResourceExhausted,
     grpc_code,
 )
 from fleetrl.runtime import telemetry
@@ -107,7 +108,10 @@ async def errors(request: web.Request, handler: Handler) -> web.StreamResponse:
         raise
     except FleetError as error:
         violations = [{"field": v.field, "description": v.description} for v in getattr(error, "violations", [])]
-        return web.json_response({"error": str(error), "field_violations": violations}, status=status_of(error))
+        # a quota does not free itself in the SDK's retry window: 429 without its retries (RateLimitError at once)
+        headers = {"x-should-retry": "false"} if isinstance(error, ResourceExhausted) else None
+        return web.json_response({"error": str(error), "field_violations": violations}, status=status_of(error),
+                                 headers=headers)
     except Exception:
         log.exception("%s %s failed", request.method, request.path)
         return web.json_response({"error": "internal error (logged by the server)"}, status=500)
@@ -289,7 +293,8 @@ async def reap_loop(service: TinkerService, idle_s: float) -> None:
 
 def limits_of(settings: TinkerSettings) -> Limits:
     return Limits(settings.allowed_models, settings.allowed_model_roots, settings.run_dir, settings.max_lora_rank,
-                  settings.max_sample_tokens, settings.max_num_samples)
+                  settings.max_sample_tokens, settings.max_num_samples, settings.max_sessions_per_tenant,
+                  settings.max_training_runs_per_tenant)
 
 
 async def serve(settings: TinkerSettings, stop: asyncio.Event,

@@ -99,12 +99,19 @@ async def test_sigkill_every_few_seconds_loses_and_duplicates_nothing(fleet: Fle
     assert counts["lost"] == counts["duplicated"] == counts["unpublished"] == 0
 
 
+FIXED_LATENCY_S = 5.0
+"""A group's generation on the fixed backend (`backend=fixed`: a sleep, no compute, the same tokens for a
+redelivery): long enough for the test to signal the actor holding it, and a redelivered copy costs no more."""
+
+
 async def test_sigstopped_actor_late_result_is_a_duplicate(fleet: Fleet) -> None:
-    spec = job_spec(rollout={"samples_per_prompt": 8, "max_new_tokens": 400})
+    """The holder is stopped inside its generation (the fixed backend's), past ack_wait; the other actor's
+    copy is stored; the holder, continued, finishes and its copy is dropped as a duplicate."""
+    spec = job_spec()
     job = await fleet.create_job(spec, [])
     await fleet.publish_weights(job, 0)
     for name in ("s0", "s1"):
-        fleet.start_actor(name)
+        fleet.start_actor(name, "backend=fixed", f"fixed_latency_s={FIXED_LATENCY_S}")
     for name in ("s0", "s1"):
         await _ready(fleet, name)
     await fleet.publish_task(job, 0, *_prompt(0))
@@ -318,10 +325,11 @@ async def test_delta_weights_a_damaged_delta_and_the_repair(fleet: Fleet) -> Non
 
 
 async def test_sigterm_finishes_the_current_task_then_exits(fleet: Fleet) -> None:
-    spec = job_spec(rollout={"samples_per_prompt": 8, "max_new_tokens": 200})
+    """SIGTERM lands inside the generation (the fixed backend's); the actor stores the group, acks, exits 0."""
+    spec = job_spec()
     job = await fleet.create_job(spec, [])
     await fleet.publish_weights(job, 0)
-    proc = fleet.start_actor("t0")
+    proc = fleet.start_actor("t0", "backend=fixed", f"fixed_latency_s={FIXED_LATENCY_S}")
     await _ready(fleet, "t0")
     await fleet.publish_task(job, 0, *_prompt(0))
     await wait_until(lambda: "task 0/0 delivery 1 received" in fleet.log_text("t0"), 30, "the delivery",

@@ -6,6 +6,7 @@ The tolerance measured here is the one documented in fleetrl/policy/backends.py 
 
 from __future__ import annotations
 
+import importlib.util
 import math
 import time
 
@@ -21,8 +22,11 @@ from fleetrl.policy.backends import (
     conversation_tokens,
     make_backend,
     prompt_tokens,
+    resolve_backend,
 )
-from fleetrl.spec.config import RolloutConfig
+from fleetrl.rollout.memory import job_cost
+from fleetrl.rollout.settings import ActorSettings
+from fleetrl.spec.config import JobSpec, LoraSpec, RolloutConfig
 from fleetrl.spec.seeding import task_id, task_seed
 from fleetrl.train import reference
 
@@ -174,3 +178,14 @@ def test_episode_turns_prefill_only_what_they_add_to_the_cached_rows() -> None:
     hook.remove()
     cached.load_weights(dict(model.state_dict()))
     assert cached._turns is None  # a weight load drops the cache: it holds the old policy's keys and values
+
+
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is not None, reason="vllm installed: tests/actor/test_vllm.py")
+def test_auto_is_hf_where_vllm_is_not_installed() -> None:
+    """The actors' default backend: without the vllm package every job gets hf (and its memory cost)."""
+    for model, lora in (("tiny-llama", None), ("smollm2-135m", LoraSpec(rank=16))):
+        assert resolve_backend("auto", model, "cpu", lora) == "hf"
+        assert type(make_backend("auto", "tiny-llama", dtype="float32", device="cpu")) is HFBackend
+    spec = JobSpec(prompts="p.jsonl", model="tiny-llama", reward={"builtin": "numeric_match"})
+    assert job_cost(spec, ActorSettings(actor_id="a")) == job_cost(spec, ActorSettings(actor_id="a", backend="hf"))
+    assert [resolve_backend(kind, "tiny-llama", "cpu") for kind in ("hf", "vllm", "fixed")] == ["hf", "vllm", "fixed"]

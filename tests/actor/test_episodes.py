@@ -10,6 +10,8 @@ and the episode's status. A hostile environment that hangs in step is contained 
 A reward service SIGKILLed mid-episode: the actor's next step fails cleanly (NOT_FOUND once the
 service is back), the task is redelivered and its group stored once. An actor SIGKILLed mid-episode:
 the task is redelivered and stored once, and the dead actor's session is reaped within the idle timeout.
+Both faults are tried on an environment and on an agent file (`fleetrl.env.agent`) playing the same
+episodes.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 from actor_fleet import MODEL, Fleet, start_service, wait_until
 from prometheus_client.parser import text_string_to_metric_families
@@ -32,7 +35,7 @@ from fleetrl.policy.backends import LOGPROB_TOL, HFBackend, observation_tokens
 from fleetrl.proto.fleetrl.v1 import common_pb2
 from fleetrl.reward import verifiers
 from fleetrl.reward.client import RewardClient, environment_to_proto
-from fleetrl.rollout.episodes import OK, Episode, EpisodeRunner
+from fleetrl.rollout.episodes import OK, Episode, EpisodeRunner, Segment
 from fleetrl.rollout.settings import ActorSettings
 from fleetrl.spec.config import JobSpec, RewardSpec
 
@@ -238,20 +241,37 @@ class Env:
         return ("again" if self.turn < 4 else None), 1.0, self.turn >= 4
 '''
 
+SLOW_AGENT = b'''
+import time
 
-async def test_reward_service_restart_mid_episode_redelivers_the_task(fleet: Fleet, tmp_path: Path) -> None:
-    port = free_port()
-    argv = ["fleetrl.services.reward", "--listen", f"127.0.0.1:{port}", "--workers", "1"]
+def run(client, task):
+    messages = [{"role": "user", "content": "Go on."}]
+    for turn in range(4):
+        reply = client.chat.completions.create(model="policy", messages=messages)
+        time.sleep(1.0)
+        messages += [reply.choices[0].message, {"role": "user", "content": "again"}]
+    return 4.0
+'''
+SLOW = {"env": SLOW_ENV, "agent": SLOW_AGENT}
+"""The same slow episode (4 turns, 1 s in the sandbox after each, reward 4) as an environment and as an agent."""
+
+
+@pytest.mark.parametrize("kind", sorted(SLOW))
+async def test_reward_service_restart_mid_episode_redelivers_the_task(kind: str, fleet: Fleet, tmp_path: Path) -> None:
+    port, metrics_port = free_port(), free_port()
+    argv = ["fleetrl.services.reward", "--listen", f"127.0.0.1:{port}", "--workers", "1", "--set",
+            f"metrics_port={metrics_port}"]
     reward = start_service(argv, tmp_path / "reward.log", port)
     try:  # from here on: a failure anywhere (even creating the job) must not leave the reward service running
-        spec = env_job(max_turns=4, step_timeout_s=5.0)
-        job = await fleet.create_job(spec, [], environment_file=SLOW_ENV)
+        spec = env_job(max_turns=4, step_timeout_s=5.0, kind=kind)
+        job = await fleet.create_job(spec, [], environment_file=SLOW[kind])
         await fleet.publish_weights(job, 0, dtype="float32")
         fleet.start_actor("ep2", "nak_base_delay_s=0.1", reward_addr=f"127.0.0.1:{port}")
         await fleet.publish_task(job, 0, "restart me", "")
         log = tmp_path / "reward.log"
-        await wait_until(lambda: "reward pool (env" in log.read_text(errors="replace"), 90, "the episodes' pool")
-        await asyncio.sleep(1.5)  # inside the episode (4 steps of 1 s): after its open, before its last step
+        # inside the episode (4 steps of 1 s): after its first step, before its last
+        await wait_until(lambda: scrape(metrics_port, "fleetrl_reward_env_seconds_count", op="step") >= 1, 90,
+                         "the episodes' first step")
         reward.kill()
         reward.wait(10)
         reward = start_service(argv, log, port)
@@ -277,7 +297,8 @@ def scrape(port: int, name: str, **labels: str) -> float:
     return 0.0
 
 
-async def test_actor_sigkilled_mid_episode(fleet: Fleet, tmp_path: Path) -> None:
+@pytest.mark.parametrize("kind", sorted(SLOW))
+async def test_actor_sigkilled_mid_episode(kind: str, fleet: Fleet, tmp_path: Path) -> None:
     """After turn 1, before the last: the task is redelivered to another actor and stored once, and the dead
     actor's session is reaped (its workers killed) within the idle timeout."""
     port, metrics_port, idle_s = free_port(), free_port(), 3.0
@@ -286,8 +307,8 @@ async def test_actor_sigkilled_mid_episode(fleet: Fleet, tmp_path: Path) -> None
     log = tmp_path / "reward.log"
     reward = start_service(argv, log, port)
     try:  # from here on: a failure anywhere (even creating the job) must not leave the reward service running
-        spec = env_job(max_turns=4, step_timeout_s=5.0, episode_timeout_s=60.0)
-        job = await fleet.create_job(spec, [], environment_file=SLOW_ENV)
+        spec = env_job(max_turns=4, step_timeout_s=5.0, episode_timeout_s=60.0, kind=kind)
+        job = await fleet.create_job(spec, [], environment_file=SLOW[kind])
         await fleet.publish_weights(job, 0, dtype="float32")
         fleet.start_actor("doomed", reward_addr=f"127.0.0.1:{port}")
         await fleet.publish_task(job, 0, "kill me", "")
@@ -318,8 +339,9 @@ async def test_actor_sigkilled_mid_episode(fleet: Fleet, tmp_path: Path) -> None
 
 def test_unfinished_reward_replaces_the_sum_of_unfinished_episodes_only() -> None:
     def episode(status: common_pb2.EpisodeStatus, reward_status: common_pb2.RewardStatus = OK) -> Episode:
-        made = Episode(0, [1, 2])
-        made.turns.extend([common_pb2.Turn(start=0, end=1, reward=0.25), common_pb2.Turn(start=1, end=2, reward=0.5)])
+        made = Episode(0, [Segment([1, 2])])
+        made.current.turns.extend([common_pb2.Turn(start=0, end=1, reward=0.25),
+                                   common_pb2.Turn(start=1, end=2, reward=0.5)])
         made.end(status, reward_status)
         return made
 

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 
 import pytest
 
-from fleetrl.errors import FailedPrecondition, Fenced, NotFound
+from fleetrl.errors import FailedPrecondition, Fenced, NotFound, Unavailable
 from fleetrl.jobs.store import JobState, JobStore
 from fleetrl.spec.config import JobSpec
 
@@ -70,4 +71,52 @@ async def test_steps_are_recorded_once(redis_url: str) -> None:
     assert [m["step"] for m in await store.steps(job.job_id)] == [1, 2, 3]
     assert [m["step"] for m in await store.steps(job.job_id, from_step=2)] == [2, 3]
     assert (await store.get(job.job_id)).last_step == {"step": 3, "loss": 3.0}
+    await store.close()
+
+
+@pytest.mark.parametrize("locked", [True, False])
+async def test_the_submission_lock_serializes_a_tenants_count_and_create(redis_url: str, locked: bool) -> None:
+    """Eight concurrent submissions that count the tenant's active jobs, wait 50 ms (a slow moment between
+    the count and the create), then create when fewer than 2 are active: under the tenant's submission
+    lock exactly 2 jobs exist; without it every one of them counted 0 and created (the race the gateway's
+    lock closes, shown here so this test can fail)."""
+    store = JobStore.from_url(redis_url)
+    tenant = f"lock-{locked}"
+
+    async def submit() -> None:
+        async with store.submission_lock(tenant) if locked else contextlib.nullcontext():
+            active = sum(1 for r in await store.active_jobs() if r.tenant == tenant)
+            await asyncio.sleep(0.05)
+            if active < 2:
+                await store.create(tenant, SPEC, b"", None)
+
+    await asyncio.gather(*(submit() for _ in range(8)))
+    created = await store.list(tenant)
+    assert len(created) == (2 if locked else 8)
+    async with store.submission_lock(tenant):  # released: taken again at once
+        pass
+    await store.close()
+
+
+async def test_a_held_submission_lock_is_waited_for_then_refused(redis_url: str) -> None:
+    store = JobStore.from_url(redis_url)
+    async with store.submission_lock("waiter"):
+        with pytest.raises(Unavailable, match="held its submission lock"):
+            async with store.submission_lock("waiter", wait_s=0.2):
+                pass
+        async with store.submission_lock("someone-else", wait_s=0.2):  # one tenant's lock only
+            pass
+    await store.close()
+
+
+async def test_a_job_deleted_while_the_index_is_read_is_skipped(redis_url: str) -> None:
+    """Retention or DeleteJob removes a job's hash while another call walks the index: the walk skips it
+    (a submission's quota count failed NOT_FOUND naming the deleted job)."""
+    store = JobStore.from_url(redis_url)
+    kept = await store.create("t-skip", SPEC, b'{"prompt": "x"}\n', None)
+    gone = await store.create("t-skip", SPEC, b'{"prompt": "x"}\n', None)
+    await store.redis.delete(f"fleetrl:job:{gone.job_id}")  # the hash first, the index entry not yet
+    assert gone.job_id not in {r.job_id for r in await store.active_jobs()}
+    assert kept.job_id in {r.job_id for r in await store.active_jobs()}
+    assert [r.job_id for r in await store.list("t-skip")] == [kept.job_id]
     await store.close()

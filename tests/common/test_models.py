@@ -1,8 +1,9 @@
 """Model loading: tiny models are reproducible across processes and survive export; SmolLM2's cache
 matches its GGUF; published bf16 weights load in place; bad names fail with the name in the message.
 
-All caches live under one module-scoped temporary directory, so the GGUF tokenizer and the SmolLM2
-conversion (~15 s) each happen once here and never touch the user's ~/.cache.
+All caches live in the session's temporary tiny-model cache (`tiny_model_cache`, tests/conftest.py, which the
+`tiny_model` fixture builds into too), so the GGUF tokenizer (a GGUF parse, ~10 s) and the SmolLM2 conversion
+(~15 s) each happen once in a run and never touch the user's ~/.cache.
 """
 
 from __future__ import annotations
@@ -27,9 +28,9 @@ REPO = Path(__file__).resolve().parents[2]
 CHAT = [{"role": "user", "content": "What is 12 + 7? Answer with just the number."}]
 
 
-@pytest.fixture(scope="module")
-def cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tmp_path_factory.mktemp("model-cache")
+@pytest.fixture
+def cache_dir(tiny_model_cache: Path) -> Path:
+    return tiny_model_cache
 
 
 def _digest(model: torch.nn.Module) -> str:

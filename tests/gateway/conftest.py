@@ -82,11 +82,12 @@ class Infra:
     tmp: Path
 
     def gateway(self, name: str, settings: str = "", *, tokens: dict[str, str] | None = None,
-                reward_addr: str | None = None, models: tuple[str, ...] | None = TEST_MODELS) -> Proc:
+                reward_addr: str | None = None, models: tuple[str, ...] | None = TEST_MODELS,
+                redis_url: str | None = None, nats_url: str | None = None) -> Proc:
         """A gateway process (not started) with the given extra TOML settings (models: its allowed_models;
-        None leaves the setting to `settings` or its default)."""
+        None leaves the setting to `settings` or its default), on the session's Valkey and NATS unless given."""
         table = TOKENS if tokens is None else tokens
-        lines = [f'redis_url = "{self.redis_url}"', f'nats_url = "{self.nats_url}"',
+        lines = [f'redis_url = "{redis_url or self.redis_url}"', f'nats_url = "{nats_url or self.nats_url}"',
                  f'reward_addr = "{reward_addr or self.reward_addr}"', 'watch_poll_s = 0.05']
         if models is not None:
             lines.append(f"allowed_models = {json.dumps(list(models))}")

@@ -9,6 +9,7 @@ listed hub id, and every cap set to its spec field's default.
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -159,11 +160,11 @@ def test_caps_are_bounded_by_their_spec_fields() -> None:
 
 def test_the_local_fleet_passes_its_models_to_the_gateway(tmp_path: Path) -> None:
     fleet = Fleet(FleetOptions(run_dir=tmp_path, gpus=[], allowed_models=(LISTED,), model_roots=(tmp_path,)))
-    environ = {ENV_PREFIX + key: value for key, value in fleet._gateway_env().items()}
+    environ = {ENV_PREFIX + key: value for key, value in fleet._admission_env().items()}
     settings = load_settings(GatewaySettings, env_prefix=ENV_PREFIX, environ=environ)
     assert settings.allowed_models == (*BUILTIN_MODELS, LISTED)
     assert settings.allowed_model_roots == (tmp_path,)
-    assert Fleet(FleetOptions(run_dir=tmp_path, gpus=[]))._gateway_env() == {"OPEN_MODE": "true"}
+    assert Fleet(FleetOptions(run_dir=tmp_path, gpus=[]))._admission_env() == {"OPEN_MODE": "true"}
     assert model_admission("tiny-llama") == ((), ())
     assert model_admission(str(tmp_path)) == ((), (tmp_path,))
     assert model_admission(LISTED) == ((LISTED,), ())
@@ -195,5 +196,35 @@ def test_a_submission_over_the_tenants_quota_is_refused_naming_it(infra: Infra) 
             alice.submit(json.dumps(job()), PROMPTS, spec_format="json")  # a finished job frees its place
         record = infra.store(lambda store: store.get(first.job_id))
         assert record.weight == 3.0  # the tenant's weight, recorded for the actors' fair share
+    finally:
+        proc.stop()
+
+
+def test_concurrent_submissions_cannot_pass_the_quota_or_split_an_idempotency_key(infra: Infra) -> None:
+    """Eight submissions of one tenant at once against max_active_jobs 2: exactly two jobs, six refusals
+    naming the quota. Six submissions at once with one idempotency key: one job. Through a real gateway the
+    window between the count and the create is narrow, so without the tenant's submission lock this passes
+    most of the time too; tests/common/test_jobs.py widens the window and shows the race the lock closes."""
+    settings = "[tenant_quotas.racer]\nmax_active_jobs = 2"
+    tokens = {"racer": "tok-racer", "retrier": "tok-retrier"}  # tenants no other test uses
+    proc = infra.gateway("races", settings, tokens=tokens).start()
+
+    def submit_as(token: str, key: str = "") -> str:
+        with Client(proc.address, token=token) as client:
+            try:
+                return client.submit(json.dumps(job()), PROMPTS, spec_format="json", idempotency_key=key).job_id
+            except Exception as error:  # the refusal, by its gRPC code and text
+                return f"{grpc_code(error).name}: {error}"
+
+    try:
+        with concurrent.futures.ThreadPoolExecutor(max_workers=8) as pool:
+            raced = list(pool.map(lambda _: submit_as(tokens["racer"]), range(8)))
+            keyed = list(pool.map(lambda _: submit_as(tokens["retrier"], "same-key"), range(6)))
+        created = [r for r in raced if r.startswith("j-")]
+        refused = [r for r in raced if not r.startswith("j-")]
+        assert len(created) == 2 and len(set(created)) == 2, raced
+        assert all(r.startswith("RESOURCE_EXHAUSTED") and "tenant_quotas.racer.max_active_jobs" in r
+                   for r in refused), refused
+        assert len(set(keyed)) == 1 and keyed[0].startswith("j-"), keyed
     finally:
         proc.stop()

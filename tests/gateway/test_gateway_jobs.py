@@ -16,6 +16,8 @@ import pytest
 from fleetrl.errors import ConfigError, FailedPrecondition, NotFound
 from fleetrl.jobs.store import ADAPTER_DIR, JobState, JobStore
 from fleetrl.launcher import jobs_cli as cli
+from fleetrl.runtime import heartbeat
+from fleetrl.runtime.heartbeat import Beat
 from fleetrl.sdk.client import Client, Run
 from fleetrl.tasks import bus
 from tests.gateway.conftest import ROOT, TOKENS, Infra, Proc
@@ -54,6 +56,40 @@ def test_the_reward_sandbox_is_named_in_the_job_and_the_fleet(
     assert cli.main(cli_run(gateway, "status", job.job_id)) == 0
     assert "mode jail" in capsys.readouterr().out
     client.cancel_job(job.job_id)
+
+
+def test_a_tenant_sees_its_own_share_of_actor_time_and_no_other_tenants_jobs(
+        client_for: Callable[..., Client], job_dir: Path, infra: Infra) -> None:
+    """GetFleet with each tenant's token: an actor's beat names alice's job and bob's; alice sees her job,
+    its seconds and her row, bob's only as part of the others' row, and bob the other way round."""
+    alice, bob = client_for("alice"), client_for("bob")
+    mine = builtin_run(alice, job_dir / "prompts.jsonl").job_id
+    theirs = builtin_run(bob, job_dir / "prompts.jsonl").job_id
+    beat = Beat("actor", "actor-shares", "generating", mine, 3, served_s={mine: 6.0, theirs: 3.0})
+
+    async def write(clear: bool) -> None:
+        store = JobStore.from_url(infra.redis_url)
+        try:
+            await (heartbeat.clear(store.redis, "actor", beat.member_id) if clear
+                   else heartbeat.write(store.redis, beat, ttl_s=60))
+        finally:
+            await store.close()
+
+    asyncio.run(write(clear=False))
+    try:
+        for client, own, other, own_s in ((alice, "alice", theirs, 6.0), (bob, "bob", mine, 3.0)):
+            fleet = client.fleet()
+            [member] = [m for m in fleet.members if m.member_id == beat.member_id]
+            assert member.job_id == (mine if own == "alice" else "")
+            ours, others = fleet.shares
+            assert (ours.tenant, others.tenant) == (own, "")
+            assert (ours.served_s, others.served_s) == (own_s, 9.0 - own_s)
+            text = json.dumps(fleet.to_dict())
+            assert other not in text and ("bob" if own == "alice" else "alice") not in text, text
+    finally:
+        asyncio.run(write(clear=True))
+        alice.cancel_job(mine)
+        bob.cancel_job(theirs)
 
 
 def test_idempotency_key_returns_the_same_job(client_for: Callable[..., Client], job_dir: Path) -> None:

@@ -75,6 +75,33 @@ def spec_for(**train: Any) -> JobSpec:
     })
 
 
+def demonstrations_jsonl(n: int) -> bytes:
+    """n sft demonstrations: a calculator tool call, the tool's answer, then the reply (every third one a
+    single turn), in chat format."""
+    lines = []
+    for i in range(n):
+        a, b = 3 + i, 4 + 2 * i
+        messages = [{"role": "system", "content": "Use <tool_call>calc(expression)</tool_call> for arithmetic."},
+                    {"role": "user", "content": f"What is {a} * {b}?"}]
+        if i % 3 != 2:
+            messages += [{"role": "assistant", "content": f"<tool_call>calc({a} * {b})</tool_call>"},
+                         {"role": "tool", "content": str(a * b)}]
+        messages.append({"role": "assistant", "content": f"{a} * {b} = {a * b}"})
+        lines.append(json.dumps({"messages": messages}))
+    return ("\n".join(lines) + "\n").encode()
+
+
+def sft_spec(**train: Any) -> JobSpec:
+    """A tiny sft job on tiny-llama: `train` fields as keywords, plus `sft={...}` and `model=...`."""
+    sft, model = train.pop("sft", {}), train.pop("model", "tiny-llama")
+    return JobSpec.model_validate({
+        "name": "sft", "model": model, "prompts": "demos.jsonl", "seed": 7, "algorithm": {"name": "sft"},
+        "optim": {"learning_rate": 2e-2}, "sft": {"conversations_per_step": 4, "max_seq_tokens": 256, **sft},
+        "train": {"max_steps": 6, "checkpoint_interval": 2, "micro_batch_samples": 4, "weights_dtype": "float32",
+                  **train},
+    })
+
+
 def make_group(job_id: str, task_id: str, version: int, samples: int, seed: int = 0) -> common_pb2.Group:
     """A deterministic synthetic group (token ids inside the tiny model's vocabulary)."""
     rng = random.Random(f"{seed}:{task_id}")
@@ -121,13 +148,15 @@ async def replay_service(redis_url: str) -> AsyncIterator[str]:
         yield f"127.0.0.1:{svc.port}"
 
 
-def learner_process(nats_url: str, redis_url: str, replay_addr: str, run_dir: Path, log: Path,
+def learner_process(nats_url: str, redis_url: str, replay_addr: str, run_dir: Path, log: Path, *, once: bool = True,
                     **env: str) -> subprocess.Popen[bytes]:
-    """`python -m fleetrl.services.learner --once` as a real child process."""
+    """`python -m fleetrl.services.learner --once` as a real child process (once=False: serving until
+    SIGTERM, as deployed, claiming again after a run that stopped)."""
     environ = {**os.environ, "FLEETRL_LEARNER_LEASE_S": "3", "FLEETRL_LEARNER_LISTEN": "127.0.0.1:0",
-               "FLEETRL_LEARNER_SAMPLE_WAIT_S": "0.5", "FLEETRL_LEARNER_TORCH_THREADS": "1", **env}
-    cmd = [sys.executable, "-m", "fleetrl.services.learner", "--once", "--nats-url", nats_url, "--redis-url", redis_url,
-           "--replay-addr", replay_addr, "--run-dir", str(run_dir)]
+               "FLEETRL_LEARNER_SAMPLE_WAIT_S": "0.5", "FLEETRL_LEARNER_TORCH_THREADS": "1",
+               "FLEETRL_LEARNER_CLAIM_POLL_S": "0.3", **env}
+    cmd = [sys.executable, "-m", "fleetrl.services.learner", *(["--once"] if once else []), "--nats-url", nats_url,
+           "--redis-url", redis_url, "--replay-addr", replay_addr, "--run-dir", str(run_dir)]
     return started(subprocess.Popen(cmd, cwd=REPO, env=environ, stdout=log.open("ab"), stderr=subprocess.STDOUT,
                                     start_new_session=True))
 

@@ -2,18 +2,24 @@
 
 from __future__ import annotations
 
+import errno
 import os
 from pathlib import Path
 
 import pytest
 import torch
 from learner_fleet import make_group, spec_for
+from transformers import AutoModelForCausalLM
 
 from fleetrl.errors import FailedPrecondition
+from fleetrl.jobs.store import job_dir
 from fleetrl.tasks.feeder import FeederCursor, tasks_to_publish
 from fleetrl.train import checkpoint as ckpt
+from fleetrl.train.export import MetricsLog, export_model
+from fleetrl.train.files import NoSpace
 from fleetrl.train.leases import LeaseBook, LeaseRecord
 from fleetrl.train.trained_policy import Policy
+from tests.conftest import SmallDisks
 
 
 def trained_policy() -> Policy:
@@ -40,6 +46,64 @@ def test_round_trip_is_bit_identical(tmp_path: Path) -> None:
     assert torch.equal(torch.rand(3), expected_draw)  # RNG restored to the saved point
     group = [make_group("j", f"0/{i}", 0, 3) for i in range(2, 4)]
     assert policy.step(group)["loss"] == fresh.step(group)["loss"]  # the next step is the same step
+
+
+def test_a_full_disk_names_the_file_and_enospc_and_keeps_no_partial_checkpoint(tmp_path: Path,
+                                                                               small_disk: SmallDisks) -> None:
+    """Whichever file meets the full disk (the model's safetensors, torch.save's optimizer state), the
+    error is NoSpace naming that file and ENOSPC, and the partial directory is gone, so the
+    attempt keeps none of the space; once space returns the same checkpoint is written and loads."""
+    saved = trained_policy().state(2, {"cursor": {"epoch": 0}, "leases": {"pending": [], "skip": []}})
+    model_bytes = (ckpt.save(tmp_path / "sizes", saved) / "model.safetensors").stat().st_size
+    root = small_disk.mount(tmp_path / "disk", 4 * model_bytes // 2**20 + 8) / "checkpoints"
+    filler = small_disk.fill(root.parent)
+    full = filler.stat().st_size
+    for room, name in [(0, "model.safetensors"), (model_bytes + 64 * 1024, "optimizer.pt")]:
+        os.truncate(filler, full - room)
+        with pytest.raises(NoSpace) as caught:
+            ckpt.write(root, saved, lease_epoch=1)
+        error = caught.value
+        assert error.errno == errno.ENOSPC and Path(error.filename).name == name, (room, error)
+        assert "ENOSPC" in str(error) and str(root / "step-00000002.e1.tmp" / name) in str(error)
+        assert sorted(p.name for p in root.iterdir()) == []  # the partial directory was deleted
+    filler.unlink()
+    ckpt.save(root, saved)
+    loaded = ckpt.load_latest(root)
+    assert loaded is not None and loaded.step == 2
+
+
+def test_an_export_on_a_full_disk_names_its_directory_and_leaves_nothing(tmp_path: Path,
+                                                                          small_disk: SmallDisks) -> None:
+    """The job's exported model (JobRun.finish waits a full disk out with it, as with a checkpoint): NoSpace
+    naming the model directory and ENOSPC, no partial or temporary directory left; once space returns the
+    same export is written and loads."""
+    policy = trained_policy()
+    run_dir = small_disk.mount(tmp_path / "disk", 2)  # smaller than tiny-llama's weights
+    target = job_dir(run_dir, "j") / "model"
+    with pytest.raises(NoSpace) as caught:
+        export_model(policy.exportable(), policy.tokenizer, run_dir, "j")
+    assert caught.value.errno == errno.ENOSPC and caught.value.filename == str(target), caught.value
+    assert "ENOSPC" in str(caught.value) and [p.name for p in target.parent.iterdir()] == []
+    run_dir = tmp_path / "roomy"
+    loaded = AutoModelForCausalLM.from_pretrained(export_model(policy.exportable(), policy.tokenizer, run_dir, "j"))
+    assert sum(p.numel() for p in loaded.parameters()) == sum(p.numel() for p in policy.exportable().parameters())
+
+
+def test_a_metrics_line_that_does_not_fit_is_cut_off_again(tmp_path: Path, small_disk: SmallDisks) -> None:
+    """An append to metrics.jsonl on a full disk raises NoSpace naming the file and leaves whole lines
+    only, so the learner can repeat it once there is room."""
+    log = MetricsLog(small_disk.mount(tmp_path / "disk", 1) / "jobs" / "j" / "metrics.jsonl")
+    record = {"step": 0, "task_ids": [f"0/{i}" for i in range(200)]}
+    with pytest.raises(NoSpace) as caught:
+        for step in range(1, 10_000):
+            log.append({**record, "step": step})
+    assert caught.value.errno == errno.ENOSPC and caught.value.filename == str(log.path)
+    assert [line["step"] for line in log.read()] == list(range(1, step))  # the torn line was cut off
+    data = log.path.read_bytes()
+    os.truncate(log.path, data.index(b"\n", len(data) // 2) + 1)  # room again: the same append goes through
+    kept = len(log.read())
+    log.append({**record, "step": kept + 1})
+    assert [line["step"] for line in log.read()] == list(range(1, kept + 2))
 
 
 def test_partial_checkpoints_are_ignored_and_pruned(tmp_path: Path) -> None:

@@ -115,3 +115,23 @@ def test_policy_tokens_are_the_normaliser_and_the_metric() -> None:
                                        "episode/done_frac": 0.0, "episode/max_turns_frac": 1.0,
                                        "episode/truncated_frac": 0.0, "episode/env_error_frac": 0.0}
     assert episode_metrics(random_groups(1)) == {}
+
+
+@pytest.mark.parametrize("advantage", ["grpo", "dr_grpo", "rloo"])
+def test_agent_segments_share_their_episode_advantage(advantage: str) -> None:
+    """An agent episode split into segments (`continues`) counts once in its group's baseline, and each of
+    its segments gets the episode's advantage: the same advantages as the group without the extra segments."""
+
+    class Config:
+        pass
+
+    cfg = Config()
+    cfg.advantage = advantage  # type: ignore[attr-defined]
+    rewards = [1.0, 0.0, 0.0, 0.0, 2.0, 0.5]
+    continues = [False, True, True, False, False, False]  # episodes: [0], [1, 2, 3], [4], [5]
+    group = common_pb2.Group(samples=[common_pb2.Sample(reward=r, continues=c) for r, c in zip(rewards, continues,
+                                                                                               strict=True)])
+    plain = common_pb2.Group(samples=[common_pb2.Sample(reward=r) for r in (1.0, 0.0, 2.0, 0.5)])
+    (segmented,), (episodes,) = group_advantages([group], cfg), group_advantages([plain], cfg)  # type: ignore[arg-type]
+    assert segmented.tolist() == [episodes[0], episodes[1], episodes[1], episodes[1], episodes[2], episodes[3]]
+    assert len(set(segmented.tolist())) > 1  # the check can fail: not every advantage is the same

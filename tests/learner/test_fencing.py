@@ -53,12 +53,16 @@ async def test_a_learner_stopped_past_its_lease_is_fenced(nats_url: str, redis_u
         root = ckpt.checkpoint_root(run_dir, job.job_id)
         a = learner_process(nats_url, redis_url, addr, run_dir, log_a, FLEETRL_LEARNER_CHECKPOINT_DELAY_S="4",
                             FLEETRL_LEARNER_LEARNER_ID=LEARNER_ID)
+        await until("A to claim the job", lambda: f"claimed job {job.job_id}" in log_a.read_text())
+        # B starts while A trains (its start-up overlaps A's run) and polls for a job to claim: it can take
+        # this one only once A's lease has lapsed. B's checkpoints (4 and 6) are slow too, so B holds the
+        # lease key until well after A continues.
+        b = learner_process(nats_url, redis_url, addr, run_dir, log_b, FLEETRL_LEARNER_CHECKPOINT_DELAY_S="5",
+                            FLEETRL_LEARNER_LEARNER_ID=LEARNER_ID, FLEETRL_LEARNER_CLAIM_POLL_S="0.2")
         await until("A writing checkpoint 4", lambda: any(root.glob("step-00000004*.tmp/state.json")))
         a.send_signal(signal.SIGSTOP)
-        await asyncio.sleep(LEASE_S + 0.5)  # A's lease lapses
-        # B's checkpoints (4 and 6) are slow too, so B holds the lease key until well after A continues
-        b = learner_process(nats_url, redis_url, addr, run_dir, log_b, FLEETRL_LEARNER_CHECKPOINT_DELAY_S="5",
-                            FLEETRL_LEARNER_LEARNER_ID=LEARNER_ID)
+        assert "claimed job" not in log_b.read_text(), "B claimed the job before A was stopped"
+        # A's lease lapses (LEASE_S after its last renewal), then B claims the job and resumes it
         await until("B to resume the job", lambda: f"job {job.job_id} resumed from step 2" in log_b.read_text())
         a.send_signal(signal.SIGCONT)
         await finish(a)  # exit 0: the run ended on the fence or the lost lease, not on an error

@@ -258,26 +258,48 @@ def test_micro_batch_accumulation_equals_full_batch(loss_agg: str, surrogate: st
     torch.testing.assert_close(per_micro[1], per_micro[0], atol=1e-7, rtol=1e-5)
 
 
+@pytest.mark.parametrize("tokens", [0, 1, 9, 14, 30])
+def test_micro_batches_hold_at_most_their_samples_and_padded_tokens(tokens: int) -> None:
+    batch = build_batch(random_groups(3), [torch.zeros(3)] * 3, pad_id=0)
+    lengths = (batch.prompt_lens + batch.completion_lens).tolist()
+    micros = micro_batches(batch, 4, tokens)
+    assert torch.equal(torch.cat([m.input_ids[:, :2] for m in micros]), batch.input_ids[:, :2])  # every row, in order
+    assert sum(m.num_sequences for m in micros) == batch.num_sequences
+    for m in micros:
+        rows, width = m.input_ids.shape
+        assert rows <= 4 and width == max((m.prompt_lens + m.completion_lens).tolist())
+        assert tokens == 0 or rows * width <= tokens or rows == 1  # a longer row goes alone
+    if tokens:  # the greedy split: no slice could have taken the next row within both bounds
+        ends = [sum(m.num_sequences for m in micros[: i + 1]) for i in range(len(micros) - 1)]
+        for end, m in zip(ends, micros, strict=False):
+            grown = max(*(m.prompt_lens + m.completion_lens).tolist(), lengths[end])
+            assert m.num_sequences == 4 or (m.num_sequences + 1) * grown > tokens
+    else:
+        assert [m.num_sequences for m in micros] == [4, 4, 1]
+
+
 @pytest.mark.parametrize("name", ["dapo", "gspo", "cispo"])
 def test_train_step_same_update_for_any_micro_batch_size(name: str) -> None:
     groups = random_groups(3, behaviour_noise=0.3)
     spec_data = dict(prompts="p.jsonl", reward={"builtin": "numeric_match"}, algorithm={"name": name},
                      rollout={"max_new_tokens": 5})
     params, metrics = [], []
-    for micro_size in (9, 2):
-        spec = JobSpec(**spec_data, train={"epochs_per_step": 2, "micro_batch_samples": micro_size})  # type: ignore[arg-type]
+    for micro_size, micro_tokens in ((9, 0), (2, 0), (9, 12)):  # whole; 2 rows; 12 padded tokens (1 or 2 rows)
+        spec = JobSpec(**spec_data, train={"epochs_per_step": 2, "micro_batch_samples": micro_size,  # type: ignore[arg-type]
+                                           "micro_batch_tokens": micro_tokens})
         model = tiny_model()
         optimizer = torch.optim.SGD(model.parameters(), lr=0.5)  # SGD: no Adam sign amplification of fp noise
         scheduler = build_scheduler(optimizer, OptimConfig(learning_rate=0.5), 10)
         metrics.append(train_step(model, optimizer, scheduler, groups, loss_config_for(spec), spec))
         params.append(torch.cat([p.detach().reshape(-1) for p in model.parameters()]))
-    torch.testing.assert_close(params[1], params[0], atol=1e-6, rtol=1e-5)
-    assert metrics[0]["loss"] == pytest.approx(metrics[1]["loss"], abs=1e-6)
+    for other in (1, 2):
+        torch.testing.assert_close(params[other], params[0], atol=1e-6, rtol=1e-5)
+        assert metrics[0]["loss"] == pytest.approx(metrics[other]["loss"], abs=1e-6)
     kept = [g for g in groups if has_signal(g)] if name == "dapo" else groups  # dapo skips constant-reward groups
     assert len(kept) > 0 and metrics[0]["groups_skipped"] == len(groups) - len(kept)
     assert name != "dapo" or len(kept) < len(groups)
     tokens = sum(len(s.completion_token_ids) for g in kept for s in g.samples)
-    assert metrics[0]["tokens"] == metrics[1]["tokens"] == tokens
+    assert metrics[0]["tokens"] == metrics[1]["tokens"] == metrics[2]["tokens"] == tokens
     assert params[0].sub(torch.cat([p.detach().reshape(-1) for p in tiny_model().parameters()])).abs().max() > 1e-4
 
 

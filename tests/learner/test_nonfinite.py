@@ -26,6 +26,11 @@ from fleetrl.train.losses import LossInputs, loss_config_for, policy_loss
 from fleetrl.train.settings import LearnerSettings
 from fleetrl.train.trained_policy import Policy
 
+
+def refuse(constant: str) -> None:
+    raise ValueError(f"metrics.jsonl holds {constant}, which is not JSON")
+
+
 REAL = [1, 2, 4]
 """The real columns of the wide inputs; column 0 stands for a prompt token, 3 for an environment token,
 5 for padding."""
@@ -129,8 +134,10 @@ async def test_nonfinite_steps_in_a_row_fail_the_job(nats_url: str, redis_url: s
     await jobs.close()
     assert done.state == JobState.FAILED
     assert "NonFiniteSteps: 2 steps in a row had a non-finite loss or gradient (steps 3 to 4" in done.reason
-    lines = [json.loads(x) for x in (tmp_path / "jobs" / record.job_id / "metrics.jsonl").read_text().splitlines()]
+    text = (tmp_path / "jobs" / record.job_id / "metrics.jsonl").read_text()
+    lines = [json.loads(x, parse_constant=refuse) for x in text.splitlines()]  # strict JSON: no NaN or Infinity
     assert [(x["step"], x["nonfinite_steps"], x["nonfinite_steps_in_a_row"]) for x in lines] == [
         (1, 1.0, 1.0), (2, 0.0, 0.0), (3, 1.0, 1.0), (4, 1.0, 2.0)]
+    assert [x["loss"] is None for x in lines] == [True, False, True, True]  # a non-finite loss is written as null
     counted = REGISTRY.get_sample_value("fleetrl_learner_nonfinite_steps_total", {"job": record.job_id})
     assert counted == 3.0

@@ -51,7 +51,8 @@ async def test_job_runs_to_export(nats_url: str, redis_url: str, tmp_path: Path)
     assert [x["step"] for x in lines] == [1, 2, 3, 4]
     assert [t for x in lines for t in x["task_ids"]] == ids[:8]  # fifo order, each group once
     for key in ("loss", "reward_mean", "reward_std", "kl", "entropy", "clip_frac", "staleness_mean", "staleness_max",
-                "tokens_per_s", "stale_dropped"):
+                "tokens_per_s", "stale_dropped", "mismatch_logprob_abs_diff", "mismatch_k3_kl", "offpolicy_masked_frac",
+                "offpolicy_masked_seq_frac"):
         assert key in lines[0], key
     assert stats.committed == 8 and stats.size_groups == 2 and stats.leased_groups == 0
     assert len(await jobs.steps(record.job_id)) == 4

@@ -1,6 +1,7 @@
 """Helpers of the observability tests: one traced fleet, as `fleetrl up --tracing` runs it, and scraping.
 
-`traced_fleet` starts `fleetrl.launcher.fleet.Fleet` with tracing on (each process writes its spans to
+`traced_fleet` starts `fleetrl.launcher.fleet.Fleet` with tracing on and the Tinker API (`fleetrl up
+--tracing --tinker`; each process writes its spans to
 `<run_dir>/traces/<service>-<pid>.jsonl`) and metrics ports for every service and actor, serves it
 from a thread, submits one tiny job, and scrapes every /metrics endpoint once the job's first step
 is reported, while the rest of the job still runs. Tests then read what they need after the job ends.
@@ -30,7 +31,7 @@ FAST_ENV = {
     "FLEETRL_ACTOR_GRACE_S": "5",
     "FLEETRL_LEARNER_TORCH_THREADS": "1", "FLEETRL_LEARNER_LEASE_S": "3", "FLEETRL_LEARNER_CLAIM_POLL_S": "0.3",
     "FLEETRL_LEARNER_SAMPLE_WAIT_S": "0.5", "FLEETRL_REPLAY_RECLAIM_INTERVAL_S": "0.2",
-    "FLEETRL_REWARD_WORKERS_PER_POOL": "1", "FLEETRL_GATEWAY_WATCH_POLL_S": "0.1",
+    "FLEETRL_REWARD_WORKERS_PER_POOL": "1", "FLEETRL_GATEWAY_WATCH_POLL_S": "0.1", "FLEETRL_TINKER_TORCH_THREADS": "1",
 }
 Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
 
@@ -87,9 +88,10 @@ def prompts(n: int) -> str:
 
 @contextmanager
 def traced_fleet(run_dir: Path) -> Iterator[TracedFleet]:
-    """Start the fleet (1 actor, tracing on), submit the job, scrape after its first step; stop on exit."""
+    """Start the fleet (1 actor, tracing on, the Tinker API too), submit the job, scrape after its first
+    step; stop on exit."""
     (run_dir / "prompts.jsonl").write_text(prompts(16))
-    fleet = Fleet(FleetOptions(run_dir=run_dir, actors=1, tracing=True, extra_env=FAST_ENV))
+    fleet = Fleet(FleetOptions(run_dir=run_dir, actors=1, tracing=True, extra_env=FAST_ENV, tinker=True))
     stop = threading.Event()
     serving: threading.Thread | None = None
     try:

@@ -9,7 +9,7 @@ from collections import defaultdict
 from typing import Any
 
 import pytest
-from obs_fleet import MAX_STEPS, TracedFleet, total, wait_for
+from obs_fleet import MAX_STEPS, MODEL, TracedFleet, scrape, total, wait_for
 
 from fleetrl.launcher import main as cli
 from fleetrl.replay.client import ReplayClient
@@ -52,10 +52,12 @@ def test_top_once_over_the_gateway(fleet: TracedFleet, capsys: pytest.CaptureFix
     assert "staleness_mean" in job["last"]["values"]
     if job["state"] == "running":
         assert [q["job_id"] for q in frame["queues"]] == [job_id]
+    [own] = frame["shares"]  # the one tenant of this fleet: no row for the others
+    assert own["tenant"] == "local" and own["served_s"] > 0 and own["share"] == 1.0, own
 
     assert cli.main(["top", "--gateway", fleet.layout.addresses["gateway"], "--once"]) == 0
     text = capsys.readouterr().out
-    for expected in ("actors", "learners", "jobs", "actor-1", job_id, f"/{MAX_STEPS}"):
+    for expected in ("actors", "learners", "jobs", "tenants", "actor-1", job_id, f"/{MAX_STEPS}"):
         assert expected in text, expected
 
 
@@ -100,7 +102,7 @@ async def _lineage(addr: str, job_id: str) -> list[Any]:
 
 def test_every_service_serves_metrics_that_move(finished: TracedFleet) -> None:
     early, late = finished.early, finished.scrape_all()
-    assert set(early) == {"gateway", "replay", "reward", "learner", "actor-1"}
+    assert set(early) == {"gateway", "replay", "reward", "learner", "tinker", "actor-1"}
     job = finished.run.job_id
     moved = {
         "actor-1": ("fleetrl_actor_tasks_total", {"job": job}),
@@ -129,3 +131,21 @@ def test_every_service_serves_metrics_that_move(finished: TracedFleet) -> None:
 def test_top_fails_cleanly_without_a_fleet(tmp_path: Any, capsys: pytest.CaptureFixture[str]) -> None:
     assert cli.main(["top", "--dir", str(tmp_path), "--once"]) == 1
     assert "no running fleet" in capsys.readouterr().out
+
+
+def test_the_fleet_serves_the_tinker_api_to_the_official_sdk(fleet: TracedFleet) -> None:
+    """`fleetrl up --tinker`: the official SDK, with any `tml-` key (open mode), gets the fleet's model
+    allow-list; the call is counted on the tinker service's /metrics and written as its span."""
+    import tinker
+
+    service = tinker.ServiceClient(base_url=f"http://{fleet.layout.addresses['tinker']}", api_key="tml-local")
+    try:
+        models = {m.model_name for m in service.get_server_capabilities().supported_models}
+    finally:
+        service.close("success").result()
+    assert MODEL in models
+    route = "/api/v1/get_server_capabilities"
+    assert total(scrape(fleet.layout.metrics_ports["tinker"]), "fleetrl_tinker_http_seconds_count", route=route,
+                 status="200") == 1
+    assert wait_for(lambda: [s for s in fleet.spans() if s["service"] == "tinker" and s["name"] == f"GET {route}"],
+                    30, "the call's span")

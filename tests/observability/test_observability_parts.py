@@ -99,6 +99,23 @@ async def test_fleet_view_hides_other_tenants_jobs(redis_url: str) -> None:
     await store.close()
 
 
+async def test_a_tenant_sees_its_share_of_actor_time_and_the_others_only_together(redis_url: str) -> None:
+    store = JobStore.from_url(redis_url)
+    alice = await store.create("alice", SPEC, b'{"prompt": "x"}\n', None, weight=2.0)
+    bob = await store.create("bob", SPEC, b'{"prompt": "x"}\n', None, weight=1.0)
+    carol = await store.create("carol", SPEC, b'{"prompt": "x"}\n', None, weight=1.0)
+    beats = [Beat("actor", "a1", "generating", alice.job_id, 1, served_s={alice.job_id: 12.0, bob.job_id: 6.0}),
+             Beat("actor", "a2", "generating", carol.job_id, 1, served_s={carol.job_id: 6.0, "j-gone": 30.0})]
+    gateway = Gateway(store, Unreachable(), _unused(), _unused(), Members(beats), Limits(1 << 20, 1 << 20))  # type: ignore[arg-type]
+    view = await gateway.fleet("alice")
+    assert [(s.tenant, s.jobs, s.weight, s.served_s, s.share, s.fair_share) for s in view.shares] == [
+        ("alice", 1, 2.0, 12.0, 0.5, 0.5), ("", 2, 2.0, 12.0, 0.5, 0.5)]  # a deleted job's seconds count for nobody
+    assert [m.served_s for m in view.members] == [{alice.job_id: 12.0}, {}]  # bob's and carol's jobs stay hidden
+    assert [s.tenant for s in (await gateway.fleet("bob")).shares] == ["bob", ""]
+    assert (await gateway.fleet("dave")).shares[0] == type(view.shares[0])("dave", 0, 0.0, 0.0, 0.0, 0.0)
+    await store.close()
+
+
 def _unused() -> Any:
     return object()
 
@@ -118,6 +135,22 @@ def test_activity_window() -> None:
         now[0] = float(second)
         fraction, rate = activity.rates()
     assert (fraction, rate) == (0.0, 0.0)  # the busy stretch left the 10 s window
+
+
+def test_activity_window_splits_busy_time_by_job() -> None:
+    now = [100.0]
+    activity = Activity(window_s=10.0, clock=lambda: now[0])
+    activity.begin("j-a")
+    now[0] = 103.0
+    activity.end()
+    activity.begin("j-b")
+    now[0] = 104.0
+    activity.rates()
+    assert activity.served_s() == {"j-a": 3.0, "j-b": 1.0}  # the task in hand counts up to now
+    for second in range(105, 116):  # a beat a second, as the actor's heartbeat loop calls it
+        now[0] = float(second)
+        activity.rates()
+    assert activity.served_s() == {"j-b": 10.0}  # j-a's stretch left the 10 s window; j-b's task still runs
 
 
 async def test_interceptor_counts_codes_and_traces_without_a_provider(redis_url: str) -> None:

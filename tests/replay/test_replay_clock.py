@@ -42,25 +42,31 @@ runpy.run_module("fleetrl.services.replay", run_name="__main__", alter_sys=True)
 
 
 @contextmanager
-def skewed_replica(redis_url: str, tmp_path: Path, skew_s: float) -> Iterator[str]:
-    """A replay service process whose time.time() is skew_s off; yields its address."""
-    port = free_port()
-    wrapper = tmp_path / f"replica_{port}.py"
-    wrapper.write_text(SKEWED_REPLICA.format(skew_s=skew_s))
-    cmd = [sys.executable, str(wrapper), "--listen", f"127.0.0.1:{port}", "--redis-url", redis_url,
-           "--set", "reclaim_interval_s=0.2"]
-    proc = subprocess.Popen(cmd, cwd=Path(__file__).resolve().parents[2], start_new_session=True)
+def skewed_replicas(redis_url: str, tmp_path: Path, *skews_s: float) -> Iterator[list[str]]:
+    """A replay service process for each skew, whose time.time() is that many seconds off; yields their
+    addresses. The processes start together (each start is mostly imports), then each is waited for."""
+    procs: list[subprocess.Popen[bytes]] = []
+    addrs: list[str] = []
     try:
-        wait_for_port("127.0.0.1", port, 60, proc)
-        yield f"127.0.0.1:{port}"
+        for skew_s in skews_s:
+            port = free_port()
+            wrapper = tmp_path / f"replica_{port}.py"
+            wrapper.write_text(SKEWED_REPLICA.format(skew_s=skew_s))
+            cmd = [sys.executable, str(wrapper), "--listen", f"127.0.0.1:{port}", "--redis-url", redis_url,
+                   "--set", "reclaim_interval_s=0.2"]
+            procs.append(subprocess.Popen(cmd, cwd=Path(__file__).resolve().parents[2], start_new_session=True))
+            addrs.append(f"127.0.0.1:{port}")
+        for proc, addr in zip(procs, addrs, strict=True):
+            wait_for_port("127.0.0.1", int(addr.rsplit(":", 1)[1]), 60, proc)
+        yield addrs
     finally:
-        proc.kill()
-        proc.wait(10)
+        for proc in procs:
+            proc.kill()
+            proc.wait(10)
 
 
 async def test_a_skewed_replica_expires_no_live_lease(redis_url: str, tmp_path: Path) -> None:
-    with skewed_replica(redis_url, tmp_path, SKEW_S) as ahead_addr, \
-            skewed_replica(redis_url, tmp_path, -SKEW_S) as behind_addr:
+    with skewed_replicas(redis_url, tmp_path, SKEW_S, -SKEW_S) as (ahead_addr, behind_addr):
         async with running(settings_for(redis_url)) as svc, \
                 ReplayClient(f"127.0.0.1:{svc.port}", timeout_s=5) as true, \
                 ReplayClient(ahead_addr, timeout_s=5) as ahead, ReplayClient(behind_addr, timeout_s=5) as behind:

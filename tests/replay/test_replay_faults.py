@@ -1,4 +1,4 @@
-"""Faults with real processes: Redis kill -9 under AOF, replay service SIGKILL, unsafe Redis, OOM."""
+"""Faults with real processes: Redis kill -9 under AOF, replay service SIGKILL, unsafe Redis, OOM, a full disk."""
 
 from __future__ import annotations
 
@@ -10,19 +10,26 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
 import redis
 import redis.asyncio as aioredis
+import redis.exceptions
 from replay_helpers import configure, make_group, settings_for
 
 from fleetrl.errors import FailedPrecondition, FleetError, ResourceExhausted, Unavailable
+from fleetrl.jobs.store import JobStore, redis_full
 from fleetrl.launcher.embedded import EmbeddedValkey, free_port, wait_for_port
 from fleetrl.replay.client import INSERTED, ReplayClient
 from fleetrl.replay.table import prefix
+from fleetrl.services.learner.service import renew_loop, store_full
 from fleetrl.services.replay.server import running
+from fleetrl.spec.config import JobSpec
+from tests.conftest import SmallDisks
 
+SPEC = JobSpec.model_validate({"model": "tiny-llama", "prompts": "p.jsonl", "reward": {"builtin": "numeric_match"}})
 LOAD_BEFORE_KILL_S = 3.0
 """How long inserts run before the kill: several AOF `everysec` fsync periods, so the acknowledged set
 spans older and newer writes than the last background fsync."""
@@ -132,8 +139,71 @@ async def test_redis_oom_is_backpressure_and_commit_still_works(redis_url: str) 
         store = aioredis.Redis.from_url(redis_url)
         used = int((await store.info("memory"))["used_memory"])
         await store.config_set("maxmemory", used - 1024)
-        with pytest.raises(ResourceExhausted, match="out of memory"):
+        with pytest.raises(ResourceExhausted, match="out of memory") as refused:
             await client.insert([make_group("j", "1/0", tokens=2000)])
+        # the learner knows replay's answer again as a full Redis (a pause), and no other RESOURCE_EXHAUSTED
+        assert store_full(refused.value).startswith("Redis is out of memory (maxmemory reached")
+        assert store_full(ResourceExhausted("3 episodes are open")) == ""
         assert await client.commit("j", lease) == 20  # frees memory even when Redis is full
         await store.config_set("maxmemory", 0)
         assert await client.insert([make_group("j", "1/0")]) == [INSERTED]
+
+
+async def test_valkey_disk_full_refuses_writes_misconf_and_they_resume_with_space(
+        tmp_path: Path, small_disk: SmallDisks, caplog: pytest.LogCaptureFixture) -> None:
+    """Valkey's AOF on a file system that fills (`appendfsync everysec`): once an AOF write fails, every
+    write is refused MISCONF, which replay answers RESOURCE_EXHAUSTED naming it (the actor keeps its task);
+    a learner's lease renewal, refused too, is retried and keeps the lease through a spell shorter than
+    it, and replay's lease reclaim skips the spell; every insert acknowledged before is kept, and once
+    space returns Valkey writes its AOF again and takes writes. (Under `appendfsync always` Valkey exits
+    on the failed write instead: an outage.)"""
+    valkey = EmbeddedValkey(data_dir=small_disk.mount(tmp_path / "v", 8))
+    with valkey:
+        store = JobStore.from_url(valkey.url)
+        job = await store.create("t", SPEC, b"", None)
+        assert await store.claim("L1", lease_s=3) is not None
+        deps = SimpleNamespace(settings=SimpleNamespace(lease_s=3.0, learner_id="L1"), jobs=store,
+                               lease_lost=asyncio.Event())
+        renewer = asyncio.create_task(renew_loop(deps, job.job_id))  # type: ignore[arg-type]
+        async with running(settings_for(valkey.url)) as svc, \
+                ReplayClient(f"127.0.0.1:{svc.port}", timeout_s=3, attempts=1) as client:
+            await configure(client, "j", capacity_groups=1000)
+            acked = [t for i in range(10) if await client.insert([make_group("j", t := f"0/{i}")]) == [INSERTED]]
+            filler = small_disk.fill(valkey.data_dir)
+            refused, started = None, time.monotonic()
+            while refused is None and time.monotonic() - started < 10:  # the first write after the fill
+                try:  # may still be acknowledged: its AOF write fails after the reply was decided
+                    task = f"1/{len(acked)}"
+                    if await client.insert([make_group("j", task, tokens=256)]) == [INSERTED]:
+                        acked.append(task)
+                except ResourceExhausted as error:
+                    refused = error
+            with pytest.raises(redis.exceptions.ResponseError) as direct:
+                await store.redis.set("x", "y")
+            await asyncio.sleep(1.5)  # renewals refused meanwhile
+            filler.unlink()
+            back = await _until_accepted(client, 10)
+            assert not svc.background.done(), svc.background  # lease reclaim skipped the spell, did not die
+            assert not renewer.done() and not deps.lease_lost.is_set()
+            renewer.cancel()
+            present = {t for t in acked if await store.redis.hexists(prefix("j") + "data", t)}
+        await store.close()
+    print(f"valkey disk full: {len(acked)} inserts acknowledged, refused with {refused}; writes back after "
+          f"{back:.1f} s; lease kept")
+    assert refused is not None and store_full(refused).startswith("Redis cannot persist writes (MISCONF"), refused
+    assert redis_full(direct.value).startswith("Redis cannot persist writes (MISCONF")
+    assert present == set(acked)
+    assert f"lease renewal of job {job.job_id} failed: MISCONF" in caplog.text  # refused, retried, not dead
+    assert "lease reclaim skipped: Redis cannot persist writes (MISCONF" in caplog.text
+
+
+async def _until_accepted(client: ReplayClient, timeout_s: float) -> float:
+    """Seconds until an insert is accepted again."""
+    started = time.monotonic()
+    while True:
+        try:
+            await client.insert([make_group("j", "2/0")])
+            return time.monotonic() - started
+        except ResourceExhausted:
+            assert time.monotonic() - started < timeout_s, "writes still refused"
+            await asyncio.sleep(0.2)

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import json
 import os
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -18,12 +19,14 @@ from fleetrl.reward.settings import RewardSettings
 from fleetrl.runtime.grpcutil import channel
 from fleetrl.services.reward.server import Running, running
 from fleetrl.spec.config import RewardSpec
+from tests import sandbox_uids
 
-UID_BASE = 300_000  # clear of the default range [200_000, 260_000) that other tests' reward services use
+UID_BASE = sandbox_uids.claim()  # this process's own range: teardowns count its processes
+PR_SET_CHILD_SUBREAPER = 36
 
 
-def descendants(root: int | None = None) -> list[int]:
-    """Pids of every live descendant of root (default: this test process), from /proc."""
+def _parents(zombies: bool = False) -> dict[int, int]:
+    """Each live process's parent pid, from /proc (zombies only, when asked)."""
     parents: dict[int, int] = {}
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit():
@@ -32,8 +35,14 @@ def descendants(root: int | None = None) -> list[int]:
             except OSError:
                 continue
             fields = stat.rsplit(")", 1)[1].split()
-            if fields[0] != "Z":
+            if (fields[0] == "Z") == zombies:
                 parents[int(entry.name)] = int(fields[1])
+    return parents
+
+
+def descendants(root: int | None = None) -> list[int]:
+    """Pids of every live descendant of root (default: this test process), from /proc."""
+    parents = _parents()
     found, frontier = [], [root or os.getpid()]
     while frontier:
         pid = frontier.pop()
@@ -41,6 +50,25 @@ def descendants(root: int | None = None) -> list[int]:
         found += children
         frontier += children
     return found
+
+
+@contextlib.contextmanager
+def subreaper() -> Iterator[None]:
+    """Inside, this process adopts the orphans of its descendants (PR_SET_CHILD_SUBREAPER): a process that
+    a child leaves behind when it exits stays in `descendants()` instead of passing to init. On the way
+    out, the adopted ones that have died are reaped."""
+    own = {pid for pid, parent in _parents(zombies=True).items() if parent == os.getpid()}
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) != 0:
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_CHILD_SUBREAPER) failed")
+    try:
+        yield
+    finally:
+        libc.prctl(PR_SET_CHILD_SUBREAPER, 0, 0, 0, 0)
+        for pid, parent in _parents(zombies=True).items():
+            if parent == os.getpid() and pid not in own:
+                with contextlib.suppress(ChildProcessError):
+                    os.waitpid(pid, 0)
 
 
 def uid_processes(wanted: Callable[[int], bool]) -> list[int]:
@@ -97,10 +125,9 @@ async def reward_server(sandbox_dir: Path,
                         **settings: Any) -> AsyncIterator[tuple[reward_pb2_grpc.RewardServiceStub, Running]]:
     """A RewardService, a stub and the running service (its scorer, sessions and metrics); asserts every
     worker process and temp dir is gone after."""
-    settings = {"workers_per_pool": 2, **settings}
-    config = RewardSettings(listen="127.0.0.1:0", worker_start_timeout_s=3.0, worker_load_timeout_s=3.0,
-                            sandbox_uid_base=UID_BASE,
-                            sandbox_dir=sandbox_dir, grace_s=0.5, **settings)
+    settings = {"workers_per_pool": 2, "worker_start_timeout_s": 3.0, "worker_load_timeout_s": 3.0, **settings}
+    config = RewardSettings(listen="127.0.0.1:0", sandbox_uid_base=UID_BASE, sandbox_dir=sandbox_dir, grace_s=0.5,
+                            **settings)
     before = set(descendants())  # servers that other tests' session fixtures keep running
     async with running(config) as service, channel(f"127.0.0.1:{service.port}") as chan:
         yield reward_pb2_grpc.RewardServiceStub(chan), service

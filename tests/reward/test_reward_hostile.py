@@ -33,7 +33,15 @@ import pytest
 from fleetrl.launcher.embedded import free_port, wait_for_port
 from fleetrl.proto.fleetrl.v1 import common_pb2, reward_pb2, reward_pb2_grpc
 from fleetrl.runtime.grpcutil import channel
-from tests.reward.conftest import UID_BASE, file_spec, items, uid_processes, wait_gone
+from tests.reward.conftest import (
+    UID_BASE,
+    descendants,
+    file_spec,
+    items,
+    sandbox_uid_processes,
+    subreaper,
+    wait_gone,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 OK, ERROR = common_pb2.REWARD_STATUS_OK, common_pb2.REWARD_STATUS_ERROR
@@ -295,23 +303,28 @@ def hostile(request: pytest.FixtureRequest) -> Iterator[Hostile]:
             "--set", f"sandbox_uid_base={UID_BASE}", "--set", f"run_dir={plant / 'run'}",
             "--set", "burst_workers_per_pool=0", "--set", "worker_start_timeout_s=10",
             "--set", f"worker_load_timeout_s={LOAD_TIMEOUT_S:g}"]
-    canary = subprocess.Popen([*prefix, sys.executable, "-I", "-c", "import time; time.sleep(3600)"], env=env)
-    with listeners(plant, abstract) as socks, open(plant / "run" / "reward.log", "wb") as log:
-        os.chown(plant / "run" / "reward.log", uid, gid)
-        proc = subprocess.Popen(argv, env=env, cwd=ROOT, stdout=log, stderr=log)
-        try:
-            wait_for_port("127.0.0.1", port, 60.0, proc)
-            yield Hostile(request.param, port, proc, plant, secret, canary, socks, abstract, uid)
-        finally:
-            proc.terminate()
-            proc.wait(30)
-            canary.kill()
-            canary.wait()
+    before = set(descendants())  # servers that other tests' session fixtures keep running
+    with subreaper():  # what the service leaves behind when it exits stays a descendant of this process
+        canary = subprocess.Popen([*prefix, sys.executable, "-I", "-c", "import time; time.sleep(3600)"], env=env)
+        with listeners(plant, abstract) as socks, open(plant / "run" / "reward.log", "wb") as log:
+            os.chown(plant / "run" / "reward.log", uid, gid)
+            proc = subprocess.Popen(argv, env=env, cwd=ROOT, stdout=log, stderr=log)
+            try:
+                wait_for_port("127.0.0.1", port, 60.0, proc)
+                yield Hostile(request.param, port, proc, plant, secret, canary, socks, abstract, uid)
+            finally:
+                proc.terminate()
+                proc.wait(30)
+                canary.kill()
+                canary.wait()
+        # Every process the service started, whatever its uid (the ordinary user's processes may be another
+        # suite's, run from a second checkout), and any of this process's own sandbox uid range (UID_BASE).
+        # 10 s: the workers die with the service, and a loaded machine took more than 2 s to reap tens of them.
+        left = wait_gone(lambda: sorted(set(descendants()) - before) + sandbox_uid_processes(), within_s=10.0)
     log_text = (plant / "run" / "reward.log").read_text()
     shutil.rmtree(plant)
     assert proc.returncode == 0, log_text[-3000:]
     assert "mode jail: bwrap mountns pidns netns seccomp hold; missing: none" in log_text, log_text[-3000:]
-    left = wait_gone(lambda: uid_processes(lambda u: UID_BASE <= u < UID_BASE + 60_000 or (uid != 0 and u == uid)))
     assert left == [], f"processes left behind: {left}"
 
 

@@ -143,7 +143,7 @@ async def test_workers_are_isolated_and_the_pool_logs_how(tmp_path: Path, caplog
         assert isolation["netns"] and isolation["pidns"] and isolation["dropped_uid"]
         assert UID_BASE <= isolation["uid"] < UID_BASE + 60_000
         assert describe_isolation(isolation).startswith(
-            "rlimits netns pidns mountns seccomp dropped_uid audit_hook (uid 3")
+            f"rlimits netns pidns mountns seccomp dropped_uid audit_hook (uid {isolation['uid']})")
     assert set(descendants()) - before == set()
 
 

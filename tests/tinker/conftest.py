@@ -12,6 +12,7 @@ import asyncio
 import threading
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import tinker
@@ -30,17 +31,19 @@ class TinkerServer:
 
     run_dir: Path
     url: str
+    settings: dict[str, Any]
+    """TinkerSettings fields besides the tests' own (quotas, ...)."""
     _loop: asyncio.AbstractEventLoop | None
     _stop: asyncio.Event | None
     _thread: threading.Thread | None
 
-    def __init__(self, run_dir: Path) -> None:
-        self.run_dir, self.url = run_dir, ""
+    def __init__(self, run_dir: Path, **settings: Any) -> None:
+        self.run_dir, self.url, self.settings = run_dir, "", settings
         self._loop = self._stop = self._thread = None
 
     def start(self) -> TinkerServer:
         settings = TinkerSettings(listen="127.0.0.1:0", run_dir=self.run_dir, poll_s=5.0, allowed_models=(MODEL,),
-                                  tokens={tenant: hash_token(key) for tenant, key in KEYS.items()})
+                                  tokens={tenant: hash_token(key) for tenant, key in KEYS.items()}, **self.settings)
         started = threading.Event()
 
         async def main() -> None:
@@ -78,7 +81,8 @@ def one_torch_thread() -> Iterator[None]:
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TinkerServer]:
-    running = TinkerServer(tmp_path_factory.mktemp("tinker")).start()
+    # one server for the module's tests, alice's runs from all of them: no quota in their way
+    running = TinkerServer(tmp_path_factory.mktemp("tinker"), max_training_runs_per_tenant=1000).start()
     yield running
     running.stop()
 

@@ -160,6 +160,36 @@ def test_a_restarted_server_loads_saved_state(tmp_path: Path) -> None:
         second.stop()
 
 
+def test_a_tenant_past_its_quota_is_refused_at_once_and_another_tenant_is_not(tmp_path: Path) -> None:
+    """max_training_runs_per_tenant and max_sessions_per_tenant: one more is RateLimitError naming the
+    setting, answered once (the SDK does not retry it), and another tenant's runs are unaffected; closing a
+    session frees its runs and its place."""
+    server = TinkerServer(tmp_path, max_training_runs_per_tenant=2, max_sessions_per_tenant=2).start()
+
+    def refusals(route: str) -> float:
+        return REGISTRY.get_sample_value("fleetrl_tinker_http_seconds_count",
+                                         {"route": f"/api/v1/{route}", "status": "429"}) or 0.0
+
+    try:
+        first, second = server.client("alice"), server.client("alice")
+        second.create_sampling_client(base_model=MODEL)  # its session (the SDK starts one at its first client)
+        first.create_lora_training_client(base_model=MODEL, rank=4, seed=1).result()
+        first.create_lora_training_client(base_model=MODEL, rank=4, seed=2).result()
+        before = refusals("create_model")
+        with pytest.raises(tinker.RateLimitError, match=r"holds 2 training runs.*max_training_runs_per_tenant = 2"):
+            second.create_lora_training_client(base_model=MODEL, rank=4, seed=3).result()  # over both sessions
+        assert refusals("create_model") == before + 1  # refused once: no retries
+        bob = server.client("bob")
+        assert train(bob.create_lora_training_client(base_model=MODEL, rank=4, seed=4).result(), 1)
+        with pytest.raises(tinker.RateLimitError, match=r"holds 2 sessions.*max_sessions_per_tenant = 2"):
+            server.client("alice").create_sampling_client(base_model=MODEL)  # the SDK's session starts here
+        first.close("success").result()  # frees its two runs and its session
+        assert train(second.create_lora_training_client(base_model=MODEL, rank=4, seed=5).result(), 1)
+        server.client("alice").close("success").result()
+    finally:
+        server.stop()
+
+
 def test_closing_the_session_frees_its_training_runs(server: TinkerServer) -> None:
     sc = server.client()
     tc = sc.create_lora_training_client(base_model=MODEL, rank=8, seed=6).result()

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from fleetrl.errors import NotFound
+from fleetrl.errors import NotFound, ResourceExhausted
 from fleetrl.tinker.requests import RequestLog
 from fleetrl.tinker.service import Limits, TinkerService
 from fleetrl.tinker.types import LoraRequest
@@ -16,7 +16,7 @@ from tests.tinker.conftest import MODEL
 
 
 def test_a_silent_session_is_reaped_and_a_live_one_kept(tmp_path: Path) -> None:
-    service = TinkerService(Limits((MODEL,), (), tmp_path, 64, 64, 4),
+    service = TinkerService(Limits((MODEL,), (), tmp_path, 64, 64, 4, 8, 8),
                             RequestLog(concurrent.futures.ThreadPoolExecutor(1)))
     silent, live = service.create_session("alice"), service.create_session("alice")
     created = service.create_model("alice", silent, 0, MODEL, LoraRequest(rank=4, seed=0))
@@ -30,3 +30,21 @@ def test_a_silent_session_is_reaped_and_a_live_one_kept(tmp_path: Path) -> None:
     with pytest.raises(NotFound):
         service.sampler("alice", sampler.id)
     assert not service.session("alice", live).finished
+
+
+def test_a_replayed_request_that_queues_no_work_takes_no_place_in_the_quota(tmp_path: Path) -> None:
+    """A creation whose work failed, sent again with the same name (the SDK's retry), is answered from the
+    request log and runs nothing: it must not hold a training run's place in the tenant's quota."""
+    service = TinkerService(Limits((MODEL,), (), tmp_path, 64, 64, 4, 8, 1),
+                            RequestLog(concurrent.futures.ThreadPoolExecutor(1)))
+    session = service.create_session("alice")
+    missing = f"tinker://{session}:train:9/weights/none"
+    failed = service.create_from_state("alice", session, 0, missing, False)
+    with pytest.raises(NotFound):
+        failed.future.result()
+    for _ in range(3):
+        assert service.create_from_state("alice", session, 0, missing, False) is failed
+    created = service.create_model("alice", session, 1, MODEL, LoraRequest(rank=4, seed=0))  # the one place
+    created.future.result()
+    with pytest.raises(ResourceExhausted, match="holds 1 training runs"):
+        service.create_model("alice", session, 2, MODEL, LoraRequest(rank=4, seed=0))

@@ -72,21 +72,23 @@ class Lineage(_message.Message):
     def __init__(self, actor_id: _Optional[str] = ..., delivery_attempt: _Optional[int] = ..., trace_id: _Optional[str] = ..., received_unix_ms: _Optional[int] = ..., generated_unix_ms: _Optional[int] = ..., scored_unix_ms: _Optional[int] = ..., span_id: _Optional[str] = ...) -> None: ...
 
 class Turn(_message.Message):
-    __slots__ = ("start", "end", "reward", "finish_reason", "env_latency_s")
+    __slots__ = ("start", "end", "reward", "finish_reason", "env_latency_s", "policy_version")
     START_FIELD_NUMBER: _ClassVar[int]
     END_FIELD_NUMBER: _ClassVar[int]
     REWARD_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     ENV_LATENCY_S_FIELD_NUMBER: _ClassVar[int]
+    POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
     start: int
     end: int
     reward: float
     finish_reason: str
     env_latency_s: float
-    def __init__(self, start: _Optional[int] = ..., end: _Optional[int] = ..., reward: _Optional[float] = ..., finish_reason: _Optional[str] = ..., env_latency_s: _Optional[float] = ...) -> None: ...
+    policy_version: int
+    def __init__(self, start: _Optional[int] = ..., end: _Optional[int] = ..., reward: _Optional[float] = ..., finish_reason: _Optional[str] = ..., env_latency_s: _Optional[float] = ..., policy_version: _Optional[int] = ...) -> None: ...
 
 class Sample(_message.Message):
-    __slots__ = ("prompt_token_ids", "completion_token_ids", "behaviour_logprobs", "completion_text", "reward", "reward_components", "reward_status", "reward_reason", "finish_reason", "loss_mask", "turns", "episode_status")
+    __slots__ = ("prompt_token_ids", "completion_token_ids", "behaviour_logprobs", "completion_text", "reward", "reward_components", "reward_status", "reward_reason", "finish_reason", "loss_mask", "turns", "episode_status", "continues")
     class RewardComponentsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -106,6 +108,7 @@ class Sample(_message.Message):
     LOSS_MASK_FIELD_NUMBER: _ClassVar[int]
     TURNS_FIELD_NUMBER: _ClassVar[int]
     EPISODE_STATUS_FIELD_NUMBER: _ClassVar[int]
+    CONTINUES_FIELD_NUMBER: _ClassVar[int]
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     completion_token_ids: _containers.RepeatedScalarFieldContainer[int]
     behaviour_logprobs: _containers.RepeatedScalarFieldContainer[float]
@@ -118,7 +121,8 @@ class Sample(_message.Message):
     loss_mask: _containers.RepeatedScalarFieldContainer[bool]
     turns: _containers.RepeatedCompositeFieldContainer[Turn]
     episode_status: EpisodeStatus
-    def __init__(self, prompt_token_ids: _Optional[_Iterable[int]] = ..., completion_token_ids: _Optional[_Iterable[int]] = ..., behaviour_logprobs: _Optional[_Iterable[float]] = ..., completion_text: _Optional[str] = ..., reward: _Optional[float] = ..., reward_components: _Optional[_Mapping[str, float]] = ..., reward_status: _Optional[_Union[RewardStatus, str]] = ..., reward_reason: _Optional[str] = ..., finish_reason: _Optional[str] = ..., loss_mask: _Optional[_Iterable[bool]] = ..., turns: _Optional[_Iterable[_Union[Turn, _Mapping]]] = ..., episode_status: _Optional[_Union[EpisodeStatus, str]] = ...) -> None: ...
+    continues: bool
+    def __init__(self, prompt_token_ids: _Optional[_Iterable[int]] = ..., completion_token_ids: _Optional[_Iterable[int]] = ..., behaviour_logprobs: _Optional[_Iterable[float]] = ..., completion_text: _Optional[str] = ..., reward: _Optional[float] = ..., reward_components: _Optional[_Mapping[str, float]] = ..., reward_status: _Optional[_Union[RewardStatus, str]] = ..., reward_reason: _Optional[str] = ..., finish_reason: _Optional[str] = ..., loss_mask: _Optional[_Iterable[bool]] = ..., turns: _Optional[_Iterable[_Union[Turn, _Mapping]]] = ..., episode_status: _Optional[_Union[EpisodeStatus, str]] = ..., continues: _Optional[bool] = ...) -> None: ...
 
 class Group(_message.Message):
     __slots__ = ("job_id", "task_id", "policy_version", "samples", "lineage", "priority", "prompt")

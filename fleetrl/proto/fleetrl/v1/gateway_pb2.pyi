@@ -210,17 +210,35 @@ class TaskQueue(_message.Message):
     dead_lettered: int
     def __init__(self, job_id: _Optional[str] = ..., pending: _Optional[int] = ..., in_flight: _Optional[int] = ..., redelivered: _Optional[int] = ..., dead_lettered: _Optional[int] = ...) -> None: ...
 
+class TenantShare(_message.Message):
+    __slots__ = ("tenant", "jobs", "weight", "served_s", "share", "fair_share")
+    TENANT_FIELD_NUMBER: _ClassVar[int]
+    JOBS_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_FIELD_NUMBER: _ClassVar[int]
+    SERVED_S_FIELD_NUMBER: _ClassVar[int]
+    SHARE_FIELD_NUMBER: _ClassVar[int]
+    FAIR_SHARE_FIELD_NUMBER: _ClassVar[int]
+    tenant: str
+    jobs: int
+    weight: float
+    served_s: float
+    share: float
+    fair_share: float
+    def __init__(self, tenant: _Optional[str] = ..., jobs: _Optional[int] = ..., weight: _Optional[float] = ..., served_s: _Optional[float] = ..., share: _Optional[float] = ..., fair_share: _Optional[float] = ...) -> None: ...
+
 class FleetStatus(_message.Message):
-    __slots__ = ("members", "queues", "unix_ms", "reward_sandbox")
+    __slots__ = ("members", "queues", "unix_ms", "reward_sandbox", "shares")
     MEMBERS_FIELD_NUMBER: _ClassVar[int]
     QUEUES_FIELD_NUMBER: _ClassVar[int]
     UNIX_MS_FIELD_NUMBER: _ClassVar[int]
     REWARD_SANDBOX_FIELD_NUMBER: _ClassVar[int]
+    SHARES_FIELD_NUMBER: _ClassVar[int]
     members: _containers.RepeatedCompositeFieldContainer[FleetMember]
     queues: _containers.RepeatedCompositeFieldContainer[TaskQueue]
     unix_ms: int
     reward_sandbox: str
-    def __init__(self, members: _Optional[_Iterable[_Union[FleetMember, _Mapping]]] = ..., queues: _Optional[_Iterable[_Union[TaskQueue, _Mapping]]] = ..., unix_ms: _Optional[int] = ..., reward_sandbox: _Optional[str] = ...) -> None: ...
+    shares: _containers.RepeatedCompositeFieldContainer[TenantShare]
+    def __init__(self, members: _Optional[_Iterable[_Union[FleetMember, _Mapping]]] = ..., queues: _Optional[_Iterable[_Union[TaskQueue, _Mapping]]] = ..., unix_ms: _Optional[int] = ..., reward_sandbox: _Optional[str] = ..., shares: _Optional[_Iterable[_Union[TenantShare, _Mapping]]] = ...) -> None: ...
 
 class GetJobAccountingRequest(_message.Message):
     __slots__ = ("job_id", "include_tasks")

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18\x66leetrl/v1/learner.proto\x12\nfleetrl.v1\"&\n\x14LearnerStatusRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\"\xa8\x01\n\x0bStepMetrics\x12\x0c\n\x04step\x18\x01 \x01(\x04\x12\x16\n\x0epolicy_version\x18\x02 \x01(\x04\x12\x33\n\x06values\x18\x03 \x03(\x0b\x32#.fleetrl.v1.StepMetrics.ValuesEntry\x12\x0f\n\x07unix_ms\x18\x04 \x01(\x03\x1a-\n\x0bValuesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"\xa8\x01\n\rLearnerStatus\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x12\n\nlearner_id\x18\x02 \x01(\t\x12\x0c\n\x04step\x18\x03 \x01(\x04\x12\x16\n\x0epolicy_version\x18\x04 \x01(\x04\x12\x17\n\x0f\x63heckpoint_step\x18\x05 \x01(\x04\x12%\n\x04last\x18\x06 \x01(\x0b\x32\x17.fleetrl.v1.StepMetrics\x12\r\n\x05phase\x18\x07 \x01(\t2Z\n\x0eLearnerService\x12H\n\tGetStatus\x12 .fleetrl.v1.LearnerStatusRequest\x1a\x19.fleetrl.v1.LearnerStatusb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18\x66leetrl/v1/learner.proto\x12\nfleetrl.v1\"&\n\x14LearnerStatusRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\"\xa8\x01\n\x0bStepMetrics\x12\x0c\n\x04step\x18\x01 \x01(\x04\x12\x16\n\x0epolicy_version\x18\x02 \x01(\x04\x12\x33\n\x06values\x18\x03 \x03(\x0b\x32#.fleetrl.v1.StepMetrics.ValuesEntry\x12\x0f\n\x07unix_ms\x18\x04 \x01(\x03\x1a-\n\x0bValuesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"\xbf\x01\n\rLearnerStatus\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x12\n\nlearner_id\x18\x02 \x01(\t\x12\x0c\n\x04step\x18\x03 \x01(\x04\x12\x16\n\x0epolicy_version\x18\x04 \x01(\x04\x12\x17\n\x0f\x63heckpoint_step\x18\x05 \x01(\x04\x12%\n\x04last\x18\x06 \x01(\x0b\x32\x17.fleetrl.v1.StepMetrics\x12\r\n\x05phase\x18\x07 \x01(\t\x12\x15\n\rpaused_reason\x18\x08 \x01(\t2Z\n\x0eLearnerService\x12H\n\tGetStatus\x12 .fleetrl.v1.LearnerStatusRequest\x1a\x19.fleetrl.v1.LearnerStatusb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -40,7 +40,7 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_STEPMETRICS_VALUESENTRY']._serialized_start=204
   _globals['_STEPMETRICS_VALUESENTRY']._serialized_end=249
   _globals['_LEARNERSTATUS']._serialized_start=252
-  _globals['_LEARNERSTATUS']._serialized_end=420
-  _globals['_LEARNERSERVICE']._serialized_start=422
-  _globals['_LEARNERSERVICE']._serialized_end=512
+  _globals['_LEARNERSTATUS']._serialized_end=443
+  _globals['_LEARNERSERVICE']._serialized_start=445
+  _globals['_LEARNERSERVICE']._serialized_end=535
 # @@protoc_insertion_point(module_scope)

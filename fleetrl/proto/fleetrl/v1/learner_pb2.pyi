@@ -32,7 +32,7 @@ class StepMetrics(_message.Message):
     def __init__(self, step: _Optional[int] = ..., policy_version: _Optional[int] = ..., values: _Optional[_Mapping[str, float]] = ..., unix_ms: _Optional[int] = ...) -> None: ...
 
 class LearnerStatus(_message.Message):
-    __slots__ = ("job_id", "learner_id", "step", "policy_version", "checkpoint_step", "last", "phase")
+    __slots__ = ("job_id", "learner_id", "step", "policy_version", "checkpoint_step", "last", "phase", "paused_reason")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     LEARNER_ID_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
@@ -40,6 +40,7 @@ class LearnerStatus(_message.Message):
     CHECKPOINT_STEP_FIELD_NUMBER: _ClassVar[int]
     LAST_FIELD_NUMBER: _ClassVar[int]
     PHASE_FIELD_NUMBER: _ClassVar[int]
+    PAUSED_REASON_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     learner_id: str
     step: int
@@ -47,4 +48,5 @@ class LearnerStatus(_message.Message):
     checkpoint_step: int
     last: StepMetrics
     phase: str
-    def __init__(self, job_id: _Optional[str] = ..., learner_id: _Optional[str] = ..., step: _Optional[int] = ..., policy_version: _Optional[int] = ..., checkpoint_step: _Optional[int] = ..., last: _Optional[_Union[StepMetrics, _Mapping]] = ..., phase: _Optional[str] = ...) -> None: ...
+    paused_reason: str
+    def __init__(self, job_id: _Optional[str] = ..., learner_id: _Optional[str] = ..., step: _Optional[int] = ..., policy_version: _Optional[int] = ..., checkpoint_step: _Optional[int] = ..., last: _Optional[_Union[StepMetrics, _Mapping]] = ..., phase: _Optional[str] = ..., paused_reason: _Optional[str] = ...) -> None: ...

@@ -96,7 +96,8 @@ class ReplayServiceServicer:
         not at all and a crash never leaves half of one.
         A group whose (job_id, task_id) is already stored is reported DUPLICATE and
         stored once. Unknown job: NOT_FOUND. Empty group or a token/log-prob
-        length mismatch: INVALID_ARGUMENT. Redis out of memory: RESOURCE_EXHAUSTED
+        length mismatch: INVALID_ARGUMENT. Redis refusing writes (out of memory at
+        maxmemory, or MISCONF: its AOF cannot be written): RESOURCE_EXHAUSTED
         (the caller should retry later and not ack its task).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from fleetrl.proto.fleetrl.v1 import common_pb2 as fleetrl_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17\x66leetrl/v1/reward.proto\x12\nfleetrl.v1\x1a\x17\x66leetrl/v1/common.proto\"9\n\x0f\x45nvironmentSpec\x12\x11\n\tspec_json\x18\x01 \x01(\t\x12\x13\n\x0b\x66ile_source\x18\x02 \x01(\x0c\"4\n\nRewardSpec\x12\x11\n\tspec_json\x18\x01 \x01(\t\x12\x13\n\x0b\x66ile_source\x18\x02 \x01(\x0c\"F\n\tScoreItem\x12\x12\n\ncompletion\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x01(\t\x12\x15\n\rmetadata_json\x18\x03 \x01(\t\"z\n\x0cScoreRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12$\n\x04spec\x18\x02 \x01(\x0b\x32\x16.fleetrl.v1.RewardSpec\x12$\n\x05items\x18\x03 \x03(\x0b\x32\x15.fleetrl.v1.ScoreItem\x12\x0e\n\x06tenant\x18\x04 \x01(\t\"\xda\x01\n\x0bScoreResult\x12\x0e\n\x06reward\x18\x01 \x01(\x01\x12;\n\ncomponents\x18\x02 \x03(\x0b\x32\'.fleetrl.v1.ScoreResult.ComponentsEntry\x12(\n\x06status\x18\x03 \x01(\x0e\x32\x18.fleetrl.v1.RewardStatus\x12\x0e\n\x06reason\x18\x04 \x01(\t\x12\x11\n\tlatency_s\x18\x05 \x01(\x01\x1a\x31\n\x0f\x43omponentsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"9\n\rScoreResponse\x12(\n\x07results\x18\x01 \x03(\x0b\x32\x17.fleetrl.v1.ScoreResult\"i\n\x0fValidateRequest\x12$\n\x04spec\x18\x01 \x01(\x0b\x32\x16.fleetrl.v1.RewardSpec\x12\x30\n\x0b\x65nvironment\x18\x02 \x01(\x0b\x32\x1b.fleetrl.v1.EnvironmentSpec\"Z\n\x10ValidateResponse\x12\n\n\x02ok\x18\x01 \x01(\x08\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12*\n\x07sandbox\x18\x03 \x01(\x0b\x32\x19.fleetrl.v1.SandboxReport\"\x11\n\x0f\x44\x65scribeRequest\"\xa5\x01\n\rSandboxReport\x12\x0c\n\x04mode\x18\x01 \x01(\t\x12\x35\n\x06layers\x18\x02 \x03(\x0b\x32%.fleetrl.v1.SandboxReport.LayersEntry\x12\x0f\n\x07problem\x18\x03 \x01(\t\x12\x0f\n\x07summary\x18\x04 \x01(\t\x1a-\n\x0bLayersEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x08:\x02\x38\x01\"(\n\x07Message\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\xc9\x01\n\rEpisodeResult\x12\x0f\n\x07\x65pisode\x18\x01 \x01(\r\x12(\n\x0bobservation\x18\x02 \x03(\x0b\x32\x13.fleetrl.v1.Message\x12\x0e\n\x06reward\x18\x03 \x01(\x01\x12\x0c\n\x04\x64one\x18\x04 \x01(\x08\x12(\n\x06status\x18\x05 \x01(\x0e\x32\x18.fleetrl.v1.RewardStatus\x12\x0e\n\x06reason\x18\x06 \x01(\t\x12\x11\n\tlatency_s\x18\x07 \x01(\x01\x12\x12\n\ntools_json\x18\x08 \x01(\t\"\xaa\x01\n\x13OpenEpisodesRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x12\n\nsession_id\x18\x02 \x01(\t\x12)\n\x04spec\x18\x03 \x01(\x0b\x32\x1b.fleetrl.v1.EnvironmentSpec\x12\x0e\n\x06prompt\x18\x04 \x01(\t\x12\x15\n\rmetadata_json\x18\x05 \x01(\t\x12\r\n\x05\x63ount\x18\x06 \x01(\r\x12\x0e\n\x06tenant\x18\x07 \x01(\t\"C\n\x14OpenEpisodesResponse\x12+\n\x08\x65pisodes\x18\x01 \x03(\x0b\x32\x19.fleetrl.v1.EpisodeResult\"5\n\x06\x41\x63tion\x12\x0f\n\x07\x65pisode\x18\x01 \x01(\r\x12\x0c\n\x04turn\x18\x02 \x01(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\"^\n\x13StepEpisodesRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12#\n\x07\x61\x63tions\x18\x02 \x03(\x0b\x32\x12.fleetrl.v1.Action\x12\x0e\n\x06job_id\x18\x03 \x01(\t\"B\n\x14StepEpisodesResponse\x12*\n\x07results\x18\x01 \x03(\x0b\x32\x19.fleetrl.v1.EpisodeResult\":\n\x14\x43loseEpisodesRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0e\n\x06job_id\x18\x02 \x01(\t\"\x17\n\x15\x43loseEpisodesResponse2\xd4\x03\n\rRewardService\x12<\n\x05Score\x12\x18.fleetrl.v1.ScoreRequest\x1a\x19.fleetrl.v1.ScoreResponse\x12\x45\n\x08Validate\x12\x1b.fleetrl.v1.ValidateRequest\x1a\x1c.fleetrl.v1.ValidateResponse\x12\x42\n\x08\x44\x65scribe\x12\x1b.fleetrl.v1.DescribeRequest\x1a\x19.fleetrl.v1.SandboxReport\x12Q\n\x0cOpenEpisodes\x12\x1f.fleetrl.v1.OpenEpisodesRequest\x1a .fleetrl.v1.OpenEpisodesResponse\x12Q\n\x0cStepEpisodes\x12\x1f.fleetrl.v1.StepEpisodesRequest\x1a .fleetrl.v1.StepEpisodesResponse\x12T\n\rCloseEpisodes\x12 .fleetrl.v1.CloseEpisodesRequest\x1a!.fleetrl.v1.CloseEpisodesResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17\x66leetrl/v1/reward.proto\x12\nfleetrl.v1\x1a\x17\x66leetrl/v1/common.proto\"9\n\x0f\x45nvironmentSpec\x12\x11\n\tspec_json\x18\x01 \x01(\t\x12\x13\n\x0b\x66ile_source\x18\x02 \x01(\x0c\"4\n\nRewardSpec\x12\x11\n\tspec_json\x18\x01 \x01(\t\x12\x13\n\x0b\x66ile_source\x18\x02 \x01(\x0c\"F\n\tScoreItem\x12\x12\n\ncompletion\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x01(\t\x12\x15\n\rmetadata_json\x18\x03 \x01(\t\"z\n\x0cScoreRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12$\n\x04spec\x18\x02 \x01(\x0b\x32\x16.fleetrl.v1.RewardSpec\x12$\n\x05items\x18\x03 \x03(\x0b\x32\x15.fleetrl.v1.ScoreItem\x12\x0e\n\x06tenant\x18\x04 \x01(\t\"\xda\x01\n\x0bScoreResult\x12\x0e\n\x06reward\x18\x01 \x01(\x01\x12;\n\ncomponents\x18\x02 \x03(\x0b\x32\'.fleetrl.v1.ScoreResult.ComponentsEntry\x12(\n\x06status\x18\x03 \x01(\x0e\x32\x18.fleetrl.v1.RewardStatus\x12\x0e\n\x06reason\x18\x04 \x01(\t\x12\x11\n\tlatency_s\x18\x05 \x01(\x01\x1a\x31\n\x0f\x43omponentsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"9\n\rScoreResponse\x12(\n\x07results\x18\x01 \x03(\x0b\x32\x17.fleetrl.v1.ScoreResult\"i\n\x0fValidateRequest\x12$\n\x04spec\x18\x01 \x01(\x0b\x32\x16.fleetrl.v1.RewardSpec\x12\x30\n\x0b\x65nvironment\x18\x02 \x01(\x0b\x32\x1b.fleetrl.v1.EnvironmentSpec\"Z\n\x10ValidateResponse\x12\n\n\x02ok\x18\x01 \x01(\x08\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12*\n\x07sandbox\x18\x03 \x01(\x0b\x32\x19.fleetrl.v1.SandboxReport\"\x11\n\x0f\x44\x65scribeRequest\"\xa5\x01\n\rSandboxReport\x12\x0c\n\x04mode\x18\x01 \x01(\t\x12\x35\n\x06layers\x18\x02 \x03(\x0b\x32%.fleetrl.v1.SandboxReport.LayersEntry\x12\x0f\n\x07problem\x18\x03 \x01(\t\x12\x0f\n\x07summary\x18\x04 \x01(\t\x1a-\n\x0bLayersEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x08:\x02\x38\x01\"(\n\x07Message\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\xf4\x02\n\rEpisodeResult\x12\x0f\n\x07\x65pisode\x18\x01 \x01(\r\x12(\n\x0bobservation\x18\x02 \x03(\x0b\x32\x13.fleetrl.v1.Message\x12\x0e\n\x06reward\x18\x03 \x01(\x01\x12\x0c\n\x04\x64one\x18\x04 \x01(\x08\x12(\n\x06status\x18\x05 \x01(\x0e\x32\x18.fleetrl.v1.RewardStatus\x12\x0e\n\x06reason\x18\x06 \x01(\t\x12\x11\n\tlatency_s\x18\x07 \x01(\x01\x12\x12\n\ntools_json\x18\x08 \x01(\t\x12\x0f\n\x07segment\x18\t \x01(\x08\x12\x16\n\x0emax_new_tokens\x18\n \x01(\r\x12\x0e\n\x06\x61nswer\x18\x0b \x01(\t\x12=\n\ncomponents\x18\x0c \x03(\x0b\x32).fleetrl.v1.EpisodeResult.ComponentsEntry\x1a\x31\n\x0f\x43omponentsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"\xaa\x01\n\x13OpenEpisodesRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x12\n\nsession_id\x18\x02 \x01(\t\x12)\n\x04spec\x18\x03 \x01(\x0b\x32\x1b.fleetrl.v1.EnvironmentSpec\x12\x0e\n\x06prompt\x18\x04 \x01(\t\x12\x15\n\rmetadata_json\x18\x05 \x01(\t\x12\r\n\x05\x63ount\x18\x06 \x01(\r\x12\x0e\n\x06tenant\x18\x07 \x01(\t\"C\n\x14OpenEpisodesResponse\x12+\n\x08\x65pisodes\x18\x01 \x03(\x0b\x32\x19.fleetrl.v1.EpisodeResult\"~\n\x06\x41\x63tion\x12\x0f\n\x07\x65pisode\x18\x01 \x01(\r\x12\x0c\n\x04turn\x18\x02 \x01(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12\x15\n\rprompt_tokens\x18\x05 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x06 \x01(\r\"^\n\x13StepEpisodesRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12#\n\x07\x61\x63tions\x18\x02 \x03(\x0b\x32\x12.fleetrl.v1.Action\x12\x0e\n\x06job_id\x18\x03 \x01(\t\"B\n\x14StepEpisodesResponse\x12*\n\x07results\x18\x01 \x03(\x0b\x32\x19.fleetrl.v1.EpisodeResult\":\n\x14\x43loseEpisodesRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0e\n\x06job_id\x18\x02 \x01(\t\"\x17\n\x15\x43loseEpisodesResponse2\xd4\x03\n\rRewardService\x12<\n\x05Score\x12\x18.fleetrl.v1.ScoreRequest\x1a\x19.fleetrl.v1.ScoreResponse\x12\x45\n\x08Validate\x12\x1b.fleetrl.v1.ValidateRequest\x1a\x1c.fleetrl.v1.ValidateResponse\x12\x42\n\x08\x44\x65scribe\x12\x1b.fleetrl.v1.DescribeRequest\x1a\x19.fleetrl.v1.SandboxReport\x12Q\n\x0cOpenEpisodes\x12\x1f.fleetrl.v1.OpenEpisodesRequest\x1a .fleetrl.v1.OpenEpisodesResponse\x12Q\n\x0cStepEpisodes\x12\x1f.fleetrl.v1.StepEpisodesRequest\x1a .fleetrl.v1.StepEpisodesResponse\x12T\n\rCloseEpisodes\x12 .fleetrl.v1.CloseEpisodesRequest\x1a!.fleetrl.v1.CloseEpisodesResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -36,6 +36,8 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SCORERESULT_COMPONENTSENTRY']._serialized_options = b'8\001'
   _globals['_SANDBOXREPORT_LAYERSENTRY']._loaded_options = None
   _globals['_SANDBOXREPORT_LAYERSENTRY']._serialized_options = b'8\001'
+  _globals['_EPISODERESULT_COMPONENTSENTRY']._loaded_options = None
+  _globals['_EPISODERESULT_COMPONENTSENTRY']._serialized_options = b'8\001'
   _globals['_ENVIRONMENTSPEC']._serialized_start=64
   _globals['_ENVIRONMENTSPEC']._serialized_end=121
   _globals['_REWARDSPEC']._serialized_start=123
@@ -63,21 +65,23 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_MESSAGE']._serialized_start=1039
   _globals['_MESSAGE']._serialized_end=1079
   _globals['_EPISODERESULT']._serialized_start=1082
-  _globals['_EPISODERESULT']._serialized_end=1283
-  _globals['_OPENEPISODESREQUEST']._serialized_start=1286
-  _globals['_OPENEPISODESREQUEST']._serialized_end=1456
-  _globals['_OPENEPISODESRESPONSE']._serialized_start=1458
-  _globals['_OPENEPISODESRESPONSE']._serialized_end=1525
-  _globals['_ACTION']._serialized_start=1527
-  _globals['_ACTION']._serialized_end=1580
-  _globals['_STEPEPISODESREQUEST']._serialized_start=1582
-  _globals['_STEPEPISODESREQUEST']._serialized_end=1676
-  _globals['_STEPEPISODESRESPONSE']._serialized_start=1678
-  _globals['_STEPEPISODESRESPONSE']._serialized_end=1744
-  _globals['_CLOSEEPISODESREQUEST']._serialized_start=1746
-  _globals['_CLOSEEPISODESREQUEST']._serialized_end=1804
-  _globals['_CLOSEEPISODESRESPONSE']._serialized_start=1806
-  _globals['_CLOSEEPISODESRESPONSE']._serialized_end=1829
-  _globals['_REWARDSERVICE']._serialized_start=1832
-  _globals['_REWARDSERVICE']._serialized_end=2300
+  _globals['_EPISODERESULT']._serialized_end=1454
+  _globals['_EPISODERESULT_COMPONENTSENTRY']._serialized_start=543
+  _globals['_EPISODERESULT_COMPONENTSENTRY']._serialized_end=592
+  _globals['_OPENEPISODESREQUEST']._serialized_start=1457
+  _globals['_OPENEPISODESREQUEST']._serialized_end=1627
+  _globals['_OPENEPISODESRESPONSE']._serialized_start=1629
+  _globals['_OPENEPISODESRESPONSE']._serialized_end=1696
+  _globals['_ACTION']._serialized_start=1698
+  _globals['_ACTION']._serialized_end=1824
+  _globals['_STEPEPISODESREQUEST']._serialized_start=1826
+  _globals['_STEPEPISODESREQUEST']._serialized_end=1920
+  _globals['_STEPEPISODESRESPONSE']._serialized_start=1922
+  _globals['_STEPEPISODESRESPONSE']._serialized_end=1988
+  _globals['_CLOSEEPISODESREQUEST']._serialized_start=1990
+  _globals['_CLOSEEPISODESREQUEST']._serialized_end=2048
+  _globals['_CLOSEEPISODESRESPONSE']._serialized_start=2050
+  _globals['_CLOSEEPISODESRESPONSE']._serialized_end=2073
+  _globals['_REWARDSERVICE']._serialized_start=2076
+  _globals['_REWARDSERVICE']._serialized_end=2544
 # @@protoc_insertion_point(module_scope)

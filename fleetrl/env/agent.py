@@ -1,0 +1,450 @@
+"""The agent side of a sandboxed worker (boot mode "agent"): an agent file's `run`, whose chat
+completions are the episode's turns.
+
+An agent file defines `run(client, task, **params)`: an `async def` gets an `openai.AsyncOpenAI`, a
+plain `def` an `openai.OpenAI`. It returns the episode's reward (a finite number), a dict of named
+reward components (the reward is their sum), or, in a job with a built-in verifier (`[reward]
+builtin`), the final answer as a str for the verifier to score. Every chat completion it asks for
+is one turn: the request's messages go to the actor as an observation, the actor generates the
+assistant's reply with the policy being trained, and the call returns it as a `ChatCompletion`.
+Tools the agent runs itself run here, in the sandbox. Any library that talks to an OpenAI-compatible
+server through httpx is served the same way: every httpx request in this worker is answered here
+(there is no network), and `ENVIRONMENT` is set before the agent file runs (`OPENAI_BASE_URL` is
+`BASE_URL`, `OPENAI_API_KEY` is set), so `openai.OpenAI()` with no arguments, LangChain's
+`ChatOpenAI`, smolagents' `OpenAIServerModel` or the OpenAI Agents SDK's `OpenAIChatCompletionsModel`
+reach the policy too. What frameworks run in the event loop's default executor (a sync tool in
+`asyncio.to_thread`) runs inline (`InlineExecutor`): the sandbox allows no thread to outlive a call.
+
+The protocol with the service is the environment's (`fleetrl.env.host`): a reset runs `run` until
+its first call, whose request is the reset's reply; each step's action is the reply to the pending
+call, and the step is answered by the next call, or by the end of `run` (done, with its reward).
+What the service needs to keep the training tokens exact is decided here, where both the request
+and the reply the agent was given are known: a call whose messages are the previous call's, then
+the assistant message it returned, then new user, tool or system messages, is answered with only
+the new messages (the actor appends their tokens to what it generated: nothing is re-tokenized);
+any other call (the agent rewrote, cut or summarised its history, or changed its tools) is answered
+with its whole conversation and `"segment": true` (the actor starts a new segment from it).
+
+Supported: `POST .../chat/completions` with `messages` (text content, or lists of text parts), `tools`
+(their schemas go to the chat template), `max_tokens` / `max_completion_tokens` (a cap below the
+job's `rollout.max_new_tokens`); the job's sampling settings, not the request's, are used (the
+behaviour log-probs must be the policy's). Refused with a clear 400: streaming, `n` > 1, non-text
+content. `POST .../responses` (the Responses API, the OpenAI Agents SDK's default model) is served
+as the chat completion it stands for (`chat_request`, `response_of`): text input, function tools,
+`function_call` and `function_call_output` items; `previous_response_id` (server-side state),
+streaming and other tools are refused with a 400. Other endpoints answer 404. A completion's text
+that holds `<tool_call>` tags (the format `fleetrl.env.tools` parses) also comes back as `tool_calls`
+(function_call items) when the request declared tools.
+
+Stdlib only here (the httpx modules are patched by name); imported only by agent workers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import importlib
+import inspect
+import json
+import time
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+from fleetrl.env import tools as env_tools
+from fleetrl.env.host import ROLES, EnvError, empty_dir
+from fleetrl.reward import protocol
+
+BASE_URL = "http://policy.fleetrl/v1"
+"""The OpenAI-compatible base URL an agent's client points at (any URL works: nothing leaves the worker)."""
+API_KEY = "fleetrl-agent"
+ENVIRONMENT = {"OPENAI_BASE_URL": BASE_URL, "OPENAI_API_KEY": API_KEY, "OPENAI_AGENTS_DISABLE_TRACING": "1"}
+"""Set in the worker before the agent file runs: a client built from the environment reaches the policy,
+and the OpenAI Agents SDK keeps its tracing off (its exporter is a thread that would outlive the call,
+posting to a network the sandbox does not have)."""
+DRAIN_S = 1.0
+"""How long tasks an async `run` left pending get to finish cancelling after it returned."""
+
+Exchange = Callable[[dict[str, Any]], dict[str, Any]]
+"""Answers the request in hand with a message and returns the next request ({} when the service hung up)."""
+
+
+class EpisodeClosed(BaseException):
+    """The service closed the episode while the agent waited on a call: unwinds `run` (user code that
+    catches Exception does not stop it)."""
+
+
+class CallError(Exception):
+    """A chat-completion request this service cannot answer; the agent's client sees an HTTP error."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+def text_of(content: Any, where: str) -> str:
+    """A message's content as text: a str, None (empty), or a list of {"type": "text", "text": ...} parts."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        texts = []
+        for index, part in enumerate(content):
+            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+                raise CallError(400, f"{where}.content[{index}] is a {kind!r} part; only text parts are supported")
+            texts.append(part["text"])
+        return "".join(texts)
+    raise CallError(400, f"{where}.content is {type(content).__name__}, expected a str or a list of text parts")
+
+
+def _tool_calls(message: dict[str, Any]) -> list[tuple[str, str]]:
+    """(name, arguments JSON) of an assistant message's tool calls."""
+    calls = []
+    for call in message.get("tool_calls") or []:
+        function = call.get("function") if isinstance(call, dict) else None
+        if isinstance(function, dict):
+            calls.append((str(function.get("name", "")), str(function.get("arguments", ""))))
+    return calls
+
+
+def request_messages(body: dict[str, Any]) -> list[dict[str, Any]]:
+    """The request's messages as {"role", "content"} (plus "tool_calls" of an assistant message, kept
+    to compare with the reply it echoes); CallError naming the first bad one."""
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise CallError(400, "messages must be a non-empty list")
+    out = []
+    for index, message in enumerate(messages):
+        where = f"messages[{index}]"
+        if not isinstance(message, dict):
+            raise CallError(400, f"{where} is not an object")
+        role = message.get("role")
+        if role == "developer":
+            role = "system"
+        if role not in ("system", "user", "assistant", "tool"):
+            raise CallError(400, f"{where}.role is {role!r}, expected system, user, assistant or tool")
+        entry: dict[str, Any] = {"role": role, "content": text_of(message.get("content"), where)}
+        if role == "assistant":
+            entry["tool_calls"] = _tool_calls(message)
+        out.append(entry)
+    return out
+
+
+def _checked_request(body: dict[str, Any]) -> tuple[list[dict[str, Any]], list[Any], int]:
+    """A request's messages, tools and max_tokens (0: none); CallError for what is not supported."""
+    if body.get("stream"):
+        raise CallError(400, "stream=true is not supported in agent episodes")
+    if body.get("n") not in (None, 1):
+        raise CallError(400, f"n={body.get('n')!r}: one choice per call is supported")
+    tools = body.get("tools") or []
+    if not isinstance(tools, list):
+        raise CallError(400, "tools must be a list")
+    cap = body.get("max_completion_tokens") or body.get("max_tokens") or 0
+    if isinstance(cap, bool) or not isinstance(cap, int) or cap < 0:
+        raise CallError(400, f"max_tokens is {cap!r}, expected a positive int")
+    return request_messages(body), tools, cap
+
+
+def _same(sent: dict[str, Any], echoed: dict[str, Any]) -> bool:
+    """Whether the agent's copy of a reply it was given is that reply: same text, and the same tool
+    calls unless the agent dropped them (their text is in the content it kept)."""
+    return (echoed["role"] == "assistant" and echoed["content"] == sent["content"]
+            and (not echoed["tool_calls"] or echoed["tool_calls"] == sent["tool_calls"]))
+
+
+def plain(messages: list[dict[str, Any]]) -> list[dict[str, str]]:
+    """Messages as the episode protocol carries them: role and content only."""
+    return [{"role": m["role"], "content": m["content"]} for m in messages]
+
+
+class InlineExecutor(concurrent.futures.ThreadPoolExecutor):
+    """The event loop's default executor (`asyncio.to_thread`, `run_in_executor(None, ...)`: where the OpenAI
+    Agents SDK runs a sync tool and LangChain a sync tool or callback): each call runs at once in the calling
+    thread. A pool's idle threads would outlive the call, which the sandbox counts as threads left running,
+    and a worker's process limit leaves room for one thread besides its own at most."""
+
+    def __init__(self) -> None:
+        super().__init__(max_workers=1)  # the pool itself never starts a thread
+
+    def submit(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> concurrent.futures.Future[Any]:
+        future: concurrent.futures.Future[Any] = concurrent.futures.Future()
+        try:
+            future.set_result(fn(*args, **kwargs))
+        except BaseException as error:  # handed to the awaiting task, as a pool's thread would
+            future.set_exception(error)
+        return future
+
+
+class AgentHost:
+    """Runs the episodes of one agent file, one at a time; `handle` answers a request and `complete`
+    is the agent's chat-completion endpoint."""
+
+    def __init__(self, run: Callable[..., Any], tmpdir: str, exchange: Exchange, loop: asyncio.AbstractEventLoop,
+                 clients: tuple[Any, Any]) -> None:
+        self.run, self.tmpdir, self.exchange, self.loop = run, tmpdir, exchange, loop
+        self.sync_client, self.async_client = clients
+        loop.set_default_executor(InlineExecutor())
+        self.in_episode = False
+        self.closed = False
+        self.calls = 0
+        self.conversation: list[dict[str, Any]] = []
+        """The previous call's messages, then the reply it was given."""
+        self.tools: list[Any] = []
+
+    def handle(self, request: dict[str, Any]) -> dict[str, Any]:
+        """The reply to a request outside a call; anything the agent raises ends the episode as an error."""
+        op = request.get("op")
+        if op == "close":
+            return {"closed": True}
+        if op == "step":
+            return {"error": "a step with no call of the agent waiting for it"}
+        if op != "reset":
+            return {"error": f"unknown op {op!r}"}
+        empty_dir(self.tmpdir)
+        self.in_episode, self.closed, self.calls, self.conversation, self.tools = True, False, 0, [], []
+        try:
+            return final_reply(self._run(request["task"], request["params"]))
+        except EpisodeClosed:
+            return {"closed": True}
+        except BaseException as error:  # user code: anything it raises ends this episode
+            if isinstance(error, EnvError):
+                return {"error": str(error)}
+            return {"error": "".join(traceback.format_exception(error, limit=-2))[-2000:].strip()}
+        finally:
+            self.in_episode = False
+
+    def _run(self, task: dict[str, Any], params: dict[str, Any]) -> Any:
+        if inspect.iscoroutinefunction(self.run):
+            main = self.loop.create_task(self.run(self.async_client, task, **params))
+            try:
+                return self.loop.run_until_complete(main)
+            finally:
+                self._cancel_leftovers()
+        return self.run(self.sync_client, task, **params)
+
+    def _cancel_leftovers(self) -> None:
+        """Cancel the tasks `run` left pending, and give them DRAIN_S to finish."""
+        pending = [t for t in asyncio.all_tasks(self.loop) if not t.done()]
+        for task in pending:
+            task.cancel()
+        if pending:
+            with contextlib.suppress(BaseException):
+                self.loop.run_until_complete(asyncio.wait(pending, timeout=DRAIN_S))
+
+    def complete(self, body: dict[str, Any]) -> dict[str, Any]:
+        """The ChatCompletion answering one request of the agent: the episode's next turn."""
+        if self.closed:
+            raise EpisodeClosed()
+        if not self.in_episode:
+            raise CallError(400, "a chat completion outside an episode (after run returned)")
+        messages, tools, cap = _checked_request(body)
+        step = self.exchange({**self._observation(messages, tools), "max_new_tokens": cap, "reward": 0.0,
+                              "done": False})
+        if step.get("op") != "step":
+            self.closed = True
+            raise EpisodeClosed()
+        text = str(step.get("action", ""))
+        calls = [c for c in env_tools.parse_tool_calls(text) if not c.error] if tools else []
+        message: dict[str, Any] = {"role": "assistant", "content": text}
+        if calls:
+            message["tool_calls"] = [{"id": f"call_{self.calls}_{i}", "type": "function",
+                                      "function": {"name": c.name, "arguments": json.dumps(c.arguments)}}
+                                     for i, c in enumerate(calls)]
+        self.conversation = [*messages, {"role": "assistant", "content": text, "tool_calls": _tool_calls(message)}]
+        self.tools = tools
+        self.calls += 1
+        finish = "length" if step.get("finish_reason") == "length" else "tool_calls" if calls else "stop"
+        prompt, completion = int(step.get("prompt_tokens", 0)), int(step.get("completion_tokens", 0))
+        return {"id": f"chatcmpl-fleetrl-{self.calls}", "object": "chat.completion", "created": int(time.time()),
+                "model": str(body.get("model", "policy")),
+                "choices": [{"index": 0, "message": message, "finish_reason": finish, "logprobs": None}],
+                "usage": {"prompt_tokens": prompt, "completion_tokens": completion,
+                          "total_tokens": prompt + completion}}
+
+    def _observation(self, messages: list[dict[str, Any]], tools: list[Any]) -> dict[str, Any]:
+        """What the actor needs of a call: only its new messages when it extends the previous call and
+        the reply it was given, else its whole conversation as a new segment."""
+        before = self.conversation
+        extends = (bool(before) and tools == self.tools and len(messages) > len(before)
+                   and messages[:len(before) - 1] == before[:-1] and _same(before[-1], messages[len(before) - 1])
+                   and all(m["role"] in ROLES for m in messages[len(before):]))
+        if extends:
+            return {"observation": plain(messages[len(before):])}
+        return {"observation": plain(messages), "segment": True, "tools": tools}
+
+
+def final_reply(value: Any) -> dict[str, Any]:
+    """The reply for what `run` returned: its reward, its reward components, or its final answer."""
+    if isinstance(value, str):
+        return {"observation": [], "reward": 0.0, "done": True, "answer": value}
+    if isinstance(value, dict):
+        numbers = {str(k): protocol.finite_number(float(v) if isinstance(v, bool) else v) for k, v in value.items()}
+        bad = sorted(k for k, v in numbers.items() if v is None)
+        if bad or not numbers:
+            raise EnvError(f"run returned a dict with non-finite or non-numeric entries {bad[:5]}" if bad
+                           else "run returned an empty dict")
+        total = protocol.finite_number(sum(v for v in numbers.values() if v is not None))
+        if total is None:
+            raise EnvError("run's reward components sum to a non-finite total")
+        return {"observation": [], "reward": total, "done": True, "components": numbers}
+    number = protocol.finite_number(float(value) if isinstance(value, bool) else value)
+    if number is None:
+        raise EnvError(f"run returned {type(value).__name__} {str(value)[:80]!r}: expected a finite number, a dict "
+                       "of reward components, or a str answer for the job's verifier")
+    return {"observation": [], "reward": number, "done": True}
+
+
+def chat_request(body: dict[str, Any]) -> dict[str, Any]:
+    """A Responses API request (`POST /responses`) as the chat-completions request it stands for:
+    `instructions` a system message first; `input` a str (one user message) or a list of items, where
+    a message item is a message, an assistant message's `function_call` items become its tool calls (an
+    assistant message of their own when none precedes them), a `function_call_output` a tool message,
+    and `reasoning` items are dropped; function tools in the chat form; `max_output_tokens` the cap.
+    CallError naming what it cannot carry: streaming, `previous_response_id` (server-side state: send
+    the whole input), tools other than functions, other items and non-text parts."""
+    if body.get("stream"):
+        raise CallError(400, "stream=true is not supported in agent episodes")
+    if body.get("previous_response_id"):
+        raise CallError(400, "previous_response_id is not supported in agent episodes: nothing is stored "
+                             "between calls; send the whole conversation as input")
+    messages: list[dict[str, Any]] = []
+    if body.get("instructions"):
+        messages.append({"role": "system", "content": body["instructions"]})
+    items = body.get("input")
+    if isinstance(items, str):
+        items = [{"role": "user", "content": items}]
+    if not isinstance(items, list) or not items:
+        raise CallError(400, "input must be a non-empty str or list of items")
+    for index, item in enumerate(items):
+        where = f"input[{index}]"
+        kind = item.get("type", "message") if isinstance(item, dict) else None
+        if kind == "message":
+            messages.append({"role": item.get("role"), "content": _chat_parts(item.get("content"))})
+        elif kind == "function_call":
+            call = {"id": str(item.get("call_id", "")), "type": "function",
+                    "function": {"name": str(item.get("name", "")), "arguments": str(item.get("arguments", ""))}}
+            if not messages or messages[-1]["role"] != "assistant":
+                messages.append({"role": "assistant", "content": ""})
+            messages[-1].setdefault("tool_calls", []).append(call)
+        elif kind == "function_call_output":
+            messages.append({"role": "tool", "tool_call_id": str(item.get("call_id", "")),
+                             "content": _chat_parts(item.get("output"))})
+        elif kind != "reasoning":
+            raise CallError(400, f"{where} is a {kind!r} item; messages, function calls and their outputs are "
+                                 "supported")
+    tools = []
+    for index, tool in enumerate(body.get("tools") or []):
+        if not isinstance(tool, dict) or tool.get("type") != "function":
+            kind = tool.get("type") if isinstance(tool, dict) else type(tool).__name__
+            raise CallError(400, f"tools[{index}] is a {kind!r} tool; only function tools are supported")
+        tools.append({"type": "function", "function": {k: tool[k] for k in ("name", "description", "parameters")
+                                                       if k in tool}})
+    request: dict[str, Any] = {"model": body.get("model", "policy"), "messages": messages, "tools": tools}
+    if body.get("max_output_tokens"):
+        request["max_tokens"] = body["max_output_tokens"]
+    return request
+
+
+def _chat_parts(content: Any) -> Any:
+    """Responses content parts (`input_text`, `output_text`) as chat text parts; a str as it is."""
+    if not isinstance(content, list):
+        return content
+    return [{"type": "text", "text": part.get("text")} if isinstance(part, dict)
+            and part.get("type") in ("input_text", "output_text", "text") else part for part in content]
+
+
+def response_of(completion: dict[str, Any], body: dict[str, Any]) -> dict[str, Any]:
+    """A chat completion as the Responses API's `Response`: the assistant's text as a message item, then
+    each tool call as a `function_call` item (an agent that sends both back extends the call, as with
+    chat completions)."""
+    choice = completion["choices"][0]
+    message, calls = choice["message"], choice["message"].get("tool_calls") or []
+    number = completion["id"].rsplit("-", 1)[-1]
+    output: list[dict[str, Any]] = [{
+        "type": "message", "id": f"msg_fleetrl_{number}", "role": "assistant", "status": "completed",
+        "content": [{"type": "output_text", "text": message["content"], "annotations": []}]}]
+    output += [{"type": "function_call", "id": f"fc_{call['id']}", "call_id": call["id"],
+                "name": call["function"]["name"], "arguments": call["function"]["arguments"], "status": "completed"}
+               for call in calls]
+    usage = completion["usage"]
+    cut = choice["finish_reason"] == "length"
+    return {"id": f"resp_fleetrl_{number}", "object": "response", "created_at": float(completion["created"]),
+            "model": completion["model"], "status": "incomplete" if cut else "completed",
+            "incomplete_details": {"reason": "max_output_tokens"} if cut else None, "error": None,
+            "instructions": body.get("instructions"), "metadata": body.get("metadata") or {},
+            "output": output, "parallel_tool_calls": bool(body.get("parallel_tool_calls", True)),
+            "tool_choice": body.get("tool_choice", "auto"), "tools": body.get("tools") or [],
+            "temperature": None, "top_p": None,
+            "usage": {"input_tokens": usage["prompt_tokens"], "output_tokens": usage["completion_tokens"],
+                      "total_tokens": usage["total_tokens"], "input_tokens_details": {"cached_tokens": 0},
+                      "output_tokens_details": {"reasoning_tokens": 0}}}
+
+
+def answer_request(host: AgentHost, method: str, path: str, body: bytes) -> tuple[int, dict[str, Any]]:
+    """The HTTP status and JSON body answering one request of the agent: a chat completion, or a response
+    of the Responses API (`POST /responses`, carried as the chat completion it stands for)."""
+    responses = path.endswith("/responses")
+    if method != "POST" or not (path.endswith("/chat/completions") or responses):
+        return 404, {"error": {"message": f"{method} {path}: agent episodes serve POST /chat/completions and "
+                                          "POST /responses only", "type": "not_found"}}
+    try:
+        request = json.loads(body or b"{}")
+        if not isinstance(request, dict):
+            raise CallError(400, "the request body is not a JSON object")
+        if responses:
+            return 200, response_of(host.complete(chat_request(request)), request)
+        return 200, host.complete(request)
+    except CallError as error:
+        return error.status, {"error": {"message": str(error), "type": "invalid_request_error"}}
+    except ValueError as error:
+        return 400, {"error": {"message": f"the request body is not JSON: {error}", "type": "invalid_request_error"}}
+
+
+HTTPX_MODULES = ("httpx", "httpx2")
+"""The httpx distributions whose transports are served (openai 2 uses httpx, openai 3 its fork httpx2)."""
+
+
+def serve_httpx(host: AgentHost) -> list[str]:
+    """Answer every httpx request of this process with the policy: the default transports of every httpx
+    client (the openai SDK's, a framework's) answer through `host` instead of the network. The names
+    of the httpx modules served."""
+    served = []
+    for name in HTTPX_MODULES:
+        try:
+            module = importlib.import_module(name)
+        except ImportError:
+            continue
+        _patch(module, host)
+        served.append(name)
+    return served
+
+
+def _patch(module: Any, host: AgentHost) -> None:
+    def respond(request: Any) -> Any:
+        status, body = answer_request(host, request.method, request.url.path, request.read())
+        return module.Response(status, json=body)
+
+    def handle(self: Any, request: Any) -> Any:
+        return respond(request)
+
+    async def handle_async(self: Any, request: Any) -> Any:
+        return respond(request)
+
+    module.HTTPTransport.handle_request = handle
+    module.AsyncHTTPTransport.handle_async_request = handle_async
+
+
+def agent_run(namespace: dict[str, Any]) -> Callable[..., Any]:
+    """The `run` an agent file defines; TypeError when it has none."""
+    run = namespace.get("run")
+    if not callable(run):
+        raise TypeError("the agent file does not define `run(client, task)` (an async def gets an openai.AsyncOpenAI, "
+                        "a def an openai.OpenAI)")
+    return run
+
+
+__all__ = ["API_KEY", "BASE_URL", "ENVIRONMENT", "AgentHost", "CallError", "EpisodeClosed", "InlineExecutor",
+           "agent_run", "answer_request", "chat_request", "final_reply", "response_of", "serve_httpx"]

@@ -1,0 +1,96 @@
+"""Waiting out a full store inside a run: a write refused for want of space pauses the job, not fails it.
+
+Two stores can fill under a running job while Redis still takes writes: the disk its checkpoints and
+metrics.jsonl go to (`files.NoSpace`, naming the file and ENOSPC) and JetStream, at its server's or
+account's storage limit or a stream's or bucket's (`bus.JetStreamFull`). `FullStoreWait.call` repeats
+such a call every `store_full_retry_s` until it goes through, the job paused meanwhile with the
+refusal as its reason: in its record beside state RUNNING (`JobStore.set_pause_reason`), on the status
+board (phase "paused") and in `fleetrl_learner_store_full{store}`. The run's job and replay leases are
+renewed by their own tasks all along, so nothing it trained is lost and nothing is trained again. Past
+`store_full_wait_s` the refusal goes through and the job fails with it. Every call given here is safe
+to repeat: a checkpoint's files are written afresh into their temporary directory, a metrics line that
+did not fit is cut off again (`MetricsLog.append`), the exported model and adapter are written into a
+temporary directory that a failed write deletes, a task publish carries its `Nats-Msg-Id`, and a weight
+publish or a chain's repair deletes its half-written object before writing it again.
+
+A full Redis is not waited out here: the reason could not be written, so the service stops the run
+and a claim resumes it (services/learner/service.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
+
+from fleetrl.jobs.store import JobStore
+from fleetrl.tasks.bus import JetStreamFull
+from fleetrl.train.files import NoSpace
+from fleetrl.train.observability import STORE_FULL
+from fleetrl.train.status import StatusBoard
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+STORES: dict[type[Exception], str] = {NoSpace: "disk", JetStreamFull: "nats"}
+"""The refusals waited out, and the store each names in `fleetrl_learner_store_full`."""
+
+
+class FullStoreWait:
+    """Waits out full stores for one job run; JobRun wires it and passes each call that may meet one."""
+
+    jobs: JobStore
+    board: StatusBoard
+    job_id: str
+    lease_epoch: int
+    wait_s: float
+    retry_s: float
+    check: Callable[[], None]
+    """Raises when the run must stop (its job lease lost): called before each try again."""
+    _phase: str
+    """The board's phase when the pause began, given back when it ends."""
+
+    def __init__(self, jobs: JobStore, board: StatusBoard, job_id: str, lease_epoch: int, *, wait_s: float,
+                 retry_s: float, check: Callable[[], None]) -> None:
+        self.jobs, self.board, self.job_id, self.lease_epoch = jobs, board, job_id, lease_epoch
+        self.wait_s, self.retry_s, self.check = wait_s, retry_s, check
+        self._phase = ""
+
+    async def call(self, attempt: Callable[[], Awaitable[T]]) -> T:
+        """attempt(), tried again every retry_s while a store refuses it for want of space, the job paused;
+        the refusal itself once wait_s has passed since the first. However the call ends, the status board
+        and the gauge stop saying "paused"; the job's record does when the call goes through (a failed job's
+        reason replaces it, and a claim clears it)."""
+        give_up_at, store = 0.0, ""
+        try:
+            while True:
+                try:
+                    result = await attempt()
+                except tuple(STORES) as error:
+                    if not store:
+                        give_up_at = time.monotonic() + self.wait_s
+                        store = next(name for kind, name in STORES.items() if isinstance(error, kind))
+                        await self.pause(store, str(error))
+                    if time.monotonic() + self.retry_s > give_up_at:
+                        raise
+                    await asyncio.sleep(self.retry_s)
+                    self.check()
+                    continue
+                if store:
+                    log.info("job %s: the %s store took the write, the pause ends", self.job_id, store)
+                    await self.jobs.set_pause_reason(self.job_id, "", lease_epoch=self.lease_epoch)
+                return result
+        finally:
+            if store:
+                STORE_FULL.labels(store).set(0)
+                self.board.phase, self.board.paused_reason = self._phase, ""
+
+    async def pause(self, store: str, reason: str) -> None:
+        log.warning("job %s paused: %s; trying again every %g s for up to %g s", self.job_id, reason, self.retry_s,
+                    self.wait_s)
+        self._phase = self.board.phase
+        self.board.pause(reason)
+        STORE_FULL.labels(store).set(1)
+        await self.jobs.set_pause_reason(self.job_id, reason, lease_epoch=self.lease_epoch)

@@ -1,0 +1,85 @@
+"""One base, many LoRA jobs, on the HF backend (`fleetrl.policy.shared_base`).
+
+Two jobs' backends on one tiny model share one base: each samples exactly what a backend of its own
+with its adapter merged samples (same tokens, log-probs within the float32 tolerance), one job's
+adapter version leaves the other's generations unchanged, a version that does not fit changes
+nothing, and the base goes when its last job closes. An actor process's memory for four LoRA jobs on
+one base stays close to one job's (the figure is in bench.tenants; here, the bases are counted).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from peft import LoraConfig, get_peft_model
+
+from fleetrl.errors import FailedPrecondition, InvalidArgument
+from fleetrl.policy import models
+from fleetrl.policy.backends import LOGPROB_TOL, make_backend
+from fleetrl.policy.shared_base import shared_bases
+from fleetrl.spec.config import LoraSpec
+from fleetrl.weights.adapters import adapter_tensors
+
+MODEL = "tiny-llama"
+LORA = LoraSpec(rank=4, alpha=8)
+
+
+def version(seed: int) -> dict[str, torch.Tensor]:
+    """A published adapter version with random A and B (a trained-looking adapter, not the zero init)."""
+    model, _ = models.load(MODEL)
+    peft_model = get_peft_model(model, LoraConfig(r=LORA.rank, lora_alpha=LORA.alpha,
+                                                  target_modules=list(LORA.target_modules)))
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, parameter in peft_model.named_parameters():
+            if "lora_" in name:
+                parameter.copy_(0.3 * torch.randn(parameter.shape, generator=generator))
+    return adapter_tensors(peft_model, "float32")
+
+
+def sample(backend: object, seed: int = 1) -> tuple[list[list[int]], list[list[float]]]:
+    completions = backend.generate_batch([[1, 2, 3, 4], [5, 6, 7]], max_new_tokens=[6, 6],  # type: ignore[attr-defined]
+                                         temperature=1.0, top_p=1.0, seed=seed)
+    return [c.token_ids for c in completions], [c.logprobs for c in completions]
+
+
+def close_enough(a: list[list[float]], b: list[list[float]]) -> bool:
+    return all(abs(x - y) < LOGPROB_TOL[torch.float32] for row_a, row_b in zip(a, b, strict=True)
+               for x, y in zip(row_a, row_b, strict=True))
+
+
+def test_jobs_share_one_base_and_sample_as_their_own_merged_copies() -> None:
+    before = shared_bases()
+    first = make_backend("hf", MODEL, dtype="float32", device="cpu", lora=LORA, share_lora_base=True, job_id="j-1")
+    second = make_backend("hf", MODEL, dtype="float32", device="cpu", lora=LORA, share_lora_base=True, job_id="j-2")
+    merged = make_backend("hf", MODEL, dtype="float32", device="cpu", lora=LORA)
+    try:
+        assert shared_bases() == before + 1
+        v1, v2 = version(1), version(2)
+        first.load_adapter(v1)
+        second.load_adapter(v2)
+        for shared, tensors in ((first, v1), (second, v2)):
+            merged.load_adapter(tensors)
+            tokens, logprobs = sample(shared)
+            own_tokens, own_logprobs = sample(merged)
+            assert tokens == own_tokens and close_enough(logprobs, own_logprobs)
+        alone = sample(first)
+        second.load_adapter(version(3))  # another job's new version
+        assert sample(first) == alone
+        assert sample(first) != sample(second)
+
+        bad = {name: tensor[:-1] if name.endswith("lora_A.weight") else tensor for name, tensor in v2.items()}
+        with pytest.raises(InvalidArgument, match="does not fit"):
+            first.load_adapter(bad)
+        with pytest.raises(InvalidArgument) as refused:
+            first.load_adapter(dict(list(v1.items())[1:]))
+        assert [v.description for v in refused.value.violations] == ["missing"]
+        assert sample(first) == alone  # nothing of the refused versions was applied
+        with pytest.raises(FailedPrecondition, match="adapters only"):
+            first.load_weights({})
+    finally:
+        first.close()
+        assert shared_bases() == before + 1
+        second.close()
+        merged.close()
+    assert shared_bases() == before
