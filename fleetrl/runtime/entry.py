@@ -16,8 +16,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import faulthandler
 import json
 import logging
+import os
 import signal
 import sys
 from collections.abc import Awaitable, Callable, Sequence
@@ -128,9 +130,17 @@ def run_service(
         entry.fail(error)
         return 2
     logging.basicConfig(level=settings.log_level, format=LOG_FORMAT)
+    # a crash in native code (SIGSEGV, SIGABRT from a C++ terminate) prints every thread's Python stack
+    # to stderr before the process dies: the one clue a log gets of where it happened
+    faulthandler.enable(all_threads=True)
     heap.set_mmap_threshold(getattr(settings, "malloc_mmap_threshold_bytes", 0))  # before torch allocates
     threads = getattr(settings, "torch_threads", 0)
     if threads:
+        # OpenMP's thread count is per thread: set_num_threads changes only this one, and threads started
+        # later (the default executor's, vLLM's) start from OMP_NUM_THREADS as it was when torch loaded.
+        # vLLM's CPU attention checks that the two agree (a mismatch fails the forward), and the setting
+        # is meant for every thread: export it before torch loads, where it has not yet.
+        os.environ["OMP_NUM_THREADS"] = str(threads)
         import torch
 
         torch.set_num_threads(threads)

@@ -42,14 +42,18 @@ def main(settings: LearnerSettings, once: bool,
         # torchrun sets LOCAL_RANK, the rank on this machine; the global rank would pick a GPU that
         # does not exist on the second machine of a multi-node job
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)) % torch.cuda.device_count())
-    try:
-        if rank == 0:
-            try:
-                asyncio.run(run(settings, once))
-            finally:
-                Followers().send("exit")
-        else:
-            follow()
-    finally:
-        dist.destroy_process_group()
+    if rank == 0:
+        try:
+            asyncio.run(run(settings, once))
+        finally:
+            Followers().send("exit")
+    else:
+        follow()
+    # Reached only by a rank that ended well. A rank that raised leaves the group as it is: its peers may
+    # be blocked in a collective, where a collective destroy would hang with them, and torchrun stops them
+    # once it exits non-zero. Here every rank has had "exit" before any tears its connections down (a rank
+    # destroying the group while a peer is still inside the last collective is how teardowns crash).
+    dist.barrier()
+    dist.destroy_process_group()
+    log.info("rank %d: process group destroyed", rank)
     return 0
