@@ -18,6 +18,12 @@ with the turn cache (each turn prefills only what it adds) and with it dropped b
 (each turn prefills the whole conversation):
 - episode_s / episode_uncached_s: a group's K turns; turn_cache_speedup: their ratio.
 
+With `--groups K` (K > 1, default 4) it also times an actor's round: K tasks' groups (`batch` samples of
+K different prompts, each from its own seed, eos allowed), generated one task at a time through
+`HFBackend.generate` and then as one `HFBackend.generate_groups` call (`fleetrl.rollout.batching`):
+- groups_serial_s / groups_batched_s: the K groups' seconds; groups_speedup: their ratio (the actor's
+  gain from batching across tasks); groups_tokens_serial / groups_tokens_batched: the tokens each made.
+
 With `--backends hf,vllm` it compares the actor's backends instead (`fleetrl.policy.make_backend`, as
 an actor builds them), all in one child process (vLLM configures the process it runs in): for each
 thread count of `--thread-counts` and each batch of `--batches`, new tokens/s of `Backend.generate`
@@ -42,7 +48,7 @@ from typing import Any
 import torch
 
 from fleetrl.policy import models
-from fleetrl.policy.backends import HFBackend, observation_tokens, prompt_tokens
+from fleetrl.policy.backends import GroupRequest, HFBackend, observation_tokens, prompt_tokens
 from fleetrl.spec.config import RolloutConfig
 
 PROMPT = "What is 37 + 45? Answer with just the number."
@@ -88,7 +94,30 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "tok_s": round(tokens / ours_s, 2), "hf_generate_tok_s": round(tokens / hf_s, 2),
         "ratio": round(hf_s / ours_s, 3),
         **(episode_turns(backend, args) if args.turns > 1 else {}),
+        **(round_of_groups(backend, args) if args.groups > 1 else {}),
     }
+
+
+def round_of_groups(backend: HFBackend, args: argparse.Namespace) -> dict[str, Any]:
+    """The --groups figures (module docstring)."""
+    rollout = RolloutConfig()
+    requests = [GroupRequest(prompt_tokens(backend.tokenizer, f"What is {12 + 7 * k} + {30 + 3 * k}? Answer with "
+                                           "just the number.", rollout), args.batch, args.new_tokens,
+                             args.temperature, args.top_p, seed=k) for k in range(args.groups)]
+    made: dict[str, int] = {}
+
+    def serial() -> None:
+        made["serial"] = sum(len(c.token_ids) for r in requests for c in backend.generate(
+            r.prompt_token_ids, r.n, max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p,
+            seed=r.seed))
+
+    def batched() -> None:
+        made["batched"] = sum(len(c.token_ids) for group in backend.generate_groups(requests) for c in group)
+
+    serial_s, batched_s = best_time(serial, args.repeats), best_time(batched, args.repeats)
+    return {"groups": args.groups, "groups_serial_s": round(serial_s, 3), "groups_batched_s": round(batched_s, 3),
+            "groups_speedup": round(serial_s / batched_s, 3), "groups_tokens_serial": made["serial"],
+            "groups_tokens_batched": made["batched"]}
 
 
 def episode_turns(backend: HFBackend, args: argparse.Namespace) -> dict[str, Any]:
@@ -191,6 +220,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     parser.add_argument("--turns", type=int, default=3, help="assistant turns of the episode figures (1: none)")
     parser.add_argument("--turn-tokens", type=int, default=16, help="new tokens per turn, at most (default 16)")
+    parser.add_argument("--groups", type=int, default=4, help="tasks' groups of the round figures (1: none)")
     parser.add_argument("--backends", default="", help="compare these actor backends instead (e.g. hf,vllm)")
     parser.add_argument("--batches", default="4,16,32", help="with --backends: batch sizes (default 4,16,32)")
     parser.add_argument("--thread-counts", default="1,2", help="with --backends: torch thread counts (default 1,2)")

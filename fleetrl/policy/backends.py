@@ -79,6 +79,18 @@ class Completion:
     finish_reason: str
 
 
+@dataclass(frozen=True)
+class GroupRequest:
+    """One task's group to generate: n completions of one prompt, drawn from the task's own seed."""
+
+    prompt_token_ids: list[int]
+    n: int
+    max_new_tokens: int
+    temperature: float
+    top_p: float
+    seed: int
+
+
 class Backend(Protocol):
     """What the actor needs of an inference engine."""
 
@@ -96,6 +108,10 @@ class Backend(Protocol):
         self, prompts: list[list[int]], *, max_new_tokens: list[int], temperature: float, top_p: float, seed: int,
     ) -> list[Completion]:
         """One completion per prompt, row i at most max_new_tokens[i] tokens, sampled reproducibly from `seed`."""
+        ...
+
+    def generate_groups(self, requests: list[GroupRequest]) -> list[list[Completion]]:
+        """The groups of several tasks in one batch: each request's n completions, drawn from its own seed."""
         ...
 
     def load_weights(self, tensors: Mapping[str, Tensor]) -> None:
@@ -299,7 +315,8 @@ class HFBackend:
     ) -> tuple[list[Tensor], list[Tensor]]:
         """Per position: sampled tokens (B,) and their log-probs (B,), until every row hit eos or its budget."""
         device, rows = self.device, len(prompts)
-        out, attention, next_position, held = self._prefill_rows(prompts)
+        turns, self._turns = self._turns, None
+        out, attention, next_position, held = self._prefill_rows(prompts, turns)
         eos = torch.tensor(sorted(self.eos_ids), device=device)
         budget = torch.tensor(max_new_tokens, device=device)  # (B,)
         done = torch.zeros(rows, dtype=torch.bool, device=device)  # (B,)
@@ -319,11 +336,11 @@ class HFBackend:
         self._turns = self._left_in_cache(out.cache, attention, held, tokens_T, max_new_tokens)
         return tokens_T, logprobs_T
 
-    def _prefill_rows(self, prompts: list[list[int]]) -> tuple[Any, Tensor, Tensor, list[tuple[int, ...]]]:
+    def _prefill_rows(self, prompts: list[list[int]], turns: _TurnCache | None
+                      ) -> tuple[Any, Tensor, Tensor, list[tuple[int, ...]]]:
         """(model output, attention (B, W), next positions (B, 1), real tokens held per row) after
-        prefilling the prompts: only what each adds to a cached row when all of them extend one."""
+        prefilling the prompts: only what each adds to a row of `turns` when all of them extend one."""
         device, rows = self.device, len(prompts)
-        turns, self._turns = self._turns, None
         extended = turns.rows_extended_by(prompts) if turns is not None else None
         if turns is None or extended is None:
             held: list[tuple[int, ...]] = [() for _ in prompts]
@@ -347,6 +364,57 @@ class HFBackend:
                             logits_to_keep=1)
         held = [(*before, *new) for before, new in zip(held, news, strict=True)]
         return out, attention, positions[:, -1:] + 1, held
+
+    @torch.inference_mode()
+    def generate_groups(self, requests: list[GroupRequest]) -> list[list[Completion]]:
+        """Several tasks' groups decoded together. One group is `generate` itself. Several: each distinct
+        prompt is prefilled once (left-padded together) and its KV cache repeated for its group's rows, then
+        every row decodes in one batch; at each position each group draws its (n, 1) tokens from its own
+        generator seeded with its seed, as `generate` does, so a group's draws do not depend on its batch
+        partners. The padded forward rounds differently from an unpadded one, so a draw that sits on a
+        probability boundary can come out otherwise than in a solo generation of the same task."""
+        if len(requests) == 1:
+            r = requests[0]
+            return [self.generate(r.prompt_token_ids, r.n, max_new_tokens=r.max_new_tokens,
+                                  temperature=r.temperature, top_p=r.top_p, seed=r.seed)]
+        device = self.device
+        out, attention, next_position, _ = self._prefill_rows([r.prompt_token_ids for r in requests], None)
+        group_of = torch.repeat_interleave(torch.arange(len(requests), device=device),
+                                           torch.tensor([r.n for r in requests], device=device))  # (R,)
+        out.cache.batch_select_indices(group_of)
+        out = _Step(out.logits[group_of], out.cache)
+        attention, next_position = attention[group_of], next_position[group_of]
+        ends = torch.tensor([r.n for r in requests]).cumsum(0).tolist()
+        slices = [slice(end - r.n, end) for r, end in zip(requests, ends, strict=True)]
+        generators = [torch.Generator(device=device).manual_seed(r.seed) for r in requests]
+        eos = torch.tensor(sorted(self.eos_ids), device=device)
+        budget = torch.tensor([r.max_new_tokens for r in requests], device=device)[group_of]  # (R,)
+        done = torch.zeros(len(group_of), dtype=torch.bool, device=device)  # (R,)
+        tokens_T: list[Tensor] = []
+        logprobs_T: list[Tensor] = []
+        for step in range(max(r.max_new_tokens for r in requests)):
+            last = out.logits[:, -1].float()  # (R, V)
+            token = torch.zeros(len(group_of), dtype=torch.long, device=device)  # (R,)
+            logprob = torch.zeros(len(group_of), device=device)
+            for r, rows, generator in zip(requests, slices, generators, strict=True):
+                if step >= r.max_new_tokens:
+                    continue  # the group is over: its rows are done and nothing of them is kept
+                logp = torch.log_softmax(last[rows] / r.temperature, dim=-1)  # (n, V)
+                drawn = torch.multinomial(nucleus(logp.exp(), r.top_p), 1, generator=generator)  # (n, 1)
+                token[rows], logprob[rows] = drawn[:, 0], logp.gather(-1, drawn)[:, 0]
+            tokens_T.append(token)
+            logprobs_T.append(logprob)
+            done |= torch.isin(token, eos) | (budget <= step + 1)
+            if bool(done.all()):
+                break
+            attention = torch.cat([attention, torch.ones((len(group_of), 1), dtype=torch.long, device=device)], dim=-1)
+            out = self._forward(out.cache, input_ids=token[:, None], attention_mask=attention,
+                                position_ids=next_position)
+            next_position = next_position + 1
+        tokens_R_T = torch.stack(tokens_T, dim=1).tolist()  # (R, T)
+        logprobs_R_T = torch.stack(logprobs_T, dim=1).tolist()
+        return [[self._cut(tokens_R_T[row][: r.max_new_tokens], logprobs_R_T[row][: r.max_new_tokens], self.eos_ids)
+                 for row in range(rows.start, rows.stop)] for r, rows in zip(requests, slices, strict=True)]
 
     def _left_in_cache(self, cache: Any, attention: Tensor, held: list[tuple[int, ...]], tokens_T: list[Tensor],
                        max_new_tokens: list[int]) -> _TurnCache:
@@ -424,6 +492,9 @@ class FixedBackend:
         seed: int, ignore_eos: bool = False,
     ) -> list[Completion]:
         time.sleep(self.latency_s)
+        return self._draw(n, max_new_tokens, seed)
+
+    def _draw(self, n: int, max_new_tokens: int, seed: int) -> list[Completion]:
         vocab = len(self.tokenizer)
         rng = random.Random(seed)
         logprob = -math.log(vocab)
@@ -447,6 +518,11 @@ class FixedBackend:
             out.append(Completion(tokens, [logprob] * budget, self.tokenizer.decode(tokens, skip_special_tokens=True),
                                   "length"))
         return out
+
+    def generate_groups(self, requests: list[GroupRequest]) -> list[list[Completion]]:
+        """One sleep of latency_s for the whole batch (a batched engine's cost), then each group as `generate`."""
+        time.sleep(self.latency_s)
+        return [self._draw(r.n, r.max_new_tokens, r.seed) for r in requests]
 
     def load_weights(self, tensors: Mapping[str, Tensor]) -> None:
         self.weight_loads += 1

@@ -30,7 +30,7 @@ import torch
 from torch import Tensor
 
 from fleetrl.errors import FailedPrecondition, InvalidArgument
-from fleetrl.policy.backends import Completion, HFBackend
+from fleetrl.policy.backends import Completion, GroupRequest, HFBackend
 from fleetrl.spec.config import LoraSpec
 from fleetrl.weights.adapters import adapter_violations
 
@@ -93,6 +93,11 @@ class SharedBaseBackend(HFBackend):
         with self._base.lock:
             self._base.model.set_adapter(self._name)
             return super().generate_batch(*args, **kwargs)
+
+    def generate_groups(self, requests: list[GroupRequest]) -> list[list[Completion]]:
+        with self._base.lock:
+            self._base.model.set_adapter(self._name)
+            return super().generate_groups(requests)
 
     def load_weights(self, tensors: Mapping[str, Tensor]) -> None:
         raise FailedPrecondition("full weights for a LoRA job on a shared base: it loads adapters only")

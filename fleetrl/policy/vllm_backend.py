@@ -68,7 +68,7 @@ from torch import Tensor
 
 from fleetrl.errors import FailedPrecondition
 from fleetrl.policy import models
-from fleetrl.policy.backends import Completion
+from fleetrl.policy.backends import Completion, GroupRequest
 from fleetrl.spec.config import LoraSpec
 
 DEFAULT_KV_CACHE_GIB = 2
@@ -195,6 +195,17 @@ class VLLMBackend:
                                          lora_request=self._adapter)
         self.cached_prompt_tokens += sum(request.num_cached_tokens or 0 for request in requests)
         return [self._completion(request.outputs[0]) for request in requests]
+
+    def generate_groups(self, requests: list[GroupRequest]) -> list[list[Completion]]:
+        """All the groups in one `generate` call: the engine batches them continuously, each from its own seed."""
+        params = [self._vllm.SamplingParams(n=r.n, temperature=r.temperature, top_p=r.top_p,
+                                            max_tokens=r.max_new_tokens, logprobs=0, seed=r.seed % (2**31))
+                  for r in requests]
+        with self._engine.lock:
+            outputs = self.llm.generate([{"prompt_token_ids": r.prompt_token_ids} for r in requests], params,
+                                        use_tqdm=False, lora_request=self._adapter)
+        self.cached_prompt_tokens += sum(output.num_cached_tokens or 0 for output in outputs)
+        return [[self._completion(completion) for completion in output.outputs] for output in outputs]
 
     @staticmethod
     def _completion(output: Any) -> Completion:

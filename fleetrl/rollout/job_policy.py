@@ -1,8 +1,10 @@
 """One job's policy on this actor: the backend and the weight version it holds, moved only forward.
 
 A background watch of the job's weight pointer records the newest announced version; the task loop
-applies it between tasks (`refresh`), never while a generation runs, so a generation always sees one
-version, the one recorded in its group. Pulls use the weight store's fast chunk reader and its sha256
+applies it between rounds of tasks and each task of a round before its generate step (`refresh`, one
+at a time), never while a generation runs (a round's batched generation starts once none of its tasks
+is still refreshing: `fleetrl.rollout.batching`), so a generation always sees one version, the one
+recorded in its group. Pulls use the weight store's fast chunk reader and its sha256
 check; a corrupt or vanished object is rejected, counted, and the pointer re-read and pulled again,
 a bounded number of times. The held version never decreases. A pointer read that fails because NATS
 is unreachable leaves the held version in place (the next refresh reads it again): it must not end
@@ -70,6 +72,8 @@ class JobPolicy:
         self.pull_attempts = pull_attempts
         self._source = source
         self._changed = asyncio.Event()
+        self._loading = asyncio.Lock()
+        """Held by the refresh that pulls and loads: the tasks of a round refresh concurrently."""
         self._watch: asyncio.Task[None] | None = None
 
     def start(self) -> None:
@@ -85,7 +89,8 @@ class JobPolicy:
     async def refresh(self) -> bool:
         """Load the newest published weights if they are newer than ours; whether a version is held."""
         if self.announced > self.version or self.version < 0:
-            await self._load_latest()
+            async with self._loading:  # a refresh that waited here finds the version loaded, or loads a newer one
+                await self._load_latest()
         return self.version >= 0
 
     async def ensure(self, min_version: int, wait_s: float) -> bool:

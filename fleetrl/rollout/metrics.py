@@ -37,6 +37,9 @@ WEIGHTS_FULL_FALLBACKS = Counter(
 WEIGHT_PULL_BYTES = Counter("fleetrl_actor_weight_pull_bytes_total", "Bytes of weights pulled", ["job"])
 POLICY_VERSION = Gauge("fleetrl_actor_policy_version", "Policy version held", ["job"])
 GENERATED_TOKENS = Counter("fleetrl_actor_generated_tokens_total", "Completion tokens generated", ["job"])
+BATCH_GROUPS = Histogram("fleetrl_actor_batch_groups",
+                         "Groups generated in one batched backend call (a round's tasks, `ActorSettings.round_tokens`)",
+                         ["job"], buckets=(1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 64))
 SERVED_SECONDS = Counter("fleetrl_actor_served_seconds_total",
                          "Wall-clock seconds spent on each job's tasks (what the fair share divides)", ["job"])
 EPISODES = Counter("fleetrl_actor_episodes_total",

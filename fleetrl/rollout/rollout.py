@@ -30,9 +30,10 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from fleetrl.jobs.store import now_ms
-from fleetrl.policy.backends import Completion, prompt_tokens
+from fleetrl.policy.backends import Completion, GroupRequest, prompt_tokens
 from fleetrl.proto.fleetrl.v1 import common_pb2, replay_pb2, reward_pb2
 from fleetrl.rollout import metrics
+from fleetrl.rollout.batching import Seat
 from fleetrl.rollout.episodes import EpisodeHost, EpisodeRunner, Verifier
 from fleetrl.rollout.job_policy import JobPolicy
 from fleetrl.rollout.settings import ActorSettings
@@ -94,16 +95,18 @@ class Rollout:
         self._tracer = telemetry.tracer("fleetrl.actor")
         self._episodes = EpisodeRunner(settings, episodes, self._stage) if episodes is not None else None
 
-    async def run(self, job: JobContext, task: common_pb2.Task, attempt: int, received_ms: int) -> str:
+    async def run(self, job: JobContext, task: common_pb2.Task, attempt: int, received_ms: int,
+                  seat: Seat | None = None) -> str:
         """The named steps of one task (delivery `attempt`, received at received_ms); the replay outcome
-        ("inserted" or "duplicate")."""
+        ("inserted" or "duplicate"). seat: the task's place in its round's batched generation
+        (`batching.RoundBatch`); whoever gave it makes it leave if the task ends before asking."""
         await self.ensure_weights(job, task)
         version = job.policy.version
         if job.environment is not None:
             samples = await self.play(job, task)
             generated_ms = now_ms()
         else:
-            prompt_ids, completions = await self.generate(job, task)
+            prompt_ids, completions, version = await self.generate(job, task, seat)
             generated_ms = now_ms()
             samples = build_samples(prompt_ids, completions, await self.score(job, task, [c.text for c in completions]))
         lineage = common_pb2.Lineage(
@@ -153,19 +156,26 @@ class Rollout:
                 raise TaskFailed(f"weights v>={task.min_policy_version} not available "
                                  f"(holding v{job.policy.version})")
 
-    async def generate(self, job: JobContext, task: common_pb2.Task) -> tuple[list[int], list[Completion]]:
+    async def generate(self, job: JobContext, task: common_pb2.Task,
+                       seat: Seat | None = None) -> tuple[list[int], list[Completion], int]:
+        """The task's prompt tokens, its group and the weights version that generated it: alone, or
+        in its round's batch when it has a seat."""
         rollout = job.spec.rollout
         backend = job.policy.backend
         prompt_ids = prompt_tokens(backend.tokenizer, task.prompt, rollout)
         self._check_fault(task)
+        request = GroupRequest(prompt_ids, rollout.samples_per_prompt, rollout.max_new_tokens, rollout.temperature,
+                               rollout.top_p, task_seed(job.spec.seed, task.task_id))
         with self._stage("generate", "generating"):
-            completions = await asyncio.to_thread(
-                backend.generate, prompt_ids, rollout.samples_per_prompt, max_new_tokens=rollout.max_new_tokens,
-                temperature=rollout.temperature, top_p=rollout.top_p, seed=task_seed(job.spec.seed, task.task_id))
+            if seat is not None:
+                completions, version = await seat.generate(request)
+            else:
+                version = job.policy.version
+                (completions,) = await asyncio.to_thread(backend.generate_groups, [request])
         tokens = sum(len(c.token_ids) for c in completions)
         metrics.GENERATED_TOKENS.labels(job.job_id).inc(tokens)
         self.activity.add_tokens(tokens)
-        return prompt_ids, completions
+        return prompt_ids, completions, version
 
     def verifier(self, job: JobContext, task: common_pb2.Task) -> Verifier | None:
         """The job's built-in verifier beside its environment, scoring final actions; None without one."""

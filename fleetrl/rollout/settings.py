@@ -67,6 +67,11 @@ class ActorSettings(InfraSettings):
     """How often the list of running jobs is re-read."""
     fetch_timeout_s: float = Field(1.0, gt=0, le=60)
     """Longest one pull of the task consumer waits for a task."""
+    round_tokens: int = Field(4096, ge=0, le=1 << 24)
+    """New tokens one round of a single-turn job's tasks may generate in one batched call: a round takes
+    as many tasks as fit (samples_per_prompt x max_new_tokens each), at least 1 and at most the job's
+    prompts_per_step (more would be stale by the time the learner reached them). 0: one task a round.
+    A job with an environment takes one task a round."""
     weights_wait_s: float = Field(10.0, gt=0, le=3600)
     """Longest a task waits for weights as new as its min_policy_version before it is released."""
     weights_pull_attempts: int = Field(5, ge=1, le=100)

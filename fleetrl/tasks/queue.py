@@ -1,8 +1,9 @@
 """One job's share of the task queue: JetStream deliveries in, ack / nak / dead-letter out.
 
-This module knows JetStream and nothing of models, reward or replay: `JobQueue.take(produce)` fetches
-one delivery of the job's shared durable pull consumer and hands its parsed `Task` to `produce`,
-which returns once the task's group is stored (docs/ARCHITECTURE.md, data flow steps 5-7).
+This module knows JetStream and nothing of models, reward or replay: `JobQueue.take_many(limit, ...)`
+fetches up to limit deliveries of the job's shared durable pull consumer (a round) and hands each
+parsed `Task` to `produce`, which returns once the task's group is stored (docs/ARCHITECTURE.md, data
+flow steps 5-7); the deliveries of a round are handled concurrently and each is acked on its own.
 - The task is acked only after `produce` returned, i.e. after replay answered INSERTED or DUPLICATE
   for its group, so a kill at any point before that leaves the task unacked and JetStream
   redelivers it after ack_wait; a kill after the insert but before the ack makes the redelivery a
@@ -55,6 +56,16 @@ class Delivery:
 
 Produce = Callable[[Delivery], Awaitable[str]]
 """Stores the delivery's group; returns the outcome counted in TASKS ("inserted" or "duplicate")."""
+ProduceRound = Callable[[int], Produce]
+"""Given how many tasks a round of deliveries holds, the `Produce` each of them runs (they share a batch)."""
+
+
+def parse(msg: Msg) -> common_pb2.Task | Exception:
+    """The delivery's task, or why it does not parse."""
+    try:
+        return common_pb2.Task.FromString(msg.data)
+    except Exception as error:  # deliberate: whatever a malformed payload raises, it is dead-lettered
+        return error
 
 
 class JobQueue:
@@ -74,35 +85,46 @@ class JobQueue:
 
     async def take(self, produce: Produce) -> bool:
         """Take and finish at most one delivery; whether one was taken."""
+        return await self.take_many(1, lambda _: produce) > 0
+
+    async def take_many(self, limit: int, produce_round: ProduceRound) -> int:
+        """Take up to limit deliveries (those JetStream has now, or the first to come within the fetch
+        timeout) and finish them concurrently, each in its own span, with its own keep-alive and its own
+        ack; how many were taken. produce_round(n) gives the `Produce` of a round of n parsed tasks."""
         fetch_ns = time.time_ns()
-        msg = await self.fetch()
-        if msg is None:
-            return False
+        msgs = await self.fetch(limit)
+        if not msgs:
+            return 0
         self._activity.begin(self.job_id)
         try:
-            attributes = {"fleetrl.job_id": self.job_id, "fleetrl.actor_id": self._settings.actor_id}
-            with self._tracer.start_as_current_span("actor.task", context=telemetry.extract(msg.headers),
-                                                    start_time=fetch_ns, attributes=attributes):
-                self._tracer.start_span("actor.fetch", start_time=fetch_ns).end()
-                await self.handle(msg, produce)
+            tasks = [parse(msg) for msg in msgs]
+            produce = produce_round(sum(isinstance(task, common_pb2.Task) for task in tasks))
+            await asyncio.gather(*(self._traced(msg, task, fetch_ns, produce) for msg, task in zip(msgs, tasks,
+                                                                                                  strict=True)))
         finally:
             self._activity.end()
-        return True
+        return len(msgs)
 
-    async def fetch(self) -> Msg | None:
+    async def fetch(self, limit: int = 1) -> list[Msg]:
         try:
-            msgs = await self._sub.fetch(1, timeout=self._settings.fetch_timeout_s)
+            return list(await self._sub.fetch(limit, timeout=self._settings.fetch_timeout_s))
         except nats.errors.TimeoutError:
-            return None
-        return msgs[0] if msgs else None
+            return []
 
-    async def handle(self, msg: Msg, produce: Produce) -> None:
-        """One delivery: dead-letter it, store its group and ack, or release it for redelivery."""
+    async def _traced(self, msg: Msg, task: common_pb2.Task | Exception, fetch_ns: int, produce: Produce) -> None:
+        attributes = {"fleetrl.job_id": self.job_id, "fleetrl.actor_id": self._settings.actor_id}
+        with self._tracer.start_as_current_span("actor.task", context=telemetry.extract(msg.headers),
+                                                start_time=fetch_ns, attributes=attributes):
+            self._tracer.start_span("actor.fetch", start_time=fetch_ns).end()
+            await self.handle(msg, produce, task)
+
+    async def handle(self, msg: Msg, produce: Produce, task: common_pb2.Task | Exception | None = None) -> None:
+        """One delivery (its task parsed already, or not): dead-letter it, store its group and ack, or
+        release it for redelivery."""
         received_ms, attempt = now_ms(), int(msg.metadata.num_delivered)
-        try:
-            task = common_pb2.Task.FromString(msg.data)
-        except Exception as error:  # a malformed task can never succeed
-            await self.dead_letter(msg, attempt, f"task does not parse: {error}")
+        task = parse(msg) if task is None else task
+        if isinstance(task, Exception):  # a malformed task can never succeed
+            await self.dead_letter(msg, attempt, f"task does not parse: {task}")
             return
         log.info("job %s task %s delivery %d received", self.job_id, task.task_id, attempt)
         if attempt > 1:

@@ -5,9 +5,10 @@ poll_interval_s it re-reads the running jobs (oldest first; an sft job, which ha
 is never served); for a job it has not seen it loads the
 base model (`backends.make_backend`), starts the weight watch, and binds the job's shared durable
 pull consumer (created with `bus.ensure_job_consumer`, the same settings the learner uses, so
-max_ack_pending bounds how many tasks all actors together hold). It then takes one task at a time from
-the job the fair share picks (`fleetrl.rollout.fair_share`: weighted fair queueing of the actor's time
-by tenant weight). A job that stops running is dropped.
+max_ack_pending bounds how many tasks all actors together hold). It then takes one round of tasks at a
+time from the job the fair share picks (`fleetrl.rollout.fair_share`: weighted fair queueing of the
+actor's time by tenant weight); a round's groups are generated in one batch (`fleetrl.rollout.batching`).
+A job that stops running is dropped.
 On stop (SIGTERM) the current task is finished (or released after grace_s), then the subscriptions
 are closed and the connection drained. Every heartbeat.INTERVAL_S a background task writes the
 actor's heartbeat (state, job, policy version, tokens/s, busy fraction) to Redis for `fleetrl top`.
@@ -35,6 +36,7 @@ from fleetrl.proto.fleetrl.v1 import reward_pb2
 from fleetrl.replay.client import ReplayClient
 from fleetrl.reward.client import RewardClient, environment_to_proto, spec_to_proto
 from fleetrl.rollout import metrics
+from fleetrl.rollout.batching import RoundBatch, tasks_per_round
 from fleetrl.rollout.fair_share import FairShare, job_weights
 from fleetrl.rollout.job_policy import JobPolicy
 from fleetrl.rollout.memory import Cost, MemoryBudget, budget_bytes, job_cost
@@ -44,7 +46,7 @@ from fleetrl.runtime import heartbeat, telemetry
 from fleetrl.runtime.grpcutil import RetryPolicy
 from fleetrl.spec.config import JobSpec
 from fleetrl.tasks import bus
-from fleetrl.tasks.queue import Delivery, JobQueue
+from fleetrl.tasks.queue import Delivery, JobQueue, Produce
 from fleetrl.weights.store import WeightStore
 
 log = logging.getLogger(__name__)
@@ -146,8 +148,8 @@ class Actor:
         return False
 
     async def _take_until_stopped(self, job: ServedJob, rollout: Rollout, stop: asyncio.Event) -> bool:
-        """Take at most one task of job; on stop, let the current task finish for grace_s, then release it."""
-        step = asyncio.create_task(take_one(job, rollout))
+        """Take at most one round of job's tasks; on stop, let it finish for grace_s, then release what is left."""
+        step = asyncio.create_task(take_round(job, rollout, self.settings.round_tokens))
         waiter = asyncio.create_task(stop.wait())
         done, _ = await asyncio.wait({step, waiter}, return_when=asyncio.FIRST_COMPLETED)
         waiter.cancel()
@@ -280,12 +282,25 @@ def job_environment(spec: JobSpec, environment_file: bytes | None) -> reward_pb2
     return environment_to_proto(spec.environment, environment_file or b"") if spec.environment is not None else None
 
 
-async def take_one(job: ServedJob, rollout: Rollout) -> bool:
-    """Take and finish at most one task of job; whether one was taken. An actor with no weights takes none."""
+async def take_round(job: ServedJob, rollout: Rollout, round_tokens: int) -> bool:
+    """Take and finish a round of job's tasks, their groups generated in one batch
+    (`fleetrl.rollout.batching`); whether any was taken. An actor with no weights takes none."""
     if not await job.context.policy.refresh():
         return False
+    policy = job.context.policy
 
-    async def produce(delivery: Delivery) -> str:
-        return await rollout.run(job.context, delivery.task, delivery.attempt, delivery.received_ms)
+    def produce_round(count: int) -> Produce:
+        batch = RoundBatch(policy.job_id, policy.backend, count, lambda: policy.version)
 
-    return await job.queue.take(produce)
+        async def produce(delivery: Delivery) -> str:
+            seat = batch.seat()
+            if delivery.attempt > 1:  # generated alone: a task that killed its actor costs its round-mates one try
+                seat.leave()
+                return await rollout.run(job.context, delivery.task, delivery.attempt, delivery.received_ms)
+            try:
+                return await rollout.run(job.context, delivery.task, delivery.attempt, delivery.received_ms, seat)
+            finally:
+                seat.leave()  # a task that ended before asking for its group lets the others' batch start
+        return produce
+
+    return await job.queue.take_many(tasks_per_round(job.context.spec, round_tokens), produce_round) > 0

@@ -50,9 +50,14 @@ async def _ready(fleet: Fleet, name: str, version: int = 0) -> None:
     await wait_until(lambda: f"loaded weights v{version}" in fleet.log_text(name), 60, f"{name} to hold v{version}")
 
 
+TASKS = 100
+
+
 async def test_sigkill_every_few_seconds_loses_and_duplicates_nothing(fleet: Fleet) -> None:
     # A task whose deliveries are all cut by kills would be dead-lettered after max_retries (that path has
     # its own test); here every task must end in replay, so the retry budget outlasts the kill cadence.
+    # An actor generates a round of 8 tasks (round_tokens) in one batch, so a task costs less than alone:
+    # enough of them that the run outlasts several kills, each of which lands on a round.
     spec = job_spec(rollout={"samples_per_prompt": 4, "max_new_tokens": 32}, train={"max_retries_per_episode": 30})
     job = await fleet.create_job(spec, [])
     await fleet.publish_weights(job, 0)
@@ -61,13 +66,13 @@ async def test_sigkill_every_few_seconds_loses_and_duplicates_nothing(fleet: Fle
         fleet.start_actor(name)
     for name in names:
         await _ready(fleet, name)
-    for i in range(60):
+    for i in range(TASKS):
         await fleet.publish_task(job, i, *_prompt(i))
     kills: list[float] = []
     log_offsets = dict.fromkeys(names, 0)  # where each actor's current process starts in its log
     deadline = time.monotonic() + 240
-    while (await fleet.replay.stats(job)).inserted < 60:
-        assert time.monotonic() < deadline, "60 tasks did not finish"
+    while (await fleet.replay.stats(job)).inserted < TASKS:
+        assert time.monotonic() < deadline, f"{TASKS} tasks did not finish"
         await asyncio.sleep(2.5)
         # Kill an actor that holds a task, and only while another one serves too: on a busy machine a restart
         # takes longer than the kill period, and killing actors still booting would starve the job.
@@ -83,8 +88,8 @@ async def test_sigkill_every_few_seconds_loses_and_duplicates_nothing(fleet: Fle
     stats = await fleet.replay.stats(job)
     records = await fleet.replay.query(job, limit=1000)
     task_ids = [r.task_id for r in records]
-    assert stats.inserted == 60 and stats.size_groups == 60
-    assert sorted(task_ids) == sorted(f"0/{i}" for i in range(60))
+    assert stats.inserted == TASKS and stats.size_groups == TASKS
+    assert sorted(task_ids) == sorted(f"0/{i}" for i in range(TASKS))
     assert len(kills) >= 3
     redelivered = [r.lineage for r in records if r.lineage.delivery_attempt > 1]
     for lineage in redelivered:  # each redelivery follows some kill by at most ack_wait + a few seconds
@@ -95,7 +100,7 @@ async def test_sigkill_every_few_seconds_loses_and_duplicates_nothing(fleet: Fle
     assert info.num_pending == 0 and info.num_ack_pending == 0
     counts = (await fleet.ledger.account(fleet.js, job)).counts
     print(f"kills={len(kills)} redelivered={len(redelivered)} duplicates={stats.duplicates} ledger={counts}")
-    assert counts["pending"] == counts["published"] == 60  # no learner here: every group waits in replay
+    assert counts["pending"] == counts["published"] == TASKS  # no learner here: every group waits in replay
     assert counts["lost"] == counts["duplicated"] == counts["unpublished"] == 0
 
 

@@ -18,6 +18,7 @@ from fleetrl.policy import models
 from fleetrl.policy.backends import (
     LOGPROB_TOL,
     FixedBackend,
+    GroupRequest,
     HFBackend,
     conversation_tokens,
     make_backend,
@@ -96,6 +97,39 @@ def test_completions_stop_at_eos_or_length() -> None:
         assert c.text == tokenizer.decode(c.token_ids, skip_special_tokens=True)
     assert backend.generate(prompt, 4, max_new_tokens=6, temperature=1.0, top_p=1.0, seed=1)[0].token_ids == \
         long[0].token_ids[: long[0].token_ids.index(long[0].token_ids[2]) + 1]
+
+
+def test_groups_batched_together_draw_from_their_own_seeds_within_the_logprob_bound() -> None:
+    """Several tasks' groups in one `generate_groups` call (an actor's round): each group's rows draw
+    from its own seed, so a group comes out the same whatever it is batched with (partners of the same
+    shapes: the batch's float rounding is then the same too), each row keeps to its group's budget, and
+    every behaviour log-prob agrees with a full forward of the tokens sampled. A prompt longer than the
+    others (left padding) keeps the bound."""
+    model, tokenizer = models.load("tiny-llama")
+    backend = HFBackend(model, tokenizer)
+    a, b, c = (prompt_tokens(tokenizer, f"What is {x} + {x}?", ROLLOUT) for x in (11, 22, 33))
+    long = prompt_tokens(tokenizer, "What is 44 + 44? Show your working, then the number.", ROLLOUT)
+    assert len(a) == len(b) == len(c) < len(long)
+    first = GroupRequest(a, 4, 10, 0.7, 0.9, seed=1)
+    with_b = backend.generate_groups([first, GroupRequest(b, 3, 6, 1.0, 1.0, seed=2)])
+    with_c = backend.generate_groups([first, GroupRequest(c, 5, 6, 1.0, 1.0, seed=99)])  # one generator would shift
+    assert with_b[0] == with_c[0]
+    assert [x.token_ids for x in with_b[1]] != [x.token_ids for x in with_c[1]]
+    requests = [first, GroupRequest(long, 2, 16, 1.0, 0.95, seed=3), GroupRequest(c, 3, 3, 0.5, 1.0, seed=4)]
+    groups = backend.generate_groups(requests)
+    assert [len(g) for g in groups] == [4, 2, 3]
+    worst = 0.0
+    for request, group in zip(requests, groups, strict=True):
+        for completion in group:
+            assert 1 <= len(completion.token_ids) <= request.max_new_tokens
+            assert completion.finish_reason == ("length" if len(completion.token_ids) == request.max_new_tokens
+                                                and completion.token_ids[-1] not in backend.eos_ids else "eos")
+            full = _full_forward_logprobs(model, request.prompt_token_ids, completion.token_ids, request.temperature)
+            worst = max(worst, float((full - torch.tensor(completion.logprobs)).abs().max()))
+    print(f"batched groups: max |actor - full forward| = {worst:.2e}")
+    assert worst <= LOGPROB_TOL[torch.float32]
+    solo = backend.generate_groups([first])  # one group is `generate` itself
+    assert solo == [backend.generate(a, 4, max_new_tokens=10, temperature=0.7, top_p=0.9, seed=1)]
 
 
 def test_prompt_tokens_chat_template_system_prompt_and_left_truncation() -> None:

@@ -28,7 +28,14 @@ from prometheus_client import REGISTRY
 
 from fleetrl.errors import FailedPrecondition
 from fleetrl.policy import models, vllm_backend
-from fleetrl.policy.backends import Completion, make_backend, observation_tokens, prompt_tokens, resolve_backend
+from fleetrl.policy.backends import (
+    Completion,
+    GroupRequest,
+    make_backend,
+    observation_tokens,
+    prompt_tokens,
+    resolve_backend,
+)
 from fleetrl.policy.logprobs import token_logprobs
 from fleetrl.rollout.job_policy import JobPolicy
 from fleetrl.rollout.memory import job_cost
@@ -104,6 +111,21 @@ def test_behaviour_logprobs_agree_with_the_learner_and_a_seed_repeats(engine: vl
     assert worst <= VLLM_LOGPROB_TOL
     with pytest.raises(FailedPrecondition, match=r"train\.lora"):
         engine.load_adapter({})
+
+
+def test_a_rounds_groups_are_generated_in_one_engine_call(engine: vllm_backend.VLLMBackend,
+                                                          learner: torch.nn.Module) -> None:
+    """`generate_groups` (an actor's round of tasks): one engine call, each group its own n, budget and
+    seed (the same round again gives the same groups), log-probs within the learner's bound."""
+    prompts = [prompt_tokens(engine.tokenizer, f"What is {x} + {x + 5}?", RolloutConfig()) for x in (3, 41)]
+    requests = [GroupRequest(prompts[0], 3, 12, 0.7, 1.0, seed=5), GroupRequest(prompts[1], 2, 6, 1.0, 1.0, seed=6)]
+    groups = engine.generate_groups(requests)
+    assert [len(g) for g in groups] == [3, 2]
+    assert all(1 <= len(c.token_ids) <= r.max_new_tokens for r, g in zip(requests, groups, strict=True) for c in g)
+    assert groups == engine.generate_groups(requests)
+    worst = max(worst_gap(learner, [r.prompt_token_ids] * r.n, g, r.temperature)
+                for r, g in zip(requests, groups, strict=True))
+    assert worst <= VLLM_LOGPROB_TOL
 
 
 def test_an_episode_turn_is_served_from_the_prefix_cache(engine: vllm_backend.VLLMBackend,
