@@ -6,9 +6,13 @@ each of the caller's active jobs) and ListJobs (each job's last step: reward, st
 One frame shows actors (state, job, policy version, tokens/s, busy), learners (phase, job, step),
 jobs (state, step, reward, staleness, queue) and tenants: the caller's share of the actors' time over
 the last ~30 s against its fair share, and every other tenant's together (never their names).
+With a Tinker API to ask, a third call (its `GET /api/v1/sessions`, with the same token) adds the
+caller's live Tinker sessions: base model, LoRA rank, training runs, sampling sessions, optimizer steps,
+age of the last request and state, read from the Tinker service's own session records.
 `--once` prints one frame and exits (scripts, tests); `--json` prints the frame's data as one JSON
 object per refresh instead. The gateway is `--gateway`,
-else the one a local fleet recorded in `<--dir>/fleet.json`, else FLEETRL_GATEWAY, else 127.0.0.1:50051.
+else the one a local fleet recorded in `<--dir>/fleet.json`, else FLEETRL_GATEWAY, else 127.0.0.1:50051;
+the Tinker API is `--tinker`, else the local fleet's (`fleetrl up --tinker`), else FLEETRL_TINKER_URL, else none.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
@@ -29,11 +34,14 @@ from rich.text import Text
 
 from fleetrl.errors import FleetError
 from fleetrl.launcher.fleet import FleetLayout
-from fleetrl.sdk.client import Client
+from fleetrl.sdk.client import ENV_TOKEN, Client
 from fleetrl.sdk.records import FleetInfo, JobInfo, MemberInfo, QueueInfo, ShareInfo
+from fleetrl.services.tinker.client import ENV_URL, TinkerClient
+from fleetrl.tinker.types import SessionSummary
 
 EXIT_OK, EXIT_FAILURE = 0, 1
 JOBS_SHOWN = 10
+SESSIONS_SHOWN = 50
 
 
 @dataclass(frozen=True)
@@ -43,18 +51,25 @@ class Frame:
     gateway: str
     fleet: FleetInfo
     jobs: list[JobInfo]
+    tinker: str | None = None
+    """The Tinker API asked for sessions; None: none known (no sessions table)."""
+    sessions: list[SessionSummary] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         jobs = [{"job_id": j.job_id, "name": j.name, "state": j.state, "max_steps": j.max_steps,
                  "last": asdict(j.last) if j.last else None} for j in self.jobs]
-        return {"gateway": self.gateway, **self.fleet.to_dict(), "jobs": jobs}
+        sessions = None if self.sessions is None else [asdict(s) for s in self.sessions]
+        return {"gateway": self.gateway, **self.fleet.to_dict(), "jobs": jobs, "tinker": self.tinker,
+                "sessions": sessions}
 
 
 def parser(prog: str = "fleetrl top") -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=prog, description="live view of a running fleet (over the gateway)")
     p.add_argument("--gateway", help="gateway address host:port (env FLEETRL_GATEWAY)")
     p.add_argument("--dir", type=Path, help="run directory of a local fleet (`fleetrl up --dir`): its gateway")
-    p.add_argument("--token", help="bearer token (env FLEETRL_TOKEN)")
+    p.add_argument("--tinker", help="Tinker API address host:port or URL, for its sessions (env FLEETRL_TINKER_URL; "
+                   "with --dir, the fleet's own when it runs one)")
+    p.add_argument("--token", help="bearer token, also the Tinker API key (env FLEETRL_TOKEN)")
     p.add_argument("--interval", type=_seconds, default=1.0, help="seconds between refreshes (default 1)")
     p.add_argument("--once", action="store_true", help="print one frame and exit")
     p.add_argument("--json", action="store_true", help="JSON instead of tables (one object per refresh)")
@@ -80,8 +95,21 @@ def gateway_address(args: argparse.Namespace) -> str | None:
     return layout.addresses["gateway"]
 
 
-def snapshot(client: Client) -> Frame:
-    return Frame(client.address, client.fleet(), client.list_jobs(JOBS_SHOWN))
+def tinker_client(args: argparse.Namespace) -> TinkerClient | None:
+    """--tinker, else the Tinker API of the fleet running in --dir, else FLEETRL_TINKER_URL, else None."""
+    address = args.tinker
+    if address is None and args.dir is not None:
+        layout = FleetLayout.read(args.dir)
+        address = layout.addresses.get("tinker") if layout else None
+    address = address or os.environ.get(ENV_URL)
+    return TinkerClient(address, args.token or os.environ.get(ENV_TOKEN)) if address else None
+
+
+def snapshot(client: Client, tinker: TinkerClient | None = None) -> Frame:
+    fleet, jobs = client.fleet(), client.list_jobs(JOBS_SHOWN)
+    if tinker is None:
+        return Frame(client.address, fleet, jobs)
+    return Frame(client.address, fleet, jobs, tinker.url, tinker.sessions(SESSIONS_SHOWN))
 
 
 # ----------------------------------------------------------------------------- rendering
@@ -96,8 +124,11 @@ def render(frame: Frame) -> Group:
                 f"{len(learners)} learners, {tokens:.1f} generated tok/s", style="bold")
     sandbox = Text(f"reward sandbox: {frame.fleet.reward_sandbox or 'unknown'}",
                    style="bold red" if not frame.fleet.reward_sandbox.startswith("mode jail") else "")
-    return Group(head, sandbox, actors_table(actors), learners_table(learners),
-                 jobs_table(frame.jobs, frame.fleet.queues), shares_table(frame.fleet.shares))
+    tables = [actors_table(actors), learners_table(learners), jobs_table(frame.jobs, frame.fleet.queues),
+              shares_table(frame.fleet.shares)]
+    if frame.sessions is not None:
+        tables.append(sessions_table(frame.sessions))
+    return Group(head, sandbox, *tables)
 
 
 def actors_table(actors: list[MemberInfo]) -> Table:
@@ -150,6 +181,26 @@ def shares_table(shares: list[ShareInfo]) -> Table:
     return table
 
 
+def sessions_table(sessions: list[SessionSummary]) -> Table:
+    """Your live Tinker sessions: what they train, how far, and how long since their last request."""
+    table = Table(title="tinker sessions", title_justify="left", expand=True)
+    for column in ("session", "tenant", "state", "base model"):
+        table.add_column(column, no_wrap=True)
+    for column in ("rank", "runs", "samplers", "steps", "last request"):
+        table.add_column(column, justify="right", no_wrap=True)
+    for s in sessions:
+        table.add_row(s.session_id, s.tenant, s.state, ", ".join(s.base_models) or "-",
+                      ", ".join(map(str, s.lora_ranks)) or "-", str(s.training_runs), str(s.sampling_sessions),
+                      str(s.optim_steps), f"{_age(s.last_request_age_s)} ago")
+    return table
+
+
+def _age(seconds: float) -> str:
+    if seconds < 120:
+        return f"{seconds:.0f}s"
+    return f"{seconds / 60:.0f}m" if seconds < 7200 else f"{seconds / 3600:.1f}h"
+
+
 def _number(value: float | None) -> str:
     return "-" if value is None else f"{value:.3g}"
 
@@ -178,22 +229,22 @@ def every(interval_s: float, clock: Callable[[], float] = time.monotonic,
         sleep(due - now)
 
 
-def live(client: Client, args: argparse.Namespace, out: Console) -> int:
+def live(client: Client, tinker: TinkerClient | None, args: argparse.Namespace, out: Console) -> int:
     """Redraw every interval until Ctrl-C; a failed refresh shows its error and the next one retries."""
     with Live(Text("connecting..."), console=out, auto_refresh=False) as view:
         for _ in every(args.interval):
             try:
-                view.update(render(snapshot(client)), refresh=True)
+                view.update(render(snapshot(client, tinker)), refresh=True)
             except FleetError as error:
                 view.update(Text(f"gateway {client.address}: {error}", style="red"), refresh=True)
     return EXIT_OK
 
 
-def stream_json(client: Client, args: argparse.Namespace) -> int:
+def stream_json(client: Client, tinker: TinkerClient | None, args: argparse.Namespace) -> int:
     """One JSON object per interval until Ctrl-C; a failed refresh prints {"gateway", "error"}."""
     for _ in every(args.interval):
         try:
-            print(json.dumps(snapshot(client).to_dict()), flush=True)
+            print(json.dumps(snapshot(client, tinker).to_dict()), flush=True)
         except FleetError as error:
             print(json.dumps({"gateway": client.address, "error": str(error)}), flush=True)
     return EXIT_OK
@@ -204,18 +255,19 @@ def main(argv: list[str]) -> int:
     out = Console()
     try:
         client = Client(gateway_address(args), token=args.token)
+        tinker = tinker_client(args)
     except FleetError as error:
         out.print(f"[red]fleetrl top: {error}[/red]")
         return EXIT_FAILURE
     with client:
         if args.once:
             try:
-                show(snapshot(client), args.json, out)
+                show(snapshot(client, tinker), args.json, out)
             except FleetError as error:
                 out.print(f"[red]fleetrl top: gateway {client.address}: {error}[/red]")
                 return EXIT_FAILURE
             return EXIT_OK
         try:
-            return stream_json(client, args) if args.json else live(client, args, out)
+            return stream_json(client, tinker, args) if args.json else live(client, tinker, args, out)
         except KeyboardInterrupt:
             return EXIT_OK

@@ -117,6 +117,12 @@ class RequestLog:
         done, _ = await asyncio.wait([asyncio.wrap_future(request.future)], timeout=timeout_s)
         return bool(done)
 
+    def unfinished(self, scope: str) -> int:
+        """How many of the scope's kept requests are queued or running."""
+        known = self._scopes.get(scope)
+        requests = [self._requests.get(request_id) for request_id in (known.names.values() if known else ())]
+        return sum(1 for request in requests if request is not None and not request.future.done())
+
     def forget(self, scope: str) -> None:
         """Drop a scope's names and results (its training run or sampling session is gone)."""
         known = self._scopes.pop(scope, None)

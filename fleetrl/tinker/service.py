@@ -38,7 +38,7 @@ from fleetrl.tinker.losses import LOSSES
 from fleetrl.tinker.requests import Key, Request, RequestLog
 from fleetrl.tinker.sampling import Samplers, SamplerWeights
 from fleetrl.tinker.training import TrainingRun, lora_spec
-from fleetrl.tinker.types import AdamParams, Datum, LoraRequest, SampleParams
+from fleetrl.tinker.types import AdamParams, Datum, LoraRequest, SampleParams, SessionSummary
 
 
 @dataclass(frozen=True)
@@ -64,6 +64,9 @@ class Session:
     finished: bool = False
     last_seen: float = field(default_factory=time.monotonic)
     """When it was created or last sent a heartbeat (time.monotonic)."""
+    last_request: float = field(default_factory=time.monotonic)
+    """When it was created or last sent a request naming it, one of its training runs or sampling sessions
+    (time.monotonic; heartbeats and future polls do not count): `fleetrl top`'s last request."""
 
 
 @dataclass
@@ -118,6 +121,30 @@ class TinkerService:
             raise NotFound(f"session {session_id!r} not found")
         return found
 
+    def _requested(self, tenant: str, session_id: str) -> Session:
+        """The tenant's session, a request of which just arrived."""
+        session = self.session(tenant, session_id)
+        session.last_request = time.monotonic()
+        return session
+
+    def sessions(self, tenant: str, now: float | None = None) -> list[SessionSummary]:
+        """The tenant's live sessions, newest request first; never another tenant's."""
+        now = time.monotonic() if now is None else now
+        live = [s for s in list(self._state.sessions.values()) if s.tenant == tenant and not s.finished]
+        return sorted((self._summary(s, now) for s in live), key=lambda s: (s.last_request_age_s, s.session_id))
+
+    def _summary(self, session: Session, now: float) -> SessionSummary:
+        # list(...) first: the work thread adds runs and samplers while this (the event loop) reads them
+        runs = [r for m, r in list(self._state.runs.items()) if m.startswith(f"{session.id}:")]
+        samplers = [s for s in list(self._state.samplers.values()) if s.session_id == session.id]
+        scopes = [f"create_model:{session.id}", *(r.model_id for r in runs), *(s.id for s in samplers)]
+        working = any(self.log.unfinished(scope) for scope in scopes)
+        return SessionSummary(
+            session.id, session.tenant, "working" if working else "idle",
+            tuple(sorted({r.base_model for r in runs} | {s.weights.base_model for s in samplers})),
+            tuple(sorted({r.lora.rank for r in runs})), len(runs), len(samplers), sum(r.steps for r in runs),
+            round(now - session.last_request, 3))
+
     def heartbeat(self, tenant: str, session_id: str) -> Session:
         session = self.session(tenant, session_id)
         session.last_seen = time.monotonic()
@@ -155,7 +182,7 @@ class TinkerService:
     def create_model(self, tenant: str, session_id: str, model_seq_id: int, base_model: str,
                      lora: LoraRequest) -> Request:
         """Queue the creation of a training run; the request's `model_id` is known at once."""
-        self.session(tenant, session_id)
+        self._requested(tenant, session_id)
         self.check_model(base_model)
         if not 1 <= lora.rank <= self.limits.max_lora_rank:
             raise InvalidArgument(f"lora_config.rank {lora.rank} is outside 1..{self.limits.max_lora_rank}",
@@ -194,9 +221,11 @@ class TinkerService:
             self._state.creating.pop(model_id, None)
 
     def run(self, tenant: str, model_id: str) -> TrainingRun:
+        """The tenant's training run `model_id`, a request of which just arrived."""
         found = self._state.runs.get(model_id)
         if found is None or found.tenant != tenant:
             raise NotFound(f"model {model_id!r} not found")
+        self._requested(tenant, model_id.partition(":")[0])
         return found
 
     def forward_backward(self, tenant: str, model_id: str, seq_id: int, data: list[Datum], loss_fn: str,
@@ -244,7 +273,7 @@ class TinkerService:
                           optimizer: bool) -> Request:
         """A new training run from a training checkpoint (create_training_client_from_state[_with_optimizer]),
         which may have been saved by an earlier server process."""
-        self.session(tenant, session_id)
+        self._requested(tenant, session_id)
         where = self._training_checkpoint(path)
         model_id = model_id_of(session_id, model_seq_id)
         key = (f"create_model:{session_id}", model_seq_id)
@@ -296,7 +325,7 @@ class TinkerService:
     def create_sampling_session(self, tenant: str, session_id: str, base_model: str | None,
                                 model_path: str | None) -> SamplingSession:
         """A sampling session on a base model, or on a named sampler checkpoint of the tenant's."""
-        self.session(tenant, session_id)
+        self._requested(tenant, session_id)
         if model_path:
             where = parse(model_path, "model_path")
             if where.kind != "sampler_weights":
@@ -318,9 +347,11 @@ class TinkerService:
         return session
 
     def sampler(self, tenant: str, sampling_session_id: str) -> SamplingSession:
+        """The tenant's sampling session, a request of which just arrived."""
         found = self._state.samplers.get(sampling_session_id)
         if found is None or found.tenant != tenant:
             raise NotFound(f"sampling session {sampling_session_id!r} not found")
+        self._requested(tenant, found.session_id)
         return found
 
     def sample(self, tenant: str, sampling_session_id: str, seq_id: int, params: SampleParams) -> Request:

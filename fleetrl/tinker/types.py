@@ -83,3 +83,24 @@ class ForwardResult:
 
     logprobs: list[np.ndarray]
     metrics: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class SessionSummary:
+    """A live session as `GET /api/v1/sessions` lists it to its tenant (and `fleetrl top` shows it)."""
+
+    session_id: str
+    tenant: str
+    state: str
+    """`working` while a request of the session is queued or running, else `idle`."""
+    base_models: tuple[str, ...]
+    """Of its training runs and sampling sessions, sorted."""
+    lora_ranks: tuple[int, ...]
+    """Of its training runs, sorted."""
+    training_runs: int
+    sampling_sessions: int
+    optim_steps: int
+    """optim_steps applied, summed over its training runs."""
+    last_request_age_s: float
+    """Seconds since the session's last request (creation, or any call naming it, its runs or its
+    sampling sessions; heartbeats and future polls do not count)."""

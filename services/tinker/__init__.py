@@ -4,6 +4,7 @@ Components (`server.serve` wires them):
 - `config`: TinkerSettings (environment prefix FLEETRL_TINKER_): listen address, tenant tokens
   (`fleetrl.runtime.tokens`, the gateway's), the model allow-list and the caps.
 - `convert`: the SDK's JSON and protobuf bodies to `fleetrl.tinker.types` and results back.
+- `client`: `TinkerClient`, the caller's live sessions (`GET /api/v1/sessions`) for `fleetrl top`.
 - `server`: the aiohttp routes, one error middleware mapping fleetrl errors to the HTTP statuses the
   SDK turns into its exception types, auth by `X-API-Key`, and the process lifecycle.
 

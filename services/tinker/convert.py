@@ -12,6 +12,7 @@ SampleResponse) use `fleetrl.v1` Tinker* messages, whose field numbers are the S
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any
 
@@ -22,7 +23,15 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from fleetrl.errors import FieldViolation, InvalidArgument
 from fleetrl.proto.fleetrl.v1 import tinker_pb2 as pb
 from fleetrl.spec.config import violations_of
-from fleetrl.tinker.types import AdamParams, Datum, ForwardResult, LoraRequest, SampleParams, SampleResult
+from fleetrl.tinker.types import (
+    AdamParams,
+    Datum,
+    ForwardResult,
+    LoraRequest,
+    SampleParams,
+    SampleResult,
+    SessionSummary,
+)
 
 PROTO = "application/x-protobuf"
 
@@ -61,6 +70,26 @@ class CreateSession(Wire):
 
 class SessionRef(Wire):
     session_id: str
+
+
+class ListSessions(Wire):
+    """`GET sessions` query (the SDK's list_sessions; `access_scope` is ignored: a tenant's sessions are its own)."""
+
+    limit: int = Field(20, ge=1, le=10_000)
+    offset: int = Field(0, ge=0)
+
+
+def sessions_page(summaries: list[SessionSummary], page: ListSessions) -> dict[str, Any]:
+    """The SDK's ListSessionsResponse (`sessions`: ids), and beside it each one's summary (`summaries`, which
+    the SDK ignores and `fleetrl top` reads)."""
+    shown = summaries[page.offset:page.offset + page.limit]
+    return {"sessions": [s.session_id for s in shown], "summaries": [dataclasses.asdict(s) for s in shown]}
+
+
+def session_summary(item: dict[str, Any]) -> SessionSummary:
+    """One of `sessions_page`'s summaries, read back."""
+    return SessionSummary(**{**item, "base_models": tuple(item["base_models"]),
+                             "lora_ranks": tuple(item["lora_ranks"])})
 
 
 class CreateModel(Wire):

@@ -157,6 +157,7 @@ class Routes:
             web.get(f"{v1}/get_server_capabilities", self.capabilities),
             web.post(f"{v1}/create_session", self.create_session),
             web.post(f"{v1}/session_heartbeat", self.heartbeat),
+            web.get(f"{v1}/sessions", self.list_sessions),
             web.post(f"{v1}/sessions/{{session_id}}/finish", self.finish_session),
             web.post(f"{v1}/create_model", self.create_model),
             web.post(f"{v1}/get_info", self.get_info),
@@ -197,6 +198,10 @@ class Routes:
         if self.service.heartbeat(request[TENANT], body.session_id).finished:
             raise web.HTTPGone(text="session finished")
         return web.json_response({"type": "session_heartbeat"})
+
+    async def list_sessions(self, request: web.Request) -> web.Response:
+        page = convert.parse(convert.ListSessions, dict(request.query))
+        return web.json_response(convert.sessions_page(self.service.sessions(request[TENANT]), page))
 
     async def finish_session(self, request: web.Request) -> web.Response:
         self.service.finish_session(request[TENANT], request.match_info["session_id"])

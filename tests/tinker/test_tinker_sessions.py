@@ -48,3 +48,24 @@ def test_a_replayed_request_that_queues_no_work_takes_no_place_in_the_quota(tmp_
     created.future.result()
     with pytest.raises(ResourceExhausted, match="holds 1 training runs"):
         service.create_model("alice", session, 2, MODEL, LoraRequest(rank=4, seed=0))
+
+
+class Held(concurrent.futures.Executor):
+    """An executor that never runs its work: a request stays queued."""
+
+    def submit(self, fn, /, *args, **kwargs):  # type: ignore[no-untyped-def]
+        return concurrent.futures.Future()
+
+
+def test_a_session_with_a_queued_request_is_working_and_listed_to_its_tenant_only(tmp_path: Path) -> None:
+    service = TinkerService(Limits((MODEL,), (), tmp_path, 64, 64, 4, 8, 8), RequestLog(Held()))
+    session = service.create_session("alice")
+    service.session("alice", session).last_request -= 100  # created 100 s ago
+    service.create_model("alice", session, 0, MODEL, LoraRequest(rank=4, seed=0))  # queued, never run
+    (summary,) = service.sessions("alice")
+    assert (summary.session_id, summary.tenant, summary.state, summary.training_runs) == (session, "alice",
+                                                                                           "working", 0)
+    assert summary.last_request_age_s < 100  # the create_model request counted
+    assert service.sessions("bob") == []
+    service.finish_session("alice", session)
+    assert service.sessions("alice") == []
