@@ -12,6 +12,7 @@ from prometheus_client import REGISTRY, CollectorRegistry
 from prometheus_client.metrics_core import Metric
 
 import fleetrl.rollout.metrics
+import fleetrl.services.gateway.server
 import fleetrl.services.tinker.server
 import fleetrl.tinker.requests
 import fleetrl.train.observability
