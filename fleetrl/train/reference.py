@@ -6,7 +6,8 @@ Per step (on-policy, as a fleet with max_staleness = 0 and publish_interval = 1 
    `prompt_order(N, seed, p // N)[p % N]` of epoch `p // N` (fleetrl/spec/seeding.py);
 2. for each, sample `samples_per_prompt` completions with the current weights through the actor's
    own sampler (`fleetrl.policy.backends.HFBackend`, seeded by `task_seed(seed, task_id)`: the
-   rule every actor follows), so the reference and an actor draw bit-identical groups;
+   rule every actor follows), so the reference and an actor draw bit-identical groups; the step's
+   groups are generated in one batch (`generate_groups`), as an actor generates a round of tasks;
 3. score each completion with `reward_fn(completion, prompt, **metadata)`;
 4. build the same `common_pb2.Group`s an actor inserts into replay, and call `train_step`,
    the function the distributed trainer calls too (for ppo on the policy and its value head,
@@ -37,7 +38,7 @@ from typing import Any
 import torch
 
 from fleetrl.errors import ConfigError, FieldViolation
-from fleetrl.policy.backends import HFBackend, prompt_tokens
+from fleetrl.policy.backends import GroupRequest, HFBackend, prompt_tokens
 from fleetrl.proto.fleetrl.v1 import common_pb2
 from fleetrl.reward import verifiers
 from fleetrl.spec.config import JobSpec, apply_overrides, validate
@@ -79,22 +80,36 @@ def rollout_group(
     version: int, reward_fn: RewardFn,
 ) -> common_pb2.Group:
     """The group an actor would insert for task (epoch, index), generated with the current weights."""
-    tid = task_id(epoch, index)
-    rollout = spec.rollout
-    prompt_ids = prompt_tokens(tokenizer, row["prompt"], rollout)
-    completions = HFBackend(model, tokenizer).generate(
-        prompt_ids, rollout.samples_per_prompt, max_new_tokens=rollout.max_new_tokens,
-        temperature=rollout.temperature, top_p=rollout.top_p, seed=task_seed(spec.seed, tid))
-    metadata = {k: v for k, v in row.items() if k != "prompt"}
-    group = common_pb2.Group(job_id=spec.name, task_id=tid, policy_version=version, prompt=row["prompt"])
-    for completion in completions:
-        group.samples.append(common_pb2.Sample(
-            prompt_token_ids=prompt_ids, completion_token_ids=completion.token_ids,
-            behaviour_logprobs=completion.logprobs, completion_text=completion.text,
-            reward=float(reward_fn(completion.text, row["prompt"], **metadata)),
-            reward_status=common_pb2.REWARD_STATUS_OK, finish_reason=completion.finish_reason,
-        ))
+    (group,) = rollout_groups(model, tokenizer, spec, [(row, epoch, index)], version, reward_fn)
     return group
+
+
+def rollout_groups(
+    model: Any, tokenizer: Any, spec: JobSpec, tasks: list[tuple[dict[str, Any], int, int]], version: int,
+    reward_fn: RewardFn,
+) -> list[common_pb2.Group]:
+    """The groups of tasks (row, epoch, index), generated together in one batch as an actor's round is
+    (`HFBackend.generate_groups`: one group alone is `generate` itself)."""
+    rollout = spec.rollout
+    prompts = [prompt_tokens(tokenizer, row["prompt"], rollout) for row, _, _ in tasks]
+    requests = [GroupRequest(prompt_ids, rollout.samples_per_prompt, rollout.max_new_tokens, rollout.temperature,
+                             rollout.top_p, task_seed(spec.seed, task_id(epoch, index)))
+                for prompt_ids, (_, epoch, index) in zip(prompts, tasks, strict=True)]
+    groups = []
+    for (row, epoch, index), prompt_ids, completions in zip(
+            tasks, prompts, HFBackend(model, tokenizer).generate_groups(requests), strict=True):
+        metadata = {k: v for k, v in row.items() if k != "prompt"}
+        group = common_pb2.Group(job_id=spec.name, task_id=task_id(epoch, index), policy_version=version,
+                                 prompt=row["prompt"])
+        for completion in completions:
+            group.samples.append(common_pb2.Sample(
+                prompt_token_ids=prompt_ids, completion_token_ids=completion.token_ids,
+                behaviour_logprobs=completion.logprobs, completion_text=completion.text,
+                reward=float(reward_fn(completion.text, row["prompt"], **metadata)),
+                reward_status=common_pb2.REWARD_STATUS_OK, finish_reason=completion.finish_reason,
+            ))
+        groups.append(group)
+    return groups
 
 
 def run(
@@ -112,8 +127,9 @@ def run(
     for step in range(steps):
         started = time.perf_counter()
         model.eval()
-        groups = [rollout_group(model, tokenizer, spec, prompts[index], epoch, index, step, reward_fn)
-                  for epoch, index in tasks_of_step(step, len(prompts), spec)]
+        groups = rollout_groups(model, tokenizer, spec, [(prompts[index], epoch, index)
+                                                         for epoch, index in tasks_of_step(step, len(prompts), spec)],
+                                step, reward_fn)
         rollout_s = time.perf_counter() - started
         metrics = train_step(module, optimizer, scheduler, groups, cfg, spec, ref_model)
         metrics.update(step=float(step), rollout_s=rollout_s, step_s=time.perf_counter() - started)
