@@ -11,7 +11,7 @@ with the JSONL file exporter behind a batch processor, in a temp run directory):
 - `spans`: exactly the tracing calls the actor makes for one trajectory: extract the task's
   `traceparent`, open 6 spans (`actor.task`, `actor.fetch` and the four stage spans), inject gRPC
   metadata for the reward and replay calls, read the trace and span ids for the lineage;
-- `task_loop`: the actor's real `service.take_one` (a `JobQueue` delivery, the `Rollout`'s weights,
+- `task_loop`: the actor's real `service.take_round`, one task a round (a `JobQueue` delivery, the `Rollout`'s weights,
   generate, score, insert, then the ack) on in-memory
   stand-ins that answer at once (a message with headers, a policy that holds weights, `FixedBackend`
   with no latency on tiny-llama's tokenizer, reward and replay fakes), i.e. the loop's own bookkeeping
@@ -43,7 +43,7 @@ from fleetrl.rollout.metrics import Activity
 from fleetrl.rollout.rollout import JobContext, Rollout
 from fleetrl.rollout.settings import ActorSettings
 from fleetrl.runtime import telemetry
-from fleetrl.services.actor.service import ServedJob, take_one
+from fleetrl.services.actor.service import ServedJob, take_round
 from fleetrl.spec.config import JobSpec
 from fleetrl.tasks.queue import JobQueue
 
@@ -92,6 +92,7 @@ class Sub:
 
 
 class Policy:
+    job_id = "bench"
     version = 1
 
     def __init__(self, backend: FixedBackend) -> None:
@@ -146,7 +147,7 @@ def time_task_loop(backend: FixedBackend) -> Callable[[int], float]:
         async def go() -> float:
             started = time.perf_counter()
             for _ in range(n):
-                await take_one(job, rollout)
+                await take_round(job, rollout, 0)  # round_tokens 0: one task a round
             return time.perf_counter() - started
 
         return asyncio.run(go())
@@ -166,7 +167,7 @@ def run(trajectories: int, rounds: int) -> dict[str, Any]:
         spans_written = sum(len(p.read_text().splitlines()) for p in Path(run_dir, "traces").glob("*.jsonl"))
     return {
         "figure": round(on["loop"], 1), "baseline": round(off["loop"], 1), "ratio": round(on["loop"] / off["loop"], 3),
-        "unit": "us per trajectory (actor take_one, no-op backend/reward/replay)",
+        "unit": "us per trajectory (actor take_round of one task, no-op backend/reward/replay)",
         "tracing_off_spans_us": round(off["spans"], 2), "tracing_on_spans_us": round(on["spans"], 2),
         "tracing_on_cost_us": round(on["loop"] - off["loop"], 1),
         "trajectories": trajectories, "rounds": rounds, "spans_written": spans_written,
