@@ -49,6 +49,12 @@ ADVISORIES_STREAM = "FLEET_ADVISORIES"
 WEIGHTS_KV = "fleet_weights"
 CONNECT_TIMEOUT_S = 5.0
 REQUEST_TIMEOUT_S = 10.0
+FLUSH_TIMEOUT_S = 2.0
+"""How long a publish waits for the socket when the client's outgoing buffer is past its limit (nats-py's
+`pending_size`, 2 MiB: a weight object's third chunk). nats-py's default waits for good: a server that
+stops reading (a partition that drops packets) held such a publish, and the weight publish of a learner
+cut off from NATS with it, with no deadline. Past it the publish returns with its bytes still buffered,
+and the error callback logs a flush timeout; the call's own deadline (its ack) decides."""
 NATS_UNREACHABLE: tuple[type[Exception], ...] = (
     TimeoutError, nats.errors.ConnectionClosedError, nats.errors.ConnectionReconnectingError,
     nats.errors.NoRespondersError, nats.errors.StaleConnectionError, nats.errors.OutboundBufferLimitError,
@@ -145,6 +151,7 @@ async def connect(url: str, name: str, *, max_reconnect_attempts: int = -1) -> N
             max_reconnect_attempts=max_reconnect_attempts,
             allow_reconnect=True,
             ping_interval=10,
+            flush_timeout=FLUSH_TIMEOUT_S,
             max_outstanding_pings=3,
             error_cb=on_error,
             disconnected_cb=on_disconnected,
