@@ -78,6 +78,12 @@ OUTAGE_RETRY_S = 60.0
 _JOB_ID_RE = re.compile(r"[A-Za-z0-9_-]{1,64}")
 
 
+class NatsUnreachable(Unavailable, TimeoutError):
+    """`retry_outage` gave up on a call through a NATS outage: names the call, how long and how often it was
+    tried, and the last error (its cause). Still a TimeoutError, so whoever catches NATS_UNREACHABLE catches
+    it; the learner waits it out with its job paused (`fleetrl.train.full_stores`)."""
+
+
 class JetStreamFull(FleetError, RuntimeError):
     """JetStream refused a write for want of space (`jetstream_full`): not an outage that passes by itself,
     so `retry_outage` raises it at once; the learner waits it out with its job paused
@@ -167,8 +173,10 @@ async def retry_outage(call: Callable[[], Awaitable[T]], *, what: str, deadline_
     first try (then the error goes through); each failure is logged. Only for calls that are safe to
     repeat: a JetStream publish with a `Nats-Msg-Id`, a read, a write that checks what landed. A write
     refused for want of space (`jetstream_full`, most often answered 503 like an outage) is not retried
-    here: it raises JetStreamFull naming what was refused and why."""
-    deadline = time.monotonic() + deadline_s
+    here: it raises JetStreamFull naming what was refused and why. A call that still fails at the deadline
+    raises NatsUnreachable naming `what` (its cause the last error)."""
+    started = time.monotonic()
+    deadline = started + deadline_s
     attempt = 0
     while True:
         attempt += 1
@@ -177,8 +185,11 @@ async def retry_outage(call: Callable[[], Awaitable[T]], *, what: str, deadline_
         except _RETRY_OR_FULL as error:
             if full := jetstream_full(error):
                 raise JetStreamFull(f"{what} refused: {full}") from error
-            if not isinstance(error, NATS_UNREACHABLE) or time.monotonic() + interval_s >= deadline:
+            if not isinstance(error, NATS_UNREACHABLE):
                 raise
+            if time.monotonic() + interval_s >= deadline:
+                raise NatsUnreachable(f"{what} failed: NATS unreachable for {time.monotonic() - started:.1f}s, "
+                                      f"{attempt} tries, the last {type(error).__name__} {error}") from error
             log.warning("%s failed (attempt %d: %s %s); again in %.1fs", what, attempt, type(error).__name__,
                         error, interval_s)
         await asyncio.sleep(interval_s)
