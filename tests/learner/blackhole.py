@@ -4,13 +4,18 @@ server, while everyone else reaches the server directly.
 `cut` stops moving bytes both ways and keeps every connection open, as a network that drops packets
 does (no RST, no FIN: the client's sockets stay established and its requests get no answer), and
 accepts new connections without forwarding them until `heal`. The bytes held during the cut are
-delivered after it, as TCP would retransmit them.
+delivered after it, as TCP would retransmit them. The proxy's sockets take at most `RECEIVE_BUFFER_BYTES`
+from the client: over a network that drops packets nothing reaches the far side, so a client that
+keeps writing during the cut fills its own send buffer and then waits, as it would there.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import socket
+
+RECEIVE_BUFFER_BYTES = 64 * 1024
 
 
 class Blackhole:
@@ -24,7 +29,10 @@ class Blackhole:
         self.tasks: set[asyncio.Task[None]] = set()
 
     async def start(self) -> int:
-        self.server = await asyncio.start_server(self._accept, "127.0.0.1", 0)
+        listener = socket.socket()
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, RECEIVE_BUFFER_BYTES)  # accepted ones inherit it
+        listener.bind(("127.0.0.1", 0))
+        self.server = await asyncio.start_server(self._accept, sock=listener)
         return int(self.server.sockets[0].getsockname()[1])
 
     def cut(self) -> None:
