@@ -49,6 +49,12 @@ ADVISORIES_STREAM = "FLEET_ADVISORIES"
 WEIGHTS_KV = "fleet_weights"
 CONNECT_TIMEOUT_S = 5.0
 REQUEST_TIMEOUT_S = 10.0
+FLUSH_TIMEOUT_S = 2.0
+"""How long a publish waits for the socket when the client's outgoing buffer is past its limit (nats-py's
+`pending_size`, 2 MiB: a weight object's third chunk). nats-py's default waits for good: a server that
+stops reading (a partition that drops packets) held such a publish, and the weight publish of a learner
+cut off from NATS with it, with no deadline. Past it the publish returns with its bytes still buffered,
+and the error callback logs a flush timeout; the call's own deadline (its ack) decides."""
 NATS_UNREACHABLE: tuple[type[Exception], ...] = (
     TimeoutError, nats.errors.ConnectionClosedError, nats.errors.ConnectionReconnectingError,
     nats.errors.NoRespondersError, nats.errors.StaleConnectionError, nats.errors.OutboundBufferLimitError,
@@ -70,6 +76,12 @@ _RETRY_OR_FULL: tuple[type[Exception], ...] = (*NATS_UNREACHABLE, nats.js.errors
 OUTAGE_RETRY_S = 60.0
 """How long `retry_outage` repeats a call through a NATS outage before it lets the error through."""
 _JOB_ID_RE = re.compile(r"[A-Za-z0-9_-]{1,64}")
+
+
+class NatsUnreachable(Unavailable, TimeoutError):
+    """`retry_outage` gave up on a call through a NATS outage: names the call, how long and how often it was
+    tried, and the last error (its cause). Still a TimeoutError, so whoever catches NATS_UNREACHABLE catches
+    it; the learner waits it out with its job paused (`fleetrl.train.full_stores`)."""
 
 
 class JetStreamFull(FleetError, RuntimeError):
@@ -145,6 +157,7 @@ async def connect(url: str, name: str, *, max_reconnect_attempts: int = -1) -> N
             max_reconnect_attempts=max_reconnect_attempts,
             allow_reconnect=True,
             ping_interval=10,
+            flush_timeout=FLUSH_TIMEOUT_S,
             max_outstanding_pings=3,
             error_cb=on_error,
             disconnected_cb=on_disconnected,
@@ -160,8 +173,10 @@ async def retry_outage(call: Callable[[], Awaitable[T]], *, what: str, deadline_
     first try (then the error goes through); each failure is logged. Only for calls that are safe to
     repeat: a JetStream publish with a `Nats-Msg-Id`, a read, a write that checks what landed. A write
     refused for want of space (`jetstream_full`, most often answered 503 like an outage) is not retried
-    here: it raises JetStreamFull naming what was refused and why."""
-    deadline = time.monotonic() + deadline_s
+    here: it raises JetStreamFull naming what was refused and why. A call that still fails at the deadline
+    raises NatsUnreachable naming `what` (its cause the last error)."""
+    started = time.monotonic()
+    deadline = started + deadline_s
     attempt = 0
     while True:
         attempt += 1
@@ -170,8 +185,11 @@ async def retry_outage(call: Callable[[], Awaitable[T]], *, what: str, deadline_
         except _RETRY_OR_FULL as error:
             if full := jetstream_full(error):
                 raise JetStreamFull(f"{what} refused: {full}") from error
-            if not isinstance(error, NATS_UNREACHABLE) or time.monotonic() + interval_s >= deadline:
+            if not isinstance(error, NATS_UNREACHABLE):
                 raise
+            if time.monotonic() + interval_s >= deadline:
+                raise NatsUnreachable(f"{what} failed: NATS unreachable for {time.monotonic() - started:.1f}s, "
+                                      f"{attempt} tries, the last {type(error).__name__} {error}") from error
             log.warning("%s failed (attempt %d: %s %s); again in %.1fs", what, attempt, type(error).__name__,
                         error, interval_s)
         await asyncio.sleep(interval_s)

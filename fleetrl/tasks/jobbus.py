@@ -5,7 +5,8 @@ job's shared task consumer (`prepare`, the same settings actors use), publishing
 dedup id (`publish_task`), purging queued tasks on cancel (`purge_tasks`), reading the job's
 dead-letter count (`dead_lettered`, which first moves the tasks the server stopped delivering) and
 publishing step and state events (`event`). Publishing a task and counting dead letters are
-repeated through a NATS outage (`bus.retry_outage`; a re-published task is dropped by its dedup id).
+repeated through a NATS outage for `outage_retry_s` (`bus.retry_outage`; a re-published task is dropped
+by its dedup id), then raise `bus.NatsUnreachable`.
 """
 
 from __future__ import annotations
@@ -23,9 +24,12 @@ class JobBus:
     """One job's task subject, consumer, dead-letter subject and event subject."""
 
     job_id: str
+    outage_retry_s: float
+    """How long a task publish or dead-letter count tries again through a NATS outage."""
 
-    def __init__(self, nc: NATS, job_id: str) -> None:
+    def __init__(self, nc: NATS, job_id: str, outage_retry_s: float = bus.OUTAGE_RETRY_S) -> None:
         self.job_id = job_id
+        self.outage_retry_s = outage_retry_s
         self._nc = nc
         self._js = bus.jetstream(nc)
 
@@ -38,7 +42,7 @@ class JobBus:
     async def publish_task(self, data: bytes, headers: dict[str, str]) -> None:
         """One serialised Task (headers carry its `Nats-Msg-Id`, so a re-publish is dropped)."""
         await bus.retry_outage(lambda: self._js.publish(bus.task_subject(self.job_id), data, headers=headers),
-                               what=f"job {self.job_id}: task publish")
+                               what=f"job {self.job_id}: task publish", deadline_s=self.outage_retry_s)
 
     async def purge_tasks(self) -> None:
         """Drop the job's queued tasks (the job was cancelled)."""
@@ -51,7 +55,8 @@ class JobBus:
             await bus.dead_letter_exhausted(self._js, self.job_id)
             return (await bus.task_queue(self._js, self.job_id)).dead_lettered
 
-        return await bus.retry_outage(count, what=f"job {self.job_id}: dead-letter count")
+        return await bus.retry_outage(count, what=f"job {self.job_id}: dead-letter count",
+                                      deadline_s=self.outage_retry_s)
 
     async def event(self, payload: dict[str, Any]) -> None:
         """Publish a JSON event to `fleet.jobs.<job>.events`."""

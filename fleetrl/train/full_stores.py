@@ -13,6 +13,13 @@ did not fit is cut off again (`MetricsLog.append`), the exported model and adapt
 temporary directory that a failed write deletes, a task publish carries its `Nats-Msg-Id`, and a weight
 publish or a chain's repair deletes its half-written object before writing it again.
 
+A NATS outage is waited out the same way (`bus.NatsUnreachable`: a task publish, weight publish or
+dead-letter count that `bus.retry_outage` gave up on after `OUTAGE_RETRY_BEFORE_PAUSE_S`), the job paused
+with the call and the outage as its reason, and `fleetrl_learner_store_full` left alone (the store is
+unreachable, not full). A learner cut off from NATS alone keeps its leases in Redis meanwhile; before,
+its publish was retried for `bus.OUTAGE_RETRY_S` with the job's status saying nothing, and then the job
+failed with the outage, as if it were the job's fault.
+
 A full Redis is not waited out here: the reason could not be written, so the service stops the run
 and a claim resumes it (services/learner/service.py).
 """
@@ -26,7 +33,7 @@ from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
 from fleetrl.jobs.store import JobStore
-from fleetrl.tasks.bus import JetStreamFull
+from fleetrl.tasks.bus import REQUEST_TIMEOUT_S, JetStreamFull, NatsUnreachable
 from fleetrl.train.files import NoSpace
 from fleetrl.train.observability import STORE_FULL
 from fleetrl.train.status import StatusBoard
@@ -36,6 +43,12 @@ T = TypeVar("T")
 
 STORES: dict[type[Exception], str] = {NoSpace: "disk", JetStreamFull: "nats"}
 """The refusals waited out, and the store each names in `fleetrl_learner_store_full`."""
+WAITED_OUT: tuple[type[Exception], ...] = (*STORES, NatsUnreachable)
+"""Every error `FullStoreWait.call` waits out: a full store's refusal, and a NATS outage."""
+OUTAGE_RETRY_BEFORE_PAUSE_S = REQUEST_TIMEOUT_S
+"""How long the learner's NATS calls are retried quietly through an outage (`bus.retry_outage`) before they
+raise NatsUnreachable and the job pauses: a call that timed out once has waited this long already, while
+a NATS restart's quick refusals (reconnecting, no responders) pass without a pause."""
 
 
 class FullStoreWait:
@@ -59,7 +72,8 @@ class FullStoreWait:
         self._phase = ""
 
     async def call(self, attempt: Callable[[], Awaitable[T]]) -> T:
-        """attempt(), tried again every retry_s while a store refuses it for want of space, the job paused;
+        """attempt(), tried again every retry_s while a store refuses it for want of space or NATS does not
+        answer it (NatsUnreachable), the job paused;
         the refusal itself once wait_s has passed since the first. However the call ends, the status board
         and the gauge stop saying "paused"; the job's record does when the call goes through (a failed job's
         reason replaces it, and a claim clears it)."""
@@ -68,11 +82,11 @@ class FullStoreWait:
             while True:
                 try:
                     result = await attempt()
-                except tuple(STORES) as error:
+                except WAITED_OUT as error:
                     if not store:
                         give_up_at = time.monotonic() + self.wait_s
-                        store = next(name for kind, name in STORES.items() if isinstance(error, kind))
-                        await self.pause(store, str(error))
+                        store = next((name for kind, name in STORES.items() if isinstance(error, kind)), "nats")
+                        await self.pause(store, str(error), full=not isinstance(error, NatsUnreachable))
                     if time.monotonic() + self.retry_s > give_up_at:
                         raise
                     await asyncio.sleep(self.retry_s)
@@ -87,10 +101,12 @@ class FullStoreWait:
                 STORE_FULL.labels(store).set(0)
                 self.board.phase, self.board.paused_reason = self._phase, ""
 
-    async def pause(self, store: str, reason: str) -> None:
+    async def pause(self, store: str, reason: str, *, full: bool = True) -> None:
+        """Say the job is paused on store; `full`: for want of space (the gauge), else unreachable."""
         log.warning("job %s paused: %s; trying again every %g s for up to %g s", self.job_id, reason, self.retry_s,
                     self.wait_s)
         self._phase = self.board.phase
         self.board.pause(reason)
-        STORE_FULL.labels(store).set(1)
+        if full:
+            STORE_FULL.labels(store).set(1)
         await self.jobs.set_pause_reason(self.job_id, reason, lease_epoch=self.lease_epoch)

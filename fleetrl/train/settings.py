@@ -69,9 +69,10 @@ class LearnerSettings(InfraSettings):
     """How long a job waits for space when a checkpoint file (ENOSPC) or a JetStream write (its storage
     limit, or a stream's or bucket's) is refused for want of it: paused, its reason naming the refusal,
     and trying again every store_full_retry_s with its leases kept; past this the job fails with that
-    reason. (A full Redis pauses the job until Redis takes writes, however long.)"""
+    reason. A NATS outage that a task or weight publish meets is waited out the same way. (A full Redis
+    pauses the job until Redis takes writes, however long.)"""
     store_full_retry_s: float = Field(5.0, gt=0, le=600)
-    """How often a job paused on a full checkpoint disk or JetStream tries the refused write again."""
+    """How often a job paused on a full checkpoint disk or JetStream, or on a NATS outage, tries the write again."""
     checkpoint_delay_s: float = Field(0.0, ge=0, le=600)
     """Fault injection for tests: sleep this long after a checkpoint's files are written and
     before it is renamed and marked complete (0 in production)."""

@@ -1,15 +1,15 @@
 """One job, start to finish: the learner's main loop.
 
-Reads top to bottom like torchtitan's `Trainer.train`: `setup` (model, replay table, task
-consumer, resume, publish the current weights, start the feeder), then per step
-`wait_for_data -> train -> publish -> feed -> checkpoint -> report`, then `finish` (final
-checkpoint, export, SUCCEEDED). Components (Feeder, Policy, WeightPublisher, LeaseBook,
-MetricsLog, StepObserver, FullStoreWait) do not know each other; JobRun wires them. A checkpoint or
-metrics write, task publish or weight publish that a full disk or JetStream refuses is waited out with
-the job paused (`full_stores`). Replay leases are committed only after
-the checkpoint that includes their steps is complete (see `leases` for the exactly-once
-argument). Policy version == optimizer steps applied: step s trains at version s - 1 on groups
-of version >= s - 1 - max_staleness and produces version s.
+Reads top to bottom like torchtitan's `Trainer.train`: `setup` (model, replay table, task consumer,
+resume, publish the current weights, start the feeder), then per step `wait_for_data -> train -> publish
+-> feed -> checkpoint -> report`, then `finish` (final checkpoint, export, SUCCEEDED). Components
+(Feeder, Policy, WeightPublisher, LeaseBook, MetricsLog, StepObserver, FullStoreWait) do not know each
+other; JobRun wires them. A checkpoint or metrics write, task publish or weight publish that a full disk
+or JetStream refuses, or that NATS does not answer past `full_stores.OUTAGE_RETRY_BEFORE_PAUSE_S`, is
+waited out with the job paused (`full_stores`). Replay leases are committed only after the checkpoint
+that includes their steps is complete (see `leases` for the exactly-once argument). Policy version ==
+optimizer steps applied: step s trains at version s - 1 on groups of version >= s - 1 - max_staleness and
+produces version s.
 Fencing: every write for the job carries the claim's `lease_epoch` (ledger records, hence task
 publishes; the weights pointer; replay's ConfigureTable and Commit; step metrics; the final state),
 and checkpoints check it in Redis before they are written and again before they are made complete.
@@ -53,7 +53,7 @@ from fleetrl.tasks.ledger import Ledger
 from fleetrl.train import checkpoint as ckpt
 from fleetrl.train.batch import component_means, episode_metrics
 from fleetrl.train.export import MetricsLog, export_adapter, export_model
-from fleetrl.train.full_stores import FullStoreWait
+from fleetrl.train.full_stores import OUTAGE_RETRY_BEFORE_PAUSE_S, FullStoreWait
 from fleetrl.train.leases import LeaseBook, LeaseRecord
 from fleetrl.train.observability import StepObserver
 from fleetrl.train.settings import LearnerSettings
@@ -149,7 +149,7 @@ class JobRun:
         self.step = self.checkpoint_step = self.nonfinite_in_a_row = 0
         self.held_out = None
         self.book = LeaseBook(not SAMPLERS[self.spec.replay.sampler].reuses)
-        self.job_bus = JobBus(deps.nc, record.job_id)
+        self.job_bus = JobBus(deps.nc, record.job_id, OUTAGE_RETRY_BEFORE_PAUSE_S)
         self.ledger = Ledger(deps.jobs.redis)
         self.epoch = record.lease_epoch
         self.full_stores = FullStoreWait(deps.jobs, deps.board, record.job_id, self.epoch,
@@ -213,7 +213,8 @@ class JobRun:
         self.publisher = WeightPublisher(self.deps.weights, self.job_id, self.spec.train.weights_dtype,
                                          self.spec.train.publish_interval, self.spec.train.keep_weight_versions,
                                          self.epoch, self.spec.train.full_publish_interval,
-                                         adapter_of=self.spec.model if self.spec.train.lora is not None else "")
+                                         adapter_of=self.spec.model if self.spec.train.lora is not None else "",
+                                         outage_retry_s=OUTAGE_RETRY_BEFORE_PAUSE_S)
         await self.publisher.sync()
         await self.full_stores.call(lambda: self.publisher.publish(self.policy.model, self.step))
 

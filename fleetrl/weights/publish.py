@@ -15,8 +15,10 @@ broken (`repair_if_requested`, fenced like a publish), so a job whose actors can
 does not wait for the next publish, which would need their groups.
 
 A publish that fails in a NATS outage (a chunk's or the pointer's reply lost with a killed server) is
-tried again through `bus.retry_outage`: the store deletes a half-written object of the version before
-writing it again, and a try whose pointer move landed though its reply was lost counts as done.
+tried again through `bus.retry_outage` for `outage_retry_s`, then raises `bus.NatsUnreachable` (the
+learner pauses the job and calls `publish` again: `fleetrl.train.full_stores`): the store deletes a
+half-written object of the version before writing it again, and a try whose pointer move landed though
+its reply was lost counts as done, in this call or a later one.
 
 A LoRA job (`adapter_of`, the base model's name) publishes its adapter tensors only
 (`fleetrl.weights.adapters.adapter_tensors`), each version whole: actors load the base once and apply each
@@ -52,13 +54,20 @@ class WeightPublisher:
     lease_epoch: int
     adapter_of: str
     """The base model of a LoRA job, whose versions are adapters; "" for full weights."""
+    outage_retry_s: float
+    """How long one `publish` tries again through a NATS outage before it raises NatsUnreachable."""
+    _unsure: int
+    """The version whose last try did not return (-1: none): its pointer move may have landed unseen."""
     _store: WeightStore
     _base: HeldWeights | None
     """The newest version this publisher wrote, kept when deltas are on."""
 
     def __init__(self, store: WeightStore, job_id: str, dtype: str, interval: int, keep: int,
-                 lease_epoch: int, full_interval: int = 1, adapter_of: str = "") -> None:
+                 lease_epoch: int, full_interval: int = 1, adapter_of: str = "",
+                 outage_retry_s: float = bus.OUTAGE_RETRY_S) -> None:
         self._store = store
+        self.outage_retry_s = outage_retry_s
+        self._unsure = -1
         self.adapter_of = adapter_of
         self.lease_epoch = lease_epoch
         self.full_interval = full_interval
@@ -90,18 +99,18 @@ class WeightPublisher:
         else:
             tensors = models.state_dict_for_publish(model, self.dtype)
         payload = encode_safetensors(tensors)
-        tries = 0
 
         async def attempt() -> WeightPointer:
-            nonlocal tries
-            tries += 1
-            landed = await self._landed(version, payload) if tries > 1 else None
-            return landed or await self._store.publish(
+            if self._unsure == version and (landed := await self._landed(version, payload)):
+                return landed
+            self._unsure = version
+            return await self._store.publish(
                 self.job_id, version, payload, self.dtype, keep=self.keep, base=self._base,
                 full_interval=self.full_interval, lease_epoch=self.lease_epoch, adapter_of=self.adapter_of)
 
-        pointer = await bus.retry_outage(attempt, what=f"job {self.job_id}: publish of weights v{version}")
-        self.published_version = version
+        pointer = await bus.retry_outage(attempt, what=f"job {self.job_id}: publish of weights v{version}",
+                                         deadline_s=self.outage_retry_s)
+        self.published_version, self._unsure = version, -1
         self._base = HeldWeights(pointer, memoryview(payload)) if self.full_interval > 1 else None
         return pointer
 

@@ -45,6 +45,7 @@ import json
 import logging
 import mmap
 import re
+import time
 from collections import deque
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -476,27 +477,39 @@ class WeightStore:
         await self._js.purge_stream(f"OBJ_{bucket}", subject=f"$O.{bucket}.C.{info.nuid}")
 
     async def _publish_chunks(self, subject: str, payload: bytes | memoryview, chunk: int) -> int:
-        """Publish payload in `chunk`-sized pieces, at most PUBLISH_WINDOW unacked; the count."""
+        """Publish payload in `chunk`-sized pieces, at most PUBLISH_WINDOW unacked; the count. One deadline
+        for the whole: TimeoutError when the chunks are not all sent and acked within `bus.REQUEST_TIMEOUT_S`
+        plus the payload at MIN_PULL_MB_S. A publish into a socket that does not drain returns only after
+        `bus.FLUSH_TIMEOUT_S`, and each ack had a deadline of its own, so a learner cut off from NATS spent
+        the one on every other chunk and then the other on an ack before it gave up."""
         window: deque[asyncio.Future[api.PubAck]] = deque()
         view = memoryview(payload)
         count = 0
-        for start in range(0, len(payload), chunk):
-            if len(window) >= PUBLISH_WINDOW:
-                await self._acked(window.popleft(), subject, chunk)
-            window.append(await self._js.publish_async(subject, bytes(view[start : start + chunk])))
-            count += 1
-        for future in window:
-            await self._acked(future, subject, chunk)
+        deadline_s = bus.REQUEST_TIMEOUT_S + len(payload) / (MIN_PULL_MB_S * 1e6)
+        give_up_at = time.monotonic() + deadline_s
+        try:
+            for start in range(0, len(payload), chunk):
+                if time.monotonic() > give_up_at:
+                    raise TimeoutError(f"{subject}: {count} chunks sent in {deadline_s:.1f}s, not all")
+                if len(window) >= PUBLISH_WINDOW:
+                    await self._acked(window.popleft(), subject, chunk, give_up_at)
+                window.append(await self._js.publish_async(subject, bytes(view[start : start + chunk])))
+                count += 1
+            while window:
+                await self._acked(window.popleft(), subject, chunk, give_up_at)
+        finally:
+            for future in window:  # a failed write's acks: each holds one of nats-py's in-flight slots till done
+                future.cancel()
         return count
 
-    async def _acked(self, future: asyncio.Future[api.PubAck], subject: str, chunk: int) -> None:
-        """Wait for one chunk's ack. nats-py never completes the future of a `publish_async` that JetStream
-        refused (its reply handler raises the refusal into the connection's error callback), so when an
-        ack does not come, a chunk of zeros is published to the same subject the waiting way, which raises
-        the refusal if that is why (a full store: `bus.jetstream_full`); a timeout otherwise. The probe is
-        purged with the failed object's chunks."""
+    async def _acked(self, future: asyncio.Future[api.PubAck], subject: str, chunk: int, give_up_at: float) -> None:
+        """Wait for one chunk's ack until give_up_at (monotonic). nats-py never completes the future of a
+        `publish_async` that JetStream refused (its reply handler raises the refusal into the connection's error
+        callback), so when an ack does not come, a chunk of zeros is published to the same subject the waiting
+        way, which raises the refusal if that is why (a full store: `bus.jetstream_full`); a timeout otherwise.
+        The probe is purged with the failed object's chunks."""
         try:
-            await asyncio.wait_for(future, bus.REQUEST_TIMEOUT_S)
+            await asyncio.wait_for(future, max(0.0, give_up_at - time.monotonic()))
         except TimeoutError:
             await self._js.publish(subject, bytes(chunk))
             raise

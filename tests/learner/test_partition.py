@@ -13,11 +13,11 @@ job from its checkpoint, and the ledger holds every step once.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import signal
 import time
 from pathlib import Path
 
+from blackhole import Blackhole
 from learner_fleet import create_job, insert_groups, learner_process, replay_service, spec_for
 from test_crash import finish, metrics
 from test_store_full import LEASE_S, PPS, STEPS, account, assert_exact, until
@@ -27,54 +27,6 @@ from fleetrl.replay.client import ReplayClient
 
 CUT_S = 4 * LEASE_S
 """How long the partition lasts: past the lease, so the job lease lapses in Redis."""
-
-
-class Blackhole:
-    """A TCP proxy to one upstream that can stop moving bytes (`cut`) and start again (`heal`)."""
-
-    def __init__(self, upstream_host: str, upstream_port: int) -> None:
-        self.upstream = (upstream_host, upstream_port)
-        self.flowing = asyncio.Event()
-        self.flowing.set()
-        self.server: asyncio.Server | None = None
-        self.tasks: set[asyncio.Task[None]] = set()
-
-    async def start(self) -> int:
-        self.server = await asyncio.start_server(self._accept, "127.0.0.1", 0)
-        return int(self.server.sockets[0].getsockname()[1])
-
-    def cut(self) -> None:
-        self.flowing.clear()
-
-    def heal(self) -> None:
-        self.flowing.set()
-
-    async def close(self) -> None:
-        assert self.server is not None
-        self.server.close()
-        for task in self.tasks:
-            task.cancel()
-        await asyncio.gather(*self.tasks, return_exceptions=True)
-
-    async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        await self.flowing.wait()  # a connection made during the cut is held, never answered
-        up_reader, up_writer = await asyncio.open_connection(*self.upstream)
-        for source, sink in ((reader, up_writer), (up_reader, writer)):
-            task = asyncio.create_task(self._pipe(source, sink))
-            self.tasks.add(task)
-            task.add_done_callback(self.tasks.discard)
-
-    async def _pipe(self, source: asyncio.StreamReader, sink: asyncio.StreamWriter) -> None:
-        try:
-            while data := await source.read(65536):
-                await self.flowing.wait()  # cut: the bytes wait here, the connection stays open
-                sink.write(data)
-                await sink.drain()
-        except (ConnectionError, asyncio.CancelledError):
-            pass
-        finally:
-            with contextlib.suppress(Exception):
-                sink.close()
 
 
 async def test_the_learner_cut_off_from_redis_stops_at_its_lease_and_resumes_when_it_heals(

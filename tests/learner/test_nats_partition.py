@@ -1,0 +1,152 @@
+"""A real partition: the learner alone cut off from NATS in the middle of a weight publish.
+
+The learner reaches nats-server through a TCP proxy in the test process (`Blackhole`); the test reaches
+it directly, and replay does not use NATS. The learner trains steps 1-3; then the test watches the
+job's object store on its own connection and, when the first chunk of v4 reaches the server, cuts the
+proxy: the learner's sockets stay open and get no answer, its new connections are held. The cut lasts
+`CUT_S`, past the deadlines of the learner's NATS calls in a weight publish and past its job lease, which
+it keeps renewing in Redis. The learner must notice within those deadlines (`NOTICE_S`), not hang on a
+socket (before `bus.FLUSH_TIMEOUT_S` it did, until the heal); it waits the cut out with the job paused and the reason
+on its status board and in the job's record (RUNNING: an outage is not the job's failure), keeps its
+leases, and goes on in the same run once bytes flow again. Then the job succeeds, the ledger holds every
+step once, the weight pointer (watched on the test's own connection, every entry) never moved backwards,
+and each pointer the test saw named an object that exists and whose bytes match its digest.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import re
+import signal
+import time
+from pathlib import Path
+
+from blackhole import Blackhole
+from learner_fleet import create_job, insert_groups, learner_process, replay_service, spec_for
+from nats.aio.msg import Msg
+from test_crash import finish, metrics
+from test_store_full import PPS, STEPS, account, assert_exact, learner_status, until
+
+from fleetrl.jobs.store import JobState, JobStore
+from fleetrl.replay.client import ReplayClient
+from fleetrl.tasks import bus
+from fleetrl.weights.store import WeightPointer, WeightStore
+
+CUT_S = 4 * bus.REQUEST_TIMEOUT_S
+"""How long the partition lasts: past the deadlines of an object's write (`WeightStore._publish_chunks`,
+`bus.REQUEST_TIMEOUT_S` and the payload's time at 20 MB/s), of the probe after it and of the purge of its
+chunks (`_write_object`), each a request with a flush before it (`bus.FLUSH_TIMEOUT_S`); so past the job
+lease too, and into nats-py's stale-connection check (pings every 10 s, 3 outstanding)."""
+NOTICE_S = 3 * (bus.REQUEST_TIMEOUT_S + bus.FLUSH_TIMEOUT_S) + 1
+"""By when the learner must have paused the job: those three deadlines, and the 13 MB payload's 0.7 s."""
+
+
+class PointerLog:
+    """Every entry of the job's weight pointer, as an actor sees it, each pulled at once and checked."""
+
+    def __init__(self, store: WeightStore, job_id: str) -> None:
+        self.store, self.job_id = store, job_id
+        self.seen: list[WeightPointer] = []
+        self.bad: list[str] = []
+
+    async def follow(self, kv_watch: object) -> None:
+        async for entry in kv_watch:  # type: ignore[attr-defined]
+            if entry is None or entry.value is None or entry.operation is not None:
+                continue
+            pointer = WeightPointer.from_json(entry.value)
+            self.seen.append(pointer)
+            try:
+                payload = await self.store.pull(self.job_id, pointer)
+            except Exception as error:  # a pointer to a missing or half-written object
+                self.bad.append(f"v{pointer.version}: {type(error).__name__}: {error}")
+                continue
+            if hashlib.sha256(payload).hexdigest() != pointer.sha256:
+                self.bad.append(f"v{pointer.version}: digest differs")
+
+
+async def test_the_learner_cut_off_from_nats_mid_publish_waits_it_out_and_goes_on(
+        nats_url: str, redis_url: str, tmp_path: Path) -> None:
+    host, port = nats_url.removeprefix("nats://").rsplit(":", 1)
+    proxy = Blackhole(host, int(port))
+    proxied = f"nats://127.0.0.1:{await proxy.start()}"
+    jobs = JobStore.from_url(redis_url)
+    nc = await bus.connect(nats_url, "test")
+    js = bus.jetstream(nc)
+    store = WeightStore(nc, js)
+    spec = spec_for(max_steps=STEPS, checkpoint_interval=2)
+    run_dir, log = tmp_path / "run", tmp_path / "learner.log"
+    cut = asyncio.Event()
+    follower: asyncio.Task[None] | None = None
+    try:
+        async with replay_service(redis_url) as addr, ReplayClient(addr) as replay:
+            job = await create_job(jobs, spec)
+            await insert_groups(replay, job, 3 * PPS)  # steps 1-3; step 4 waits for the test
+            learner = learner_process(proxied, redis_url, addr, run_dir, log, once=False,
+                                      FLEETRL_LEARNER_STORE_FULL_RETRY_S="1")
+            await until("step 3", lambda: len(metrics(run_dir, job.job_id)) >= 3)
+            pointers = PointerLog(store, job.job_id)
+            follower = asyncio.create_task(pointers.follow(await (await bus.ensure_weights_kv(js)).watch(job.job_id)))
+
+            async def on_chunk(msg: Msg) -> None:
+                if not cut.is_set():
+                    proxy.cut()
+                    cut.set()
+
+            sub = await nc.subscribe(f"$O.{bus.weights_bucket(job.job_id)}.C.>", cb=on_chunk)
+            await nc.flush()
+            await insert_groups(replay, job, STEPS * PPS + 2, skip=3 * PPS)
+            await asyncio.wait_for(cut.wait(), 60)  # v4's first chunk reached the server
+            cut_at = time.monotonic()
+            await sub.unsubscribe()
+            pointer_at_cut = await store.latest(job.job_id)
+            noticed_s, status = None, None
+            while time.monotonic() - cut_at < CUT_S:
+                if noticed_s is None and (status := await learner_status(log)).phase == "paused":
+                    noticed_s = time.monotonic() - cut_at
+                await asyncio.sleep(0.1)
+            alive = learner.poll() is None
+            during = await jobs.get(job.job_id)
+            lease_holder = await jobs.lease_holder(job.job_id)
+            steps_during = len(metrics(run_dir, job.job_id))
+            proxy.heal()
+            healed_at = time.monotonic()
+            await until("step 4", lambda: len(metrics(run_dir, job.job_id)) >= 4, 60)
+            resumed_s = time.monotonic() - healed_at
+            await until("the job's end", lambda: f"job {job.job_id} ledger" in log.read_text(), 60)
+            learner.send_signal(signal.SIGTERM)
+            await finish(learner)
+            record = await jobs.get(job.job_id)
+            accounting = await account(nats_url, redis_url, job.job_id)
+            await asyncio.sleep(0.5)  # the watcher's last pull
+    finally:
+        if follower is not None:
+            follower.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await follower
+        await nc.close()
+        await proxy.close()
+        await jobs.close()
+    text = log.read_text()
+    versions = [p.version for p in pointers.seen]
+    at_cut = pointer_at_cut and pointer_at_cut.version
+    print(f"nats cut off from the learner at v4's first chunk (pointer then v{at_cut})"
+          f" for {CUT_S:.0f}s: noticed (status paused) after {noticed_s}s, reason {status and status.paused_reason!r},"
+          f" record {during and (during.state.value, during.reason)!r}; step 4 trained {resumed_s:.1f}s after the "
+          f"heal; pointer versions seen {versions}; "
+          f"{[line.split(' ', 3)[-1] for line in text.splitlines() if re.search('paused|pause ends|failed', line)]}; "
+          f"ledger: {accounting.counts}")
+    assert alive, "the learner exited during the partition"
+    assert pointer_at_cut is not None and pointer_at_cut.version == 3, pointer_at_cut  # the cut came mid-publish
+    assert steps_during == 3  # nothing trained past an unpublished version
+    assert lease_holder is not None  # Redis was reachable: the run kept its job lease
+    assert noticed_s is not None and noticed_s <= NOTICE_S, noticed_s  # deadlines, not a hang
+    assert status is not None and "NATS" in status.paused_reason and "v4" in status.paused_reason, status
+    assert during is not None and during.state == JobState.RUNNING and during.reason == status.paused_reason, during
+    assert resumed_s <= 2 * bus.REQUEST_TIMEOUT_S, resumed_s
+    assert "Traceback" not in text and "resumed from step" not in text  # one run, waited out
+    assert record.state == JobState.SUCCEEDED and record.lease_epoch == 1 and not record.reason, record
+    assert versions == sorted(versions) and versions[-1] == STEPS, versions  # never backwards
+    assert not pointers.bad, pointers.bad  # every pointer seen named a whole object with its digest
+    assert_exact(accounting, run_dir, job.job_id)
