@@ -264,6 +264,12 @@ class HFBackend:
         seed: int, ignore_eos: bool = False,
     ) -> list[Completion]:
         """n completions of one prompt; every draw comes from a generator seeded with `seed`."""
+        return self._generate(prompt_token_ids, n, max_new_tokens, temperature, top_p, seed, ignore_eos)
+
+    def _generate(self, prompt_token_ids: list[int], n: int, max_new_tokens: int, temperature: float, top_p: float,
+                  seed: int, ignore_eos: bool) -> list[Completion]:
+        """`generate`'s body: what `generate_groups` calls for one group, past a subclass's `generate` (a shared
+        base's takes the base's lock, which its `generate_groups` already holds)."""
         generator = torch.Generator(device=self.device).manual_seed(seed)
         tokens_T, logprobs_T = self._sample(prompt_token_ids, n, max_new_tokens, temperature, top_p,
                                             generator, ignore_eos)
@@ -375,8 +381,7 @@ class HFBackend:
         probability boundary can come out otherwise than in a solo generation of the same task."""
         if len(requests) == 1:
             r = requests[0]
-            return [self.generate(r.prompt_token_ids, r.n, max_new_tokens=r.max_new_tokens,
-                                  temperature=r.temperature, top_p=r.top_p, seed=r.seed)]
+            return [self._generate(r.prompt_token_ids, r.n, r.max_new_tokens, r.temperature, r.top_p, r.seed, False)]
         device = self.device
         out, attention, next_position, _ = self._prefill_rows([r.prompt_token_ids for r in requests], None)
         group_of = torch.repeat_interleave(torch.arange(len(requests), device=device),

@@ -15,13 +15,16 @@ from peft import LoraConfig, get_peft_model
 
 from fleetrl.errors import FailedPrecondition, InvalidArgument
 from fleetrl.policy import models
-from fleetrl.policy.backends import LOGPROB_TOL, make_backend
+from fleetrl.policy.backends import LOGPROB_TOL, GroupRequest, make_backend
 from fleetrl.policy.shared_base import shared_bases
 from fleetrl.spec.config import LoraSpec
 from fleetrl.weights.adapters import adapter_tensors
 
 MODEL = "tiny-llama"
 LORA = LoraSpec(rank=4, alpha=8)
+
+
+ROUND = [GroupRequest([1, 2, 3, 4], 3, 5, 1.0, 1.0, seed=7), GroupRequest([5, 6, 7], 2, 5, 1.0, 1.0, seed=8)]
 
 
 def version(seed: int) -> dict[str, torch.Tensor]:
@@ -63,6 +66,9 @@ def test_jobs_share_one_base_and_sample_as_their_own_merged_copies() -> None:
             tokens, logprobs = sample(shared)
             own_tokens, own_logprobs = sample(merged)
             assert tokens == own_tokens and close_enough(logprobs, own_logprobs)
+            for batch in (ROUND[:1], ROUND):  # an actor's round of one task (one lock, not two) and of two
+                assert [[c.token_ids for c in g] for g in shared.generate_groups(batch)] == \
+                    [[c.token_ids for c in g] for g in merged.generate_groups(batch)]
         alone = sample(first)
         second.load_adapter(version(3))  # another job's new version
         assert sample(first) == alone
