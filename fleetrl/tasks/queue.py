@@ -29,7 +29,6 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 
-import nats.errors
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 
@@ -108,7 +107,7 @@ class JobQueue:
     async def fetch(self, limit: int = 1) -> list[Msg]:
         try:
             return list(await self._sub.fetch(limit, timeout=self._settings.fetch_timeout_s))
-        except nats.errors.TimeoutError:
+        except TimeoutError:  # nats-py raises its own subclass for one message, the builtin for a batch
             return []
 
     async def _traced(self, msg: Msg, task: common_pb2.Task | Exception, fetch_ns: int, produce: Produce) -> None:
