@@ -125,7 +125,10 @@ def run(args: argparse.Namespace, out: Console) -> int:
     run_dir = args.dir.resolve()
     run_dir.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
-    with fleet_address(args, run_dir, out, spec.model) as address, Client(address, token=args.token) as client:
+    # the actors load a LoRA job's base before it is submitted (nothing to preload for a warm start: the RL
+    # job trains the sft job's model, not spec.model)
+    preload = spec.model if spec.train.lora is not None and not args.warm_start else None
+    with fleet_address(args, run_dir, out, spec.model, preload) as address, Client(address, token=args.token) as client:
         warm = train(client, args.warm_start, sft_overrides, run_dir / "sft-model", out) if args.warm_start else None
         if warm is not None and warm.job.state != "succeeded":
             return EXIT_FAILURE
@@ -194,9 +197,10 @@ def eval_problems(path: Path, count: int) -> list[dict[str, Any]]:
 
 
 @contextlib.contextmanager
-def fleet_address(args: argparse.Namespace, run_dir: Path, out: Console, model: str) -> Iterator[str]:
+def fleet_address(args: argparse.Namespace, run_dir: Path, out: Console, model: str,
+                  preload: str | None = None) -> Iterator[str]:
     """The gateway to use: --gateway, a fleet already running in run_dir, or a new one (stopped after)
-    whose gateway allows `model`."""
+    whose gateway allows `model` and whose actors preload `preload` (`ActorSettings.preload_models`)."""
     if args.gateway:
         yield args.gateway
         return
@@ -211,7 +215,8 @@ def fleet_address(args: argparse.Namespace, run_dir: Path, out: Console, model: 
     options = FleetOptions(run_dir=run_dir, actors=args.actors, cores=args.cores,
                            learner_threads=args.learner_threads, actor_threads=args.actor_threads,
                            cores_mode=args.cores_mode, gpus=args.gpus, allowed_models=allowed_models,
-                           model_roots=model_roots)
+                           model_roots=model_roots,
+                           extra_env={"FLEETRL_ACTOR_PRELOAD_MODELS": json.dumps([preload])} if preload else {})
     with started_fleet(options, out) as layout:
         yield layout.addresses["gateway"]
 

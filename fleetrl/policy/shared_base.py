@@ -14,7 +14,8 @@ number of jobs, and each job adds only its adapter (rank x (in + out) per target
 - Unmerged, not merged: `MergedAdapter` writes the adapter into the base's weights, which the other
   jobs read. The learner computes its log-probs through the same unmerged PEFT layers.
 - Full fine-tuning jobs keep their own copy (`HFBackend`); `load_weights` is refused here.
-- `close` removes the job's adapter; the last user's close drops the base.
+- `close` removes the job's adapter; the last user's close drops the base, unless the actor preloaded
+  it (`preload`, the actor's `preload_models`): then it stays for the next job on it.
 """
 
 from __future__ import annotations
@@ -47,6 +48,9 @@ class _Base:
     tokenizer: Any
     lock: threading.Lock
     users: int = 0
+    """The jobs on it, plus one while it is pinned."""
+    pinned: bool = False
+    """Preloaded (`preload`): kept when its last job closes."""
 
 
 _BASES: dict[BaseKey, _Base] = {}
@@ -56,6 +60,32 @@ _BASES_LOCK = threading.Lock()
 def adapter_name(job_id: str) -> str:
     """A job id as a PEFT adapter name (a module-dict key: no dots)."""
     return re.sub(r"[^A-Za-z0-9_]", "_", job_id) or "job"
+
+
+def preload(model_name: str, *, dtype: str, device: str) -> BaseKey:
+    """Load the base of (model, dtype, device) now and keep it for this process's life (an actor's
+    `preload_models`): a LoRA job on it then starts without loading the model. Idempotent."""
+    from fleetrl.policy import models
+
+    key = (model_name, dtype, device)
+    with _BASES_LOCK:
+        base = _BASES.get(key)
+        if base is None:
+            model, tokenizer = models.load(model_name, dtype=dtype, device=device)
+            base = _BASES[key] = _Base(key, model, tokenizer, threading.Lock())
+        if not base.pinned:
+            base.pinned, base.users = True, base.users + 1  # the process's own use: the base outlives its jobs
+    return key
+
+
+def unload(model_name: str, *, dtype: str, device: str) -> None:
+    """Undo `preload`: the base goes when its last job closes (now, when it has none)."""
+    with _BASES_LOCK:
+        base = _BASES.get((model_name, dtype, device))
+        if base is not None and base.pinned:
+            base.pinned, base.users = False, base.users - 1
+            if base.users == 0:
+                _BASES.pop(base.key, None)
 
 
 def shared_bases() -> int:
@@ -135,7 +165,10 @@ class SharedBaseBackend(HFBackend):
             if base.users == 0:
                 _BASES.pop(base.key, None)
             elif self._name in base.model.peft_config:
-                base.model.delete_adapter(self._name)
+                if len(base.model.peft_config) == 1:  # a preloaded base's last job: PEFT cannot run with none
+                    base.model = base.model.unload()  # the plain model again (its LoRA layers taken out)
+                else:
+                    base.model.delete_adapter(self._name)
 
 
 def _with_adapter(model: Any, name: str, lora: LoraSpec) -> Any:

@@ -8,7 +8,8 @@ while LoRA jobs sharing their base (`share_lora_base`, `fleetrl.policy.shared_ba
 their adapter and the base once between them; a vLLM backend adds its KV cache
 (`vllm_kv_cache_gib`) to its engine, and LoRA jobs sharing a vLLM engine (one base, one rank bucket)
 each commit their adapter and the engine once between them; the fixed backend holds a tokenizer
-only. Activations and the HF backend's KV cache during a generation are not counted: they are per
+only. A shared hf base the actor preloaded (`preload_models`) is committed from the start, held or
+not. Activations and the HF backend's KV cache during a generation are not counted: they are per
 generation, not per job, and the budget's default leaves room for them.
 
 `MemoryBudget` keeps what each held job committed and when it last served a task. A job that fits
@@ -66,8 +67,28 @@ def job_cost(spec: JobSpec, settings: ActorSettings) -> Cost:
         return Cost(lora.rank * sizes.adapter_per_rank,
                     ((spec.model, settings.dtype, f"{settings.device} vllm rank {bucket}"), engine))
     if lora is not None and settings.share_lora_base:  # hf
-        return Cost(lora.rank * sizes.adapter_per_rank, ((spec.model, settings.dtype, settings.device), sizes.total))
+        return Cost(lora.rank * sizes.adapter_per_rank, (shared_base_key(spec.model, settings), sizes.total))
     return Cost(sizes.total + (sizes.targeted if lora is not None else 0))
+
+
+def shared_base_key(model: str, settings: ActorSettings) -> tuple[str, str, str]:
+    """The key of the hf backend's shared LoRA base of model here (`fleetrl.policy.shared_base.BaseKey`)."""
+    return model, settings.dtype, settings.device
+
+
+def preloaded_base(model: str, settings: ActorSettings) -> tuple[tuple[str, str, str], int]:
+    """What a preloaded shared base commits: (its key, the model's weights in the actor's dtype)."""
+    from fleetrl.policy import models
+
+    return shared_base_key(model, settings), models.weight_sizes(model, settings.dtype).total
+
+
+def preloadable(model: str, settings: ActorSettings) -> bool:
+    """Whether a LoRA job on model would run on a shared hf base here, the only kind an actor preloads."""
+    from fleetrl.policy.backends import resolve_backend
+    from fleetrl.spec.config import LoraSpec
+
+    return settings.share_lora_base and resolve_backend(settings.backend, model, settings.device, LoraSpec()) == "hf"
 
 
 def memory_limit_bytes() -> int:
@@ -97,6 +118,8 @@ class MemoryBudget:
     limit: int
     min_residency_s: float
     costs: dict[str, Cost] = field(default_factory=dict)
+    pinned: set[tuple[tuple[str, str, str], int]] = field(default_factory=set)
+    """Preloaded shared bases (key, bytes): committed whatever jobs are held."""
     opened: dict[str, float] = field(default_factory=dict)
     served: dict[str, float] = field(default_factory=dict)
 
@@ -107,7 +130,7 @@ class MemoryBudget:
     def _used(self, jobs: set[str], extra: Cost | None = None) -> int:
         """Bytes the jobs (and a job of cost extra) commit: each one's own, each shared base once."""
         costs = [self.costs[job] for job in jobs] + ([extra] if extra is not None else [])
-        bases = {cost.base for cost in costs if cost.base is not None}
+        bases = {cost.base for cost in costs if cost.base is not None} | self.pinned
         return sum(cost.own for cost in costs) + sum(size for _, size in bases)
 
     def make_room(self, cost: Cost, now: float) -> list[str] | None:

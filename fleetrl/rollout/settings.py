@@ -45,6 +45,11 @@ class ActorSettings(InfraSettings):
     """On the hf backend, LoRA jobs on the same model, dtype and device share one copy of the base,
     each job one adapter of it, applied unmerged (`fleetrl.policy.shared_base`); false: each LoRA job
     merges its adapter into a copy of the base of its own (faster per token, one base per job)."""
+    preload_models: list[str] = Field(default_factory=list, max_length=16)
+    """Base models loaded when the actor starts and kept for its life, so that a LoRA job on one of them
+    starts without loading it (the hf backend's shared bases, `share_lora_base`; a model the actor would
+    serve with another backend is skipped, logged). Each counts against the memory budget from the start.
+    `fleetrl demo` preloads its job's model."""
     memory_budget_mb: int = Field(0, ge=0, le=1 << 30)
     """Most memory the jobs this actor holds at once may commit, in MiB: each job's estimated weights
     (and a vllm backend's KV cache; `fleetrl.rollout.memory`). A job that does not fit is taken after

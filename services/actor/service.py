@@ -31,6 +31,7 @@ from prometheus_client import start_http_server
 
 from fleetrl.errors import RETRYABLE_CODES
 from fleetrl.jobs.store import JobRecord, JobState, JobStore
+from fleetrl.policy import shared_base
 from fleetrl.policy.backends import make_backend
 from fleetrl.proto.fleetrl.v1 import reward_pb2
 from fleetrl.replay.client import ReplayClient
@@ -39,7 +40,7 @@ from fleetrl.rollout import metrics
 from fleetrl.rollout.batching import RoundBatch, tasks_per_round
 from fleetrl.rollout.fair_share import FairShare, job_weights
 from fleetrl.rollout.job_policy import JobPolicy
-from fleetrl.rollout.memory import Cost, MemoryBudget, budget_bytes, job_cost
+from fleetrl.rollout.memory import Cost, MemoryBudget, budget_bytes, job_cost, preloadable, preloaded_base
 from fleetrl.rollout.rollout import JobContext, Rollout
 from fleetrl.rollout.settings import ActorSettings
 from fleetrl.runtime import heartbeat, telemetry
@@ -101,6 +102,7 @@ class Actor:
         metrics.MEMORY_BUDGET.set(self.memory.limit)
         if s.metrics_port:
             start_http_server(s.metrics_port)
+        await self._preload()
         async with AsyncExitStack() as stack:
             nc = await bus.connect(s.nats_url, f"actor-{s.actor_id}")
             stack.push_async_callback(self._drain, nc)
@@ -129,6 +131,20 @@ class Actor:
                     with contextlib.suppress(TimeoutError):
                         await asyncio.wait_for(stop.wait(), s.poll_interval_s if not self.jobs else 0.05)
         log.info("actor %s stopped", s.actor_id)
+
+    async def _preload(self) -> None:
+        """Load the `preload_models` bases now, each held for the actor's life and committed in its budget."""
+        for model in self.settings.preload_models:
+            if not preloadable(model, self.settings):
+                log.warning("preload_models: %s is not preloaded (its LoRA jobs would not run on a shared hf base "
+                            "here: backend %s, share_lora_base %s)", model, self.settings.backend,
+                            self.settings.share_lora_base)
+                continue
+            started = time.monotonic()
+            await asyncio.to_thread(shared_base.preload, model, dtype=self.settings.dtype, device=self.settings.device)
+            self.memory.pinned.add(await asyncio.to_thread(preloaded_base, model, self.settings))
+            metrics.MEMORY_COMMITTED.set(self.memory.used)
+            log.info("preloaded %s in %.1fs", model, time.monotonic() - started)
 
     async def _serve_round(self, rollout: Rollout, stop: asyncio.Event) -> bool:
         """One task of the first job in fair-share order that has one; whether a task was taken."""

@@ -18,7 +18,7 @@ from test_episodes import scrape
 
 from fleetrl.launcher.embedded import free_port
 from fleetrl.policy import models
-from fleetrl.rollout.memory import Cost, MemoryBudget, job_cost
+from fleetrl.rollout.memory import Cost, MemoryBudget, job_cost, preloadable, preloaded_base
 from fleetrl.rollout.settings import ActorSettings
 from tests.actor.actor_fleet import MODEL, Fleet, job_spec, wait_until
 
@@ -82,6 +82,23 @@ def test_jobs_on_a_shared_base_count_it_once() -> None:
     for job in ("a", "b", "c", "d"):
         budget.release(job)
     assert budget.used == 0
+
+
+def test_a_preloaded_base_is_committed_held_or_not() -> None:
+    settings = ActorSettings(actor_id="a", backend="hf", preload_models=[MODEL])
+    pinned = preloaded_base(MODEL, settings)
+    lora_job = job_cost(job_spec(train={"lora": {"rank": 4}}), settings)
+    assert lora_job.base == pinned  # a LoRA job's shared base is the preloaded one
+    budget = MemoryBudget(limit=pinned[1] + lora_job.own, min_residency_s=0, pinned={pinned})
+    assert budget.used == pinned[1]  # no job held yet
+    assert budget.make_room(lora_job, now=0) == []  # it fits beside its base, counted once
+    budget.hold("lora", lora_job, now=0)
+    assert budget.used == pinned[1] + lora_job.own
+    assert budget.make_room(job_cost(job_spec(), settings), now=1) is None  # a full copy does not fit beside it
+    budget.release("lora")
+    assert budget.used == pinned[1]
+    assert preloadable(MODEL, settings)
+    assert not preloadable(MODEL, settings.model_copy(update={"share_lora_base": False}))
 
 
 async def test_an_actor_holds_what_its_budget_allows_and_jobs_take_turns(fleet: Fleet) -> None:

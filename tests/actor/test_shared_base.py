@@ -16,7 +16,7 @@ from peft import LoraConfig, get_peft_model
 from fleetrl.errors import FailedPrecondition, InvalidArgument
 from fleetrl.policy import models
 from fleetrl.policy.backends import LOGPROB_TOL, GroupRequest, make_backend
-from fleetrl.policy.shared_base import shared_bases
+from fleetrl.policy.shared_base import preload, shared_bases, unload
 from fleetrl.spec.config import LoraSpec
 from fleetrl.weights.adapters import adapter_tensors
 
@@ -88,4 +88,30 @@ def test_jobs_share_one_base_and_sample_as_their_own_merged_copies() -> None:
         assert shared_bases() == before + 1
         second.close()
         merged.close()
+    assert shared_bases() == before
+
+
+def test_a_preloaded_base_outlives_its_jobs() -> None:
+    """An actor's `preload_models`: the base is loaded before any job and kept when its last job closes;
+    the next job on it gets a fresh adapter of its own on the same base."""
+    before = shared_bases()
+    preload(MODEL, dtype="float32", device="cpu")
+    preload(MODEL, dtype="float32", device="cpu")  # idempotent
+    assert shared_bases() == before + 1
+    first = make_backend("hf", MODEL, dtype="float32", device="cpu", lora=LORA, share_lora_base=True, job_id="p-1")
+    first.load_adapter(version(1))
+    first.close()
+    assert shared_bases() == before + 1  # kept for the next job
+    second = make_backend("hf", MODEL, dtype="float32", device="cpu", lora=LORA, share_lora_base=True, job_id="p-2")
+    merged = make_backend("hf", MODEL, dtype="float32", device="cpu", lora=LORA)
+    try:
+        for tensors in (version(2), version(3)):
+            second.load_adapter(tensors)
+            merged.load_adapter(tensors)
+            assert sample(second)[0] == sample(merged)[0]
+    finally:
+        second.close()
+        merged.close()
+    assert shared_bases() == before + 1
+    unload(MODEL, dtype="float32", device="cpu")
     assert shared_bases() == before
