@@ -4,13 +4,16 @@
 (SmolLM2-135M by default, LoRA rank 16, float32), each measurement in a fresh child process:
 - shared: the jobs' backends as an actor builds them with `share_lora_base` (one base, one
   unmerged adapter per job, `fleetrl.policy.shared_base`);
+- mixed: the shared base, each round's groups of all the jobs in one batch, each row through its own
+  job's adapter (`shared_base.generate_mixed`, peft's mixed-adapter batches);
 - own: with `share_lora_base = false` (each job merges its adapter into a base of its own).
-The child builds the backends, loads a distinct adapter version into each, then serves the jobs in
-turn, one group (`--samples` completions of `--new-tokens` tokens) per job per round, as an actor
-does, after one untimed short generation per job. It reports its peak RSS (ru_maxrss, after the
-Python and torch start-up it shares with either mode), completions/s over the rounds, and each
-job's completions. Goals for 4 jobs on one
-base: peak RSS <= 1.3x one job's, completions/s >= 0.9x a single job's.
+The child builds the backends, loads a distinct adapter version into each, then serves the jobs,
+one group (`--samples` completions of at most `--new-tokens` tokens, eos allowed) per job per round:
+in turn (shared, own), as an actor's rounds of one job's tasks do, or all at once (mixed), after one
+untimed short generation per job. It reports its peak RSS (ru_maxrss, after the Python and torch
+start-up it shares with every mode), completions/s and new tokens/s over the rounds, and each job's
+completions. Goals for 4 jobs on one base: peak RSS <= 1.3x one job's, completions/s >= 0.9x a
+single job's. mixed_over_shared_tokens_4: the mixed batch's tokens/s over the jobs in turn, 4 jobs.
 
 The jobs run one at a time here; the fleet's fair share across them (weighted fair queueing) is
 measured by tests/actor/test_fair_share.py, not here.
@@ -33,27 +36,35 @@ def child(mode: str, jobs: int, args: argparse.Namespace) -> dict[str, Any]:
     """One measurement, in this process."""
     import torch
 
-    from fleetrl.policy.backends import make_backend
+    from fleetrl.policy.backends import GroupRequest, make_backend
+    from fleetrl.policy.shared_base import generate_mixed
     from fleetrl.spec.config import LoraSpec
 
     torch.set_num_threads(args.threads)
     lora = LoraSpec(rank=args.rank)
     backends = [make_backend("hf", args.model, dtype="float32", device="cpu", lora=lora,
-                             share_lora_base=mode == "shared", job_id=f"job-{j}") for j in range(jobs)]
+                             share_lora_base=mode != "own", job_id=f"job-{j}") for j in range(jobs)]
     for j, backend in enumerate(backends):
         backend.load_adapter(adapter_version(backend, j))
     prompt = [1, *range(100, 140)]
     for backend in backends:  # warm up: the first forward of each job is not timed
         backend.generate(prompt, 1, max_new_tokens=2, temperature=1.0, top_p=1.0, seed=0)
-    done = [0] * jobs
+    done, tokens = [0] * jobs, 0
     started = time.perf_counter()
     for round_ in range(args.rounds):
-        for j, backend in enumerate(backends):
-            done[j] += len(backend.generate(prompt, args.samples, max_new_tokens=args.new_tokens, temperature=1.0,
-                                            top_p=1.0, seed=round_, ignore_eos=True))
+        requests = [GroupRequest(prompt, args.samples, args.new_tokens, 1.0, 1.0, seed=round_ * jobs + j)
+                    for j in range(jobs)]
+        if mode == "mixed":  # the round's groups in one batch, each row through its job's adapter
+            groups = generate_mixed(list(zip(backends, requests, strict=True)))  # type: ignore[arg-type]
+        else:  # one job's group at a time
+            groups = [backend.generate_groups([request])[0]
+                      for backend, request in zip(backends, requests, strict=True)]
+        for j, group in enumerate(groups):
+            done[j] += len(group)
+            tokens += sum(len(c.token_ids) for c in group)
     seconds = time.perf_counter() - started
     return {"peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
-            "completions_per_s": sum(done) / seconds, "completions_per_job": done}
+            "completions_per_s": sum(done) / seconds, "tokens_per_s": tokens / seconds, "completions_per_job": done}
 
 
 def adapter_version(backend: Any, seed: int) -> dict[str, Any]:
@@ -67,7 +78,7 @@ def adapter_version(backend: Any, seed: int) -> dict[str, Any]:
 def measure(args: argparse.Namespace) -> dict[str, Any]:
     out: dict[str, Any] = {"model": args.model, "rank": args.rank, "samples": args.samples,
                            "new_tokens": args.new_tokens, "rounds": args.rounds}
-    for mode in ("shared", "own"):
+    for mode in ("shared", "mixed", "own"):
         out[mode] = {}
         for jobs in JOBS:
             argv = [sys.executable, "-m", "bench.tenants", "--child", mode, str(jobs), *forwarded(args)]
@@ -78,6 +89,8 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     out["own_rss_4_over_1"] = own["4"]["peak_rss_mb"] / own["1"]["peak_rss_mb"]
     out["shared_throughput_4_over_1"] = shared["4"]["completions_per_s"] / shared["1"]["completions_per_s"]
     out["shared_over_own_throughput_1"] = shared["1"]["completions_per_s"] / own["1"]["completions_per_s"]
+    out["mixed_over_shared_tokens_4"] = out["mixed"]["4"]["tokens_per_s"] / shared["4"]["tokens_per_s"]
+    out["mixed_throughput_4_over_1"] = out["mixed"]["4"]["tokens_per_s"] / shared["1"]["tokens_per_s"]
     return out
 
 

@@ -342,10 +342,11 @@ class HFBackend:
         self._turns = self._left_in_cache(out.cache, attention, held, tokens_T, max_new_tokens)
         return tokens_T, logprobs_T
 
-    def _prefill_rows(self, prompts: list[list[int]], turns: _TurnCache | None
+    def _prefill_rows(self, prompts: list[list[int]], turns: _TurnCache | None, **extra: Any
                       ) -> tuple[Any, Tensor, Tensor, list[tuple[int, ...]]]:
         """(model output, attention (B, W), next positions (B, 1), real tokens held per row) after
-        prefilling the prompts: only what each adds to a row of `turns` when all of them extend one."""
+        prefilling the prompts: only what each adds to a row of `turns` when all of them extend one.
+        extra: more inputs of the forward (a shared base's per-row `adapter_names`)."""
         device, rows = self.device, len(prompts)
         extended = turns.rows_extended_by(prompts) if turns is not None else None
         if turns is None or extended is None:
@@ -367,7 +368,7 @@ class HFBackend:
         positions = (held_lens + fresh.cumsum(-1) - 1).clamp(min=0)  # (B, C) each real token at its true position
         attention = torch.cat([past, fresh], dim=-1)
         out = self._forward(cache, input_ids=input_ids, attention_mask=attention, position_ids=positions,
-                            logits_to_keep=1)
+                            logits_to_keep=1, **extra)
         held = [(*before, *new) for before, new in zip(held, news, strict=True)]
         return out, attention, positions[:, -1:] + 1, held
 
@@ -382,10 +383,17 @@ class HFBackend:
         if len(requests) == 1:
             r = requests[0]
             return [self._generate(r.prompt_token_ids, r.n, r.max_new_tokens, r.temperature, r.top_p, r.seed, False)]
+        return self._decode_groups(requests, None)
+
+    def _decode_groups(self, requests: list[GroupRequest], adapters: list[str] | None) -> list[list[Completion]]:
+        """`generate_groups`' batched decode; adapters: the PEFT adapter of each request's rows (a shared
+        base's mixed batch, `shared_base.generate_mixed`), None for the model as it is."""
         device = self.device
-        out, attention, next_position, _ = self._prefill_rows([r.prompt_token_ids for r in requests], None)
         group_of = torch.repeat_interleave(torch.arange(len(requests), device=device),
                                            torch.tensor([r.n for r in requests], device=device))  # (R,)
+        row_adapters = {} if adapters is None else {"adapter_names": [adapters[g] for g in group_of.tolist()]}
+        out, attention, next_position, _ = self._prefill_rows(
+            [r.prompt_token_ids for r in requests], None, **({} if adapters is None else {"adapter_names": adapters}))
         out.cache.batch_select_indices(group_of)
         out = _Step(out.logits[group_of], out.cache)
         attention, next_position = attention[group_of], next_position[group_of]
@@ -414,7 +422,7 @@ class HFBackend:
                 break
             attention = torch.cat([attention, torch.ones((len(group_of), 1), dtype=torch.long, device=device)], dim=-1)
             out = self._forward(out.cache, input_ids=token[:, None], attention_mask=attention,
-                                position_ids=next_position)
+                                position_ids=next_position, **row_adapters)
             next_position = next_position + 1
         tokens_R_T = torch.stack(tokens_T, dim=1).tolist()  # (R, T)
         logprobs_R_T = torch.stack(logprobs_T, dim=1).tolist()

@@ -93,6 +93,17 @@ def shared_bases() -> int:
     return len(_BASES)
 
 
+def generate_mixed(work: list[tuple[SharedBaseBackend, GroupRequest]]) -> list[list[Completion]]:
+    """Several LoRA jobs' groups on one base in one batch, each group through its own job's adapter
+    (peft's mixed-adapter batches: every forward gets each row's adapter name, `adapter_names`), each
+    drawing from its own seed as in `HFBackend.generate_groups`."""
+    base = work[0][0]._base
+    if any(backend._base is not base for backend, _ in work):
+        raise ValueError("a mixed batch runs on one shared base")
+    with base.lock:
+        return work[0][0]._decode_groups([request for _, request in work], [backend._name for backend, _ in work])
+
+
 class SharedBaseBackend(HFBackend):
     """A LoRA job's backend on a base it shares with the other LoRA jobs on it."""
 
@@ -113,6 +124,10 @@ class SharedBaseBackend(HFBackend):
         super().__init__(base.model, base.tokenizer)
         self._cache_arg = _cache_argument(base.model.get_base_model())
         self._base, self._name = base, name
+
+    def shares_base_with(self, other: SharedBaseBackend) -> bool:
+        """Whether other is an adapter of this job's base (one mixed batch can serve both)."""
+        return other._base is self._base
 
     def generate(self, *args: Any, **kwargs: Any) -> list[Completion]:
         with self._base.lock:

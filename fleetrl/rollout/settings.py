@@ -77,6 +77,10 @@ class ActorSettings(InfraSettings):
     as many tasks as fit (samples_per_prompt x max_new_tokens each), at least 1 and at most the job's
     prompts_per_step (more would be stale by the time the learner reached them). 0: one task a round.
     A job with an environment takes one task a round."""
+    mix_lora_jobs: bool = True
+    """A round with room left in round_tokens takes tasks already queued for the other single-turn LoRA jobs
+    on its job's shared base too, all their adapters mixed in one batch (`fleetrl.rollout.batching`);
+    false: a round holds one job's tasks."""
     weights_wait_s: float = Field(10.0, gt=0, le=3600)
     """Longest a task waits for weights as new as its min_policy_version before it is released."""
     weights_pull_attempts: int = Field(5, ge=1, le=100)

@@ -59,6 +59,11 @@ ProduceRound = Callable[[int], Produce]
 """Given how many tasks a round of deliveries holds, the `Produce` each of them runs (they share a batch)."""
 
 
+def parsed_count(tasks: list[common_pb2.Task | Exception]) -> int:
+    """How many of a round's deliveries parsed (the others are dead-lettered without a rollout)."""
+    return sum(isinstance(task, common_pb2.Task) for task in tasks)
+
+
 def parse(msg: Msg) -> common_pb2.Task | Exception:
     """The delivery's task, or why it does not parse."""
     try:
@@ -88,8 +93,8 @@ class JobQueue:
 
     async def take_many(self, limit: int, produce_round: ProduceRound) -> int:
         """Take up to limit deliveries (those JetStream has now, or the first to come within the fetch
-        timeout) and finish them concurrently, each in its own span, with its own keep-alive and its own
-        ack; how many were taken. produce_round(n) gives the `Produce` of a round of n parsed tasks."""
+        timeout) and finish them concurrently (`handle_round`); how many were taken. produce_round(n)
+        gives the `Produce` of a round of n parsed tasks."""
         fetch_ns = time.time_ns()
         msgs = await self.fetch(limit)
         if not msgs:
@@ -97,18 +102,25 @@ class JobQueue:
         self._activity.begin(self.job_id)
         try:
             tasks = [parse(msg) for msg in msgs]
-            produce = produce_round(sum(isinstance(task, common_pb2.Task) for task in tasks))
-            await asyncio.gather(*(self._traced(msg, task, fetch_ns, produce) for msg, task in zip(msgs, tasks,
-                                                                                                  strict=True)))
+            await self.handle_round(msgs, tasks, fetch_ns, produce_round(parsed_count(tasks)))
         finally:
             self._activity.end()
         return len(msgs)
 
-    async def fetch(self, limit: int = 1) -> list[Msg]:
+    async def fetch(self, limit: int = 1, timeout_s: float | None = None) -> list[Msg]:
+        """Up to limit deliveries: those JetStream has now, else the first within timeout_s (default
+        `fetch_timeout_s`); none when none came."""
         try:
-            return list(await self._sub.fetch(limit, timeout=self._settings.fetch_timeout_s))
+            return list(await self._sub.fetch(limit, timeout=timeout_s or self._settings.fetch_timeout_s))
         except TimeoutError:  # nats-py raises its own subclass for one message, the builtin for a batch
             return []
+
+    async def handle_round(self, msgs: list[Msg], tasks: list[common_pb2.Task | Exception], fetch_ns: int,
+                           produce: Produce) -> None:
+        """The fetched deliveries (their tasks parsed: `parse`), concurrently, each in its own span
+        (started at fetch_ns), with its own keep-alive and its own ack."""
+        await asyncio.gather(*(self._traced(msg, task, fetch_ns, produce) for msg, task in zip(msgs, tasks,
+                                                                                              strict=True)))
 
     async def _traced(self, msg: Msg, task: common_pb2.Task | Exception, fetch_ns: int, produce: Produce) -> None:
         attributes = {"fleetrl.job_id": self.job_id, "fleetrl.actor_id": self._settings.actor_id}

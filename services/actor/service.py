@@ -37,7 +37,7 @@ from fleetrl.proto.fleetrl.v1 import reward_pb2
 from fleetrl.replay.client import ReplayClient
 from fleetrl.reward.client import RewardClient, environment_to_proto, spec_to_proto
 from fleetrl.rollout import metrics
-from fleetrl.rollout.batching import RoundBatch, tasks_per_round
+from fleetrl.rollout.batching import RoundBatch, can_ride, group_tokens, tasks_per_round
 from fleetrl.rollout.fair_share import FairShare, job_weights
 from fleetrl.rollout.job_policy import JobPolicy
 from fleetrl.rollout.memory import Cost, MemoryBudget, budget_bytes, job_cost, preloadable, preloaded_base
@@ -47,7 +47,7 @@ from fleetrl.runtime import heartbeat, telemetry
 from fleetrl.runtime.grpcutil import RetryPolicy
 from fleetrl.spec.config import JobSpec
 from fleetrl.tasks import bus
-from fleetrl.tasks.queue import Delivery, JobQueue, Produce
+from fleetrl.tasks.queue import Delivery, JobQueue, Produce, parse, parsed_count
 from fleetrl.weights.store import WeightStore
 
 log = logging.getLogger(__name__)
@@ -147,25 +147,35 @@ class Actor:
             log.info("preloaded %s in %.1fs", model, time.monotonic() - started)
 
     async def _serve_round(self, rollout: Rollout, stop: asyncio.Event) -> bool:
-        """One task of the first job in fair-share order that has one; whether a task was taken."""
+        """One round led by the first job in fair-share order that has a task; whether any was taken. Each
+        job in the round is charged its share of the round's seconds (by the new tokens its groups may make)."""
         weights = job_weights({job_id: (job.context.tenant, job.weight) for job_id, job in self.jobs.items()})
         idle: list[str] = []
-        for job_id in self.fair.order(weights):
+        order = self.fair.order(weights)
+        for job_id in order:
             if stop.is_set():
                 break
             started = time.monotonic()
-            if await self._take_until_stopped(self.jobs[job_id], rollout, stop):
-                seconds = time.monotonic() - started
-                self.fair.served(job_id, seconds, weights[job_id], idle)
-                self.memory.mark_served(job_id, time.monotonic())
-                metrics.SERVED_SECONDS.labels(job_id).inc(seconds)
+            riders = [self.jobs[other] for other in order if other != job_id and self.settings.mix_lora_jobs
+                      and can_ride(self.jobs[job_id].context.policy.backend, self.jobs[other].context.policy.backend,
+                                   self.jobs[other].context.spec)]
+            taken = await self._take_until_stopped(self.jobs[job_id], riders, rollout, stop)
+            if taken:
+                seconds, total = time.monotonic() - started, sum(taken.values())
+                for served, tokens in taken.items():  # the lead first: the jobs found idle move up to its start
+                    share = seconds * tokens / total
+                    self.fair.served(served, share, weights[served], idle if served == job_id else ())
+                    self.memory.mark_served(served, time.monotonic())
+                    metrics.SERVED_SECONDS.labels(served).inc(share)
                 return True
             idle.append(job_id)
         return False
 
-    async def _take_until_stopped(self, job: ServedJob, rollout: Rollout, stop: asyncio.Event) -> bool:
-        """Take at most one round of job's tasks; on stop, let it finish for grace_s, then release what is left."""
-        step = asyncio.create_task(take_round(job, rollout, self.settings.round_tokens))
+    async def _take_until_stopped(self, job: ServedJob, riders: list[ServedJob], rollout: Rollout,
+                                  stop: asyncio.Event) -> dict[str, int]:
+        """Take at most one round led by job; on stop, let it finish for grace_s, then release what is left.
+        What `take_round` returns (empty when nothing was taken)."""
+        step = asyncio.create_task(take_round(job, rollout, self.settings.round_tokens, riders))
         waiter = asyncio.create_task(stop.wait())
         done, _ = await asyncio.wait({step, waiter}, return_when=asyncio.FIRST_COMPLETED)
         waiter.cancel()
@@ -176,7 +186,7 @@ class Actor:
         step.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await step
-        return False
+        return {}
 
     async def _refresh_jobs(self, store: JobStore, js: JetStreamContext, weights: WeightStore,
                             rollout: Rollout) -> None:
@@ -298,18 +308,40 @@ def job_environment(spec: JobSpec, environment_file: bytes | None) -> reward_pb2
     return environment_to_proto(spec.environment, environment_file or b"") if spec.environment is not None else None
 
 
-async def take_round(job: ServedJob, rollout: Rollout, round_tokens: int) -> bool:
-    """Take and finish a round of job's tasks, their groups generated in one batch
-    (`fleetrl.rollout.batching`); whether any was taken. An actor with no weights takes none."""
-    if not await job.context.policy.refresh():
-        return False
-    policy = job.context.policy
+RIDER_FETCH_S = 0.05
+"""How long a round waits for a rider's tasks: only those already queued ride."""
 
-    def produce_round(count: int) -> Produce:
-        batch = RoundBatch(policy.job_id, policy.backend, count, lambda: policy.version)
+
+async def take_round(lead: ServedJob, rollout: Rollout, round_tokens: int,
+                     riders: Iterable[ServedJob] = ()) -> dict[str, int]:
+    """Take and finish a round: up to `tasks_per_round` of lead's tasks, then, while round_tokens has room,
+    tasks already queued for riders (jobs whose groups can share lead's batch: `batching.can_ride`), all
+    generated in one batch (`fleetrl.rollout.batching`). Returns the new tokens each job's tasks could
+    make in the round (its share), empty when none was taken. A job whose actor holds no weights yet
+    takes none."""
+    if not await lead.context.policy.refresh():
+        return {}
+    fetch_ns = time.time_ns()
+    msgs = await lead.queue.fetch(tasks_per_round(lead.context.spec, round_tokens))
+    if not msgs:
+        return {}
+    taken = [(lead, msgs)]
+    room = round_tokens - len(msgs) * group_tokens(lead.context.spec)
+    for rider in riders:
+        want = min(rider.context.spec.rollout.prompts_per_step, room // group_tokens(rider.context.spec))
+        if want >= 1 and await rider.context.policy.refresh():
+            got = await rider.queue.fetch(want, RIDER_FETCH_S)
+            if got:
+                taken.append((rider, got))
+                room -= len(got) * group_tokens(rider.context.spec)
+    rounds = [(job, got, [parse(msg) for msg in got]) for job, got in taken]
+    batch = RoundBatch(lead.context.job_id, sum(parsed_count(tasks) for _, _, tasks in rounds))
+
+    def produce_for(job: ServedJob) -> Produce:
+        policy = job.context.policy
 
         async def produce(delivery: Delivery) -> str:
-            seat = batch.seat()
+            seat = batch.seat(policy.backend, lambda: policy.version)
             if delivery.attempt > 1:  # generated alone: a task that killed its actor costs its round-mates one try
                 seat.leave()
                 return await rollout.run(job.context, delivery.task, delivery.attempt, delivery.received_ms)
@@ -319,4 +351,10 @@ async def take_round(job: ServedJob, rollout: Rollout, round_tokens: int) -> boo
                 seat.leave()  # a task that ended before asking for its group lets the others' batch start
         return produce
 
-    return await job.queue.take_many(tasks_per_round(job.context.spec, round_tokens), produce_round) > 0
+    rollout.activity.begin(lead.context.job_id)
+    try:
+        await asyncio.gather(*(job.queue.handle_round(got, tasks, fetch_ns, produce_for(job))
+                               for job, got, tasks in rounds))
+    finally:
+        rollout.activity.end()
+    return {job.context.job_id: len(got) * group_tokens(job.context.spec) for job, got in taken}

@@ -37,8 +37,8 @@ def request(seed: int, n: int = 2) -> GroupRequest:
 
 async def test_the_batch_waits_for_every_task_to_ask_or_leave_then_runs_once() -> None:
     backend, version = Counting(), [3]
-    batch = RoundBatch("j", backend, 3, lambda: version[0])  # type: ignore[arg-type]
-    first, second, third = batch.seat(), batch.seat(), batch.seat()
+    batch = RoundBatch("j", 3)
+    first, second, third = (batch.seat(backend, lambda: version[0]) for _ in range(3))  # type: ignore[arg-type]
     one = asyncio.create_task(first.generate(request(1)))
     two = asyncio.create_task(second.generate(request(2, n=3)))
     await asyncio.sleep(0.05)
@@ -58,8 +58,9 @@ async def test_the_batch_waits_for_every_task_to_ask_or_leave_then_runs_once() -
 async def test_a_failed_batch_fails_each_of_its_tasks() -> None:
     backend = Counting()
     backend.fail = ValueError("engine died")
-    batch = RoundBatch("j", backend, 2, lambda: 0)  # type: ignore[arg-type]
-    results = await asyncio.gather(batch.seat().generate(request(1)), batch.seat().generate(request(2)),
+    batch = RoundBatch("j", 2)
+    seats = [batch.seat(backend, lambda: 0) for _ in range(2)]  # type: ignore[arg-type]
+    results = await asyncio.gather(seats[0].generate(request(1)), seats[1].generate(request(2)),
                                    return_exceptions=True)
     assert [type(r) for r in results] == [ValueError, ValueError] and len(backend.calls) == 1
 
@@ -67,9 +68,9 @@ async def test_a_failed_batch_fails_each_of_its_tasks() -> None:
 async def test_a_task_cancelled_while_it_waits_leaves_the_others_their_groups() -> None:
     backend = Counting()
     backend.release.clear()  # the batch is held inside the backend call
-    batch = RoundBatch("j", backend, 2, lambda: 1)  # type: ignore[arg-type]
-    kept = asyncio.create_task(batch.seat().generate(request(1)))
-    cancelled = asyncio.create_task(batch.seat().generate(request(2)))
+    batch = RoundBatch("j", 2)
+    kept = asyncio.create_task(batch.seat(backend, lambda: 1).generate(request(1)))  # type: ignore[arg-type]
+    cancelled = asyncio.create_task(batch.seat(backend, lambda: 1).generate(request(2)))  # type: ignore[arg-type]
     await asyncio.sleep(0.05)
     cancelled.cancel()
     backend.release.set()

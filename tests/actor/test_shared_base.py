@@ -16,7 +16,7 @@ from peft import LoraConfig, get_peft_model
 from fleetrl.errors import FailedPrecondition, InvalidArgument
 from fleetrl.policy import models
 from fleetrl.policy.backends import LOGPROB_TOL, GroupRequest, make_backend
-from fleetrl.policy.shared_base import preload, shared_bases, unload
+from fleetrl.policy.shared_base import generate_mixed, preload, shared_bases, unload
 from fleetrl.spec.config import LoraSpec
 from fleetrl.weights.adapters import adapter_tensors
 
@@ -115,3 +115,28 @@ def test_a_preloaded_base_outlives_its_jobs() -> None:
     assert shared_bases() == before + 1
     unload(MODEL, dtype="float32", device="cpu")
     assert shared_bases() == before
+
+
+def test_one_batch_mixes_the_adapters_of_jobs_on_one_base() -> None:
+    """`generate_mixed`: two jobs' groups in one batch on their shared base, each row through its own job's
+    adapter (peft's mixed-adapter batches), give the tokens each job's own batch gives (prompts of one length:
+    no padding differs; the log-probs within the float32 bound), and a batch across two bases is refused."""
+    first = make_backend("hf", MODEL, dtype="float32", device="cpu", lora=LORA, share_lora_base=True, job_id="m-1")
+    second = make_backend("hf", MODEL, dtype="float32", device="cpu", lora=LORA, share_lora_base=True, job_id="m-2")
+    other = make_backend("hf", MODEL, dtype="bfloat16", device="cpu", lora=LORA, share_lora_base=True, job_id="m-3")
+    try:
+        first.load_adapter(version(1))
+        second.load_adapter(version(2))
+        one = GroupRequest([1, 2, 3, 4], 3, 6, 1.0, 1.0, seed=7)
+        two = GroupRequest([5, 6, 7, 8], 2, 6, 1.0, 1.0, seed=8)
+        mixed = generate_mixed([(first, one), (second, two)])
+        own = [first.generate_groups([one, two])[0], second.generate_groups([one, two])[1]]
+        for got, expected in zip(mixed, own, strict=True):
+            assert [c.token_ids for c in got] == [c.token_ids for c in expected]
+            assert close_enough([c.logprobs for c in got], [c.logprobs for c in expected])
+        assert [c.token_ids for c in mixed[1]] != [c.token_ids for c in first.generate_groups([one, two])[1]]
+        with pytest.raises(ValueError, match="one shared base"):
+            generate_mixed([(first, one), (other, two)])
+    finally:
+        for backend in (first, second, other):
+            backend.close()
