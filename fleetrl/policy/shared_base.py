@@ -125,9 +125,9 @@ class SharedBaseBackend(HFBackend):
         self._cache_arg = _cache_argument(base.model.get_base_model())
         self._base, self._name = base, name
 
-    def shares_base_with(self, other: SharedBaseBackend) -> bool:
-        """Whether other is an adapter of this job's base (one mixed batch can serve both)."""
-        return other._base is self._base
+    def mixes_with(self, other: object) -> bool:
+        """Whether other is an adapter of this job's base (one `generate_mixed` batch can serve both)."""
+        return isinstance(other, SharedBaseBackend) and other._base is self._base
 
     def generate(self, *args: Any, **kwargs: Any) -> list[Completion]:
         with self._base.lock:

@@ -198,14 +198,11 @@ class VLLMBackend:
 
     def generate_groups(self, requests: list[GroupRequest]) -> list[list[Completion]]:
         """All the groups in one `generate` call: the engine batches them continuously, each from its own seed."""
-        params = [self._vllm.SamplingParams(n=r.n, temperature=r.temperature, top_p=r.top_p,
-                                            max_tokens=r.max_new_tokens, logprobs=0, seed=r.seed % (2**31))
-                  for r in requests]
-        with self._engine.lock:
-            outputs = self.llm.generate([{"prompt_token_ids": r.prompt_token_ids} for r in requests], params,
-                                        use_tqdm=False, lora_request=self._adapter)
-        self.cached_prompt_tokens += sum(output.num_cached_tokens or 0 for output in outputs)
-        return [[self._completion(completion) for completion in output.outputs] for output in outputs]
+        return generate_mixed([(self, request) for request in requests])
+
+    def mixes_with(self, other: object) -> bool:
+        """Whether other is a LoRA job on this job's engine (one `generate_mixed` call can serve both)."""
+        return isinstance(other, VLLMBackend) and self._lora is not None and other._engine is self._engine
 
     @staticmethod
     def _completion(output: Any) -> Completion:
@@ -257,6 +254,22 @@ class VLLMBackend:
 
 ENGINE_RANKS = (8, 16, 32, 64, 128, 256, 320, 512)
 """The ranks vLLM accepts as `max_lora_rank`."""
+
+
+def generate_mixed(work: list[tuple[VLLMBackend, GroupRequest]]) -> list[list[Completion]]:
+    """Groups of one or several jobs on one engine in one `generate` call, each request with its own job's
+    adapter (vLLM batches up to MAX_LORAS adapters together) and its own seed."""
+    first = work[0][0]
+    if any(backend._engine is not first._engine for backend, _ in work):
+        raise ValueError("a mixed batch runs on one engine")
+    params = [first._vllm.SamplingParams(n=r.n, temperature=r.temperature, top_p=r.top_p, max_tokens=r.max_new_tokens,
+                                         logprobs=0, seed=r.seed % (2**31)) for _, r in work]
+    with first._engine.lock:
+        outputs = first.llm.generate([{"prompt_token_ids": r.prompt_token_ids} for _, r in work], params,
+                                     use_tqdm=False, lora_request=[backend._adapter for backend, _ in work])
+    for (backend, _), output in zip(work, outputs, strict=True):
+        backend.cached_prompt_tokens += output.num_cached_tokens or 0
+    return [[VLLMBackend._completion(completion) for completion in output.outputs] for output in outputs]
 
 
 def engine_rank(rank: int) -> int:

@@ -1,9 +1,10 @@
 """Generation batched across tasks: the groups of one round's tasks in one backend call.
 
 An actor takes a round of deliveries at once: up to `tasks_per_round` of the job the fair share picks
-(`fleetrl.tasks.queue.JobQueue.fetch`) and, while the round's token budget has room, tasks of the
-other jobs it holds on the same shared LoRA base (`riders`: their adapters are mixed in one batch,
-`fleetrl.policy.shared_base.generate_mixed`). Each delivery still runs its own rollout (its span,
+(`fleetrl.tasks.queue.JobQueue.fetch`) and, while the round's token budget has room, tasks already
+queued for the other jobs it holds on the same shared LoRA base or vLLM engine (riders: their
+adapters are mixed in one batch, `fleetrl.policy.shared_base.generate_mixed`,
+`fleetrl.policy.vllm_backend.generate_mixed`). Each delivery still runs its own rollout (its span,
 its keep-alive, its score and insert, its ack) concurrently with the others. Only the generate step
 meets here: a `RoundBatch` holds each task's `GroupRequest` until every task of the round has either
 asked or left (failed before generating: weights not in time, a fault), then runs all of them as one
@@ -25,6 +26,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable
 
+from fleetrl.policy import vllm_backend
 from fleetrl.policy.backends import Backend, Completion, GroupRequest
 from fleetrl.policy.shared_base import SharedBaseBackend, generate_mixed
 from fleetrl.rollout import metrics
@@ -47,18 +49,21 @@ def tasks_per_round(spec: JobSpec, round_tokens: int) -> int:
 
 def can_ride(lead: Backend, other: Backend, spec: JobSpec) -> bool:
     """Whether a single-turn job on `other` can share a round's batch with the job on `lead`: both are
-    adapters of one shared base."""
-    return (spec.environment is None and isinstance(lead, SharedBaseBackend) and isinstance(other, SharedBaseBackend)
-            and lead.shares_base_with(other))
+    LoRA adapters of one shared base (hf) or engine (vllm)."""
+    mixes = getattr(lead, "mixes_with", None)
+    return spec.environment is None and mixes is not None and bool(mixes(other))
 
 
 def generate_together(work: list[tuple[Backend, GroupRequest]]) -> list[list[Completion]]:
-    """The groups of one round: one backend's `generate_groups`, or one mixed batch of several jobs'
-    adapters on a shared base."""
-    if all(backend is work[0][0] for backend, _ in work):
-        return work[0][0].generate_groups([request for _, request in work])
-    if all(isinstance(backend, SharedBaseBackend) for backend, _ in work):
-        return generate_mixed([(backend, request) for backend, request in work])  # type: ignore[misc]
+    """The groups of one round: one backend's `generate_groups`, or one mixed batch of several LoRA jobs'
+    adapters on their shared base (`shared_base.generate_mixed`) or engine (`vllm_backend.generate_mixed`)."""
+    lead = work[0][0]
+    if all(backend is lead for backend, _ in work):
+        return lead.generate_groups([request for _, request in work])
+    if isinstance(lead, SharedBaseBackend):
+        return generate_mixed(work)  # type: ignore[arg-type]
+    if isinstance(lead, vllm_backend.VLLMBackend):
+        return vllm_backend.generate_mixed(work)  # type: ignore[arg-type]
     raise ValueError("a round's batch mixes backends that share no base")
 
 

@@ -37,6 +37,7 @@ from fleetrl.policy.backends import (
     resolve_backend,
 )
 from fleetrl.policy.logprobs import token_logprobs
+from fleetrl.rollout.batching import can_ride, generate_together
 from fleetrl.rollout.job_policy import JobPolicy
 from fleetrl.rollout.memory import job_cost
 from fleetrl.rollout.settings import ActorSettings
@@ -250,6 +251,13 @@ async def test_lora_jobs_share_one_base_each_with_its_own_adapter_versions(nats_
                 assert await policies[job].ensure(version, 10.0) and policies[job].version == version
             for job in jobs:
                 sample_and_check(job, version)
+        # an actor's round with a rider: both jobs' groups in one engine call, each through its own adapter
+        request = GroupRequest(prompt, 8, 16, 0.7, 1.0, seed=7)
+        assert can_ride(backends["vl-a"], backends["vl-b"], job_spec())
+        mixed = generate_together([(backends[job], request) for job in jobs])
+        for job, other, group in zip(jobs, reversed(jobs), mixed, strict=True):
+            assert worst_gap(learners[job], [prompt] * 8, group, 0.7) <= VLLM_LOGPROB_TOL
+            assert worst_gap(learners[other], [prompt] * 8, group, 0.7) > 0.1
         engine = backends["vl-a"].llm.llm_engine
         assert len(engine.list_loras()) == 2  # each job's latest version only
         await policies["vl-a"].close()
