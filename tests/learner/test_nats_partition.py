@@ -26,6 +26,7 @@ from pathlib import Path
 from blackhole import Blackhole
 from learner_fleet import create_job, insert_groups, learner_process, replay_service, spec_for
 from nats.aio.msg import Msg
+from nats.js import JetStreamContext
 from test_crash import finish, metrics
 from test_store_full import PPS, STEPS, account, assert_exact, learner_status, until
 
@@ -35,12 +36,22 @@ from fleetrl.tasks import bus
 from fleetrl.weights.store import WeightPointer, WeightStore
 
 CUT_S = 4 * bus.REQUEST_TIMEOUT_S
-"""How long the partition lasts: past the deadlines of an object's write (`WeightStore._publish_chunks`,
-`bus.REQUEST_TIMEOUT_S` and the payload's time at 20 MB/s), of the probe after it and of the purge of its
-chunks (`_write_object`), each a request with a flush before it (`bus.FLUSH_TIMEOUT_S`); so past the job
-lease too, and into nats-py's stale-connection check (pings every 10 s, 3 outstanding)."""
-NOTICE_S = 3 * (bus.REQUEST_TIMEOUT_S + bus.FLUSH_TIMEOUT_S) + 1
-"""By when the learner must have paused the job: those three deadlines, and the 13 MB payload's 0.7 s."""
+"""How long the partition lasts: past the deadline of an object's write (`WeightStore._publish_chunks`,
+`bus.REQUEST_TIMEOUT_S` and the payload's time at 20 MB/s) and the ping after it (`bus.answers`), and past
+the retries of the pause (`full_stores`); so past the job lease too, and into nats-py's stale-connection check
+(pings every 10 s, 3 outstanding)."""
+NOTICE_S = bus.REQUEST_TIMEOUT_S + 2 * bus.FLUSH_TIMEOUT_S + 2
+"""By when the learner must have paused the job: the write's deadline (with the 13 MB payload's 0.7 s), which
+a chunk's publish waiting on the undrained socket may overrun by `bus.FLUSH_TIMEOUT_S`, and the ping that finds
+NATS silent (as long), not also a probe and a purge of the chunks (a request's deadline each)."""
+
+
+async def half_written_chunks(js: JetStreamContext, job_id: str) -> list[str]:
+    """Chunk subjects of the job's weight bucket that no object names: a failed write's, never purged."""
+    bucket = bus.weights_bucket(job_id)
+    info = await js.stream_info(f"OBJ_{bucket}", subjects_filter=f"$O.{bucket}.C.>")
+    named = {o.nuid for o in await (await bus.ensure_object_store(js, job_id)).list(ignore_deletes=True)}
+    return [s for s in (info.state.subjects or {}) if s.rsplit(".", 1)[-1] not in named]
 
 
 class PointerLog:
@@ -120,6 +131,7 @@ async def test_the_learner_cut_off_from_nats_mid_publish_waits_it_out_and_goes_o
             record = await jobs.get(job.job_id)
             accounting = await account(nats_url, redis_url, job.job_id)
             await asyncio.sleep(0.5)  # the watcher's last pull
+            orphans = await half_written_chunks(js, job.job_id)
     finally:
         if follower is not None:
             follower.cancel()
@@ -136,7 +148,7 @@ async def test_the_learner_cut_off_from_nats_mid_publish_waits_it_out_and_goes_o
           f" record {during and (during.state.value, during.reason)!r}; step 4 trained {resumed_s:.1f}s after the "
           f"heal; pointer versions seen {versions}; "
           f"{[line.split(' ', 3)[-1] for line in text.splitlines() if re.search('paused|pause ends|failed', line)]}; "
-          f"ledger: {accounting.counts}")
+          f"ledger: {accounting.counts}; chunk subjects no object names: {orphans}")
     assert alive, "the learner exited during the partition"
     assert pointer_at_cut is not None and pointer_at_cut.version == 3, pointer_at_cut  # the cut came mid-publish
     assert steps_during == 3  # nothing trained past an unpublished version
@@ -149,4 +161,5 @@ async def test_the_learner_cut_off_from_nats_mid_publish_waits_it_out_and_goes_o
     assert record.state == JobState.SUCCEEDED and record.lease_epoch == 1 and not record.reason, record
     assert versions == sorted(versions) and versions[-1] == STEPS, versions  # never backwards
     assert not pointers.bad, pointers.bad  # every pointer seen named a whole object with its digest
+    assert not orphans, orphans  # the chunks of v4's failed write were purged once NATS answered again
     assert_exact(accounting, run_dir, job.job_id)
