@@ -1,4 +1,5 @@
-"""A real partition: the learner alone cut off from NATS in the middle of a weight publish.
+"""Real partitions: the learner alone cut off from NATS in the middle of a weight publish, and before it
+claims a job.
 
 The learner reaches nats-server through a TCP proxy in the test process (`Blackhole`); the test reaches
 it directly, and replay does not use NATS. The learner trains steps 1-3; then the test watches the
@@ -11,6 +12,9 @@ on its status board and in the job's record (RUNNING: an outage is not the job's
 leases, and goes on in the same run once bytes flow again. Then the job succeeds, the ledger holds every
 step once, the weight pointer (watched on the test's own connection, every entry) never moved backwards,
 and each pointer the test saw named an object that exists and whose bytes match its digest.
+
+Cut off before it claims a job, the learner meets the outage in the run's set-up (the job's streams and task
+consumer, the pointer's fence): it keeps the job, paused with the call named, and runs it once NATS answers.
 """
 
 from __future__ import annotations
@@ -162,4 +166,69 @@ async def test_the_learner_cut_off_from_nats_mid_publish_waits_it_out_and_goes_o
     assert versions == sorted(versions) and versions[-1] == STEPS, versions  # never backwards
     assert not pointers.bad, pointers.bad  # every pointer seen named a whole object with its digest
     assert not orphans, orphans  # the chunks of v4's failed write were purged once NATS answered again
+    assert_exact(accounting, run_dir, job.job_id)
+
+
+SETUP_CUT_S = 2 * bus.REQUEST_TIMEOUT_S + 5
+"""How long the learner is cut off before and after its claim: past the set-up's first call given up on
+(`full_stores.OUTAGE_RETRY_BEFORE_PAUSE_S`, one request's deadline) and a try again after it."""
+
+
+async def test_a_learner_that_claims_a_job_while_cut_off_from_nats_keeps_it_paused_and_runs_it(
+        nats_url: str, redis_url: str, tmp_path: Path) -> None:
+    host, port = nats_url.removeprefix("nats://").rsplit(":", 1)
+    proxy = Blackhole(host, int(port))
+    proxied = f"nats://127.0.0.1:{await proxy.start()}"
+    jobs = JobStore.from_url(redis_url)
+    spec = spec_for(max_steps=STEPS, checkpoint_interval=2)
+    run_dir, log = tmp_path / "run", tmp_path / "learner.log"
+    try:
+        async with replay_service(redis_url) as addr, ReplayClient(addr) as replay:
+            learner = learner_process(proxied, redis_url, addr, run_dir, log, once=False,
+                                      FLEETRL_LEARNER_STORE_FULL_RETRY_S="1")
+            await until("the learner's start", lambda: log.exists() and "status on port" in log.read_text(), 60)
+            proxy.cut()  # connected to NATS through the proxy, and now cut off from it
+            cut_at = time.monotonic()
+            job = await create_job(jobs, spec)
+            await insert_groups(replay, job, STEPS * PPS + 2)
+            await until("the claim", lambda: f"claimed job {job.job_id}" in log.read_text(), 30)
+            claimed_s = time.monotonic() - cut_at
+            paused_s, status = None, None
+            while time.monotonic() - cut_at < SETUP_CUT_S:
+                if paused_s is None and (status := await learner_status(log)).phase == "paused":
+                    paused_s = time.monotonic() - cut_at
+                await asyncio.sleep(0.1)
+            alive = learner.poll() is None
+            during = await jobs.get(job.job_id)
+            lease_holder = await jobs.lease_holder(job.job_id)
+            steps_during = len(metrics(run_dir, job.job_id))
+            proxy.heal()
+            healed_at = time.monotonic()
+            ended = (f"job {job.job_id} ledger", f"job {job.job_id} failed")
+            await until("step 1", lambda: metrics(run_dir, job.job_id) or ended[1] in log.read_text(), 60)
+            first_step_s = time.monotonic() - healed_at
+            await until("the job's end", lambda: any(line in log.read_text() for line in ended), 60)
+            learner.send_signal(signal.SIGTERM)
+            await finish(learner)
+            record = await jobs.get(job.job_id)
+            accounting = await account(nats_url, redis_url, job.job_id)
+    finally:
+        await proxy.close()
+        await jobs.close()
+    text = log.read_text()
+    print(f"nats cut off from the learner before its claim for {SETUP_CUT_S:.0f}s: claimed {claimed_s:.1f}s after the "
+          f"cut, paused {paused_s}s after it, reason {status and status.paused_reason!r}, record "
+          f"{during and (during.state.value, during.reason)!r}; step 1 trained {first_step_s:.1f}s after the heal; "
+          f"{[line.split(' ', 3)[-1] for line in text.splitlines() if re.search('paused|pause ends|failed', line)]}; "
+          f"ledger: {accounting.counts}")
+    assert alive, "the learner exited during the partition"
+    assert during is not None and during.state == JobState.RUNNING, during  # not FAILED at set-up
+    assert lease_holder is not None and steps_during == 0  # it kept the job, and trained nothing without NATS
+    assert paused_s is not None and paused_s <= claimed_s + bus.REQUEST_TIMEOUT_S + 3, (claimed_s, paused_s)
+    assert status is not None and "NATS unreachable" in status.paused_reason, status
+    assert "set-up of its streams and task consumer" in status.paused_reason, status
+    assert during.reason == status.paused_reason, during
+    assert first_step_s <= 2 * bus.REQUEST_TIMEOUT_S, first_step_s
+    assert "Traceback" not in text and "resumed from step" not in text  # one run, waited out
+    assert record.state == JobState.SUCCEEDED and record.lease_epoch == 1 and not record.reason, record
     assert_exact(accounting, run_dir, job.job_id)
