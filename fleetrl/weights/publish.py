@@ -127,8 +127,13 @@ class WeightPublisher:
         return pointer if pointer.sha256 == hashlib.sha256(payload).hexdigest() else None
 
     async def repair_if_requested(self) -> None:
-        """Rewrite the newest version as a full snapshot if an actor reported its chain broken."""
+        """Rewrite the newest version as a full snapshot if an actor reported its chain broken; tried again
+        through a NATS outage as a publish is (a try whose pointer move landed unseen leaves nothing to
+        repair, and the next publish is a full snapshot), then NatsUnreachable."""
         if self._base is not None and self._base.pointer.chain:
-            repaired = await self._store.repair(self.job_id, self._base, self.lease_epoch)
+            base = self._base
+            repaired = await bus.retry_outage(lambda: self._store.repair(self.job_id, base, self.lease_epoch),
+                                              what=f"job {self.job_id}: repair of the chain of v{base.pointer.version}",
+                                              deadline_s=self.outage_retry_s)
             if repaired is not None:
                 self._base = HeldWeights(repaired, self._base.payload)

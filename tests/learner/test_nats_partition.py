@@ -25,8 +25,11 @@ import hashlib
 import re
 import signal
 import time
+import uuid
 from pathlib import Path
 
+import pytest
+import torch
 from blackhole import Blackhole
 from learner_fleet import create_job, insert_groups, learner_process, replay_service, spec_for
 from nats.aio.msg import Msg
@@ -37,6 +40,7 @@ from test_store_full import PPS, STEPS, account, assert_exact, learner_status, u
 from fleetrl.jobs.store import JobState, JobStore
 from fleetrl.replay.client import ReplayClient
 from fleetrl.tasks import bus
+from fleetrl.weights.publish import WeightPublisher
 from fleetrl.weights.store import WeightPointer, WeightStore
 
 CUT_S = 4 * bus.REQUEST_TIMEOUT_S
@@ -232,3 +236,30 @@ async def test_a_learner_that_claims_a_job_while_cut_off_from_nats_keeps_it_paus
     assert "Traceback" not in text and "resumed from step" not in text  # one run, waited out
     assert record.state == JobState.SUCCEEDED and record.lease_epoch == 1 and not record.reason, record
     assert_exact(accounting, run_dir, job.job_id)
+
+
+async def test_a_chain_repair_cut_off_from_nats_raises_what_the_run_waits_out(nats_url: str) -> None:
+    """A delta job's learner waiting for groups repairs its chain when a reader asks (`repair_if_requested`);
+    cut off from NATS, the call must end in NatsUnreachable, which the run waits out with the job paused
+    (`full_stores.WAITED_OUT`), not in nats-py's bare timeout, which failed the job."""
+    host, port = nats_url.removeprefix("nats://").rsplit(":", 1)
+    proxy = Blackhole(host, int(port))
+    nc = await bus.connect(f"nats://127.0.0.1:{await proxy.start()}", "test publisher")
+    job_id = f"repair-{uuid.uuid4().hex[:8]}"
+    publisher = WeightPublisher(WeightStore(nc, bus.jetstream(nc)), job_id, "float32", interval=1, keep=3,
+                                lease_epoch=1, full_interval=4, outage_retry_s=1)
+    model = torch.nn.Linear(4, 8)
+    try:
+        await publisher.publish(model, 1)
+        with torch.no_grad():
+            model.weight.add_(1)
+        assert (await publisher.publish(model, 2) or pytest.fail("v2 not published")).chain == (1, 2)
+        proxy.cut()
+        started = time.monotonic()
+        with pytest.raises(bus.NatsUnreachable, match="repair of the chain of v2"):
+            await publisher.repair_if_requested()
+        print(f"repair cut off from NATS: NatsUnreachable after {time.monotonic() - started:.1f}s")
+    finally:
+        proxy.heal()
+        await nc.close()
+        await proxy.close()
