@@ -80,8 +80,10 @@ _JOB_ID_RE = re.compile(r"[A-Za-z0-9_-]{1,64}")
 
 class NatsUnreachable(Unavailable, TimeoutError):
     """`retry_outage` gave up on a call through a NATS outage: names the call, how long and how often it was
-    tried, and the last error (its cause). Still a TimeoutError, so whoever catches NATS_UNREACHABLE catches
-    it; the learner waits it out with its job paused (`fleetrl.train.full_stores`)."""
+    tried, and the last error (its cause); or a call that timed out found the server not answering a ping
+    (`answers`), as a weight write does before it would spend more deadlines on a probe and a purge. Still a
+    TimeoutError, so whoever catches NATS_UNREACHABLE catches it; the learner waits it out with its job paused
+    (`fleetrl.train.full_stores`)."""
 
 
 class JetStreamFull(FleetError, RuntimeError):
@@ -193,6 +195,16 @@ async def retry_outage(call: Callable[[], Awaitable[T]], *, what: str, deadline_
             log.warning("%s failed (attempt %d: %s %s); again in %.1fs", what, attempt, type(error).__name__,
                         error, interval_s)
         await asyncio.sleep(interval_s)
+
+
+async def answers(nc: NATS, timeout_s: float = FLUSH_TIMEOUT_S) -> bool:
+    """Whether the server answers a ping within timeout_s, after the bytes the client has buffered before it:
+    False when it is unreachable (a partition, a stopped server) or the connection is closed."""
+    try:
+        await nc.flush(timeout=timeout_s)  # type: ignore[arg-type]  # nats-py annotates int, waits any number
+    except (TimeoutError, nats.errors.Error):
+        return False
+    return True
 
 
 def jetstream(nc: NATS) -> JetStreamContext:

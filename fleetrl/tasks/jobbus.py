@@ -4,9 +4,10 @@
 job's shared task consumer (`prepare`, the same settings actors use), publishing a task with its
 dedup id (`publish_task`), purging queued tasks on cancel (`purge_tasks`), reading the job's
 dead-letter count (`dead_lettered`, which first moves the tasks the server stopped delivering) and
-publishing step and state events (`event`). Publishing a task and counting dead letters are
-repeated through a NATS outage for `outage_retry_s` (`bus.retry_outage`; a re-published task is dropped
-by its dedup id), then raise `bus.NatsUnreachable`.
+publishing step and state events (`event`). Every call but `event` is repeated through a NATS outage for
+`outage_retry_s` (`bus.retry_outage`: each is safe to repeat; a re-published task is dropped by its dedup id,
+the streams and consumers are created or updated to the same config, a purge purges what is left), then
+raises `bus.NatsUnreachable`.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ class JobBus:
 
     job_id: str
     outage_retry_s: float
-    """How long a task publish or dead-letter count tries again through a NATS outage."""
+    """How long a call tries again through a NATS outage."""
 
     def __init__(self, nc: NATS, job_id: str, outage_retry_s: float = bus.OUTAGE_RETRY_S) -> None:
         self.job_id = job_id
@@ -35,9 +36,13 @@ class JobBus:
 
     async def prepare(self, spec: JobSpec) -> None:
         """The fleet's streams and the job's task consumer, created or updated to the spec."""
-        await bus.ensure_streams(self._js)
-        await bus.ensure_job_consumer(self._js, self.job_id, spec)
-        await bus.ensure_advisory_consumer(self._js, self.job_id)
+        async def ensure() -> None:
+            await bus.ensure_streams(self._js)
+            await bus.ensure_job_consumer(self._js, self.job_id, spec)
+            await bus.ensure_advisory_consumer(self._js, self.job_id)
+
+        await bus.retry_outage(ensure, what=f"job {self.job_id}: set-up of its streams and task consumer",
+                               deadline_s=self.outage_retry_s)
 
     async def publish_task(self, data: bytes, headers: dict[str, str]) -> None:
         """One serialised Task (headers carry its `Nats-Msg-Id`, so a re-publish is dropped)."""
@@ -46,7 +51,8 @@ class JobBus:
 
     async def purge_tasks(self) -> None:
         """Drop the job's queued tasks (the job was cancelled)."""
-        await self._js.purge_stream(bus.TASKS_STREAM, subject=bus.task_subject(self.job_id))
+        await bus.retry_outage(lambda: self._js.purge_stream(bus.TASKS_STREAM, subject=bus.task_subject(self.job_id)),
+                               what=f"job {self.job_id}: purge of its queued tasks", deadline_s=self.outage_retry_s)
 
     async def dead_lettered(self) -> int:
         """Tasks of the job in its dead-letter subject so far, after moving there the tasks the server

@@ -11,10 +11,12 @@ renewed by their own tasks all along, so nothing it trained is lost and nothing 
 to repeat: a checkpoint's files are written afresh into their temporary directory, a metrics line that
 did not fit is cut off again (`MetricsLog.append`), the exported model and adapter are written into a
 temporary directory that a failed write deletes, a task publish carries its `Nats-Msg-Id`, and a weight
-publish or a chain's repair deletes its half-written object before writing it again.
+publish or a chain's repair deletes its half-written object before writing it again, the set-up creates or
+updates the streams and consumers to the same config, and a fence finds the pointer stamped already.
 
-A NATS outage is waited out the same way (`bus.NatsUnreachable`: a task publish, weight publish or
-dead-letter count that `bus.retry_outage` gave up on after `OUTAGE_RETRY_BEFORE_PAUSE_S`), the job paused
+A NATS outage is waited out the same way (`bus.NatsUnreachable`: a task publish, weight publish,
+dead-letter count, or the run's set-up of the job's streams and consumer or its fence of the weight pointer,
+that `bus.retry_outage` gave up on after `OUTAGE_RETRY_BEFORE_PAUSE_S`), the job paused
 with the call and the outage as its reason, and `fleetrl_learner_store_full` left alone (the store is
 unreachable, not full). A learner cut off from NATS alone keeps its leases in Redis meanwhile; before,
 its publish was retried for `bus.OUTAGE_RETRY_S` with the job's status saying nothing, and then the job

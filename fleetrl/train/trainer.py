@@ -6,7 +6,9 @@ resume, publish the current weights, start the feeder), then per step `wait_for_
 (Feeder, Policy, WeightPublisher, LeaseBook, MetricsLog, StepObserver, FullStoreWait) do not know each
 other; JobRun wires them. A checkpoint or metrics write, task publish or weight publish that a full disk
 or JetStream refuses, or that NATS does not answer past `full_stores.OUTAGE_RETRY_BEFORE_PAUSE_S`, is
-waited out with the job paused (`full_stores`). Replay leases are committed only after the checkpoint
+waited out with the job paused (`full_stores`); so is NATS not answering the set-up's calls (the job's streams
+and consumer, the pointer's fence), so a learner that claims a job while cut off from NATS keeps it, paused,
+instead of failing it. Replay leases are committed only after the checkpoint
 that includes their steps is complete (see `leases` for the exactly-once argument). Policy version ==
 optimizer steps applied: step s trains at version s - 1 on groups of version >= s - 1 - max_staleness and
 produces version s.
@@ -47,6 +49,7 @@ from fleetrl.replay.samplers import SAMPLERS
 from fleetrl.reward.client import RewardClient
 from fleetrl.spec.config import JobSpec
 from fleetrl.tasks import ledger
+from fleetrl.tasks.bus import NatsUnreachable
 from fleetrl.tasks.feeder import Feeder, FeederCursor, parse_prompts, sample_min_version
 from fleetrl.tasks.jobbus import JobBus
 from fleetrl.tasks.ledger import Ledger
@@ -202,7 +205,7 @@ class JobRun:
         self.policy = self._policy if self._policy is not None else await self.compute(
             Policy, self.spec, device, Followers.if_distributed())
         await self.fenced_replay(self.deps.replay.configure(self.job_id, self.spec.replay, self.epoch))
-        await self.job_bus.prepare(self.spec)
+        await self.full_stores.call(lambda: self.job_bus.prepare(self.spec))
         cursor = await self.resume()
         self.feeder = Feeder(self.job_bus, self.ledger, self.epoch, self.spec, prompts, cursor)
         await self.start_publisher()
@@ -215,7 +218,7 @@ class JobRun:
                                          self.epoch, self.spec.train.full_publish_interval,
                                          adapter_of=self.spec.model if self.spec.train.lora is not None else "",
                                          outage_retry_s=OUTAGE_RETRY_BEFORE_PAUSE_S)
-        await self.publisher.sync()
+        await self.full_stores.call(self.publisher.sync)
         await self.full_stores.call(lambda: self.publisher.publish(self.policy.model, self.step))
 
     async def held_out_eval(self, reward_file: bytes | None) -> HeldOutEval | None:
@@ -268,7 +271,10 @@ class JobRun:
         """Raise Cancelled (after purging the job's queued tasks) when the job was cancelled."""
         record = await self.deps.jobs.get(self.job_id)
         if record.state == JobState.CANCELLED:
-            await self.job_bus.purge_tasks()
+            try:
+                await self.job_bus.purge_tasks()
+            except NatsUnreachable as error:  # the gateway's cancel purged them; actors drop a cancelled job's
+                log.warning("job %s: its queued tasks not purged: %s", self.job_id, error)
             log.info("job %s cancelled at step %d", self.job_id, self.step)
             raise Cancelled(f"job {self.job_id} was cancelled")
 

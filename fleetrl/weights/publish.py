@@ -14,11 +14,12 @@ data it rewrites its newest version as a full snapshot when an actor reported th
 broken (`repair_if_requested`, fenced like a publish), so a job whose actors cannot apply a delta
 does not wait for the next publish, which would need their groups.
 
-A publish that fails in a NATS outage (a chunk's or the pointer's reply lost with a killed server) is
-tried again through `bus.retry_outage` for `outage_retry_s`, then raises `bus.NatsUnreachable` (the
-learner pauses the job and calls `publish` again: `fleetrl.train.full_stores`): the store deletes a
-half-written object of the version before writing it again, and a try whose pointer move landed though
-its reply was lost counts as done, in this call or a later one.
+A publish that fails in a NATS outage (a chunk's or the pointer's reply lost with a killed server, or no
+answer at all across a partition) is tried again through `bus.retry_outage` for `outage_retry_s`, then raises
+`bus.NatsUnreachable` (the learner pauses the job and calls `publish` again: `fleetrl.train.full_stores`); so
+is `sync`'s fence. The store purges a failed write's chunks (at once, or in its next write when NATS did not
+answer) and deletes a half-written object of the version before writing it again, and a try whose pointer
+move landed though its reply was lost counts as done, in this call or a later one.
 
 A LoRA job (`adapter_of`, the base model's name) publishes its adapter tensors only
 (`fleetrl.weights.adapters.adapter_tensors`), each version whole: actors load the base once and apply each
@@ -79,8 +80,12 @@ class WeightPublisher:
         self.published_version = -1
 
     async def sync(self) -> int:
-        """Fence the pointer with our epoch and read its version (after a resume); returns it (-1: none)."""
-        latest = await self._store.fence(self.job_id, self.lease_epoch)
+        """Fence the pointer with our epoch and read its version (after a resume); returns it (-1: none).
+        Tried again through a NATS outage as a publish is (a fence whose reply was lost finds the pointer
+        stamped already), then NatsUnreachable."""
+        latest = await bus.retry_outage(lambda: self._store.fence(self.job_id, self.lease_epoch),
+                                        what=f"job {self.job_id}: fencing of the weights pointer",
+                                        deadline_s=self.outage_retry_s)
         self.published_version = latest.version if latest else -1
         return self.published_version
 
@@ -122,8 +127,13 @@ class WeightPublisher:
         return pointer if pointer.sha256 == hashlib.sha256(payload).hexdigest() else None
 
     async def repair_if_requested(self) -> None:
-        """Rewrite the newest version as a full snapshot if an actor reported its chain broken."""
+        """Rewrite the newest version as a full snapshot if an actor reported its chain broken; tried again
+        through a NATS outage as a publish is (a try whose pointer move landed unseen leaves nothing to
+        repair, and the next publish is a full snapshot), then NatsUnreachable."""
         if self._base is not None and self._base.pointer.chain:
-            repaired = await self._store.repair(self.job_id, self._base, self.lease_epoch)
+            base = self._base
+            repaired = await bus.retry_outage(lambda: self._store.repair(self.job_id, base, self.lease_epoch),
+                                              what=f"job {self.job_id}: repair of the chain of v{base.pointer.version}",
+                                              deadline_s=self.outage_retry_s)
             if repaired is not None:
                 self._base = HeldWeights(repaired, self._base.payload)

@@ -205,6 +205,8 @@ class WeightStore:
     _kv: KeyValue | None
     _stores: dict[str, ObjectStore]
     _chunk_bytes: int
+    _half_written: dict[str, set[str]]
+    """Per job, the chunk subjects of failed writes not purged yet (NATS did not answer then)."""
 
     def __init__(self, nc: nats.aio.client.Client, js: JetStreamContext, *, chunk_bytes: int = CHUNK_BYTES) -> None:
         """`chunk_bytes` is capped below the server's max_payload at publish time."""
@@ -213,6 +215,7 @@ class WeightStore:
         self._chunk_bytes = chunk_bytes
         self._kv = None
         self._stores = {}
+        self._half_written = {}
 
     async def publish(self, job_id: str, version: int, payload: bytes, dtype: str, *, keep: int = 3,
                       base: HeldWeights | None = None, full_interval: int = 1, lease_epoch: int = 0,
@@ -432,8 +435,12 @@ class WeightStore:
         return self._stores[job_id]
 
     async def _write_object(self, job_id: str, name: str, payload: bytes | memoryview) -> str:
-        """Chunks with a window of async publishes, then the ObjectInfo; returns the sha256 hex."""
+        """Chunks with a window of async publishes, then the ObjectInfo; returns the sha256 hex. A write that
+        fails has its chunks purged: at once, or, when it failed because NATS does not answer
+        (`bus.NatsUnreachable`: the purge could not get through either), first thing in the job's next write
+        (`_purge_half_written`). Either way no ObjectInfo names them, so no pointer can."""
         await self._store(job_id)
+        await self._purge_half_written(job_id)
         bucket = bus.weights_bucket(job_id)
         nuid = self._nc._nuid.next().decode()
         chunk_subject = f"$O.{bucket}.C.{nuid}"
@@ -451,11 +458,20 @@ class WeightStore:
                 _meta_subject(bucket, name), json.dumps(info.as_dict()).encode(),
                 headers={api.Header.ROLLUP: MSG_ROLLUP_SUBJECT},
             )
-        except BaseException:
+        except BaseException as error:
             digest.cancel()
-            await self._js.purge_stream(f"OBJ_{bucket}", subject=chunk_subject)
+            self._half_written.setdefault(job_id, set()).add(chunk_subject)
+            if not isinstance(error, bus.NatsUnreachable):
+                await self._purge_half_written(job_id)
             raise
         return sha256_hex
+
+    async def _purge_half_written(self, job_id: str) -> None:
+        """Purge the chunks (and a probe among them) of the job's writes that failed, as each purge lands."""
+        subjects = self._half_written.get(job_id, set())
+        for subject in sorted(subjects):
+            await self._js.purge_stream(f"OBJ_{bus.weights_bucket(job_id)}", subject=subject)
+            subjects.discard(subject)
 
     async def _delete_unreferenced(self, job_id: str, *names: str) -> None:
         """Delete these objects, chunks and all, if they exist: objects of a version above the pointer
@@ -478,10 +494,13 @@ class WeightStore:
 
     async def _publish_chunks(self, subject: str, payload: bytes | memoryview, chunk: int) -> int:
         """Publish payload in `chunk`-sized pieces, at most PUBLISH_WINDOW unacked; the count. One deadline
-        for the whole: TimeoutError when the chunks are not all sent and acked within `bus.REQUEST_TIMEOUT_S`
-        plus the payload at MIN_PULL_MB_S. A publish into a socket that does not drain returns only after
-        `bus.FLUSH_TIMEOUT_S`, and each ack had a deadline of its own, so a learner cut off from NATS spent
-        the one on every other chunk and then the other on an ack before it gave up."""
+        for the whole: `bus.REQUEST_TIMEOUT_S` plus the payload at MIN_PULL_MB_S. A publish into a socket that
+        does not drain returns only after `bus.FLUSH_TIMEOUT_S`, and each ack had a deadline of its own, so a
+        learner cut off from NATS spent the one on every other chunk and then the other on an ack before it
+        gave up.
+
+        Past the deadline the write asks why (`_timed_out`): NatsUnreachable when the server does not answer
+        a ping, the refusal when JetStream is full, a TimeoutError otherwise."""
         window: deque[asyncio.Future[api.PubAck]] = deque()
         view = memoryview(payload)
         count = 0
@@ -492,27 +511,30 @@ class WeightStore:
                 if time.monotonic() > give_up_at:
                     raise TimeoutError(f"{subject}: {count} chunks sent in {deadline_s:.1f}s, not all")
                 if len(window) >= PUBLISH_WINDOW:
-                    await self._acked(window.popleft(), subject, chunk, give_up_at)
+                    await asyncio.wait_for(window.popleft(), max(0.0, give_up_at - time.monotonic()))
                 window.append(await self._js.publish_async(subject, bytes(view[start : start + chunk])))
                 count += 1
             while window:
-                await self._acked(window.popleft(), subject, chunk, give_up_at)
+                await asyncio.wait_for(window.popleft(), max(0.0, give_up_at - time.monotonic()))
+        except TimeoutError as error:
+            await self._timed_out(subject, chunk, error)
+            raise
         finally:
             for future in window:  # a failed write's acks: each holds one of nats-py's in-flight slots till done
                 future.cancel()
         return count
 
-    async def _acked(self, future: asyncio.Future[api.PubAck], subject: str, chunk: int, give_up_at: float) -> None:
-        """Wait for one chunk's ack until give_up_at (monotonic). nats-py never completes the future of a
-        `publish_async` that JetStream refused (its reply handler raises the refusal into the connection's error
-        callback), so when an ack does not come, a chunk of zeros is published to the same subject the waiting
-        way, which raises the refusal if that is why (a full store: `bus.jetstream_full`); a timeout otherwise.
-        The probe is purged with the failed object's chunks."""
-        try:
-            await asyncio.wait_for(future, max(0.0, give_up_at - time.monotonic()))
-        except TimeoutError:
-            await self._js.publish(subject, bytes(chunk))
-            raise
+    async def _timed_out(self, subject: str, chunk: int, error: TimeoutError) -> None:
+        """Why a write's chunks were not all acked in time. When the server does not answer a ping
+        (`bus.answers`), NatsUnreachable: a probe or a purge could not get through either, and each would
+        spend a request's deadline finding that out. Else a chunk of zeros is published to the same subject
+        the waiting way, which raises the refusal if JetStream is full (`bus.jetstream_full`): nats-py never
+        completes the future of a `publish_async` that JetStream refused (its reply handler raises the
+        refusal into the connection's error callback). The probe is purged with the failed object's chunks."""
+        if not await bus.answers(self._nc):
+            why = str(error) or "an ack did not come in time"
+            raise bus.NatsUnreachable(f"{subject}: {why}, and NATS does not answer a ping") from error
+        await self._js.publish(subject, bytes(chunk))
 
     async def _info(self, job_id: str, name: str) -> api.ObjectInfo:
         try:
