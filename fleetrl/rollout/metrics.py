@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from prometheus_client import Counter, Enum, Gauge, Histogram, Info
@@ -84,12 +84,15 @@ class Activity:
         """A task of job_id was taken."""
         self.job_id, self._busy_since = job_id, self._clock()
 
-    def end(self) -> None:
-        """The task was acked, released or dead-lettered."""
+    def end(self, shares: Mapping[str, float] | None = None) -> None:
+        """The task (or round) was acked, released or dead-lettered. shares: a round's jobs and their weights
+        in it (the time is split among them by weight); default: all of it to the job begun."""
         if self._busy_since is not None:
             now = self._clock()
             BUSY_SECONDS.inc(now - self._busy_since)
-            self._ended[self.job_id] = self._ended.get(self.job_id, 0.0) + now - self._uncounted_since()
+            busy, shares = now - self._uncounted_since(), shares or {self.job_id: 1.0}
+            for job, weight in shares.items():
+                self._ended[job] = self._ended.get(job, 0.0) + busy * weight / sum(shares.values())
         self._busy_since = None
         self.set_state("idle")
 

@@ -351,10 +351,11 @@ async def take_round(lead: ServedJob, rollout: Rollout, round_tokens: int,
                 seat.leave()  # a task that ended before asking for its group lets the others' batch start
         return produce
 
+    shares = {job.context.job_id: len(got) * group_tokens(job.context.spec) for job, got in taken}
     rollout.activity.begin(lead.context.job_id)
     try:
         await asyncio.gather(*(job.queue.handle_round(got, tasks, fetch_ns, produce_for(job))
                                for job, got, tasks in rounds))
     finally:
-        rollout.activity.end()
-    return {job.context.job_id: len(got) * group_tokens(job.context.spec) for job, got in taken}
+        rollout.activity.end({job: float(tokens) for job, tokens in shares.items()})
+    return shares

@@ -153,6 +153,16 @@ def test_activity_window_splits_busy_time_by_job() -> None:
     assert activity.served_s() == {"j-b": 10.0}  # j-a's stretch left the 10 s window; j-b's task still runs
 
 
+def test_a_mixed_rounds_busy_time_is_split_by_its_jobs_shares() -> None:
+    now = [100.0]
+    activity = Activity(window_s=10.0, clock=lambda: now[0])
+    activity.begin("j-lead")  # a round led by j-lead, with j-rider's tasks riding in its batch
+    now[0] = 104.0
+    activity.end({"j-lead": 96.0, "j-rider": 32.0})  # new tokens each job's groups could make
+    activity.rates()
+    assert activity.served_s() == {"j-lead": 3.0, "j-rider": 1.0}
+
+
 async def test_interceptor_counts_codes_and_traces_without_a_provider(redis_url: str) -> None:
     """Tracing is off here (no provider): calls still work and are counted by their final code."""
     settings = ReplaySettings(redis_url=redis_url, listen="127.0.0.1:0")
