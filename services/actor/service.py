@@ -156,8 +156,10 @@ class Actor:
             if stop.is_set():
                 break
             started = time.monotonic()
+            lead = self.jobs[job_id].context
             riders = [self.jobs[other] for other in order if other != job_id and self.settings.mix_lora_jobs
-                      and can_ride(self.jobs[job_id].context.policy.backend, self.jobs[other].context.policy.backend,
+                      and lead.spec.environment is None
+                      and can_ride(lead.policy.backend, self.jobs[other].context.policy.backend,
                                    self.jobs[other].context.spec)]
             taken = await self._take_until_stopped(self.jobs[job_id], riders, rollout, stop)
             if taken:
@@ -342,7 +344,9 @@ async def take_round(lead: ServedJob, rollout: Rollout, round_tokens: int,
 
         async def produce(delivery: Delivery) -> str:
             seat = batch.seat(policy.backend, lambda: policy.version)
-            if delivery.attempt > 1:  # generated alone: a task that killed its actor costs its round-mates one try
+            # Alone: a redelivered task (one that killed its actor costs its round-mates one try, not all of
+            # theirs), and an episode, which generates turn by turn and never asks the round's batch.
+            if delivery.attempt > 1 or job.context.spec.environment is not None:
                 seat.leave()
                 return await rollout.run(job.context, delivery.task, delivery.attempt, delivery.received_ms)
             try:
