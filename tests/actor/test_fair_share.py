@@ -64,7 +64,8 @@ async def test_an_actor_shares_its_time_by_tenant_weight(fleet: Fleet) -> None:
         await fleet.publish_weights(job, 0)
         for index in range(60):
             await fleet.publish_task(job, index, f"What is {index} + 1?", str(index + 1))
-    fleet.start_actor("fair", "backend=fixed", "fixed_latency_s=0.15")
+    # one task a round (round_tokens 0): the shares are measured over 60 tasks, not over a few rounds of 8
+    fleet.start_actor("fair", "backend=fixed", "fixed_latency_s=0.15", "round_tokens=0")
     started = time.monotonic()
 
     async def enough() -> dict[str, int] | None:

@@ -147,7 +147,10 @@ def scored_rate(lineage: list[Any], start_ms: int, end_ms: int) -> float:
 
 def test_live_scale_add_and_remove_an_actor(fleet: FleetUnderTest) -> None:
     fleet.scale_actors(0)
-    with fleet.actor_env(FLEETRL_ACTOR_BACKEND="fixed", FLEETRL_ACTOR_FIXED_LATENCY_S=str(FIXED_LATENCY_S)):
+    # One task a round (round_tokens 0): a fixed-backend actor batching a round in one latency would outrun
+    # the learner alone, and the test is about adding and removing the bottleneck while the job runs.
+    with fleet.actor_env(FLEETRL_ACTOR_BACKEND="fixed", FLEETRL_ACTOR_FIXED_LATENCY_S=str(FIXED_LATENCY_S),
+                         FLEETRL_ACTOR_ROUND_TOKENS="0"):
         (first,) = fleet.scale_actors(1)
         started = time.monotonic()
         run = fleet.submit("scale", max_steps=SCALE_STEPS)
