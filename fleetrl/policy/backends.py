@@ -385,6 +385,7 @@ class HFBackend:
             return [self._generate(r.prompt_token_ids, r.n, r.max_new_tokens, r.temperature, r.top_p, r.seed, False)]
         return self._decode_groups(requests, None)
 
+    @torch.inference_mode()  # here too: a shared base's generate_mixed calls this directly (its adapters require grad)
     def _decode_groups(self, requests: list[GroupRequest], adapters: list[str] | None) -> list[list[Completion]]:
         """`generate_groups`' batched decode; adapters: the PEFT adapter of each request's rows (a shared
         base's mixed batch, `shared_base.generate_mixed`), None for the model as it is."""

@@ -129,7 +129,11 @@ def test_one_batch_mixes_the_adapters_of_jobs_on_one_base() -> None:
         second.load_adapter(version(2))
         one = GroupRequest([1, 2, 3, 4], 3, 6, 1.0, 1.0, seed=7)
         two = GroupRequest([5, 6, 7, 8], 2, 6, 1.0, 1.0, seed=8)
+        modes: list[bool] = []  # no autograd graph while generating: the adapters' weights require grad
+        hook = first.model.register_forward_pre_hook(lambda *_: modes.append(torch.is_inference_mode_enabled()))
         mixed = generate_mixed([(first, one), (second, two)])
+        hook.remove()
+        assert modes and all(modes)
         own = [first.generate_groups([one, two])[0], second.generate_groups([one, two])[1]]
         for got, expected in zip(mixed, own, strict=True):
             assert [c.token_ids for c in got] == [c.token_ids for c in expected]
