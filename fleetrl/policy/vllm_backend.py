@@ -29,8 +29,8 @@ bound) share one engine: the base's weights and KV cache are held once, and each
 adapter with its requests, so no job samples another's adapter. Adapter ids are unique per engine;
 a job's close removes its adapter, and the last job's close shuts the engine down. A full-weight
 job changes the base, so it gets an engine of its own (`load_weights` on a shared engine is refused).
-Calls into an engine are serialized by its lock. What jobs share: the base weights, the KV cache's
-space and, for base-model requests (a LoRA job before its first version), prefix-cache entries,
+Calls into an engine run on its one thread (`_Engine.run`), one at a time. What jobs share: the base
+weights, the KV cache's space and, for base-model requests (a LoRA job before its first version), prefix-cache entries,
 whose hits show only in timing.
 
 The engine runs in this process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`): weight loads are direct calls,
@@ -57,10 +57,11 @@ import os
 import shutil
 import tempfile
 import threading
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from safetensors.torch import save_file
@@ -71,6 +72,7 @@ from fleetrl.policy import models
 from fleetrl.policy.backends import Completion, GroupRequest
 from fleetrl.spec.config import LoraSpec
 
+T = TypeVar("T")
 DEFAULT_KV_CACHE_GIB = 2
 """KV cache of a CPU engine, in GiB (`VLLM_CPU_KVCACHE_SPACE`), unless the environment sets one."""
 
@@ -120,8 +122,22 @@ class _Engine:
     users: int = 0
     adapter_ids: int = 0
     """The last adapter id handed out; vLLM knows adapters by id, so ids are unique per engine."""
-    lock: threading.Lock = field(default_factory=threading.Lock)
-    """Held by each call into the engine: `LLM` is not safe for concurrent callers."""
+    thread: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(1, "vllm-engine"))
+    """The one thread every call into the engine runs on, its start included (`run`): `LLM` is not safe
+    for concurrent callers, and its CPU attention checks the OpenMP thread count of the thread that runs
+    it against the one its metadata was built with, so a call from another thread of the actor's pool
+    (an actor's rounds run several) failed with "thread_num == thread_num (2 vs. 1)"."""
+
+    def run(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        """fn(*args, **kwargs) on the engine's thread; its result or its exception."""
+        return self.thread.submit(fn, *args, **kwargs).result()
+
+    @classmethod
+    def start(cls, make: Callable[..., Any], path: str, options: dict[str, Any],
+              key: tuple[str, str, str, int] | None) -> _Engine:
+        """A new engine (`make(model=path, **options)`), started on its own thread."""
+        thread = ThreadPoolExecutor(1, "vllm-engine")
+        return cls(thread.submit(lambda: make(model=path, **options)).result(), key, thread=thread)
 
 
 _SHARED: dict[tuple[str, str, str, int], _Engine] = {}
@@ -151,14 +167,15 @@ class VLLMBackend:
             options["gpu_memory_utilization"] = gpu_memory_utilization
         path = model_dir(model_name)
         if lora is None:
-            self._engine = _Engine(self._vllm.LLM(model=path, **options), None, users=1)
+            self._engine = _Engine.start(self._vllm.LLM, path, options, None)
+            self._engine.users = 1
         else:
             rank = engine_rank(lora.rank)
             options.update(enable_lora=True, max_loras=MAX_LORAS, max_lora_rank=rank)
             with _SHARED_LOCK:  # counted under the lock that close() takes, so a closing job cannot shut it first
                 key = (path, dtype, device, rank)
                 if key not in _SHARED:
-                    _SHARED[key] = _Engine(self._vllm.LLM(model=path, **options), key)
+                    _SHARED[key] = _Engine.start(self._vllm.LLM, path, options, key)
                 self._engine = _SHARED[key]
                 self._engine.users += 1
         self.tokenizer = self.llm.get_tokenizer()
@@ -179,9 +196,8 @@ class VLLMBackend:
     ) -> list[Completion]:
         params = self._vllm.SamplingParams(n=n, temperature=temperature, top_p=top_p, max_tokens=max_new_tokens,
                                            logprobs=0, seed=seed % (2**31), ignore_eos=ignore_eos)
-        with self._engine.lock:
-            (request,) = self.llm.generate([{"prompt_token_ids": prompt_token_ids}], params, use_tqdm=False,
-                                           lora_request=self._adapter)
+        (request,) = self._engine.run(self.llm.generate, [{"prompt_token_ids": prompt_token_ids}], params,
+                                      use_tqdm=False, lora_request=self._adapter)
         self.cached_prompt_tokens += request.num_cached_tokens or 0
         return [self._completion(output) for output in request.outputs]
 
@@ -190,9 +206,8 @@ class VLLMBackend:
     ) -> list[Completion]:
         params = [self._vllm.SamplingParams(n=1, temperature=temperature, top_p=top_p, max_tokens=budget, logprobs=0,
                                             seed=(seed + i) % (2**31)) for i, budget in enumerate(max_new_tokens)]
-        with self._engine.lock:
-            requests = self.llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False,
-                                         lora_request=self._adapter)
+        requests = self._engine.run(self.llm.generate, [{"prompt_token_ids": p} for p in prompts], params,
+                                    use_tqdm=False, lora_request=self._adapter)
         self.cached_prompt_tokens += sum(request.num_cached_tokens or 0 for request in requests)
         return [self._completion(request.outputs[0]) for request in requests]
 
@@ -214,24 +229,28 @@ class VLLMBackend:
     def load_weights(self, tensors: Mapping[str, Tensor]) -> None:
         if self._engine.key is not None:
             raise FailedPrecondition("full weights for a LoRA job's vllm engine (its base is shared)")
-        with self._engine.lock:
+        def reload() -> None:
             self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(tensors.items())})
             self.llm.apply_model(_refresh_tied_head)
             self.llm.reset_prefix_cache()
+        self._engine.run(reload)
 
     def load_adapter(self, tensors: Mapping[str, Tensor]) -> None:
         if self._lora is None or self._adapter_root is None:
             raise FailedPrecondition("adapter weights for a vllm engine built without the job's train.lora")
-        with self._engine.lock:
+        lora, root = self._lora, self._adapter_root
+
+        def swap() -> None:
             self._engine.adapter_ids += 1
             adapter_id = self._engine.adapter_ids
-            directory = self._adapter_root / f"v{adapter_id}"
-            _write_adapter(directory, tensors, self._lora)
+            directory = root / f"v{adapter_id}"
+            _write_adapter(directory, tensors, lora)
             previous = self._adapter
             self._adapter = self._vllm.lora.request.LoRARequest(f"adapter-{adapter_id}", adapter_id, str(directory))
             self.llm.llm_engine.add_lora(self._adapter)
             if previous is not None:
                 self._drop(previous)
+        self._engine.run(swap)
 
     def _drop(self, adapter: Any) -> None:
         self.llm.llm_engine.remove_lora(adapter.lora_int_id)
@@ -239,15 +258,16 @@ class VLLMBackend:
 
     def close(self) -> None:
         """Drop this job's adapter; the last job using an engine shuts its core down."""
-        with _SHARED_LOCK, self._engine.lock:
+        with _SHARED_LOCK:
             if self._adapter is not None:
-                self._drop(self._adapter)
+                self._engine.run(self._drop, self._adapter)
                 self._adapter = None
             self._engine.users -= 1
             if self._engine.users == 0:
                 if self._engine.key is not None:
                     del _SHARED[self._engine.key]
-                self.llm.llm_engine.engine_core.shutdown()
+                self._engine.run(self.llm.llm_engine.engine_core.shutdown)
+                self._engine.thread.shutdown()
         if self._adapter_root is not None:
             shutil.rmtree(self._adapter_root, ignore_errors=True)
 
@@ -264,9 +284,8 @@ def generate_mixed(work: list[tuple[VLLMBackend, GroupRequest]]) -> list[list[Co
         raise ValueError("a mixed batch runs on one engine")
     params = [first._vllm.SamplingParams(n=r.n, temperature=r.temperature, top_p=r.top_p, max_tokens=r.max_new_tokens,
                                          logprobs=0, seed=r.seed % (2**31)) for _, r in work]
-    with first._engine.lock:
-        outputs = first.llm.generate([{"prompt_token_ids": r.prompt_token_ids} for _, r in work], params,
-                                     use_tqdm=False, lora_request=[backend._adapter for backend, _ in work])
+    outputs = first._engine.run(first.llm.generate, [{"prompt_token_ids": r.prompt_token_ids} for _, r in work],
+                                params, use_tqdm=False, lora_request=[backend._adapter for backend, _ in work])
     for (backend, _), output in zip(work, outputs, strict=True):
         backend.cached_prompt_tokens += output.num_cached_tokens or 0
     return [[VLLMBackend._completion(completion) for completion in output.outputs] for output in outputs]
