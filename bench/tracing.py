@@ -141,7 +141,7 @@ def time_task_loop(backend: FixedBackend) -> Callable[[int], float]:
         msgs = [Msg(task.SerializeToString(), feeder_headers(tracer)) for _ in range(n)]
         settings, activity = ActorSettings(actor_id="bench"), Activity()
         rollout = Rollout(settings, Replay(), Reward(), activity)
-        queue = JobQueue("bench", SPEC.train, None, Sub(msgs), settings, activity)  # type: ignore[arg-type]
+        queue = JobQueue("bench", SPEC.train, None, Sub(msgs), settings)  # type: ignore[arg-type]
         job = ServedJob(JobContext("bench", SPEC, spec_to_proto(SPEC.reward), Policy(backend)), queue)  # type: ignore[arg-type]
 
         async def go() -> float:

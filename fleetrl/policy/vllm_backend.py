@@ -59,7 +59,7 @@ import tempfile
 import threading
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -119,14 +119,14 @@ class _Engine:
     llm: Any
     key: tuple[str, str, str, int] | None
     """Its entry in `_SHARED` (model directory, dtype, device, max LoRA rank); None: one job's own engine."""
-    users: int = 0
-    adapter_ids: int = 0
-    """The last adapter id handed out; vLLM knows adapters by id, so ids are unique per engine."""
-    thread: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(1, "vllm-engine"))
+    thread: ThreadPoolExecutor
     """The one thread every call into the engine runs on, its start included (`run`): `LLM` is not safe
     for concurrent callers, and its CPU attention checks the OpenMP thread count of the thread that runs
     it against the one its metadata was built with, so a call from another thread of the actor's pool
     (an actor's rounds run several) failed with "thread_num == thread_num (2 vs. 1)"."""
+    users: int = 0
+    adapter_ids: int = 0
+    """The last adapter id handed out; vLLM knows adapters by id, so ids are unique per engine."""
 
     def run(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         """fn(*args, **kwargs) on the engine's thread; its result or its exception."""
@@ -137,7 +137,7 @@ class _Engine:
               key: tuple[str, str, str, int] | None) -> _Engine:
         """A new engine (`make(model=path, **options)`), started on its own thread."""
         thread = ThreadPoolExecutor(1, "vllm-engine")
-        return cls(thread.submit(lambda: make(model=path, **options)).result(), key, thread=thread)
+        return cls(thread.submit(lambda: make(model=path, **options)).result(), key, thread)
 
 
 _SHARED: dict[tuple[str, str, str, int], _Engine] = {}

@@ -1,9 +1,10 @@
 """One job's share of the task queue: JetStream deliveries in, ack / nak / dead-letter out.
 
-This module knows JetStream and nothing of models, reward or replay: `JobQueue.take_many(limit, ...)`
-fetches up to limit deliveries of the job's shared durable pull consumer (a round) and hands each
-parsed `Task` to `produce`, which returns once the task's group is stored (docs/ARCHITECTURE.md, data
-flow steps 5-7); the deliveries of a round are handled concurrently and each is acked on its own.
+This module knows JetStream and nothing of models, reward or replay: `JobQueue.fetch(limit)` takes up
+to limit deliveries of the job's shared durable pull consumer (the actor's round,
+`fleetrl.services.actor.service.take_round`), and `JobQueue.handle_round` hands each parsed `Task` to
+`produce`, which returns once the task's group is stored (docs/ARCHITECTURE.md, data flow steps 5-7);
+the deliveries of a round are handled concurrently and each is acked on its own.
 - The task is acked only after `produce` returned, i.e. after replay answered INSERTED or DUPLICATE
   for its group, so a kill at any point before that leaves the task unacked and JetStream
   redelivers it after ack_wait; a kill after the insert but before the ack makes the redelivery a
@@ -25,7 +26,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 
@@ -55,8 +55,6 @@ class Delivery:
 
 Produce = Callable[[Delivery], Awaitable[str]]
 """Stores the delivery's group; returns the outcome counted in TASKS ("inserted" or "duplicate")."""
-ProduceRound = Callable[[int], Produce]
-"""Given how many tasks a round of deliveries holds, the `Produce` each of them runs (they share a batch)."""
 
 
 def parsed_count(tasks: list[common_pb2.Task | Exception]) -> int:
@@ -78,34 +76,13 @@ class JobQueue:
     job_id: str
 
     def __init__(self, job_id: str, train: TrainConfig, js: JetStreamContext,
-                 sub: JetStreamContext.PullSubscription, settings: ActorSettings, activity: metrics.Activity) -> None:
+                 sub: JetStreamContext.PullSubscription, settings: ActorSettings) -> None:
         self.job_id = job_id
         self._train = train
         self._js = js
         self._sub = sub
         self._settings = settings
-        self._activity = activity
         self._tracer = telemetry.tracer("fleetrl.actor")
-
-    async def take(self, produce: Produce) -> bool:
-        """Take and finish at most one delivery; whether one was taken."""
-        return await self.take_many(1, lambda _: produce) > 0
-
-    async def take_many(self, limit: int, produce_round: ProduceRound) -> int:
-        """Take up to limit deliveries (those JetStream has now, or the first to come within the fetch
-        timeout) and finish them concurrently (`handle_round`); how many were taken. produce_round(n)
-        gives the `Produce` of a round of n parsed tasks."""
-        fetch_ns = time.time_ns()
-        msgs = await self.fetch(limit)
-        if not msgs:
-            return 0
-        self._activity.begin(self.job_id)
-        try:
-            tasks = [parse(msg) for msg in msgs]
-            await self.handle_round(msgs, tasks, fetch_ns, produce_round(parsed_count(tasks)))
-        finally:
-            self._activity.end()
-        return len(msgs)
 
     async def fetch(self, limit: int = 1, timeout_s: float | None = None) -> list[Msg]:
         """Up to limit deliveries: those JetStream has now, else the first within timeout_s (default
@@ -129,11 +106,10 @@ class JobQueue:
             self._tracer.start_span("actor.fetch", start_time=fetch_ns).end()
             await self.handle(msg, produce, task)
 
-    async def handle(self, msg: Msg, produce: Produce, task: common_pb2.Task | Exception | None = None) -> None:
-        """One delivery (its task parsed already, or not): dead-letter it, store its group and ack, or
-        release it for redelivery."""
+    async def handle(self, msg: Msg, produce: Produce, task: common_pb2.Task | Exception) -> None:
+        """One delivery and its parsed task (`parse`): dead-letter it, store its group and ack, or release it
+        for redelivery."""
         received_ms, attempt = now_ms(), int(msg.metadata.num_delivered)
-        task = parse(msg) if task is None else task
         if isinstance(task, Exception):  # a malformed task can never succeed
             await self.dead_letter(msg, attempt, f"task does not parse: {task}")
             return

@@ -260,7 +260,7 @@ class Actor:
         await bus.ensure_job_consumer(js, record.job_id, spec)
         sub = await js.pull_subscribe_bind(durable=bus.task_consumer(record.job_id), stream=bus.TASKS_STREAM)
         log.info("serving job %s (model %s, backend %s)", record.job_id, spec.model, type(backend).__name__)
-        queue = JobQueue(record.job_id, spec.train, js, sub, s, self.activity)
+        queue = JobQueue(record.job_id, spec.train, js, sub, s)
         return ServedJob(JobContext(record.job_id, spec, job_reward_spec(spec, reward_file), policy,
                                     job_environment(spec, environment_file), tenant=record.tenant), queue,
                          record.weight)
