@@ -8,6 +8,7 @@ prints one JSON object:
   sampling settings and number of new tokens (eos ignored on both sides, so lengths are equal);
 - ratio: tok_s / hf_generate_tok_s (goal >= 1.0).
 Each side is warmed up once, then timed `repeats` times, alternating; the best time counts.
+`--device cuda` (default cpu) loads the model there; both sides' timings then wait for the device.
 
 With `--turns K` (K > 1) it also times an episode group: `batch` conversations of K assistant
 turns through `HFBackend.generate_batch` (each turn up to `--turn-tokens` new tokens, eos
@@ -47,6 +48,7 @@ from typing import Any
 
 import torch
 
+from bench.train_step import synchronize
 from fleetrl.policy import models
 from fleetrl.policy.backends import GroupRequest, HFBackend, observation_tokens, prompt_tokens
 from fleetrl.spec.config import RolloutConfig
@@ -67,7 +69,7 @@ def best_time(fn: Callable[[], object], repeats: int) -> float:
 def run(args: argparse.Namespace) -> dict[str, Any]:
     if args.threads:
         torch.set_num_threads(args.threads)
-    model, tokenizer = models.load(args.model, dtype=args.dtype)
+    model, tokenizer = models.load(args.model, dtype=args.dtype, device=args.device)
     backend = HFBackend(model, tokenizer)
     prompt = prompt_tokens(tokenizer, PROMPT, RolloutConfig())
     sampling = {"temperature": args.temperature, "top_p": args.top_p}
@@ -77,20 +79,21 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                                **sampling)
         assert all(len(c.token_ids) == args.new_tokens for c in out)
 
-    input_ids = torch.tensor([prompt] * args.batch)
+    input_ids = torch.tensor([prompt] * args.batch, device=args.device)
 
     def reference() -> None:
         with torch.no_grad():
             out = model.generate(input_ids=input_ids, attention_mask=torch.ones_like(input_ids), do_sample=True,
                                  max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens, top_k=0,
                                  pad_token_id=tokenizer.pad_token_id, **sampling)
+        synchronize(args.device)
         assert out.shape[1] == len(prompt) + args.new_tokens
 
     tokens = args.batch * args.new_tokens
     ours_s, hf_s = best_time(ours, args.repeats), best_time(reference, args.repeats)
     return {
-        "model": args.model, "dtype": args.dtype, "batch": args.batch, "new_tokens": args.new_tokens,
-        "prompt_tokens": len(prompt), "threads": torch.get_num_threads(),
+        "model": args.model, "device": args.device, "dtype": args.dtype, "batch": args.batch,
+        "new_tokens": args.new_tokens, "prompt_tokens": len(prompt), "threads": torch.get_num_threads(),
         "tok_s": round(tokens / ours_s, 2), "hf_generate_tok_s": round(tokens / hf_s, 2),
         "ratio": round(hf_s / ours_s, 3),
         **(episode_turns(backend, args) if args.turns > 1 else {}),
@@ -212,6 +215,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=models.SMOLLM2, help="model name (default smollm2-135m)")
     parser.add_argument("--dtype", default="float32", help="compute dtype (default float32, the actor's)")
+    parser.add_argument("--device", default="cpu", help="device to generate on (default cpu; cuda)")
     parser.add_argument("--batch", type=int, default=8, help="samples per prompt (default 8)")
     parser.add_argument("--new-tokens", type=int, default=64, help="new tokens per sample (default 64)")
     parser.add_argument("--temperature", type=float, default=1.0)

@@ -22,7 +22,9 @@ fleet_groups_per_s, ratio (fleet / reference; goal >= 1.2 on 2 cores), mean step
 process, each process's share of the CPU seconds the fleet spent (`cpu_share`, from /proc) and how
 busy the cores were (`cpu_busy_fraction`); then reference_groups_per_s and its step time. The
 top-level fleet_* fields and `ratio` are those of `fleet_cores_mode`: the launcher's default mode
-when it ran, else the first.
+when it ran, else the first. `--model` trains another model than the job file's (a built-in name or a local
+directory, admitted as `fleetrl up --model` admits it); `--device cuda` runs the reference loop on the GPU (the
+fleet places its learner and actors on the machine's GPUs itself, fleetrl/launcher/devices.py).
 
 Orchestration scaling, with the fixed backend (`FLEETRL_ACTOR_BACKEND=fixed`: every group's
 generation sleeps `--latency-s` and costs no CPU, so what is left is the fleet's own cost: fetch,
@@ -67,7 +69,7 @@ import torch
 from fleetrl.jobs.store import JobState, JobStore
 from fleetrl.launcher import cores
 from fleetrl.launcher.embedded import EmbeddedNats, EmbeddedValkey, free_port, wait_for_port
-from fleetrl.launcher.fleet import Fleet, FleetOptions
+from fleetrl.launcher.fleet import Fleet, FleetOptions, model_admission
 from fleetrl.launcher.supervisor import ChildSpec, Supervisor
 from fleetrl.policy import models
 from fleetrl.proto.fleetrl.v1 import common_pb2, replay_pb2
@@ -76,7 +78,8 @@ from fleetrl.sdk.client import Client, load_job_file
 from fleetrl.spec.config import JobSpec
 from fleetrl.tasks import bus
 from fleetrl.train import reference
-from fleetrl.weights.store import WeightStore, encode_safetensors
+from fleetrl.weights.channel import encode_safetensors
+from fleetrl.weights.store import WeightStore
 
 ROOT = Path(__file__).resolve().parents[1]
 PROMPTS = ROOT / "examples" / "addition" / "train.jsonl"
@@ -106,19 +109,22 @@ def steady_rate(step_ends_s: list[float], groups_per_step: int) -> float:
 # --------------------------------------------------------------------------- fleet vs reference
 
 
-def demo_spec(job_file: Path, steps: int) -> JobSpec:
-    """A job file's spec (the demo's: examples/addition/job.toml) cut to `steps` steps."""
+def demo_spec(job_file: Path, steps: int, model: str | None = None) -> JobSpec:
+    """A job file's spec (the demo's: examples/addition/job.toml) cut to `steps` steps, on `model` if given."""
     payload = load_job_file(job_file, [f"train.max_steps={steps}", f"train.checkpoint_interval={steps}"])
     spec = JobSpec.model_validate_json(payload.spec)
-    return spec.model_copy(update={"prompts": str((job_file.parent / spec.prompts).resolve())})
+    update: dict[str, Any] = {"prompts": str((job_file.parent / spec.prompts).resolve())}
+    if model:
+        update["model"] = model
+    return spec.model_copy(update=update)
 
 
-def reference_rate(spec: JobSpec, threads: int) -> tuple[float, float]:
+def reference_rate(spec: JobSpec, threads: int, device: str = "cpu") -> tuple[float, float]:
     """(steady groups/s, mean step seconds) of the single-process loop in this process."""
     if threads:
         torch.set_num_threads(threads)
     torch.manual_seed(spec.seed)
-    model, tokenizer = models.load(spec.model)
+    model, tokenizer = models.load(spec.model, device=device)
     history = reference.run(spec, model, tokenizer, reference.reward_of(spec), spec.train.max_steps)
     ends, total = [], 0.0
     for metrics in history:
@@ -142,7 +148,9 @@ def fleet_rate(spec: JobSpec, run_dir: Path, actors: int, one_thread: bool,
            "FLEETRL_LEARNER_SAMPLE_WAIT_S": "0.5", "FLEETRL_ACTOR_GRACE_S": "5"}
     if one_thread:
         env.update({"FLEETRL_ACTOR_TORCH_THREADS": "1", "FLEETRL_LEARNER_TORCH_THREADS": "1"})
-    fleet = Fleet(FleetOptions(run_dir=run_dir, actors=actors, metrics=False, extra_env=env, cores_mode=cores_mode))
+    allowed_models, model_roots = model_admission(spec.model)
+    fleet = Fleet(FleetOptions(run_dir=run_dir, actors=actors, metrics=False, extra_env=env, cores_mode=cores_mode,
+                               allowed_models=allowed_models, model_roots=model_roots))
     try:
         layout = fleet.start()
         pids = {name: child.pid for name, child in fleet.supervisor.children.items() if child.pid}
@@ -344,7 +352,7 @@ async def tracing_rounds(tmp: Path, actors: int, latency_s: float, tasks: int, r
 def run_demo(args: argparse.Namespace) -> dict[str, Any]:
     """The demo's job (SmolLM2-135M) on the whole local fleet, with the launcher's thread budget in
     each cores mode, against the reference loop with every core, in the same run."""
-    spec = demo_spec(Path(args.job), args.steps)
+    spec = demo_spec(Path(args.job), args.steps, args.model)
     modes = args.cores_modes.split(",")
     if unknown := set(modes) - set(cores.MODES):
         raise SystemExit(f"--cores-modes: unknown {', '.join(sorted(unknown))} (choose from {', '.join(cores.MODES)})")
@@ -353,7 +361,7 @@ def run_demo(args: argparse.Namespace) -> dict[str, Any]:
         with tempfile.TemporaryDirectory(prefix="bench-pipeline-") as tmp_dir:
             fleets[mode] = fleet_rate(spec, Path(tmp_dir) / "fleet", args.actors, one_thread=False, cores_mode=mode)
     threads = len(os.sched_getaffinity(0)) if args.threads is None else args.threads
-    reference_gps, reference_step_s = reference_rate(spec, threads)
+    reference_gps, reference_step_s = reference_rate(spec, threads, args.device)
     by_mode = {mode: {"fleet_groups_per_s": round(f["groups_per_s"], 4),
                       "ratio": round(f["groups_per_s"] / reference_gps, 3), "fleet_step_s": round(f["step_s"], 1),
                       "fleet_wall_s": round(f["wall_s"], 1), "threads": f["threads"], "cpu_share": f["cpu_share"],
@@ -368,7 +376,7 @@ def run_demo(args: argparse.Namespace) -> dict[str, Any]:
         "fleet_threads": default["threads"], "fleet_cpu_share": default["cpu_share"],
         "fleet_cpu_busy_fraction": default["cpu_busy_fraction"],
         "reference_groups_per_s": round(reference_gps, 4), "reference_step_s": round(reference_step_s, 1),
-        "reference_threads": torch.get_num_threads(), "ratio": default["ratio"],
+        "reference_threads": torch.get_num_threads(), "reference_device": args.device, "ratio": default["ratio"],
     }
 
 
@@ -413,6 +421,9 @@ def main(argv: list[str] | None = None) -> int:
                              "job; with --job, every core; 0: torch's default)")
     parser.add_argument("--job", help="instead: this job file (e.g. examples/addition/job.toml, the demo's) on the "
                                       "fleet with its thread budget vs the reference loop, --steps steps, nothing else")
+    parser.add_argument("--model", help="with --job: this model instead of the job file's (a built-in name or a "
+                                        "local directory)")
+    parser.add_argument("--device", default="cpu", help="with --job: the reference loop's device (default cpu; cuda)")
     parser.add_argument("--cores-modes", default=",".join(cores.MODES),
                         help="with --job: the launcher's cores modes to run the fleet in, one after the other")
     parser.add_argument("--scale", default="1,2,4,8", help="actor counts of the fixed-backend runs")

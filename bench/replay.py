@@ -1,10 +1,11 @@
 """Replay service throughput against raw redis-py pipelines on the same Valkey, same payloads.
 
-`python -m bench.replay --json [--groups 4000 --batch 32 --concurrency 4]` starts an embedded
-Valkey (AOF everysec, noeviction) in a temp dir and the replay service as a subprocess (its own
-process, as deployed). It inserts `groups` groups of 8 samples x 256 completion tokens through
-the service (`batch` groups per Insert, `concurrency` clients), then samples and commits them all
-(fifo, `batch` per Sample). The raw baseline writes the same serialised payloads into a Valkey hash
+`python -m bench.replay --json [--groups 4000 --batch 32 --concurrency 4 --appendfsync everysec
+--insert-fsync-timeout-s 2]` starts an embedded Valkey (AOF with that fsync policy, noeviction) in a temp dir
+and the replay service as a subprocess (its own process, as deployed; the last option is its
+`insert_fsync_timeout_s`: 0 answers inserts before WAITAOF). It inserts `groups` groups of 8 samples x 256
+completion tokens through the service (`batch` groups per Insert, `concurrency` clients), then samples and
+commits them all (fifo, `batch` per Sample). The raw baseline writes the same serialised payloads into a Valkey hash
 with redis-py pipelines of `batch` HSETs and reads them back with pipelines of `batch` HGETs.
 `ratio` = service (insert + sample) groups/s over raw (write + read) ops/s. The two alternate for
 `rounds` rounds (each service round on a fresh job) and each side's fastest round counts: this box
@@ -37,9 +38,11 @@ from fleetrl.launcher.embedded import EmbeddedValkey, free_port, wait_for_port
 from fleetrl.proto.fleetrl.v1 import common_pb2
 from fleetrl.replay.client import ReplayClient
 from fleetrl.runtime.grpcutil import CHANNEL_OPTIONS
+from fleetrl.services.replay.config import ReplaySettings
 from fleetrl.spec.config import ReplayConfig
 
 SAMPLES_PER_GROUP = 8
+DEFAULT_FSYNC_TIMEOUT_S = ReplaySettings.model_fields["insert_fsync_timeout_s"].default
 COMPLETION_TOKENS = 256
 PROMPT_TOKENS = 64
 
@@ -120,9 +123,9 @@ def raw_rates(url: str, payloads: list[bytes], batch: int) -> dict[str, float]:
     return {"write_s": write_s, "read_s": read_s}
 
 
-def start_service(port: int, redis_url: str) -> subprocess.Popen[bytes]:
+def start_service(port: int, redis_url: str, fsync_timeout_s: float) -> subprocess.Popen[bytes]:
     cmd = [sys.executable, "-m", "fleetrl.services.replay", "--listen", f"127.0.0.1:{port}", "--redis-url", redis_url,
-           "--set", "log_level=WARNING"]
+           "--set", "log_level=WARNING", "--set", f"insert_fsync_timeout_s={fsync_timeout_s}"]
     proc = subprocess.Popen(cmd, cwd=Path(__file__).resolve().parents[1])
     wait_for_port("127.0.0.1", port, 30, proc)
     return proc
@@ -196,10 +199,12 @@ def echo_rounds(payloads: list[bytes], batch: int, concurrency: int, rounds: int
         proc.wait(15)
 
 
-def run(n_groups: int, batch: int, concurrency: int, rounds: int) -> dict[str, Any]:
-    with tempfile.TemporaryDirectory() as tmp, EmbeddedValkey(data_dir=Path(tmp) / "valkey") as valkey:
+def run(n_groups: int, batch: int, concurrency: int, rounds: int, appendfsync: str = "everysec",
+        fsync_timeout_s: float = DEFAULT_FSYNC_TIMEOUT_S) -> dict[str, Any]:
+    with tempfile.TemporaryDirectory() as tmp, \
+            EmbeddedValkey(data_dir=Path(tmp) / "valkey", appendfsync=appendfsync) as valkey:  # type: ignore[arg-type]
         port = free_port()
-        proc = start_service(port, valkey.url)
+        proc = start_service(port, valkey.url, fsync_timeout_s)
         raws, svcs = [], []
         try:
             for k in range(rounds):
@@ -225,7 +230,9 @@ def run(n_groups: int, batch: int, concurrency: int, rounds: int) -> dict[str, A
         "ratio": round(service_rate / raw_rate, 3),
         "grpc_echo_groups_per_s": round(2 * n_groups / echo_s, 1),
         "echo_ratio": round(2 * n_groups / echo_s / raw_rate, 3),
-        "groups": n_groups, "batch_groups": batch, "concurrency": concurrency, "rounds": rounds,
+        "appendfsync": appendfsync, "insert_fsync_timeout_s": fsync_timeout_s, "groups": n_groups,
+        "batch_groups": batch, "concurrency": concurrency,
+        "rounds": rounds,
         "samples_per_group": SAMPLES_PER_GROUP, "completion_tokens": COMPLETION_TOKENS,
         "group_bytes": len(payloads[0]), "cpus": os.cpu_count(), "load_avg_1m": round(os.getloadavg()[0], 2),
     }
@@ -237,6 +244,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch", type=int, default=32, help="groups per Insert/Sample and per raw pipeline")
     parser.add_argument("--concurrency", type=int, default=4, help="concurrent service clients")
     parser.add_argument("--rounds", type=int, default=3, help="alternating raw/service rounds; the fastest counts")
+    parser.add_argument("--appendfsync", choices=("always", "everysec"), default="everysec",
+                        help="the Valkey AOF's fsync policy")
+    parser.add_argument("--insert-fsync-timeout-s", type=float, default=DEFAULT_FSYNC_TIMEOUT_S,
+                        help="the replay service's insert_fsync_timeout_s (0: inserts answered before WAITAOF)")
     parser.add_argument("--echo-server", type=int, metavar="PORT", help=argparse.SUPPRESS)
     parser.add_argument("--echo-bytes", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--json", action="store_true", help="print one JSON object (the default output)")
@@ -244,7 +255,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.echo_server:
         serve_echo(args.echo_server, args.echo_bytes)
         return 0
-    result = run(args.groups, args.batch, args.concurrency, args.rounds)
+    result = run(args.groups, args.batch, args.concurrency, args.rounds, args.appendfsync,
+                 args.insert_fsync_timeout_s)
     print(json.dumps(result) if args.json else json.dumps(result, indent=2))
     return 0
 

@@ -7,8 +7,13 @@ work through `TinkerService` directly (queued and waited on, no HTTP). It prints
 the median milliseconds of each side and their difference, the overhead of the wire. The in-process
 side is measured first, then the SDK side, on one training run each, with the same batch.
 
+With `--fleet-actors N` it also starts an embedded nats-server and Valkey, N actor processes serving the
+model's Tinker samples (`tinker_models`) and a second server with `sampling = "fleet"`, and reports, in the
+same run: `sample` through the SDK on the fleet against the local server's (`fleet_sample_ms`), and the wall
+time of `--burst` sample requests sent at once (4 sequences of 64 tokens each) on each (`burst_s`).
+
 What it does not measure yet: the example loop against the same training as a fleet job (issue 29's
-second figure), which waits for the primitives to run on the fleet.
+second figure), which waits for forward_backward and optim_step to run on the fleet.
 """
 
 from __future__ import annotations
@@ -17,7 +22,10 @@ import argparse
 import asyncio
 import concurrent.futures
 import json
+import os
 import statistics
+import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -30,6 +38,7 @@ import tinker
 import torch
 from tinker import types
 
+from fleetrl.launcher.embedded import EmbeddedNats, EmbeddedValkey
 from fleetrl.runtime.tokens import hash_token
 from fleetrl.services.tinker.config import TinkerSettings
 from fleetrl.services.tinker.server import limits_of, serve
@@ -72,7 +81,9 @@ def in_process(settings: TinkerSettings, calls: int) -> dict[str, float]:
     }
 
 
-def over_http(url: str, model: str, calls: int) -> dict[str, float]:
+def over_http(url: str, model: str, calls: int, primitives: tuple[str, ...] = ("forward", "forward_backward",
+                                                                               "optim_step", "sample")
+              ) -> dict[str, float]:
     training = tinker.ServiceClient(base_url=url, api_key=KEY).create_lora_training_client(
         base_model=model, rank=8, seed=0).result()
     data = [types.Datum(model_input=types.ModelInput.from_ints(TOKENS[:-1]),
@@ -80,12 +91,13 @@ def over_http(url: str, model: str, calls: int) -> dict[str, float]:
     sampler = tinker.ServiceClient(base_url=url, api_key=KEY).create_sampling_client(base_model=model).result()
     params = types.SamplingParams(max_tokens=8, seed=0)
     prompt = types.ModelInput.from_ints(TOKENS[:8])
-    return {
-        "forward": median_ms(lambda: training.forward(data, "cross_entropy").result(), calls),
-        "forward_backward": median_ms(lambda: training.forward_backward(data, "cross_entropy").result(), calls),
-        "optim_step": median_ms(lambda: training.optim_step(types.AdamParams()).result(), calls),
-        "sample": median_ms(lambda: sampler.sample(prompt, 1, params).result(), calls),
+    timed: dict[str, Callable[[], Any]] = {
+        "forward": lambda: training.forward(data, "cross_entropy").result(),
+        "forward_backward": lambda: training.forward_backward(data, "cross_entropy").result(),
+        "optim_step": lambda: training.optim_step(types.AdamParams()).result(),
+        "sample": lambda: sampler.sample(prompt, 1, params).result(),
     }
+    return {name: median_ms(timed[name], calls) for name in primitives}
 
 
 def start_server(settings: TinkerSettings) -> str:
@@ -101,20 +113,74 @@ def start_server(settings: TinkerSettings) -> str:
     return str(box["url"])
 
 
+def start_actor(nats_url: str, redis_url: str, model: str, name: str, threads: int,
+                log: Path) -> subprocess.Popen[bytes]:
+    """An actor process serving the model's Tinker samples, once it says so in its log."""
+    argv = [sys.executable, "-m", "fleetrl.services.actor", "--actor-id", name, "--nats-url", nats_url,
+            "--redis-url", redis_url, "--replay-addr", "127.0.0.1:1", "--reward-addr", "127.0.0.1:1",
+            "--set", f"torch_threads={threads}", "--set", f'tinker_models=["{model}"]']
+    with open(log, "ab") as out:
+        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT,
+                                env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})
+    deadline = time.monotonic() + 120
+    while "serving tinker samples of" not in log.read_text(errors="replace"):
+        if proc.poll() is not None or time.monotonic() > deadline:
+            raise RuntimeError(f"actor {name} did not start: {log.read_text(errors='replace')[-2000:]}")
+        time.sleep(0.1)
+    return proc
+
+
+def burst_s(url: str, model: str, requests: int) -> float:
+    """Wall time of `requests` sample requests sent at once (4 sequences of 64 tokens each)."""
+    sampler = tinker.ServiceClient(base_url=url, api_key=KEY).create_sampling_client(base_model=model).result()
+    prompt = types.ModelInput.from_ints(TOKENS[:8])
+    sampler.sample(prompt, 1, types.SamplingParams(max_tokens=8, seed=0)).result()  # warm-up
+    start = time.perf_counter()
+    futures = [sampler.sample(prompt, 4, types.SamplingParams(max_tokens=64, seed=i, stop=[])) for i in range(requests)]
+    for future in futures:
+        future.result()
+    return time.perf_counter() - start
+
+
+def on_the_fleet(settings: TinkerSettings, local_url: str, args: argparse.Namespace) -> dict[str, Any]:
+    """`sample` on `--fleet-actors` actors against the local server's, in the same run."""
+    with EmbeddedNats(data_dir=settings.run_dir / "nats") as nats, \
+            EmbeddedValkey(data_dir=settings.run_dir / "valkey") as valkey:
+        actors = [start_actor(nats.url, valkey.url, args.model, f"bench-{i}", args.threads,
+                              settings.run_dir / f"actor-{i}.log") for i in range(args.fleet_actors)]
+        try:
+            fleet_url = start_server(settings.model_copy(update={"sampling": "fleet", "nats_url": nats.url}))
+            sample = {"local": over_http(local_url, args.model, args.calls, ("sample",))["sample"],
+                      "fleet": over_http(fleet_url, args.model, args.calls, ("sample",))["sample"]}
+            burst = {"local": burst_s(local_url, args.model, args.burst),
+                     "fleet": burst_s(fleet_url, args.model, args.burst)}
+        finally:
+            for actor in actors:
+                actor.kill()
+                actor.wait(10)
+    return {"actors": args.fleet_actors, "fleet_sample_ms": sample, "fleet_overhead_ms": sample["fleet"] -
+            sample["local"], "burst_requests": args.burst, "burst_s": burst}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="tiny-llama")
     parser.add_argument("--calls", type=int, default=10)
     parser.add_argument("--threads", type=int, default=1, help="torch threads (the service's torch_threads)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument("--fleet-actors", type=int, default=0, help="also time sample on this many actors")
+    parser.add_argument("--burst", type=int, default=8, help="sample requests sent at once (with --fleet-actors)")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     settings = TinkerSettings(listen="127.0.0.1:0", run_dir=Path(tempfile.mkdtemp(prefix="bench-tinker-")),
                               allowed_models=(args.model,), tokens={"bench": hash_token(KEY)}, poll_s=10.0)
     local = in_process(settings, args.calls)
-    remote = over_http(start_server(settings), args.model, args.calls)
-    result = {"model": args.model, "calls": args.calls, "in_process_ms": local, "sdk_ms": remote,
-              "overhead_ms": {name: remote[name] - local[name] for name in local}}
+    url = start_server(settings)
+    remote = over_http(url, args.model, args.calls)
+    result: dict[str, Any] = {"model": args.model, "calls": args.calls, "in_process_ms": local, "sdk_ms": remote,
+                              "overhead_ms": {name: remote[name] - local[name] for name in local}}
+    if args.fleet_actors:
+        result["fleet"] = on_the_fleet(settings, url, args)
     print(json.dumps(result) if args.json else json.dumps(result, indent=2))
     return 0
 

@@ -24,9 +24,15 @@ its reference pass.
   once), scored_positions the positions whose logits are taken, d x V the output projection.
   Attention scores are left out (under 1% at these lengths). Each path's FLOPs are its own:
   the unshared path computes more tokens for the same samples.
-- matmul_gflops: the best of `--matmul-repeats` float32 2048 x 2048 products, same threads.
+- matmul_gflops: the best of `--matmul-repeats` `--matmul-n`-square products (2048 by default) in the
+  step's dtype on its device, same threads: the peak this machine reaches on the model's own arithmetic.
 - mfu: model_flops_per_step / step_s / (matmul_gflops * 1e9).
-- state_gb: weights + gradients + AdamW's two moments (+ the reference's weights), float32.
+- state_gb: weights + gradients + AdamW's two moments (+ the reference's weights), in the step's dtype.
+- `--device cuda --dtype bfloat16` (default cpu, float32, as the learner trains): the model and its
+  reference are loaded in that dtype on that device, so weights, gradients and AdamW's moments are bf16
+  and the matmul peak is the GPU's bf16 rate (take `--matmul-n 8192`: a 2048 product does not fill a
+  GPU); every timed step and product waits for the device to finish. On CUDA, peak_gpu_memory_gb:
+  `torch.cuda.max_memory_allocated` over the whole run.
 - peak_rss_gb: the process's peak resident memory during the timed steps of a path (VmHWM,
   reset through /proc/self/clear_refs before each path; without that, the peak since start).
 - base_rss_gb: resident memory before the model loads (the interpreter, torch, transformers and
@@ -66,6 +72,7 @@ from fleetrl.policy.logprobs import naive_token_logprobs
 from fleetrl.proto.fleetrl.v1 import common_pb2
 from fleetrl.runtime import heap
 from fleetrl.spec.config import JobSpec, LoraSpec, parse_job_spec
+from fleetrl.spec.prompts import read_prompts
 from fleetrl.train import optim
 from fleetrl.train.batch import TrainBatch, build_batch, group_rewards, micro_batches, share_prompts
 from fleetrl.train.critic import with_critic
@@ -99,6 +106,12 @@ def naive_path() -> Iterator[None]:
         optim.completion_logprobs = saved
 
 
+def job_prompts(job: Path, spec: JobSpec) -> list[str]:
+    """The first 64 prompts of the job file's prompt file (read as the gateway reads it): what `job_groups`
+    builds a step's batch from."""
+    return [row["prompt"] for row in read_prompts((job.parent / spec.prompts).read_bytes())[:64]]
+
+
 def job_groups(spec: JobSpec, prompts: list[str], tokenizer: Any, seed: int) -> list[common_pb2.Group]:
     rng = random.Random(seed)
     rollout = spec.rollout
@@ -115,15 +128,24 @@ def job_groups(spec: JobSpec, prompts: list[str], tokenizer: Any, seed: int) -> 
     return groups
 
 
-def matmul_gflops(repeats: int) -> float:
-    a, b = torch.randn(MATMUL_N, MATMUL_N), torch.randn(MATMUL_N, MATMUL_N)
+def synchronize(device: str) -> None:
+    """Wait for the device's queued work: CUDA runs kernels asynchronously, so a timer read without
+    this measures their launch, not their work."""
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def matmul_gflops(repeats: int, n: int = MATMUL_N, dtype: torch.dtype = torch.float32, device: str = "cpu") -> float:
+    a, b = torch.randn(n, n, dtype=dtype, device=device), torch.randn(n, n, dtype=dtype, device=device)
     torch.mm(a, b)
+    synchronize(device)
     best = float("inf")
     for _ in range(repeats):
         start = time.perf_counter()
         torch.mm(a, b)
+        synchronize(device)
         best = min(best, time.perf_counter() - start)
-    return 2 * MATMUL_N**3 / best / 1e9
+    return 2 * n**3 / best / 1e9
 
 
 def reset_peak_rss() -> bool:
@@ -174,7 +196,7 @@ def step_flops(
             "completion_tokens": batch.num_tokens, "model_flops_per_step": flops}
 
 
-def timed_steps(train: Any, steps: int, what: str) -> tuple[list[float], float]:
+def timed_steps(train: Any, steps: int, what: str, device: str = "cpu") -> tuple[list[float], float]:
     gc.collect()
     global PEAK_RESET
     PEAK_RESET = reset_peak_rss()
@@ -182,6 +204,7 @@ def timed_steps(train: Any, steps: int, what: str) -> tuple[list[float], float]:
     for _ in range(steps):
         start = time.perf_counter()
         train()
+        synchronize(device)
         times.append(time.perf_counter() - start)
         print(f"{what} step: {times[-1]:.1f}s", file=sys.stderr, flush=True)
     return times, peak_rss_gb()
@@ -200,14 +223,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if args.max_new_tokens:
         rollout = spec.rollout.model_copy(update={"max_new_tokens": args.max_new_tokens})
         spec = spec.model_copy(update={"rollout": rollout})
-    prompts_file = args.job.parent / spec.prompts
-    prompts = [json.loads(line)["prompt"] for line in prompts_file.read_text().splitlines()[:64] if line.strip()]
+    prompts = job_prompts(args.job, spec)
     gc.collect()
     base_rss = rss_gb()
     model: PreTrainedModel | PeftModel
     if args.activation_checkpointing:
         spec = spec.model_copy(update={"train": spec.train.model_copy(update={"activation_checkpointing": True})})
-    model, tokenizer = models.load(spec.model)
+    dtype = models.as_dtype(args.dtype)
+    model, tokenizer = models.load(spec.model, dtype=dtype, device=args.device)
     if spec.train.activation_checkpointing:
         checkpoint_activations(model)
     reference: torch.nn.Module | None = None
@@ -216,7 +239,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         reference = lora.FrozenBase(wrapped) if spec.algorithm.kl_coef > 0 else None
         model = wrapped
     elif spec.algorithm.kl_coef > 0:
-        reference, _ = models.load(spec.model)
+        reference, _ = models.load(spec.model, dtype=dtype, device=args.device)
         reference.requires_grad_(False)
     cfg = loss_config_for(spec)
     module, critic = with_critic(cast(PreTrainedModel, model), cfg)  # a PeftModel passes for one, as in trained_policy
@@ -231,16 +254,16 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     def train() -> None:
         last.update(optim.train_step(module, optimizer, scheduler, groups, cfg, job, reference))
 
-    gflops = matmul_gflops(args.matmul_repeats)
-    timed_steps(train, 1, "warm-up")  # AdamW state, allocator
-    new_times, new_rss = timed_steps(train, args.steps, "learner path")
+    gflops = matmul_gflops(args.matmul_repeats, args.matmul_n, dtype, args.device)
+    timed_steps(train, 1, "warm-up", args.device)  # AdamW state, allocator
+    new_times, new_rss = timed_steps(train, args.steps, "learner path", args.device)
     new_fb = last["forward_backward_s"]
     gc.collect()
     rest_rss = rss_gb()
     old_layout: dict[str, Any] = {}
     if args.unshared_steps and spec.train.share_prompts:
         job = unshared
-        times, rss = timed_steps(train, args.unshared_steps, "unshared prompts")
+        times, rss = timed_steps(train, args.unshared_steps, "unshared prompts", args.device)
         job = spec
         old_layout = {"unshared_step_s": round(min(times), 3), "unshared_step_s_all": [round(t, 3) for t in times],
                       "unshared_peak_rss_gb": round(rss, 3),
@@ -249,7 +272,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if args.micro_batch_tokens:
         train_config = spec.train.model_copy(update={"micro_batch_tokens": args.micro_batch_tokens})
         job = spec.model_copy(update={"train": train_config})
-        times, rss = timed_steps(train, args.steps, f"micro_batch_tokens {args.micro_batch_tokens}")
+        times, rss = timed_steps(train, args.steps, f"micro_batch_tokens {args.micro_batch_tokens}", args.device)
         whole = build_batch(groups, [group_rewards(g) for g in groups], optim.PAD_ID)
         bounded = {"bounded_micro_batch_tokens": args.micro_batch_tokens,
                    "bounded_micro_batches": len(micro_batches(whole, job.train.micro_batch_samples,
@@ -261,14 +284,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     naive: dict[str, Any] = {}
     if args.naive_steps:
         with naive_path():
-            old_times, old_rss = timed_steps(train, args.naive_steps, "naive path")
+            old_times, old_rss = timed_steps(train, args.naive_steps, "naive path", args.device)
         old_step_s = min(old_times)
         naive = {
             "naive_step_s": round(old_step_s, 3), "naive_step_s_all": [round(t, 3) for t in old_times],
             "naive_forward_backward_s": round(last["forward_backward_s"], 3), "naive_peak_rss_gb": round(old_rss, 3),
             "naive_over_new_step_time": round(old_step_s / min(new_times), 3),
         }
-    gflops = max(gflops, matmul_gflops(args.matmul_repeats))
+    gflops = max(gflops, matmul_gflops(args.matmul_repeats, args.matmul_n, dtype, args.device))
     figures = step_flops(model, module, spec, groups, reference is not None)
     if old_layout:
         flops = step_flops(model, module, unshared, groups, reference is not None)["model_flops_per_step"]
@@ -276,10 +299,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     n = figures["params"]
     trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
     copies = 1 + (reference is not None and not args.lora_rank)  # LoRA's reference is the frozen base itself
-    state = 4 * (n * copies + 3 * trained)  # weights (+ reference), and grads + 2 AdamW moments of what trains
+    state = dtype.itemsize * (n * copies + 3 * trained)  # weights (+ reference), grads + 2 AdamW moments of what trains
     step_s = min(new_times)
     return {
-        "model": spec.model, "lora_rank": args.lora_rank, "trainable_params": trained,
+        "model": spec.model, "device": args.device, "dtype": args.dtype, "lora_rank": args.lora_rank,
+        "trainable_params": trained,
         "threads": torch.get_num_threads(), "cpus": os.cpu_count(),
         "load_avg_1m": round(os.getloadavg()[0], 2), "steps": args.steps,
         "prompts_per_step": spec.rollout.prompts_per_step, "samples_per_prompt": spec.rollout.samples_per_prompt,
@@ -298,10 +322,18 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "peak_rss_reset": PEAK_RESET,
         "base_rss_gb": round(base_rss, 3), "rest_rss_gb": round(rest_rss, 3),
         "peak_beyond_base_over_state": round((new_rss - base_rss) / (state / 1e9), 3),
+        **gpu_memory(args.device),
         **old_layout,
         **bounded,
         **naive,
     }
+
+
+def gpu_memory(device: str) -> dict[str, float]:
+    """peak_gpu_memory_gb on a CUDA device (module docstring); nothing on the CPU."""
+    if torch.device(device).type != "cuda":
+        return {}
+    return {"peak_gpu_memory_gb": round(torch.cuda.max_memory_allocated(device) / 1e9, 3)}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -310,7 +342,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", help="model instead of the job's (e.g. tiny-llama for a quick check)")
     parser.add_argument("--algorithm", help="algorithm.name instead of the job's (e.g. ppo, ppo_rloo)")
     parser.add_argument("--steps", type=int, default=1, help="timed steps per path (default 1; best counts)")
-    parser.add_argument("--matmul-repeats", type=int, default=5, help="timed 2048^3 products (best counts)")
+    parser.add_argument("--matmul-repeats", type=int, default=5, help="timed matmul products (best counts)")
+    parser.add_argument("--matmul-n", type=int, default=MATMUL_N, help="side of the timed square products (default "
+                        "2048; 8192 on a GPU)")
+    parser.add_argument("--device", default="cpu", help="device of the model and the step (default cpu; cuda)")
+    parser.add_argument("--dtype", default="float32",
+                        help="dtype of the model, its gradients, AdamW state and the matmul peak (default float32, "
+                             "the learner's; bfloat16)")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     parser.add_argument("--lora-rank", type=int, default=0,
                         help="train LoRA adapters of this rank (alpha 2 x rank, the default targets; the frozen "

@@ -37,8 +37,9 @@ from fleetrl.policy.backends import HFBackend, make_backend
 from fleetrl.spec.config import LoraSpec
 from fleetrl.tasks import bus
 from fleetrl.weights import adapters as lora_weights
+from fleetrl.weights.channel import decode_safetensors, encode_safetensors
 from fleetrl.weights.publish import WeightPublisher
-from fleetrl.weights.store import WeightStore, decode_safetensors, encode_safetensors
+from fleetrl.weights.store import WeightStore
 
 
 async def _fastest(repeats: int, run: Callable[[], Awaitable[Any]]) -> float:

@@ -16,20 +16,20 @@ of the result). Pulls are timed `repeats` times, the fastest kept.
 
 from __future__ import annotations
 
-import json
 import time
 from typing import Any
 
 import numpy as np
 import torch
 
-from bench.train_step import DEFAULT_JOB, job_groups
+from bench.train_step import DEFAULT_JOB, job_groups, job_prompts
 from fleetrl.policy import models
 from fleetrl.spec.config import parse_job_spec
 from fleetrl.tasks import bus
 from fleetrl.train import optim
 from fleetrl.train.losses import loss_config_for
-from fleetrl.weights.store import HeldWeights, WeightStore, encode_safetensors
+from fleetrl.weights.channel import HeldWeights, encode_safetensors
+from fleetrl.weights.store import WeightStore
 
 FULL_FT_LR = 1e-5
 """The learning rate at which the demo job's full fine-tuning variant was measured (examples/addition/job.toml)."""
@@ -49,8 +49,7 @@ def train_payloads(model_name: str, steps: int, learning_rate: float = FULL_FT_L
     spec = parse_job_spec(DEFAULT_JOB.read_text())
     spec = spec.model_copy(update={"model": model_name,
                                    "optim": spec.optim.model_copy(update={"learning_rate": learning_rate})})
-    prompts_file = DEFAULT_JOB.parent / spec.prompts
-    prompts = [json.loads(line)["prompt"] for line in prompts_file.read_text().splitlines()[:64] if line.strip()]
+    prompts = job_prompts(DEFAULT_JOB, spec)
     model, tokenizer = models.load(spec.model)
     reference = None
     if spec.algorithm.kl_coef > 0:

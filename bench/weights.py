@@ -15,6 +15,13 @@ Then (`--lora-rank`, 0 to skip) a LoRA job's adapter versions against full bf16 
 same model (`bench.weight_adapters`): bytes per version and an actor's adapter pull+apply seconds
 against its full pull, measured in the same run; skipped, with the reason in `lora_skipped`, when
 the model (`--lora-model`) is not available here.
+
+With `--actor-device DEVICE` (cuda on a GPU box; default: not measured), a learner and an actor on one
+box: the bf16 snapshot of `--actor-model`'s weights taken from a model on DEVICE, encoded and published
+(`actor_publish_s`: what a learner on DEVICE pays per version), then pulled and loaded in place into an
+hf backend on DEVICE as `make_backend` builds an actor's, in `--actor-dtype` (`update` + decode +
+`load_weights`, waiting for the device: `actor_pull_load_s`, the fastest of `--repeats`), each also per
+GB of payload (`actor_publish_s_per_gb`, `actor_pull_load_s_per_gb`).
 """
 
 from __future__ import annotations
@@ -28,14 +35,17 @@ import tempfile
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from nats.js.object_store import ObjectStore
 
 from bench import weight_adapters, weight_deltas
+from bench.train_step import synchronize
 from fleetrl.launcher.embedded import EmbeddedNats
+from fleetrl.policy import models
+from fleetrl.policy.backends import HFBackend, make_backend
 from fleetrl.tasks import bus
-from fleetrl.weights.store import CHUNK_BYTES, WeightStore
+from fleetrl.weights.store import CHUNK_BYTES, WeightStore, decode_safetensors, encode_safetensors
 
 JOB = "bench"
 STOCK_LAYOUT_MB = 50
@@ -108,6 +118,29 @@ async def stock_layout(objects: ObjectStore, payload: bytes) -> dict[str, float]
     return {"stock_layout_payload_mb": mb, "stock_layout_put_mb_s": mb / put_s, "stock_layout_get_mb_s": mb / get_s}
 
 
+async def measure_actor(url: str, model_name: str, device: str, dtype: str, repeats: int) -> dict[str, Any]:
+    """The --actor-device figures (module docstring): publish from a model on `device`, pull into an actor there."""
+    actor = cast(HFBackend, make_backend("hf", model_name, dtype=dtype, device=device))
+    nc = await bus.connect(url, "bench-actor")
+    store = WeightStore(nc, bus.jetstream(nc))
+    started = time.perf_counter()
+    payload = encode_safetensors(models.state_dict_for_publish(actor.model, "bfloat16"))
+    pointer = await store.publish("bench-actor", 1, payload, "bfloat16")
+    publish_s = time.perf_counter() - started
+    pull_load_s = float("inf")
+    for _ in range(repeats):
+        started = time.perf_counter()
+        pulled = await store.update("bench-actor", pointer, None)
+        actor.load_weights(decode_safetensors(pulled.payload))
+        synchronize(device)
+        pull_load_s = min(pull_load_s, time.perf_counter() - started)
+    await nc.drain()
+    gb = len(payload) / 1e9
+    return {"actor_model": model_name, "actor_device": device, "actor_dtype": dtype, "actor_payload_gb": round(gb, 4),
+            "actor_publish_s": round(publish_s, 4), "actor_pull_load_s": round(pull_load_s, 4),
+            "actor_publish_s_per_gb": round(publish_s / gb, 3), "actor_pull_load_s_per_gb": round(pull_load_s / gb, 3)}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", action="store_true", help="print one JSON object (the only output format)")
@@ -125,6 +158,10 @@ def main() -> None:
     parser.add_argument("--lora-rank", type=int, default=16, help="rank of the LoRA adapter figure (0: skip)")
     parser.add_argument("--lora-model", default="smollm2-135m", help="base model of the LoRA adapter figure")
     parser.add_argument("--gen-tokens", type=int, default=16, help="new tokens of the LoRA generation figure")
+    parser.add_argument("--actor-device", default="",
+                        help="publish from and pull into an actor on this device (e.g. cuda; default: skipped)")
+    parser.add_argument("--actor-model", default="smollm2-135m", help="model of the --actor-device figures")
+    parser.add_argument("--actor-dtype", default="float32", help="the actor's compute dtype (default float32)")
     args = parser.parse_args()
     lora_skipped = weight_deltas.model_available(args.lora_model) if args.lora_rank else "--lora-rank 0"
     skipped = weight_deltas.model_available(args.delta_model) if args.delta_steps else "--delta-steps 0"
@@ -144,6 +181,9 @@ def main() -> None:
                                                                         args.repeats, args.gen_tokens)))
         else:
             figures["lora_skipped"] = lora_skipped
+        if args.actor_device:
+            figures.update(asyncio.run(measure_actor(server.url, args.actor_model, args.actor_device,
+                                                     args.actor_dtype, args.repeats)))
     loopback = min(loopback_s(payload) for _ in range(args.repeats))
     figures["loopback_mb_s"] = len(payload) / 1e6 / loopback
     figures["ratio_vs_stock"] = figures["pull_mb_s"] / figures["nats_py_get_mb_s"]

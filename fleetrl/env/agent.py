@@ -8,12 +8,13 @@ builtin`), the final answer as a str for the verifier to score. Every chat compl
 is one turn: the request's messages go to the actor as an observation, the actor generates the
 assistant's reply with the policy being trained, and the call returns it as a `ChatCompletion`.
 Tools the agent runs itself run here, in the sandbox. Any library that talks to an OpenAI-compatible
-server through httpx is served the same way: every httpx request in this worker is answered here
-(there is no network), and `ENVIRONMENT` is set before the agent file runs (`OPENAI_BASE_URL` is
-`BASE_URL`, `OPENAI_API_KEY` is set), so `openai.OpenAI()` with no arguments, LangChain's
-`ChatOpenAI`, smolagents' `OpenAIServerModel` or the OpenAI Agents SDK's `OpenAIChatCompletionsModel`
-reach the policy too. What frameworks run in the event loop's default executor (a sync tool in
-`asyncio.to_thread`) runs inline (`InlineExecutor`): the sandbox allows no thread to outlive a call.
+server through httpx is served the same way: every httpx request in this worker is answered by the
+host (`fleetrl.env.agent_http`; there is no network), and `ENVIRONMENT` is set before the agent file
+runs (`OPENAI_BASE_URL` is `BASE_URL`, `OPENAI_API_KEY` is set), so `openai.OpenAI()` with no
+arguments, LangChain's `ChatOpenAI`, smolagents' `OpenAIServerModel` or the OpenAI Agents SDK's default
+model (`OpenAIResponsesModel`) reach the policy too. What frameworks run in the event loop's default
+executor (a sync tool in `asyncio.to_thread`) runs inline (`InlineExecutor`): the sandbox allows no
+thread to outlive a call.
 
 The protocol with the service is the environment's (`fleetrl.env.host`): a reset runs `run` until
 its first call, whose request is the reset's reply; each step's action is the reply to the pending
@@ -24,19 +25,28 @@ the assistant message it returned, then new user, tool or system messages, is an
 the new messages (the actor appends their tokens to what it generated: nothing is re-tokenized);
 any other call (the agent rewrote, cut or summarised its history, or changed its tools) is answered
 with its whole conversation and `"segment": true` (the actor starts a new segment from it).
+Calls are served one at a time: an async client's call is answered synchronously too, so while it
+waits for the actor no other task of the agent's loop runs, and calls an agent makes concurrently
+(`asyncio.gather`) reach the actor one after another, as consecutive turns.
 
 Supported: `POST .../chat/completions` with `messages` (text content, or lists of text parts), `tools`
 (their schemas go to the chat template), `max_tokens` / `max_completion_tokens` (a cap below the
 job's `rollout.max_new_tokens`); the job's sampling settings, not the request's, are used (the
-behaviour log-probs must be the policy's). Refused with a clear 400: streaming, `n` > 1, non-text
-content. `POST .../responses` (the Responses API, the OpenAI Agents SDK's default model) is served
-as the chat completion it stands for (`chat_request`, `response_of`): text input, function tools,
-`function_call` and `function_call_output` items; `previous_response_id` (server-side state),
-streaming and other tools are refused with a 400. Other endpoints answer 404. A completion's text
-that holds `<tool_call>` tags (the format `fleetrl.env.tools` parses) also comes back as `tool_calls`
-(function_call items) when the request declared tools.
+behaviour log-probs must be the policy's). Refused with a clear 400: `n` > 1, non-text content.
+`POST .../responses` (the Responses API, the OpenAI Agents SDK's default model) is served as the chat
+completion it stands for (`fleetrl.env.agent_responses`): text input, function tools, `function_call`
+and `function_call_output` items; server-side state (`previous_response_id`, `conversation`, a stored
+`prompt`) and other tools are refused with a 400. Other endpoints answer 404. A completion's text that
+holds `<tool_call>` tags (the format `fleetrl.env.tools` parses) also comes back as `tool_calls`
+(function_call items) when the request declared tools. `stream: true` on either endpoint is answered
+as server-sent events (`fleetrl.env.agent_stream`): `chat.completion.chunk`s then `[DONE]` (the usage
+in a last chunk when `stream_options.include_usage` asks), or the Responses streaming events from
+`response.created` to `response.completed`. The actor still generates the turn whole and returns it
+at once: streaming is the wire format only (the text is one delta, each tool call one), and the turn
+recorded is the one an unstreamed call records.
 
-Stdlib only here (the httpx modules are patched by name); imported only by agent workers.
+Here: the host (`AgentHost`: episodes, and the message diff that decides append or segment), a chat
+completion request's checks, and `run`'s final reply. Stdlib only; imported only by agent workers.
 """
 
 from __future__ import annotations
@@ -44,7 +54,6 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
-import importlib
 import inspect
 import json
 import time
@@ -83,8 +92,13 @@ class CallError(Exception):
         self.status = status
 
 
-def text_of(content: Any, where: str) -> str:
-    """A message's content as text: a str, None (empty), or a list of {"type": "text", "text": ...} parts."""
+TEXT_PARTS = ("text",)
+"""The content part types chat completions carry as text."""
+
+
+def text_of(content: Any, where: str, kinds: tuple[str, ...] = TEXT_PARTS) -> str:
+    """A content field as text: a str, None (empty), or a list of text parts ({"type": one of kinds, "text":
+    ...}); CallError naming the field (`where`, as the request spells it) or the part."""
     if content is None:
         return ""
     if isinstance(content, str):
@@ -92,12 +106,12 @@ def text_of(content: Any, where: str) -> str:
     if isinstance(content, list):
         texts = []
         for index, part in enumerate(content):
-            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+            if not isinstance(part, dict) or part.get("type") not in kinds or not isinstance(part.get("text"), str):
                 kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-                raise CallError(400, f"{where}.content[{index}] is a {kind!r} part; only text parts are supported")
+                raise CallError(400, f"{where}[{index}] is a {kind!r} part; only text parts are supported")
             texts.append(part["text"])
         return "".join(texts)
-    raise CallError(400, f"{where}.content is {type(content).__name__}, expected a str or a list of text parts")
+    raise CallError(400, f"{where} is {type(content).__name__}, expected a str or a list of text parts")
 
 
 def _tool_calls(message: dict[str, Any]) -> list[tuple[str, str]]:
@@ -126,7 +140,7 @@ def request_messages(body: dict[str, Any]) -> list[dict[str, Any]]:
             role = "system"
         if role not in ("system", "user", "assistant", "tool"):
             raise CallError(400, f"{where}.role is {role!r}, expected system, user, assistant or tool")
-        entry: dict[str, Any] = {"role": role, "content": text_of(message.get("content"), where)}
+        entry: dict[str, Any] = {"role": role, "content": text_of(message.get("content"), f"{where}.content")}
         if role == "assistant":
             entry["tool_calls"] = _tool_calls(message)
         out.append(entry)
@@ -135,10 +149,10 @@ def request_messages(body: dict[str, Any]) -> list[dict[str, Any]]:
 
 def _checked_request(body: dict[str, Any]) -> tuple[list[dict[str, Any]], list[Any], int]:
     """A request's messages, tools and max_tokens (0: none); CallError for what is not supported."""
-    if body.get("stream"):
-        raise CallError(400, "stream=true is not supported in agent episodes")
     if body.get("n") not in (None, 1):
         raise CallError(400, f"n={body.get('n')!r}: one choice per call is supported")
+    if not isinstance(body.get("stream_options") or {}, dict):
+        raise CallError(400, "stream_options must be an object")
     tools = body.get("tools") or []
     if not isinstance(tools, list):
         raise CallError(400, "tools must be a list")
@@ -297,146 +311,6 @@ def final_reply(value: Any) -> dict[str, Any]:
     return {"observation": [], "reward": number, "done": True}
 
 
-def chat_request(body: dict[str, Any]) -> dict[str, Any]:
-    """A Responses API request (`POST /responses`) as the chat-completions request it stands for:
-    `instructions` a system message first; `input` a str (one user message) or a list of items, where
-    a message item is a message, an assistant message's `function_call` items become its tool calls (an
-    assistant message of their own when none precedes them), a `function_call_output` a tool message,
-    and `reasoning` items are dropped; function tools in the chat form; `max_output_tokens` the cap.
-    CallError naming what it cannot carry: streaming, `previous_response_id` (server-side state: send
-    the whole input), tools other than functions, other items and non-text parts."""
-    if body.get("stream"):
-        raise CallError(400, "stream=true is not supported in agent episodes")
-    if body.get("previous_response_id"):
-        raise CallError(400, "previous_response_id is not supported in agent episodes: nothing is stored "
-                             "between calls; send the whole conversation as input")
-    messages: list[dict[str, Any]] = []
-    if body.get("instructions"):
-        messages.append({"role": "system", "content": body["instructions"]})
-    items = body.get("input")
-    if isinstance(items, str):
-        items = [{"role": "user", "content": items}]
-    if not isinstance(items, list) or not items:
-        raise CallError(400, "input must be a non-empty str or list of items")
-    for index, item in enumerate(items):
-        where = f"input[{index}]"
-        kind = item.get("type", "message") if isinstance(item, dict) else None
-        if kind == "message":
-            messages.append({"role": item.get("role"), "content": _chat_parts(item.get("content"))})
-        elif kind == "function_call":
-            call = {"id": str(item.get("call_id", "")), "type": "function",
-                    "function": {"name": str(item.get("name", "")), "arguments": str(item.get("arguments", ""))}}
-            if not messages or messages[-1]["role"] != "assistant":
-                messages.append({"role": "assistant", "content": ""})
-            messages[-1].setdefault("tool_calls", []).append(call)
-        elif kind == "function_call_output":
-            messages.append({"role": "tool", "tool_call_id": str(item.get("call_id", "")),
-                             "content": _chat_parts(item.get("output"))})
-        elif kind != "reasoning":
-            raise CallError(400, f"{where} is a {kind!r} item; messages, function calls and their outputs are "
-                                 "supported")
-    tools = []
-    for index, tool in enumerate(body.get("tools") or []):
-        if not isinstance(tool, dict) or tool.get("type") != "function":
-            kind = tool.get("type") if isinstance(tool, dict) else type(tool).__name__
-            raise CallError(400, f"tools[{index}] is a {kind!r} tool; only function tools are supported")
-        tools.append({"type": "function", "function": {k: tool[k] for k in ("name", "description", "parameters")
-                                                       if k in tool}})
-    request: dict[str, Any] = {"model": body.get("model", "policy"), "messages": messages, "tools": tools}
-    if body.get("max_output_tokens"):
-        request["max_tokens"] = body["max_output_tokens"]
-    return request
-
-
-def _chat_parts(content: Any) -> Any:
-    """Responses content parts (`input_text`, `output_text`) as chat text parts; a str as it is."""
-    if not isinstance(content, list):
-        return content
-    return [{"type": "text", "text": part.get("text")} if isinstance(part, dict)
-            and part.get("type") in ("input_text", "output_text", "text") else part for part in content]
-
-
-def response_of(completion: dict[str, Any], body: dict[str, Any]) -> dict[str, Any]:
-    """A chat completion as the Responses API's `Response`: the assistant's text as a message item, then
-    each tool call as a `function_call` item (an agent that sends both back extends the call, as with
-    chat completions)."""
-    choice = completion["choices"][0]
-    message, calls = choice["message"], choice["message"].get("tool_calls") or []
-    number = completion["id"].rsplit("-", 1)[-1]
-    output: list[dict[str, Any]] = [{
-        "type": "message", "id": f"msg_fleetrl_{number}", "role": "assistant", "status": "completed",
-        "content": [{"type": "output_text", "text": message["content"], "annotations": []}]}]
-    output += [{"type": "function_call", "id": f"fc_{call['id']}", "call_id": call["id"],
-                "name": call["function"]["name"], "arguments": call["function"]["arguments"], "status": "completed"}
-               for call in calls]
-    usage = completion["usage"]
-    cut = choice["finish_reason"] == "length"
-    return {"id": f"resp_fleetrl_{number}", "object": "response", "created_at": float(completion["created"]),
-            "model": completion["model"], "status": "incomplete" if cut else "completed",
-            "incomplete_details": {"reason": "max_output_tokens"} if cut else None, "error": None,
-            "instructions": body.get("instructions"), "metadata": body.get("metadata") or {},
-            "output": output, "parallel_tool_calls": bool(body.get("parallel_tool_calls", True)),
-            "tool_choice": body.get("tool_choice", "auto"), "tools": body.get("tools") or [],
-            "temperature": None, "top_p": None,
-            "usage": {"input_tokens": usage["prompt_tokens"], "output_tokens": usage["completion_tokens"],
-                      "total_tokens": usage["total_tokens"], "input_tokens_details": {"cached_tokens": 0},
-                      "output_tokens_details": {"reasoning_tokens": 0}}}
-
-
-def answer_request(host: AgentHost, method: str, path: str, body: bytes) -> tuple[int, dict[str, Any]]:
-    """The HTTP status and JSON body answering one request of the agent: a chat completion, or a response
-    of the Responses API (`POST /responses`, carried as the chat completion it stands for)."""
-    responses = path.endswith("/responses")
-    if method != "POST" or not (path.endswith("/chat/completions") or responses):
-        return 404, {"error": {"message": f"{method} {path}: agent episodes serve POST /chat/completions and "
-                                          "POST /responses only", "type": "not_found"}}
-    try:
-        request = json.loads(body or b"{}")
-        if not isinstance(request, dict):
-            raise CallError(400, "the request body is not a JSON object")
-        if responses:
-            return 200, response_of(host.complete(chat_request(request)), request)
-        return 200, host.complete(request)
-    except CallError as error:
-        return error.status, {"error": {"message": str(error), "type": "invalid_request_error"}}
-    except ValueError as error:
-        return 400, {"error": {"message": f"the request body is not JSON: {error}", "type": "invalid_request_error"}}
-
-
-HTTPX_MODULES = ("httpx", "httpx2")
-"""The httpx distributions whose transports are served (openai 2 uses httpx, openai 3 its fork httpx2)."""
-
-
-def serve_httpx(host: AgentHost) -> list[str]:
-    """Answer every httpx request of this process with the policy: the default transports of every httpx
-    client (the openai SDK's, a framework's) answer through `host` instead of the network. The names
-    of the httpx modules served."""
-    served = []
-    for name in HTTPX_MODULES:
-        try:
-            module = importlib.import_module(name)
-        except ImportError:
-            continue
-        _patch(module, host)
-        served.append(name)
-    return served
-
-
-def _patch(module: Any, host: AgentHost) -> None:
-    def respond(request: Any) -> Any:
-        status, body = answer_request(host, request.method, request.url.path, request.read())
-        return module.Response(status, json=body)
-
-    def handle(self: Any, request: Any) -> Any:
-        return respond(request)
-
-    async def handle_async(self: Any, request: Any) -> Any:
-        return respond(request)
-
-    module.HTTPTransport.handle_request = handle
-    module.AsyncHTTPTransport.handle_async_request = handle_async
-
-
 def agent_run(namespace: dict[str, Any]) -> Callable[..., Any]:
     """The `run` an agent file defines; TypeError when it has none."""
     run = namespace.get("run")
@@ -447,4 +321,4 @@ def agent_run(namespace: dict[str, Any]) -> Callable[..., Any]:
 
 
 __all__ = ["API_KEY", "BASE_URL", "ENVIRONMENT", "AgentHost", "CallError", "EpisodeClosed", "InlineExecutor",
-           "agent_run", "answer_request", "chat_request", "final_reply", "response_of", "serve_httpx"]
+           "agent_run", "final_reply"]

@@ -5,10 +5,11 @@ of it and a test can list what is left:
 - Redis: the job store's keys (`store.key_patterns`: record, files, steps, lease), the ledger's
   (`ledger.key`), the replay table's (`table.prefix`), and the job's entries in the shared index, the
   idempotency hash and replay's job set;
-- NATS: the weight bucket (stream `OBJ_fleet_w_<job>`), the job's key and resync key in the pointer
-  bucket, its task and dead-letter consumers, and its messages on the task, dead-letter, event and
+- NATS: its task and dead-letter consumers, and its messages on the task, dead-letter, event and
   advisory subjects of the shared streams;
-- disk: `<run_dir>/jobs/<job>/` (checkpoints, metrics, exported model and adapter).
+- disk: `<run_dir>/jobs/<job>/` (checkpoints, metrics, exported model and adapter);
+- the weights, wherever their transport keeps them (`Transport.usage` and `Transport.purge`: NATS's weight
+  bucket and pointer entries, or the job's directory under `weights_dir`), counted with that store.
 A deletion is idempotent: what is already gone is skipped, so an interrupted one is finished by the next.
 """
 
@@ -27,6 +28,7 @@ from nats.js.errors import NotFoundError
 from fleetrl.jobs import store
 from fleetrl.replay import table
 from fleetrl.tasks import bus, ledger
+from fleetrl.weights.transport import Transport
 
 SCAN_COUNT = 500
 
@@ -60,9 +62,7 @@ def _subjects(job_id: str) -> list[tuple[str, str]]:
     """(stream, subject) of the job's messages in the streams every job shares."""
     return [(bus.TASKS_STREAM, bus.task_subject(job_id)), (bus.DLQ_STREAM, bus.dlq_subject(job_id)),
             (bus.EVENTS_STREAM, bus.events_subject(job_id)),
-            (bus.ADVISORIES_STREAM, bus.max_deliveries_subject(job_id)),
-            (f"KV_{bus.WEIGHTS_KV}", f"$KV.{bus.WEIGHTS_KV}.{job_id}"),
-            (f"KV_{bus.WEIGHTS_KV}", f"$KV.{bus.WEIGHTS_KV}.{job_id}.resync")]
+            (bus.ADVISORIES_STREAM, bus.max_deliveries_subject(job_id))]
 
 
 def _consumers(job_id: str) -> list[tuple[str, str]]:
@@ -87,17 +87,13 @@ async def _shared_entries(redis: aioredis.Redis, job_id: str) -> list[str]:
     return entries
 
 
-async def footprint(redis: aioredis.Redis, js: JetStreamContext, run_dir: Path, job_id: str) -> Footprint:
-    """What the job holds in every store now."""
+async def footprint(redis: aioredis.Redis, js: JetStreamContext, run_dir: Path, weights: Transport,
+                    job_id: str) -> Footprint:
+    """What the job holds in every store now; `weights` is the transport its weights went through."""
     bus.check_job_id(job_id)
     keys = await _keys(redis, job_id)
     redis_bytes = sum([int(await redis.memory_usage(k) or 0) for k in keys])
     messages, nats_bytes, consumers = 0, 0, 0
-    try:
-        info = await js.stream_info(f"OBJ_{bus.weights_bucket(job_id)}")
-        messages, nats_bytes = info.state.messages, info.state.bytes
-    except NotFoundError:
-        pass
     for stream, subject in _subjects(job_id):
         try:
             info = await js.stream_info(stream, subjects_filter=subject)
@@ -111,6 +107,11 @@ async def footprint(redis: aioredis.Redis, js: JetStreamContext, run_dir: Path, 
         except NotFoundError:
             continue
     files, disk_bytes = await asyncio.to_thread(_disk, store.job_dir(run_dir, job_id))
+    held = await weights.usage(job_id)
+    if held.store == "nats":
+        messages, nats_bytes = messages + held.items, nats_bytes + held.size_bytes
+    else:
+        files, disk_bytes = files + held.items, disk_bytes + held.size_bytes
     return Footprint(len(keys), redis_bytes, messages, nats_bytes, consumers, files, disk_bytes,
                      await _shared_entries(redis, job_id))
 
@@ -120,18 +121,18 @@ def _disk(root: Path) -> tuple[int, int]:
     return len(files), sum(p.stat().st_size for p in files)
 
 
-async def delete(redis: aioredis.Redis, js: JetStreamContext, run_dir: Path, job_id: str) -> Footprint:
+async def delete(redis: aioredis.Redis, js: JetStreamContext, run_dir: Path, weights: Transport,
+                 job_id: str) -> Footprint:
     """Delete everything of the job in every store; what it held before. Call it for a job that has
     ended: a learner or actor still serving it would write again."""
-    before = await footprint(redis, js, run_dir, job_id)
+    before = await footprint(redis, js, run_dir, weights, job_id)
     for stream, name in _consumers(job_id):
         with contextlib.suppress(NotFoundError):
             await js.delete_consumer(stream, name)
     for stream, subject in _subjects(job_id):
         with contextlib.suppress(NotFoundError):
             await js.purge_stream(stream, subject=subject)
-    with contextlib.suppress(NotFoundError):
-        await js.delete_object_store(bus.weights_bucket(job_id))
+    await weights.purge(job_id)
     keys = await _keys(redis, job_id)
     async with redis.pipeline(transaction=True) as pipe:
         if keys:

@@ -44,6 +44,7 @@ from redis.asyncio.retry import Retry
 from redis.backoff import ConstantBackoff
 
 from fleetrl.errors import FailedPrecondition, Fenced, NotFound, Unavailable
+from fleetrl.runtime import redisutil
 from fleetrl.spec.config import JobSpec
 
 PREFIX = "fleetrl:"
@@ -235,15 +236,24 @@ end
 return {0, cur}
 """
 
-# KEYS[1]=index zset; ARGV: learner id, lease ms, now ms, prefix. Claims the oldest active job
+# KEYS[1]=index zset; ARGV: learner id, lease ms, now ms, prefix, base. Claims the oldest active job
 # without a live lease; a RUNNING job without a lease is one whose learner died: it is resumed (and a
-# pause reason its previous learner left is cleared).
-_CLAIM = """
+# pause reason its previous learner left is cleared). A base other than '' claims only a LoRA job on that
+# base model (a learner adding a job to the LoRA jobs it trains: `JobStore.claim`). A write script (the
+# shebang, without allow-oom): a Redis that refuses writes refuses every claim, also one that finds nothing
+# to take, so a learner paused on a full Redis keeps saying so until Redis takes writes again.
+_CLAIM = """#!lua
+local function on_base(h, base)
+  if base == '' then return true end
+  local ok, spec = pcall(cjson.decode, redis.call('HGET', h, 'spec_json') or '')
+  if not ok or type(spec) ~= 'table' or type(spec['train']) ~= 'table' then return false end
+  return spec['model'] == base and type(spec['train']['lora']) == 'table'
+end
 local ids = redis.call('ZRANGE', KEYS[1], 0, -1)
 for _, id in ipairs(ids) do
   local h = ARGV[4] .. 'job:' .. id
   local st = redis.call('HGET', h, 'state')
-  if st == 'queued' or st == 'running' then
+  if (st == 'queued' or st == 'running') and redis.call('EXISTS', h .. ':lease') == 0 and on_base(h, ARGV[5]) then
     if redis.call('SET', h .. ':lease', ARGV[1], 'NX', 'PX', ARGV[2]) then
       redis.call('HINCRBY', h, 'lease_epoch', 1)
       redis.call('HSET', h, 'state', 'running', 'updated_ms', ARGV[3], 'learner_id', ARGV[1], 'reason', '')
@@ -287,9 +297,9 @@ class JobStore:
         self._unlock = client.register_script(_UNLOCK)
 
     @classmethod
-    def from_url(cls, url: str, retry_s: float = REDIS_RETRY_S) -> JobStore:
-        return cls(aioredis.Redis.from_url(url, socket_timeout=10, socket_connect_timeout=5,
-                                           retry=RetryFor(retry_s)))
+    def from_url(cls, url: str, retry_s: float = REDIS_RETRY_S, tls_ca_file: Path | None = None) -> JobStore:
+        return cls(redisutil.client(url, tls_ca_file=tls_ca_file, socket_timeout=10, socket_connect_timeout=5,
+                                    retry=RetryFor(retry_s)))
 
     async def close(self) -> None:
         await self.redis.aclose()
@@ -400,10 +410,12 @@ class JobStore:
         await self.redis.publish(f"{PREFIX}job-events", job_id)
         return await self.get(job_id)
 
-    async def claim(self, learner_id: str, lease_s: float) -> JobRecord | None:
-        """Take the oldest queued (or orphaned running) job; None if there is none."""
+    async def claim(self, learner_id: str, lease_s: float, *, lora_base: str = "") -> JobRecord | None:
+        """Take the oldest queued (or orphaned running) job; None if there is none. With `lora_base`, only a
+        job that trains LoRA adapters on that base model (`train.lora` set, `model` equal): one a learner
+        already holding that base can add to the jobs it trains (`LearnerSettings.max_jobs`)."""
         job_id = await self._claim(
-            keys=[f"{PREFIX}jobs:index"], args=[learner_id, int(lease_s * 1000), now_ms(), PREFIX]
+            keys=[f"{PREFIX}jobs:index"], args=[learner_id, int(lease_s * 1000), now_ms(), PREFIX, lora_base]
         )
         return await self.get(text(job_id)) if job_id else None
 

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import secrets
 import shutil
 import signal
 import socket
@@ -30,6 +29,8 @@ from pathlib import Path
 from typing import Literal
 
 from fleetrl.errors import Unavailable
+from fleetrl.launcher.credentials import NATS_USER, REDIS_USER, Credentials, nats_authorization, redis_requirepass
+from fleetrl.spec.config import with_credentials
 
 START_TIMEOUT_S = 20.0
 PROBE_TIMEOUT_S = 0.5
@@ -180,12 +181,16 @@ class EmbeddedNats(EmbeddedServer):
     """A user and password every client must present (None: none)."""
     max_file_store_mb: int = 0
     """JetStream's file storage limit, `max_file_store` (0: the server's default, sized from the disk)."""
+    tls_cert_file: Path | None = None
+    """With tls_key_file: the server's certificate (PEM); every client must then speak TLS (`tls://`)."""
+    tls_key_file: Path | None = None
 
     def command(self) -> list[str]:
         while self.monitor_port in (0, self.port):
             self.monitor_port = free_port(self.host)
-        auth = (f'authorization {{ user: "{self.credentials.user}", password: "{self.credentials.password}" }}\n'
-                if self.credentials else "")
+        auth = nats_authorization(self.credentials) if self.credentials else ""
+        if self.tls_cert_file and self.tls_key_file:
+            auth += f'tls {{ cert_file: "{self.tls_cert_file}", key_file: "{self.tls_key_file}" }}\n'
         limit = f", max_file_store: {self.max_file_store_mb}MB" if self.max_file_store_mb else ""
         conf = self.data_dir / "nats.conf"
         conf.write_text(
@@ -198,8 +203,8 @@ class EmbeddedNats(EmbeddedServer):
 
     @property
     def url(self) -> str:
-        login = f"{self.credentials.user}:{self.credentials.password}@" if self.credentials else ""
-        return f"nats://{login}{self.host}:{self.port}"
+        url = f"{'tls' if self.tls_cert_file else 'nats'}://{self.host}:{self.port}"
+        return with_credentials(url, self.credentials.user, self.credentials.password) if self.credentials else url
 
     @property
     def monitor_url(self) -> str:
@@ -227,7 +232,7 @@ class EmbeddedValkey(EmbeddedServer):
 
     def command(self) -> list[str]:
         conf = self.data_dir / "valkey.conf"  # the password in a file of ours, not on the command line
-        conf.write_text(f'requirepass "{self.credentials.password}"\n' if self.credentials else "")
+        conf.write_text(redis_requirepass(self.credentials) if self.credentials else "")
         conf.chmod(0o600)
         return [
             valkey_server_binary(), str(conf), "--bind", self.host, "--port", str(self.port),
@@ -238,8 +243,8 @@ class EmbeddedValkey(EmbeddedServer):
 
     @property
     def url(self) -> str:
-        login = f":{self.credentials.password}@" if self.credentials else ""
-        return f"redis://{login}{self.host}:{self.port}/0"
+        url = f"redis://{self.host}:{self.port}/0"
+        return with_credentials(url, self.credentials.user, self.credentials.password) if self.credentials else url
 
     def healthy(self) -> bool:
         """PING answers PONG (a Valkey replaying its AOF accepts connections but answers -LOADING)."""
@@ -267,28 +272,6 @@ def _read_replies(sock: socket.socket, count: int) -> bytes:
     return data
 
 
-@dataclass(frozen=True)
-class Credentials:
-    """A user and password for an embedded server, generated once per run directory and kept there
-    (mode 0600), so a restarted server and its clients keep agreeing."""
-
-    user: str
-    password: str
-
-    @classmethod
-    def for_run(cls, path: Path, user: str) -> Credentials:
-        """The credentials stored at path, made (random, URL-safe) the first time."""
-        if path.exists():
-            user, password = path.read_text().split("\n", 1)
-            return cls(user, password.strip())
-        path.parent.mkdir(parents=True, exist_ok=True)
-        password = secrets.token_urlsafe(24)
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        with os.fdopen(fd, "w") as handle:
-            handle.write(f"{user}\n{password}\n")
-        return cls(user, password)
-
-
 @dataclass
 class Infra:
     """Embedded NATS + Valkey under one run directory."""
@@ -301,8 +284,8 @@ class Infra:
     """Whether NATS and Valkey require credentials (generated under run_dir/credentials/)."""
 
     def __post_init__(self) -> None:
-        nats_login = Credentials.for_run(self.run_dir / "credentials" / "nats", "fleetrl") if self.credentials else None
-        valkey_login = Credentials.for_run(self.run_dir / "credentials" / "valkey", "default") \
+        nats_login = Credentials.for_run(self.run_dir / "credentials" / "nats", NATS_USER) if self.credentials else None
+        valkey_login = Credentials.for_run(self.run_dir / "credentials" / "valkey", REDIS_USER) \
             if self.credentials else None
         self.nats = EmbeddedNats(data_dir=self.run_dir / "nats", credentials=nats_login)
         self.valkey = EmbeddedValkey(data_dir=self.run_dir / "valkey", credentials=valkey_login)

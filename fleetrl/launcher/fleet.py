@@ -68,6 +68,9 @@ class FleetOptions:
     """Directories under which jobs may name local model directories (the gateway's allowed_model_roots)."""
     tinker: bool = False
     """Also serve the Tinker API (HTTP), open mode and the gateway's allow-list, as the gateway."""
+    tinker_models: tuple[str, ...] = ()
+    """Base models whose Tinker samples the actors serve (every actor's `tinker_models`; the Tinker API then
+    runs with `sampling = "fleet"`). Needs `tinker`."""
 
 
 @dataclass
@@ -113,6 +116,8 @@ class Fleet:
         self.cores = options.cores or cores.machine_cores()
         self.threads = cores.budget(self.cores, options.actors, options.learner_threads, options.actor_threads,
                                     options.cores_mode)
+        if options.tinker_models and not options.tinker:
+            raise ValueError("tinker_models needs tinker: the actors would serve a Tinker API that does not run")
         if options.tinker:  # it trains and samples as a learner does, on the learner's share of the cores
             self.threads[TINKER] = self.threads["learner"]
         self.services = (*SERVICES, TINKER) if options.tinker else SERVICES
@@ -130,8 +135,17 @@ class Fleet:
             self.supervisor.add(ChildSpec(name, _module_argv(name), self._env(name, threads=self.threads[name])))
         self._wait_listening()
         self.set_actors(self.options.actors)
-        (self.run_dir / STATE_FILE).write_text(self.layout.to_json())
+        self._write_layout()
         return self.layout
+
+    def _write_layout(self) -> None:
+        """`fleet.json`, replaced whole (a temporary file renamed over it): `fleetrl scale`, `top` and the
+        tests read it while actors are scaled, and a rewrite in place let one of them read it empty."""
+        if self.layout is None:  # not started: nothing to describe
+            return
+        tmp = self.run_dir / f".{STATE_FILE}.tmp"
+        tmp.write_text(self.layout.to_json())
+        os.replace(tmp, self.run_dir / STATE_FILE)
 
     def _log_threads(self) -> None:
         summary = ", ".join(f"{name} {n}" for name, n in self.threads.items())
@@ -185,6 +199,11 @@ class Fleet:
             env["ACTOR_ID"] = f"actor-{actor_index}"
         if service in ("gateway", TINKER):
             env.update(self._admission_env())
+        if self.options.tinker_models:  # samples on the actors: the API sends them, every actor serves them
+            if service == TINKER:
+                env["SAMPLING"] = "fleet"
+            elif service == "actor":
+                env["TINKER_MODELS"] = json.dumps(list(self.options.tinker_models))
         out = {prefix + key: value for key, value in env.items()}
         out["FLEETRL_TRACING"] = "1" if self.options.tracing else "0"
         out["TOKENIZERS_PARALLELISM"] = "false"
@@ -221,7 +240,7 @@ class Fleet:
                 self.layout.metrics_ports[name] = embedded.free_port(self.options.host)
             env = self._env("actor", self._actor_ids, threads)
             self.supervisor.add(ChildSpec(name, _module_argv("actor"), env))
-        (self.run_dir / STATE_FILE).write_text(self.layout.to_json())
+        self._write_layout()
         log.info("actors: %s", ", ".join(self.actor_names()) or "none")
 
     def _actor_grace_s(self) -> float:

@@ -39,6 +39,7 @@ ROUTES: dict[str, tuple[str, bool, str]] = {
     "demo": ("fleetrl.launcher.cli", True, "train SmolLM2-135M on two-digit addition, end to end"),
     "top": ("fleetrl.launcher.top", True, "live view of a running fleet"),
     "eval": ("fleetrl.launcher.evaljob", True, "pass@1 and pass@k of a model, scored by the reward service"),
+    "secrets": ("fleetrl.launcher.credentials", False, "make the NATS and Redis credentials of a compose or k8s fleet"),
 }
 
 

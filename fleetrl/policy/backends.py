@@ -52,7 +52,7 @@ import inspect
 import math
 import random
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
@@ -320,27 +320,43 @@ class HFBackend:
         generator: torch.Generator,
     ) -> tuple[list[Tensor], list[Tensor]]:
         """Per position: sampled tokens (B,) and their log-probs (B,), until every row hit eos or its budget."""
-        device, rows = self.device, len(prompts)
         turns, self._turns = self._turns, None
         out, attention, next_position, held = self._prefill_rows(prompts, turns)
+
+        def draw(last: Tensor, step: int) -> tuple[Tensor, Tensor]:
+            logp = torch.log_softmax(last / temperature, dim=-1)  # (B, V)
+            token = torch.multinomial(nucleus(logp.exp(), top_p), 1, generator=generator)  # (B, 1)
+            return token[:, 0], logp.gather(-1, token)[:, 0]
+
+        budget = torch.tensor(max_new_tokens, device=self.device)  # (B,)
+        out, attention, tokens_T, logprobs_T = self._decode(out, attention, next_position, budget, draw)
+        self._turns = self._left_in_cache(out.cache, attention, held, tokens_T, max_new_tokens)
+        return tokens_T, logprobs_T
+
+    def _decode(self, out: Any, attention: Tensor, next_position: Tensor, budget: Tensor,
+                draw: Callable[[Tensor, int], tuple[Tensor, Tensor]], **extra: Any
+                ) -> tuple[Any, Tensor, list[Tensor], list[Tensor]]:
+        """The decode loop after a prefill: at each position, draw(last logits (R, V) in float32, step) gives
+        every row's token and its log-prob (R,), fed back until every row drew eos or met its budget (R,).
+        (last model output, attention (R, W), tokens per position, log-probs per position). extra: more
+        inputs of each forward (a shared base's per-row `adapter_names`)."""
+        rows, device = len(budget), self.device
         eos = torch.tensor(sorted(self.eos_ids), device=device)
-        budget = torch.tensor(max_new_tokens, device=device)  # (B,)
-        done = torch.zeros(rows, dtype=torch.bool, device=device)  # (B,)
+        done = torch.zeros(rows, dtype=torch.bool, device=device)  # (R,)
         tokens_T: list[Tensor] = []
         logprobs_T: list[Tensor] = []
-        for step in range(max(max_new_tokens)):
-            logp = torch.log_softmax(out.logits[:, -1].float() / temperature, dim=-1)  # (B, V)
-            token = torch.multinomial(nucleus(logp.exp(), top_p), 1, generator=generator)  # (B, 1)
-            tokens_T.append(token[:, 0])
-            logprobs_T.append(logp.gather(-1, token)[:, 0])
-            done |= torch.isin(token[:, 0], eos) | (budget <= step + 1)
+        for step in range(int(budget.max())):
+            token, logprob = draw(out.logits[:, -1].float(), step)
+            tokens_T.append(token)
+            logprobs_T.append(logprob)
+            done |= torch.isin(token, eos) | (budget <= step + 1)
             if bool(done.all()):
                 break
             attention = torch.cat([attention, torch.ones((rows, 1), dtype=torch.long, device=device)], dim=-1)
-            out = self._forward(out.cache, input_ids=token, attention_mask=attention, position_ids=next_position)
+            out = self._forward(out.cache, input_ids=token[:, None], attention_mask=attention,
+                                position_ids=next_position, **extra)
             next_position = next_position + 1
-        self._turns = self._left_in_cache(out.cache, attention, held, tokens_T, max_new_tokens)
-        return tokens_T, logprobs_T
+        return out, attention, tokens_T, logprobs_T
 
     def _prefill_rows(self, prompts: list[list[int]], turns: _TurnCache | None, **extra: Any
                       ) -> tuple[Any, Tensor, Tensor, list[tuple[int, ...]]]:
@@ -401,13 +417,8 @@ class HFBackend:
         ends = torch.tensor([r.n for r in requests]).cumsum(0).tolist()
         slices = [slice(end - r.n, end) for r, end in zip(requests, ends, strict=True)]
         generators = [torch.Generator(device=device).manual_seed(r.seed) for r in requests]
-        eos = torch.tensor(sorted(self.eos_ids), device=device)
-        budget = torch.tensor([r.max_new_tokens for r in requests], device=device)[group_of]  # (R,)
-        done = torch.zeros(len(group_of), dtype=torch.bool, device=device)  # (R,)
-        tokens_T: list[Tensor] = []
-        logprobs_T: list[Tensor] = []
-        for step in range(max(r.max_new_tokens for r in requests)):
-            last = out.logits[:, -1].float()  # (R, V)
+
+        def draw(last: Tensor, step: int) -> tuple[Tensor, Tensor]:
             token = torch.zeros(len(group_of), dtype=torch.long, device=device)  # (R,)
             logprob = torch.zeros(len(group_of), device=device)
             for r, rows, generator in zip(requests, slices, generators, strict=True):
@@ -416,15 +427,10 @@ class HFBackend:
                 logp = torch.log_softmax(last[rows] / r.temperature, dim=-1)  # (n, V)
                 drawn = torch.multinomial(nucleus(logp.exp(), r.top_p), 1, generator=generator)  # (n, 1)
                 token[rows], logprob[rows] = drawn[:, 0], logp.gather(-1, drawn)[:, 0]
-            tokens_T.append(token)
-            logprobs_T.append(logprob)
-            done |= torch.isin(token, eos) | (budget <= step + 1)
-            if bool(done.all()):
-                break
-            attention = torch.cat([attention, torch.ones((len(group_of), 1), dtype=torch.long, device=device)], dim=-1)
-            out = self._forward(out.cache, input_ids=token[:, None], attention_mask=attention,
-                                position_ids=next_position, **row_adapters)
-            next_position = next_position + 1
+            return token, logprob
+
+        budget = torch.tensor([r.max_new_tokens for r in requests], device=device)[group_of]  # (R,)
+        _, _, tokens_T, logprobs_T = self._decode(out, attention, next_position, budget, draw, **row_adapters)
         tokens_R_T = torch.stack(tokens_T, dim=1).tolist()  # (R, T)
         logprobs_R_T = torch.stack(logprobs_T, dim=1).tolist()
         return [[self._cut(tokens_R_T[row][: r.max_new_tokens], logprobs_R_T[row][: r.max_new_tokens], self.eos_ids)
@@ -453,6 +459,19 @@ class HFBackend:
                 break
         text = self.tokenizer.decode(tokens[:end], skip_special_tokens=True)
         return Completion(tokens[:end], logprobs[:end], text, reason)
+
+    @torch.inference_mode()
+    def prompt_logprobs(self, prompt: list[int]) -> list[float]:
+        """log p(prompt[i] | prompt[:i]) for each i, NaN for the first token (nothing precedes it): the Tinker
+        API's `compute_logprobs`, at temperature 1."""
+        from fleetrl.policy.logprobs import token_logprobs
+
+        if len(prompt) < 2:
+            return [math.nan] * len(prompt)
+        ids = torch.tensor([prompt], device=self.device)
+        logits = self.model(input_ids=ids).logits[:, :-1]  # (1, P - 1, V)
+        logprobs, _ = token_logprobs(logits, ids[:, 1:])
+        return [math.nan, *logprobs[0].tolist()]
 
     def load_weights(self, tensors: Mapping[str, Tensor]) -> None:
         from fleetrl.policy.models import load_state_dict_inplace

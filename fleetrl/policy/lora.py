@@ -11,22 +11,30 @@ Design choices:
   plus (alpha / rank) * B @ A, under the base model's own parameter names (`merged_state_dict`),
   computed without touching the trained model (merging in place and back is not exact in floating point).
 - Checkpoints hold the adapters only (`adapter_state_dict`); the base is reloaded from the model name.
+- A learner training several LoRA jobs on one base at once holds its weights once (`SharedBases`): each
+  job's model is its own module tree over the same frozen tensors. Nothing writes a LoRA job's base
+  weights (its optimizer holds the adapters, its checkpoints restore the adapters, its merges go to a
+  fresh copy), so sharing them changes no job's numbers.
 """
 
 from __future__ import annotations
 
+import copy
+import threading
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any, cast
 
 import torch
 from peft import PeftModel
 from peft.tuners.lora import LoraLayer
-from transformers import PreTrainedModel
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from fleetrl.policy import models
 from fleetrl.weights.adapters import ADAPTER, wrap
 
-__all__ = ["FrozenBase", "adapter_state_dict", "load_adapters", "merged_model", "merged_state_dict", "wrap"]
+__all__ = ["FrozenBase", "SharedBases", "adapter_state_dict", "load_adapters", "merged_model", "merged_state_dict",
+           "wrap"]
 
 _BASE_LAYER = ".base_layer."
 
@@ -87,3 +95,51 @@ def load_adapters(model: PeftModel, tensors: Mapping[str, torch.Tensor]) -> None
     with torch.no_grad():
         for name, tensor in tensors.items():
             params[name].copy_(tensor)
+
+
+def tree_over_same_tensors(model: torch.nn.Module) -> torch.nn.Module:
+    """A copy of model's module tree whose parameters and buffers are model's own tensors (tied ones stay
+    tied): PEFT injects adapters into the copy's modules only, while the weights stay in one place."""
+    memo: dict[int, Any] = {id(t): t for t in (*model.parameters(), *model.buffers())}
+    return copy.deepcopy(model, memo)
+
+
+@dataclass
+class _Held:
+    model: PreTrainedModel
+    """The loaded base, never wrapped nor trained: each job wraps a `tree_over_same_tensors` copy."""
+    tokenizer: PreTrainedTokenizerBase
+    users: int = 0
+
+
+class SharedBases:
+    """The base models of the LoRA jobs one learner trains at once, each loaded once per (model, device).
+
+    `take` gives a job its own module tree over the held base's tensors (and its own tokenizer copy: a
+    fast tokenizer is not safe to share across threads); `give_back` drops the base with its last job.
+    A base's weights are frozen (`wrap` turns their gradients off for every job at once, which is what
+    each job wants), so a job's adapters, gradients and optimizer state are its own."""
+
+    def __init__(self) -> None:
+        self._held: dict[tuple[str, str], _Held] = {}
+        self._lock = threading.Lock()
+
+    def take(self, name: str, device: str) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+        with self._lock:
+            held = self._held.get((name, device))
+            if held is None:
+                held = self._held[(name, device)] = _Held(*models.load(name, device=device))
+            held.users += 1
+            return cast(PreTrainedModel, tree_over_same_tensors(held.model)), copy.deepcopy(held.tokenizer)
+
+    def give_back(self, name: str, device: str) -> None:
+        with self._lock:
+            held = self._held[(name, device)]
+            held.users -= 1
+            if held.users == 0:
+                del self._held[(name, device)]
+
+    def held(self) -> dict[tuple[str, str], int]:
+        """The bases held now, with their number of jobs."""
+        with self._lock:
+            return {key: held.users for key, held in self._held.items()}

@@ -144,6 +144,11 @@ class SharedBaseBackend(HFBackend):
             self._base.model.set_adapter(self._name)
             return super().generate_groups(requests)
 
+    def prompt_logprobs(self, prompt: list[int]) -> list[float]:
+        with self._base.lock:
+            self._base.model.set_adapter(self._name)
+            return super().prompt_logprobs(prompt)
+
     def load_weights(self, tensors: Mapping[str, Tensor]) -> None:
         raise FailedPrecondition("full weights for a LoRA job on a shared base: it loads adapters only")
 

@@ -5,12 +5,15 @@ RESOURCE_EXHAUSTED and DEADLINE_EXCEEDED (`grpcutil.retry`; a caller may give it
 `RetryPolicy`, as the actor does); other failures raise their domain error (NotFound,
 InvalidArgument, ...). Retrying is safe: Insert is
 idempotent (a retried group reports DUPLICATE) and a second Commit is a no-op.
+A call past its deadline sends the next ones down a new connection (`grpcutil.RenewingChannel`): a
+half-open connection to a service that went away costs one deadline, not grpc's keepalive.
 Each call carries the caller's trace context as gRPC metadata (W3C traceparent).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Awaitable, Sequence
+from dataclasses import dataclass
 from types import TracebackType
 from typing import Any
 
@@ -20,12 +23,25 @@ from fleetrl.proto.fleetrl.v1 import common_pb2, replay_pb2, replay_pb2_grpc
 from fleetrl.replay import wire
 from fleetrl.replay.samplers import SAMPLERS
 from fleetrl.runtime import telemetry
-from fleetrl.runtime.grpcutil import RetryPolicy, channel, retry
+from fleetrl.runtime.grpcutil import RenewingChannel, RetryPolicy, retry
 from fleetrl.spec.config import ReplayConfig
 
 INSERT_METHOD = "/fleetrl.v1.ReplayService/Insert"
 INSERTED = replay_pb2.INSERT_OUTCOME_INSERTED
 DUPLICATE = replay_pb2.INSERT_OUTCOME_DUPLICATE
+
+
+@dataclass(frozen=True)
+class Stubs:
+    """The calls of one channel: the service's stub, and Insert taking the request's bytes."""
+
+    replay: replay_pb2_grpc.ReplayServiceStub
+    insert_raw: grpc.aio.UnaryUnaryMultiCallable
+
+    @classmethod
+    def bind(cls, channel: grpc.aio.Channel) -> Stubs:
+        return cls(replay_pb2_grpc.ReplayServiceStub(channel), channel.unary_unary(
+            INSERT_METHOD, request_serializer=None, response_deserializer=replay_pb2.InsertResponse.FromString))
 
 
 class ReplayClient:
@@ -41,10 +57,7 @@ class ReplayClient:
         self.addr = addr
         self.timeout_s = timeout_s
         self.retry = retry or RetryPolicy(attempts=attempts)
-        self._channel: grpc.aio.Channel = channel(addr)
-        self._stub = replay_pb2_grpc.ReplayServiceStub(self._channel)
-        self._insert_raw = self._channel.unary_unary(
-            INSERT_METHOD, request_serializer=None, response_deserializer=replay_pb2.InsertResponse.FromString)
+        self._channel = RenewingChannel(addr, Stubs.bind)
 
     async def configure(self, job_id: str, cfg: ReplayConfig, lease_epoch: int = 0) -> replay_pb2.TableInfo:
         """Create or update the job's table from the JobSpec's replay section, raising its fence to
@@ -60,7 +73,7 @@ class ReplayClient:
         The request is built from each group's bytes (`wire`): `InsertRequest(groups=...)` would
         first deep-copy every group, which costs more than serialising it."""
         request = wire.append_field(b"", wire.INSERT_GROUPS_FIELD, [g.SerializeToString() for g in groups])
-        resp = await self._call("Insert", request, rpc=self._insert_raw)
+        resp = await self._call("Insert", request, raw=True)
         return list(resp.outcomes)
 
     async def sample(self, job_id: str, max_groups: int, min_policy_version: int = 0, wait_s: float = 0.0,
@@ -110,8 +123,13 @@ class ReplayClient:
                         tb: TracebackType | None) -> None:
         await self.close()
 
-    async def _call(self, method: str, request: Any, extra_s: float = 0.0, rpc: Any = None) -> Any:
-        rpc = rpc or getattr(self._stub, method)
+    async def _call(self, method: str, request: Any, extra_s: float = 0.0, raw: bool = False) -> Any:
+        deadline_s = self.timeout_s + extra_s
         metadata = telemetry.grpc_metadata()
-        return await retry(lambda: rpc(request, timeout=self.timeout_s + extra_s, metadata=metadata),
-                           what=f"replay {method}", policy=self.retry)
+
+        def attempt(stubs: Stubs) -> Awaitable[Any]:
+            rpc = stubs.insert_raw if raw else getattr(stubs.replay, method)
+            return rpc(request, timeout=deadline_s, metadata=metadata)  # type: ignore[no-any-return]
+
+        return await retry(lambda: self._channel.call(attempt, deadline_s), what=f"replay {method}",
+                           policy=self.retry)

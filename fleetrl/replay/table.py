@@ -33,12 +33,13 @@ from fleetrl.errors import (
     FailedPrecondition,
     Fenced,
     FieldViolation,
+    FleetError,
     InvalidArgument,
     NotFound,
     ResourceExhausted,
     Unavailable,
 )
-from fleetrl.jobs.store import REDIS_UNREACHABLE, redis_full
+from fleetrl.jobs.store import REDIS_FULL, REDIS_UNREACHABLE, redis_full
 from fleetrl.replay import scripts
 from fleetrl.replay.samplers import SAMPLERS, Sampler
 from fleetrl.spec.config import DEFAULT_LEASE_TIMEOUT_S, MAX_CAPACITY_GROUPS, MAX_LEASE_TIMEOUT_S, MAX_REUSE
@@ -154,12 +155,16 @@ class ReplayTables:
     redis: aioredis.Redis
     max_lineage_records: int
     poll_interval_s: float
+    fsync_timeout_s: float
+    waits_for_fsync: bool
 
     def __init__(self, client: aioredis.Redis, *, max_lineage_records: int = 1_000_000,
-                 poll_interval_s: float = 0.02) -> None:
+                 poll_interval_s: float = 0.02, fsync_timeout_s: float = 0.0) -> None:
         self.redis = client
         self.max_lineage_records = max_lineage_records
         self.poll_interval_s = poll_interval_s
+        self.fsync_timeout_s = fsync_timeout_s
+        self.waits_for_fsync = False  # set by check_fsync
         self._insert = client.register_script(scripts.INSERT)
         self._sample = client.register_script(scripts.SAMPLE)
         self._commit = client.register_script(scripts.COMMIT)
@@ -179,6 +184,20 @@ class ReplayTables:
             raise FailedPrecondition(
                 f"Redis maxmemory-policy is {policy!r}: it may evict replay groups silently; "
                 "set `maxmemory-policy noeviction`")
+
+    async def check_fsync(self) -> None:
+        """Set `waits_for_fsync` when fsync_timeout_s > 0 and Redis can confirm an insert's fsync to its AOF
+        (`WAITAOF`: needs `appendonly yes` and Redis >= 7.2 or Valkey), so `insert` answers only then; warns
+        when it cannot, and inserts are then answered once Redis applied them."""
+        if self.fsync_timeout_s <= 0:
+            return
+        try:
+            await _run(self.redis.execute_command("WAITAOF", 1, 0, 100))
+        except ResponseError as error:
+            log.warning("inserts are answered before they are on disk: WAITAOF failed (%s); a Redis crash may "
+                        "lose acknowledged groups (docs/guarantees.md)", error)
+            return
+        self.waits_for_fsync = True
 
     async def configure(self, job_id: str, cfg: TableConfig, lease_epoch: int = 0) -> int:
         """Create or update a job's table; returns the groups it holds. Raises the table's fence to
@@ -206,26 +225,48 @@ class ReplayTables:
                            int(raw[b"max_reuse"]), int(raw[b"lease_timeout_ms"]) / 1000)
 
     async def insert(self, records: list[GroupRecord]) -> tuple[list[bool], int]:
-        """Store groups: one script call per job holding all of its groups (a request rarely mixes
-        jobs). Returns (inserted? per group, evicted)."""
+        """Store groups: one script call per job holding all of its groups (a request rarely mixes jobs), all
+        in one pipeline; with `waits_for_fsync`, the pipeline ends with WAITAOF on the same connection, and
+        the groups are answered only once Redis has them on disk. Returns (inserted? per group, evicted).
+        Raises Unavailable when the fsync is not confirmed within fsync_timeout_s, and ResourceExhausted
+        when the AOF write failed (a full disk): the groups may be stored, and a retry is answered
+        duplicate once they are on disk (every insert script writes, so its WAITAOF covers any earlier
+        write of the same groups: the AOF is one ordered log)."""
         by_job: dict[str, list[int]] = {}
         for i, r in enumerate(records):
             by_job.setdefault(r.job_id, []).append(i)
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for job_id, indices in by_job.items():
+                args: list[str | bytes | int] = [prefix(job_id), self.max_lineage_records]
+                for i in indices:
+                    r = records[i]
+                    lineage = {**r.lineage, "policy_version": r.policy_version, "mean_reward": r.mean_reward}
+                    args += [r.task_id, r.payload, r.policy_version, repr(r.priority),
+                             json.dumps(lineage, separators=(",", ":"))]
+                await self._insert(keys=[ledger.key(job_id, "fate")], args=args, client=pipe)
+            if self.waits_for_fsync:
+                pipe.execute_command("WAITAOF", 1, 0, max(1, round(self.fsync_timeout_s * 1000)))
+            results = await _run(pipe.execute())
         outcomes, evicted = [False] * len(records), 0
-        for job_id, indices in by_job.items():
-            args: list[str | bytes | int] = [prefix(job_id), self.max_lineage_records]
-            for i in indices:
-                r = records[i]
-                lineage = {**r.lineage, "policy_version": r.policy_version, "mean_reward": r.mean_reward}
-                args += [r.task_id, r.payload, r.policy_version, repr(r.priority),
-                         json.dumps(lineage, separators=(",", ":"))]
-            result = await _run(self._insert(keys=[ledger.key(job_id, "fate")], args=args))
+        for (job_id, indices), result in zip(by_job.items(), results[:len(by_job)], strict=True):
             if result[0] == -1:
                 raise _no_table(job_id)
             for i, outcome in zip(indices, result[:-1], strict=True):
                 outcomes[i] = outcome == 1
             evicted += int(result[-1])
+        if self.waits_for_fsync and int(results[-1][0]) < 1:
+            raise await self._not_on_disk()
         return outcomes, evicted
+
+    async def _not_on_disk(self) -> FleetError:
+        """Why Redis did not confirm an insert's fsync in time: its AOF write failed (the MISCONF condition:
+        every write is refused until its disk has space), or the fsync is slow."""
+        info = await _run(self.redis.info("persistence"))
+        if info.get("aof_last_write_status") == "err":
+            return ResourceExhausted(f"{REDIS_FULL[1]} (MISCONF, is its disk full?): the AOF write of this insert "
+                                     "failed (retry later)")
+        return Unavailable(f"Redis did not confirm the insert on disk within {self.fsync_timeout_s:g} s (a slow "
+                           "AOF fsync; retry: the retry is answered duplicate once the groups are on disk)")
 
     async def sample(self, job_id: str, max_groups: int, min_policy_version: int = 0,
                      wait_s: float = 0.0, seed: int = 0) -> SampleResult:

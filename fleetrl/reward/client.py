@@ -10,20 +10,23 @@ ends the rollout. Their retries are safe: OpenEpisodes is idempotent on the call
 StepEpisodes on (episode, turn). CloseEpisodes is tried once (an unclosed session is reaped).
 Validate and Describe are tried once: the gateway answers its caller at once, and an unreachable
 service is UNAVAILABLE, never an unchecked accept.
-Each call carries the caller's trace context as gRPC metadata (W3C traceparent).
+Each call carries the caller's trace context as gRPC metadata (W3C traceparent). A call past its
+deadline sends the next ones down a new connection (`grpcutil.RenewingChannel`): a half-open connection
+to a reward service that went away costs one deadline, not grpc's keepalive.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import grpc
 
 from fleetrl.errors import RETRYABLE_CODES, Unavailable
 from fleetrl.proto.fleetrl.v1 import reward_pb2, reward_pb2_grpc
 from fleetrl.runtime import telemetry
-from fleetrl.runtime.grpcutil import RetryPolicy, channel, retry
+from fleetrl.runtime.grpcutil import RenewingChannel, RetryPolicy, retry
 from fleetrl.spec.config import EnvironmentSpec, RewardSpec
 
 UNREACHABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNIMPLEMENTED)
@@ -48,7 +51,7 @@ def environment_to_proto(spec: EnvironmentSpec, file_source: bytes) -> reward_pb
 
 
 class RewardClient:
-    """One channel to a reward service."""
+    """One (renewing) channel to a reward service."""
 
     addr: str
     timeout_s: float
@@ -61,16 +64,13 @@ class RewardClient:
         self.timeout_s = timeout_s
         self.retry = retry or RetryPolicy()
         self.episode_retry = episode_retry or RetryPolicy(codes=RETRYABLE_CODES)
-        self._channel: grpc.aio.Channel = channel(addr)
-        self._stub = reward_pb2_grpc.RewardServiceStub(self._channel)
+        self._channel = RenewingChannel(addr, reward_pb2_grpc.RewardServiceStub)
 
     async def score(self, job_id: str, spec: reward_pb2.RewardSpec, items: Sequence[reward_pb2.ScoreItem],
                     tenant: str = "") -> list[reward_pb2.ScoreResult]:
         """One result per item, in order (spec: from `spec_to_proto`, built once per job)."""
         request = reward_pb2.ScoreRequest(job_id=job_id, spec=spec, items=items, tenant=tenant)
-        response = await retry(
-            lambda: self._stub.Score(request, timeout=self.timeout_s, metadata=telemetry.grpc_metadata()),
-            what="reward Score", policy=self.retry)
+        response = await self._call("Score", request, self.timeout_s, self.retry)
         return list(response.results)
 
     async def open_episodes(self, job_id: str, session_id: str, spec: reward_pb2.EnvironmentSpec,
@@ -79,26 +79,20 @@ class RewardClient:
         """The first observations of `count` new episodes of task (its prompt and metadata_json are used)."""
         request = reward_pb2.OpenEpisodesRequest(job_id=job_id, session_id=session_id, spec=spec, prompt=task.prompt,
                                                  metadata_json=task.metadata_json, count=count, tenant=tenant)
-        response = await retry(
-            lambda: self._stub.OpenEpisodes(request, timeout=timeout_s, metadata=telemetry.grpc_metadata()),
-            what="reward OpenEpisodes", policy=self.episode_retry)
+        response = await self._call("OpenEpisodes", request, timeout_s, self.episode_retry)
         return list(response.episodes)
 
     async def step_episodes(self, job_id: str, session_id: str, actions: Sequence[reward_pb2.Action],
                             timeout_s: float) -> list[reward_pb2.EpisodeResult]:
         """One result per action, in order."""
         request = reward_pb2.StepEpisodesRequest(job_id=job_id, session_id=session_id, actions=actions)
-        response = await retry(
-            lambda: self._stub.StepEpisodes(request, timeout=timeout_s, metadata=telemetry.grpc_metadata()),
-            what="reward StepEpisodes", policy=self.episode_retry)
+        response = await self._call("StepEpisodes", request, timeout_s, self.episode_retry)
         return list(response.results)
 
     async def close_episodes(self, job_id: str, session_id: str) -> None:
         """Free a session's workers (tried once)."""
         request = reward_pb2.CloseEpisodesRequest(job_id=job_id, session_id=session_id)
-        await retry(lambda: self._stub.CloseEpisodes(request,
-                                                      timeout=self.timeout_s, metadata=telemetry.grpc_metadata()),
-                    what="reward CloseEpisodes", policy=RetryPolicy(attempts=1))
+        await self._call("CloseEpisodes", request, self.timeout_s, RetryPolicy(attempts=1))
 
     async def validate(self, spec: RewardSpec | EnvironmentSpec, source: bytes | None) -> Validation:
         """Whether the spec (and file) loads and exposes `reward` (or, an environment, `Env`), else the
@@ -112,7 +106,8 @@ class RewardClient:
             request = reward_pb2.ValidateRequest(spec=spec_to_proto(spec, source or b""))
             what = "reward file" if spec.file is not None else "reward spec"
         try:
-            response = await self._stub.Validate(request, timeout=self.timeout_s, wait_for_ready=False)
+            response = await self._channel.call(
+                lambda stub: stub.Validate(request, timeout=self.timeout_s, wait_for_ready=False), self.timeout_s)
         except grpc.aio.AioRpcError as error:
             if error.code() == grpc.StatusCode.INVALID_ARGUMENT:
                 return Validation(error.details() or f"the reward service rejected the {what}")
@@ -126,8 +121,18 @@ class RewardClient:
 
     async def describe(self) -> reward_pb2.SandboxReport:
         """The sandbox the service runs user code in (one try, within timeout_s)."""
-        return await retry(lambda: self._stub.Describe(reward_pb2.DescribeRequest(), timeout=self.timeout_s),
-                           what="reward Describe", policy=RetryPolicy(attempts=1))
+        return await self._call("Describe", reward_pb2.DescribeRequest(), self.timeout_s,
+                                RetryPolicy(attempts=1), traced=False)
 
     async def close(self) -> None:
         await self._channel.close()
+
+    async def _call(self, method: str, request: Any, timeout_s: float, policy: RetryPolicy,
+                    traced: bool = True) -> Any:
+        """stub.method(request) within timeout_s, tried again as policy says."""
+        metadata = telemetry.grpc_metadata() if traced else None
+
+        def attempt(stub: reward_pb2_grpc.RewardServiceStub) -> Any:
+            return getattr(stub, method)(request, timeout=timeout_s, metadata=metadata)
+
+        return await retry(lambda: self._channel.call(attempt, timeout_s), what=f"reward {method}", policy=policy)

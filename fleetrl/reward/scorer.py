@@ -40,6 +40,7 @@ from fleetrl.errors import (
     FleetError,
     InvalidArgument,
     ResourceExhausted,
+    Unavailable,
 )
 from fleetrl.reward import guard, jail, verifiers
 from fleetrl.reward.metrics import RewardMetrics
@@ -376,17 +377,22 @@ class Scorer:
         self.check_caps(spec.spec)
         key = PoolKey(job_id, owner(job_id, tenant), spec.digest)
         pool = await asyncio.wait_for(asyncio.shield(await self._start(key, spec)), wait_s)
-        if pool.broken:  # no worker of it could be started again: drop it (once) and back off
-            violations = [FieldViolation(_field(spec), pool.broken)]
-            task = self._pools.get(key)
-            if task is not None and task.done() and not task.cancelled() and task.exception() is None \
-                    and task.result() is pool:
-                del self._pools[key]
-                self._failed_to_load(key, violations)
-                await pool.close()
-            raise ConfigError(f"{_what(spec)} cannot load", violations)
+        if pool.broken:
+            raise await self._drop_broken(key, spec, pool)
         pool.last_used = time.monotonic()
         return pool
+
+    async def _drop_broken(self, key: PoolKey, spec: SpecInput, pool: WorkerPool) -> ConfigError:
+        """A pool none of whose workers could be started again: dropped (once, by whichever caller met it
+        first) with the load back-off started; the error naming why, for the caller to raise or report."""
+        violations = [FieldViolation(_field(spec), pool.broken or "broken")]
+        task = self._pools.get(key)
+        if task is not None and task.done() and not task.cancelled() and task.exception() is None \
+                and task.result() is pool:
+            del self._pools[key]
+            self._failed_to_load(key, violations)
+            await pool.close()
+        return ConfigError(f"{_what(spec)} cannot load", violations)
 
     async def _start(self, key: PoolKey, spec: SpecInput) -> asyncio.Task[WorkerPool]:
         """The task loading the pool of key, started (after making room for it) unless it is up or loading."""
@@ -455,7 +461,8 @@ class Scorer:
                 f"{self.settings.worker_load_timeout_s:g}s)"))
         except ConfigError as error:  # caps were checked above: the spec does not load
             return self._unscored(job_id, items, start, str(error))
-        return list(await asyncio.gather(*(self._score_one(job_id, pool, item, timeout_s) for item in items)))
+        key = PoolKey(job_id, owner(job_id, tenant), spec.digest)
+        return list(await asyncio.gather(*(self._score_one(key, spec, pool, item, timeout_s) for item in items)))
 
     async def _warm(self, job_id: str, spec: SpecInput, tenant: str) -> None:
         """Start loading the job's pool unless it is up or loading, within the pool shares as any start
@@ -473,10 +480,21 @@ class Scorer:
             self.metrics.observe(job_id, Status.ERROR.value, latency_s)
         return [Result(0.0, {}, Status.ERROR, reason, latency_s) for _ in items]
 
-    async def _score_one(self, job_id: str, pool: WorkerPool, item: Item, timeout_s: float) -> Result:
+    async def _score_one(self, key: PoolKey, spec: SpecInput, pool: WorkerPool, item: Item,
+                         timeout_s: float) -> Result:
+        """The item's result; when the pool broke while the item waited for a worker (no replacement could be
+        started), an error naming why, and the pool dropped as `pool` drops it: a verdict on the spec, as for
+        the items sent after, not a failed call."""
         request = {"completion": item.completion, "prompt": item.prompt, "metadata": item.metadata}
-        result = to_result(await pool.run(request, timeout_s))
-        self.metrics.observe(job_id, result.status.value, result.latency_s)
+        start = time.monotonic()
+        try:
+            result = to_result(await pool.run(request, timeout_s))
+        except Unavailable:
+            if not pool.broken:  # the pool closed (the service stops): the caller tries again elsewhere
+                raise
+            error = await self._drop_broken(key, spec, pool)
+            result = Result(0.0, {}, Status.ERROR, str(error), time.monotonic() - start)
+        self.metrics.observe(key.job_id, result.status.value, result.latency_s)
         return result
 
     async def reap_idle(self) -> int:

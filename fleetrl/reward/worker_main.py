@@ -129,7 +129,7 @@ def _preload_agent() -> None:
     import openai
     import openai.resources.chat  # noqa: F401
 
-    from fleetrl.env import agent  # noqa: F401
+    from fleetrl.env import agent_http  # noqa: F401
 
 
 def run_user_file(source: str, tmpdir: str, root: str, name: str) -> dict[str, Any]:
@@ -189,7 +189,7 @@ def load_agent(source: str, tmpdir: str, root: str, channel: Channel) -> Handler
     environment (`agent.ENVIRONMENT`) is set before its file runs, for clients it builds at import."""
     import openai
 
-    from fleetrl.env import agent
+    from fleetrl.env import agent, agent_http
 
     # the async client finds the platform in a worker thread on its first call (`asyncify`), and that idle
     # thread would outlive the call: the lookup is quick file reads, so it runs inline instead
@@ -201,7 +201,7 @@ def load_agent(source: str, tmpdir: str, root: str, channel: Channel) -> Handler
     os.environ.update(agent.ENVIRONMENT)
     run = agent.agent_run(run_user_file(source, tmpdir, root, "agent_file"))
     host = agent.AgentHost(run, tmpdir, channel.exchange, loop, clients)
-    agent.serve_httpx(host)
+    agent_http.serve_httpx(host)
     return host.handle
 
 

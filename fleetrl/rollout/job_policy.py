@@ -4,15 +4,15 @@ A background watch of the job's weight pointer records the newest announced vers
 applies it between rounds of tasks and each task of a round before its generate step (`refresh`, one
 at a time), never while a generation runs (a round's batched generation starts once none of its tasks
 is still refreshing: `fleetrl.rollout.batching`), so a generation always sees one version, the one
-recorded in its group. Pulls use the weight store's fast chunk reader and its sha256
-check; a corrupt or vanished object is rejected, counted, and the pointer re-read and pulled again,
-a bounded number of times. The held version never decreases. A pointer read that fails because NATS
+recorded in its group. Pulls go through the weight channel (`WeightSource`; the actor wires it over NATS)
+and its sha256 check; a corrupt or vanished object is rejected, counted, and the pointer re-read and pulled
+again, a bounded number of times. The held version never decreases. A pointer read that fails because NATS
 is unreachable leaves the held version in place (the next refresh reads it again): it must not end
 the actor's task loop, which calls `refresh` outside any task (a NATS restart crashed actors so).
 
 For a job that publishes deltas (`train.full_publish_interval` > 1) the policy keeps the payload of
 the version it loaded, in the published dtype, so the next pull reads only the deltas after it
-(`WeightStore.update`); each pull that fell back to the full snapshot is counted by its reason.
+(`WeightChannel.update`); each pull that fell back to the full snapshot is counted by its reason.
 A LoRA job's versions (pointer kind "adapter") are adapter tensors, which the backend applies to the
 base it loaded (`Backend.load_adapter`).
 """
@@ -26,12 +26,12 @@ import time
 from collections.abc import AsyncIterator
 from typing import Protocol
 
-from fleetrl.errors import DeadlineExceeded, NotFound, Unavailable
+from fleetrl.errors import DeadlineExceeded, NotFound, Unavailable, WeightsCorrupt
 from fleetrl.policy.backends import Backend
 from fleetrl.rollout import metrics
 from fleetrl.runtime import telemetry
 from fleetrl.tasks import bus
-from fleetrl.weights.store import HeldWeights, Pulled, WeightPointer, WeightsCorrupt, decode_safetensors
+from fleetrl.weights.channel import HeldWeights, Pulled, WeightPointer, decode_safetensors
 
 log = logging.getLogger(__name__)
 RETRY_DELAY_S = 0.5
@@ -40,7 +40,7 @@ _TRACER = telemetry.tracer("fleetrl.actor")
 
 
 class WeightSource(Protocol):
-    """The weight store's reading side (fleetrl.weights.store.WeightStore)."""
+    """The reading side of a job's weights (`fleetrl.weights.channel.WeightChannel`, over any transport)."""
 
     async def latest(self, job_id: str) -> WeightPointer | None: ...
 

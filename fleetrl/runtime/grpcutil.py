@@ -17,7 +17,7 @@ import random
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, Generic, TypeVar
 
 import grpc
 from google.protobuf import any_pb2
@@ -46,8 +46,16 @@ CHANNEL_OPTIONS = [
     ("grpc.keepalive_timeout_ms", 10_000),
     ("grpc.enable_retries", 0),
 ]
+CLIENT_OPTIONS = [
+    *CHANNEL_OPTIONS,
+    # any ping unanswered this long closes the connection: grpc's default is 60 s, and a ping already in
+    # flight when the server went silent (the flow-control one sent after a response) was waited out that
+    # long, keepalive's own ping and timeout notwithstanding
+    ("grpc.http2.ping_timeout_ms", 10_000),
+]
 
 T = TypeVar("T")
+S = TypeVar("S")
 
 
 def status_for(error: BaseException) -> status_pb2.Status:
@@ -162,11 +170,73 @@ async def stop_server(server: grpc.aio.Server, health_servicer: health.aio.Healt
     await server.stop(grace_s)
 
 
-def channel(address: str, credentials: grpc.ChannelCredentials | None = None) -> grpc.aio.Channel:
-    """An aio channel with fleetrl's message limits and keepalive."""
+def channel(address: str, credentials: grpc.ChannelCredentials | None = None,
+            extra_options: list[tuple[str, int]] | None = None) -> grpc.aio.Channel:
+    """An aio channel with fleetrl's message limits, keepalive and ping timeout (and extra_options)."""
+    options = [*CLIENT_OPTIONS, *(extra_options or [])]
     if credentials is not None:
-        return grpc.aio.secure_channel(address, credentials, options=CHANNEL_OPTIONS)
-    return grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+        return grpc.aio.secure_channel(address, credentials, options=options)
+    return grpc.aio.insecure_channel(address, options=options)
+
+
+class RenewingChannel(Generic[S]):
+    """A channel to one address that is replaced by a fresh one when a call on it misses its deadline.
+
+    A connection whose peer vanished without a FIN (a half-open connection: the host went away, a
+    middlebox dropped the flow) stays established, so grpc sends every call down it and nothing comes back
+    until a ping of its own goes unanswered for `grpc.http2.ping_timeout_ms`, and keepalive sends none for
+    `grpc.keepalive_time_ms` after the last bytes read: up to 40 s. A call past its deadline is the first
+    sign, so the next call goes on a new channel, with a connection of its own (a local subchannel pool,
+    so that grpc's global one can never hand it the old channel's connection). The old channel is closed
+    once its calls have ended, each within its deadline. A call that was merely slow costs one connection.
+    `bind(channel)` builds the stubs the calls use; `call` runs one attempt on the current ones.
+    """
+
+    address: str
+    stubs: S
+    _channel: grpc.aio.Channel
+    _bind: Callable[[grpc.aio.Channel], S]
+    _credentials: grpc.ChannelCredentials | None
+    _longest_deadline_s: float
+    _retired: set[asyncio.Task[None]]
+
+    def __init__(self, address: str, bind: Callable[[grpc.aio.Channel], S],
+                 credentials: grpc.ChannelCredentials | None = None) -> None:
+        self.address = address
+        self._bind = bind
+        self._credentials = credentials
+        self._longest_deadline_s = 0.0
+        self._retired = set()
+        self._open()
+
+    def _open(self) -> None:
+        self._channel = channel(self.address, self._credentials, [("grpc.use_local_subchannel_pool", 1)])
+        self.stubs = self._bind(self._channel)
+
+    async def call(self, attempt: Callable[[S], Awaitable[T]], deadline_s: float) -> T:
+        """attempt(stubs), a call with deadline_s; DEADLINE_EXCEEDED moves later calls to a new channel."""
+        self._longest_deadline_s = max(self._longest_deadline_s, deadline_s)
+        used = self._channel
+        try:
+            return await attempt(self.stubs)
+        except grpc.aio.AioRpcError as error:
+            if error.code() == grpc.StatusCode.DEADLINE_EXCEEDED and used is self._channel:
+                self._renew()
+            raise
+
+    def _renew(self) -> None:
+        log.info("a call to %s missed its deadline: later calls go on a new connection", self.address)
+        old = self._channel
+        self._open()
+        task = asyncio.get_running_loop().create_task(old.close(grace=self._longest_deadline_s))
+        self._retired.add(task)
+        task.add_done_callback(self._retired.discard)
+
+    async def close(self) -> None:
+        for task in self._retired:
+            task.cancel()
+        await asyncio.gather(*self._retired, return_exceptions=True)
+        await self._channel.close()
 
 
 @dataclass(frozen=True)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
+from wsgiref.simple_server import WSGIServer
 
 import grpc
 from opentelemetry import trace
@@ -25,10 +26,13 @@ LATENCY_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1,
 _TRACER = telemetry.tracer("fleetrl.grpc")
 
 
-def serve_metrics(port: int, registry: CollectorRegistry = REGISTRY) -> None:
-    """Serve registry on http://0.0.0.0:port/metrics from a daemon thread (port 0: do nothing)."""
-    if port:
-        start_http_server(port, registry=registry)
+def serve_metrics(port: int, registry: CollectorRegistry = REGISTRY) -> WSGIServer | None:
+    """Serve registry on http://0.0.0.0:port/metrics from a daemon thread (port 0: do nothing); the server,
+    for a caller that stops it (`shutdown()`) before its process ends."""
+    if not port:
+        return None
+    server, _ = start_http_server(port, registry=registry)
+    return server
 
 
 class RpcMetrics:

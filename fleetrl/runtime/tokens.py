@@ -42,6 +42,10 @@ class TokenTable:
         self.digests = dict(digests)
         self.open_mode = open_mode
 
+    def tenants(self) -> tuple[str, ...]:
+        """Every tenant a caller can be: the table's, or `local` in open mode."""
+        return (OPEN_TENANT,) if self.open_mode else tuple(sorted(self.digests))
+
     def tenant_for(self, authorization: str | None) -> str:
         """The tenant an `authorization` header value (`Bearer <token>`) belongs to; Unauthenticated if none."""
         if self.open_mode:

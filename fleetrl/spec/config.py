@@ -15,8 +15,9 @@ import re
 import tomllib
 from pathlib import Path
 from typing import Any, Literal, TypeVar
+from urllib.parse import quote
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, FilePath, ValidationError, field_validator, model_validator
 
 from fleetrl.errors import ConfigError, FieldViolation
 
@@ -528,6 +529,23 @@ def redacted(url: str) -> str:
     return re.sub(r"(://[^:/@,]*:)[^@/,]*@", r"\1***@", url)
 
 
+def read_credentials(path: Path) -> tuple[str, str]:
+    """(user, password) from a credentials file: the user on its first line, the password on its second
+    (what `fleetrl secrets` and the embedded servers write)."""
+    lines = path.read_text().splitlines()
+    if len(lines) < 2 or not lines[0].strip() or not lines[1].strip():
+        raise ValueError(f"{path}: expected a user on the first line and a password on the second")
+    return lines[0].strip(), lines[1].strip()
+
+
+def with_credentials(url: str, user: str, password: str) -> str:
+    """url (comma-separated servers allowed) with `user:password@` in each server, replacing any there;
+    Redis's `default` user goes as `:password@`."""
+    login = f"{'' if user == 'default' else quote(user, safe='')}:{quote(password, safe='')}@"
+    return ",".join(re.sub(r"^(\w+://)(?:[^@/]*@)?", lambda m: m.group(1) + login, server.strip())
+                    for server in url.split(","))
+
+
 class InfraSettings(Strict):
     """Where the shared infrastructure is. Every service has these."""
 
@@ -535,12 +553,45 @@ class InfraSettings(Strict):
     """NATS server(s), comma-separated; credentials as `nats://user:password@host:port`."""
     redis_url: str = DEFAULT_REDIS_URL
     """Redis or Valkey URL; a password as `redis://:password@host:port/0`."""
+    nats_credentials_file: Path | None = None
+    """A file with NATS's user (first line) and password (second): a mounted docker or Kubernetes secret,
+    written by `fleetrl secrets`. They go into nats_url at start, so they need not be in the environment."""
+    redis_credentials_file: Path | None = None
+    """A file with Redis's user (`default` for a plain `requirepass`) and password, as for NATS; they go
+    into redis_url at start."""
+    tls_ca_file: FilePath | None = None
+    """A CA certificate (PEM) that the NATS and Redis servers' certificates are checked against, with their
+    host names, when the connection is TLS: `tls://` NATS URLs (or a server that requires TLS) and
+    `rediss://` Redis URLs (None: the system's CAs)."""
     run_dir: Path = Path("runs/local")
     """Directory for logs, checkpoints, exported models and trace files."""
+    weights_dir: Path | None = None
+    """A directory every learner and actor mounts (one box, or a shared volume) through which weights travel as
+    files, one subdirectory per job; unset: NATS JetStream's object store. Every learner, actor and gateway of a
+    fleet must have the same (the gateway deletes a job's weights there)."""
     metrics_port: int = Field(0, ge=0, le=65535)
     """Port of the Prometheus /metrics endpoint (0: none)."""
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
     """Log level."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _credentials_from_files(cls, data: Any) -> Any:
+        """Put the credentials files' user and password into the URLs (before validation: the URLs are
+        plain fields)."""
+        if not isinstance(data, dict):
+            return data
+        for url, path, default in (("nats_url", "nats_credentials_file", DEFAULT_NATS_URL),
+                                   ("redis_url", "redis_credentials_file", DEFAULT_REDIS_URL)):
+            if data.get(path):
+                try:
+                    user, password = read_credentials(Path(data[path]))
+                except OSError as error:
+                    raise ValueError(f"{path} {data[path]}: {error.strerror or error}") from error
+                except ValueError as error:
+                    raise ValueError(f"{path}: {error}") from error
+                data = {**data, url: with_credentials(str(data.get(url) or default), user, password)}
+        return data
 
 
 # --------------------------------------------------------------------------- loading

@@ -12,6 +12,13 @@ Streams:
 - FLEET_ADVISORIES (limits, 30 days): JetStream's MAX_DELIVERIES advisories of the task consumers,
   kept so a task the server stopped delivering (every delivery killed or hung its actor) is moved to
   the dead-letter subject by `dead_letter_exhausted`, even if the learner was down when it happened.
+- FLEET_SAMPLES (work-queue retention): `fleet.samples.<base>`, the Tinker API's sample requests for one
+  base model (`base_token`), one durable pull consumer per base (`samplers-<base>`) shared by every actor
+  that serves it. Created by `ensure_sample_streams` (the tinker service and those actors), not by
+  `ensure_streams`.
+- FLEET_SAMPLE_RESULTS (limits, an hour): `fleet.sample_results.<service>`, their results, each published
+  with `Nats-Msg-Id: result/<request id>` so a request served twice (its actor died before its ack) stores
+  and delivers one result.
 KV `fleet_weights`: key `<job>` -> weight pointer JSON. Object store
 `fleet_w_<job>`: objects `v<version>`.
 """
@@ -19,12 +26,15 @@ KV `fleet_weights`: key `<job>` -> weight pointer JSON. Object store
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import logging
 import re
+import ssl
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, TypeVar
 
 import nats
@@ -47,7 +57,18 @@ DLQ_STREAM = "FLEET_DLQ"
 EVENTS_STREAM = "FLEET_EVENTS"
 ADVISORIES_STREAM = "FLEET_ADVISORIES"
 WEIGHTS_KV = "fleet_weights"
+SAMPLES_STREAM = "FLEET_SAMPLES"
+SAMPLE_RESULTS_STREAM = "FLEET_SAMPLE_RESULTS"
+SAMPLE_DEDUP_S = 600.0
+"""How long JetStream remembers a sample request's or result's msg id: a re-published request, or a second
+result of one request, within it is dropped."""
 CONNECT_TIMEOUT_S = 5.0
+PING_INTERVAL_S = 10.0
+MAX_OUTSTANDING_PINGS = 3
+"""nats-py pings the server every PING_INTERVAL_S and takes the connection for dead (stale) when a ping is
+due with more than MAX_OUTSTANDING_PINGS unanswered, then reconnects: a half-open connection (the server's
+host vanished, a middlebox dropped the flow) is left within (MAX_OUTSTANDING_PINGS + 1) * PING_INTERVAL_S,
+40 s, each call meanwhile failing at its own deadline."""
 REQUEST_TIMEOUT_S = 10.0
 FLUSH_TIMEOUT_S = 2.0
 """How long a publish waits for the socket when the client's outgoing buffer is past its limit (nats-py's
@@ -133,13 +154,41 @@ def weights_bucket(job_id: str) -> str:
     return f"fleet_w_{check_job_id(job_id)}"
 
 
+def base_token(model: str) -> str:
+    """A base model's name as one subject token and consumer name: model names hold `/` and `.`."""
+    readable = re.sub(r"[^A-Za-z0-9_-]", "_", model)[:32]
+    return f"{readable}-{hashlib.sha256(model.encode()).hexdigest()[:12]}"
+
+
+def sample_subject(model: str) -> str:
+    """Where the Tinker API's sample requests for one base model go."""
+    return f"fleet.samples.{base_token(model)}"
+
+
+def sample_consumer(model: str) -> str:
+    """Durable consumer of one base's sample requests, shared by every actor serving that base."""
+    return f"samplers-{base_token(model)}"
+
+
+def sample_results_subject(service_id: str) -> str:
+    """Where actors publish the results of one tinker service process's sample requests."""
+    return f"fleet.sample_results.{check_job_id(service_id)}"
+
+
+def sample_result_msg_id(request_id: str) -> str:
+    return f"result/{request_id}"
+
+
 def task_msg_id(job_id: str, epoch: int, prompt_index: int) -> str:
     """`Nats-Msg-Id` of a task: a re-publish inside the duplicate window is dropped by JetStream."""
     return f"{job_id}/{epoch}/{prompt_index}"
 
 
-async def connect(url: str, name: str, *, max_reconnect_attempts: int = -1) -> NATS:
-    """Connect with bounded connect time and endless, spaced reconnects (a NATS restart is survivable)."""
+async def connect(url: str, name: str, *, tls_ca_file: Path | None = None, max_reconnect_attempts: int = -1,
+                  ping_interval_s: float = PING_INTERVAL_S, max_outstanding_pings: int = MAX_OUTSTANDING_PINGS) -> NATS:
+    """Connect with bounded connect time and endless, spaced reconnects (a NATS restart is survivable).
+    TLS when the URL says `tls://` or the server requires it: the server's certificate and host name are
+    checked against tls_ca_file (None: the system's CAs)."""
 
     async def on_error(error: Exception) -> None:
         log.warning("nats %s: %s", name, error)
@@ -158,12 +207,13 @@ async def connect(url: str, name: str, *, max_reconnect_attempts: int = -1) -> N
             reconnect_time_wait=0.5,
             max_reconnect_attempts=max_reconnect_attempts,
             allow_reconnect=True,
-            ping_interval=10,
+            ping_interval=ping_interval_s,  # type: ignore[arg-type]  # nats-py annotates int, sleeps any number
             flush_timeout=FLUSH_TIMEOUT_S,
-            max_outstanding_pings=3,
+            max_outstanding_pings=max_outstanding_pings,
             error_cb=on_error,
             disconnected_cb=on_disconnected,
             reconnected_cb=on_reconnected,
+            **({"tls": ssl.create_default_context(cafile=tls_ca_file)} if tls_ca_file is not None else {}),
         )
     except (TimeoutError, OSError, nats.errors.NoServersError) as error:
         raise Unavailable(f"cannot connect to NATS at {url}: {error}") from error
@@ -240,6 +290,34 @@ async def ensure_streams(js: JetStreamContext) -> None:
         name=EVENTS_STREAM, subjects=["fleet.jobs.*.events"], retention=api.RetentionPolicy.LIMITS,
         storage=api.StorageType.FILE, max_age=7 * 24 * 3600.0,
     ))
+
+
+async def ensure_sample_streams(js: JetStreamContext) -> None:
+    """FLEET_SAMPLES and FLEET_SAMPLE_RESULTS, file-backed."""
+    await ensure_stream(js, api.StreamConfig(
+        name=SAMPLES_STREAM, subjects=["fleet.samples.*"], retention=api.RetentionPolicy.WORK_QUEUE,
+        storage=api.StorageType.FILE, duplicate_window=SAMPLE_DEDUP_S, max_age=3600.0,
+    ))
+    await ensure_stream(js, api.StreamConfig(
+        name=SAMPLE_RESULTS_STREAM, subjects=["fleet.sample_results.*"], retention=api.RetentionPolicy.LIMITS,
+        storage=api.StorageType.FILE, duplicate_window=SAMPLE_DEDUP_S, max_age=3600.0,
+    ))
+
+
+async def ensure_sample_consumer(js: JetStreamContext, model: str, *, ack_wait_s: float,
+                                 max_deliver: int) -> api.ConsumerInfo:
+    """One base's shared durable pull consumer of sample requests. A consumer that exists with other settings
+    (another actor's) is used as it is, logged: every actor serving the base should set the same."""
+    config = api.ConsumerConfig(
+        durable_name=sample_consumer(model), filter_subject=sample_subject(model),
+        ack_policy=api.AckPolicy.EXPLICIT, deliver_policy=api.DeliverPolicy.ALL,
+        ack_wait=ack_wait_s, max_deliver=max_deliver,
+    )
+    try:
+        return await js.add_consumer(SAMPLES_STREAM, config)
+    except BadRequestError as error:
+        log.warning("sample consumer of %s exists with other settings; using them: %s", model, error)
+        return await js.consumer_info(SAMPLES_STREAM, sample_consumer(model))
 
 
 async def ensure_task_consumer(

@@ -4,21 +4,26 @@
 job's shared task consumer (`prepare`, the same settings actors use), publishing a task with its
 dedup id (`publish_task`), purging queued tasks on cancel (`purge_tasks`), reading the job's
 dead-letter count (`dead_lettered`, which first moves the tasks the server stopped delivering) and
-publishing step and state events (`event`). Every call but `event` is repeated through a NATS outage for
-`outage_retry_s` (`bus.retry_outage`: each is safe to repeat; a re-published task is dropped by its dedup id,
-the streams and consumers are created or updated to the same config, a purge purges what is left), then
-raises `bus.NatsUnreachable`.
+publishing step and state events (`event`). Every call is repeated through a NATS outage for
+`outage_retry_s` (`bus.retry_outage`: each is safe to repeat; a re-published task or event is dropped by its
+dedup id, the streams and consumers are created or updated to the same config, a purge purges what is left),
+then raises `bus.NatsUnreachable`, except `event`, which logs the event it lost and returns: events are
+informational.
 """
 
 from __future__ import annotations
 
 import json
+import logging
+import uuid
 from typing import Any
 
 from nats.aio.client import Client as NATS
 
 from fleetrl.spec.config import JobSpec
 from fleetrl.tasks import bus
+
+log = logging.getLogger(__name__)
 
 
 class JobBus:
@@ -65,5 +70,20 @@ class JobBus:
                                       deadline_s=self.outage_retry_s)
 
     async def event(self, payload: dict[str, Any]) -> None:
-        """Publish a JSON event to `fleet.jobs.<job>.events`."""
-        await self._nc.publish(bus.events_subject(self.job_id), json.dumps(payload).encode())
+        """Publish a JSON event to `fleet.jobs.<job>.events`, stored by FLEET_EVENTS, tried again through a NATS
+        outage for `outage_retry_s` like the other calls (every try carries the same `Nats-Msg-Id`, so an event
+        whose ack was lost is stored once).
+
+        Events are informational: the job's record and steps in Redis and its metrics.jsonl are what `WatchJob`,
+        the ledger and a resume read. So an event NATS does not take (unreachable past the retries, or JetStream
+        full) is logged and dropped; it never pauses or fails the job, nor cuts its end short. It is a
+        JetStream publish, acked, not a core one: on a client that is reconnecting nats-py buffers a core publish
+        up to its `pending_size` (2 MiB, which a failed weight write's chunks may fill) and then raises
+        OutboundBufferLimitError, and a publish that returns says nothing of whether the event was stored."""
+        data, headers = json.dumps(payload).encode(), {"Nats-Msg-Id": uuid.uuid4().hex}
+        try:
+            await bus.retry_outage(lambda: self._js.publish(bus.events_subject(self.job_id), data, headers=headers),
+                                   what=f"job {self.job_id}: {payload.get('type', '')} event",
+                                   deadline_s=self.outage_retry_s)
+        except (bus.NatsUnreachable, bus.JetStreamFull) as error:
+            log.warning("%s; the event is dropped (the job's record and metrics hold what it said)", error)

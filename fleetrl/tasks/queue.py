@@ -117,16 +117,16 @@ class JobQueue:
         if attempt > 1:
             metrics.REDELIVERIES.labels(self.job_id).inc()
         try:
-            async with self._keepalive(msg, self._train.task_ack_wait_s / 3):
+            async with keepalive(msg, self._train.task_ack_wait_s / 3):
                 outcome = await produce(Delivery(task, attempt, received_ms))
         except (asyncio.CancelledError, KeyboardInterrupt):
-            await self._nak(msg, 0.0)
+            await nak(msg, 0.0)
             raise
         except Exception as error:
             await self.failed(msg, task, attempt, error)
             return
         metrics.TASKS.labels(self.job_id, outcome).inc()
-        await self._ack(msg)
+        await ack(msg)
 
     async def failed(self, msg: Msg, task: common_pb2.Task, attempt: int, error: Exception) -> None:
         """A delivery failed before its group was stored: retry later, or dead-letter at the limit."""
@@ -139,7 +139,7 @@ class JobQueue:
         log.warning("job %s task %s delivery %d failed (%s); redelivery in %.1fs", self.job_id, task.task_id,
                     attempt, reason, delay)
         metrics.NAKS.labels(self.job_id).inc()
-        await self._nak(msg, delay)
+        await nak(msg, delay)
 
     async def dead_letter(self, msg: Msg, attempt: int, reason: str) -> None:
         """Publish the task to the job's dead-letter subject (deduplicated on its msg id), then ack it."""
@@ -148,42 +148,46 @@ class JobQueue:
                                       self._settings.actor_id)
         metrics.DEAD_LETTERED.labels(self.job_id).inc()
         log.error("job %s: task %s dead-lettered after %d deliveries: %s", self.job_id, original, attempt, reason)
-        await self._ack(msg)
+        await ack(msg)
 
     async def close(self) -> None:
         with contextlib.suppress(Exception):
             await self._sub.unsubscribe()
 
-    @contextlib.asynccontextmanager
-    async def _keepalive(self, msg: Msg, interval_s: float) -> AsyncIterator[None]:
-        """Send in_progress() every interval_s while the body runs."""
 
-        async def beat() -> None:
-            while True:
-                await asyncio.sleep(interval_s)
-                try:
-                    await msg.in_progress()
-                except Exception as error:  # a lost beat only risks a redelivery, which dedup absorbs
-                    log.warning("in_progress failed: %s", error)
+@contextlib.asynccontextmanager
+async def keepalive(msg: Msg, interval_s: float) -> AsyncIterator[None]:
+    """Send in_progress() every interval_s while the body runs (a task here, a Tinker sample request in
+    `fleetrl.tasks.samples`), so a slow delivery is not redelivered while its holder lives."""
 
-        task = asyncio.create_task(beat())
-        try:
-            yield
-        finally:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+    async def beat() -> None:
+        while True:
+            await asyncio.sleep(interval_s)
+            try:
+                await msg.in_progress()
+            except Exception as error:  # a lost beat only risks a redelivery, which dedup absorbs
+                log.warning("in_progress failed: %s", error)
 
-    @staticmethod
-    async def _ack(msg: Msg) -> None:
-        try:
-            await msg.ack_sync(timeout=ACK_TIMEOUT_S)
-        except Exception as error:  # the group is stored: a redelivery reports DUPLICATE and is acked then
-            log.warning("ack failed (task will come back as a duplicate): %s", error)
+    task = asyncio.create_task(beat())
+    try:
+        yield
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
 
-    @staticmethod
-    async def _nak(msg: Msg, delay_s: float) -> None:
-        try:
-            await msg.nak(delay=delay_s if delay_s > 0 else None)
-        except Exception as error:  # unacked, it comes back after ack_wait anyway
-            log.warning("nak failed: %s", error)
+
+async def ack(msg: Msg) -> None:
+    """Ack with a deadline; a failed ack is logged (the work is stored: its redelivery is a duplicate)."""
+    try:
+        await msg.ack_sync(timeout=ACK_TIMEOUT_S)
+    except Exception as error:
+        log.warning("ack failed (the delivery will come back as a duplicate): %s", error)
+
+
+async def nak(msg: Msg, delay_s: float) -> None:
+    """Release a delivery for redelivery after delay_s (0: at once)."""
+    try:
+        await msg.nak(delay=delay_s if delay_s > 0 else None)
+    except Exception as error:  # unacked, it comes back after ack_wait anyway
+        log.warning("nak failed: %s", error)

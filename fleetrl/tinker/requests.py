@@ -7,9 +7,11 @@ lost response, or a replay) gets the first one's request id, and so its result, 
 So an optim_step is applied at most once per (model_id, seq_id).
 
 Work runs on one executor thread, in the order requests arrive (the SDK sends a training client's
-requests in seq_id order). Results are kept until their name leaves the table: each scope keeps its
-last `keep_per_scope` names, and a name older than those is refused (InvalidArgument) instead of
-being run again, which keeps the at-most-once promise after eviction.
+requests in seq_id order); work that waits on other processes (a sample served by the fleet's actors,
+`submit_async`) runs on the event loop instead, at once and concurrently. Results are kept until
+their name leaves the table: each scope keeps its last `keep_per_scope` names, and a name older than
+those is refused (InvalidArgument) instead of being run again, which keeps the at-most-once promise
+after eviction.
 
 Design choice: request ids are random (uuid4), never derived from the name, and each records its
 tenant, so a request id from another tenant reads as unknown (NotFound) rather than leaking a result.
@@ -22,10 +24,11 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import time
 import uuid
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -70,12 +73,15 @@ class RequestLog:
     _executor: concurrent.futures.Executor
     _requests: dict[str, Request]
     _scopes: dict[str, _Scope]
+    _unfinished: dict[str, Request]
+    """Requests queued or running, by id, kept until their work ends even after their scope is forgotten."""
 
     def __init__(self, executor: concurrent.futures.Executor, keep_per_scope: int = 4096) -> None:
         self.keep_per_scope = keep_per_scope
         self._executor = executor
         self._requests = {}
         self._scopes = {}
+        self._unfinished = {}
 
     def queues(self, key: Key) -> bool:
         """Whether `submit` would queue new work for this name: it is neither known nor too old."""
@@ -85,7 +91,27 @@ class RequestLog:
 
     def submit(self, tenant: str, key: Key, kind: str, work: Callable[[], Any],
                extra: dict[str, Any] | None = None) -> Request:
-        """The request named `key`: the first submission's, or a new one whose work is queued."""
+        """The request named `key`: the first submission's, or a new one whose work is queued on the thread."""
+        known = self._named(key)
+        if isinstance(known, Request):
+            return known
+        traced = _traced(work, kind, {"tenant": tenant, "scope": key[0], "seq_id": key[1]})
+        return self._added(known, key[1], Request(uuid.uuid4().hex, tenant, kind, self._executor.submit(traced),
+                                                   dict(extra or {})))
+
+    def submit_async(self, tenant: str, key: Key, kind: str, work: Callable[[], Coroutine[Any, Any, Any]],
+                     loop: asyncio.AbstractEventLoop, extra: dict[str, Any] | None = None) -> Request:
+        """As `submit`, for work that waits on other processes (a sample served by an actor): it runs on
+        `loop` at once, beside the thread's work, not queued behind it."""
+        known = self._named(key)
+        if isinstance(known, Request):
+            return known
+        traced = _traced_async(work, kind, {"tenant": tenant, "scope": key[0], "seq_id": key[1]})
+        return self._added(known, key[1], Request(uuid.uuid4().hex, tenant, kind,
+                                                   asyncio.run_coroutine_threadsafe(traced(), loop), dict(extra or {})))
+
+    def _named(self, key: Key) -> Request | _Scope:
+        """The request already named `key`, or its scope (InvalidArgument when the name is too old to run)."""
         scope, seq_id = key
         known = self._scopes.setdefault(scope, _Scope())
         if seq_id in known.names:
@@ -93,9 +119,12 @@ class RequestLog:
         if seq_id <= known.evicted_upto:
             raise InvalidArgument(f"request {seq_id} of {scope} is older than the last {self.keep_per_scope} "
                                   "kept; it is not run again", [FieldViolation("seq_id", "too old to replay")])
-        traced = _traced(work, kind, {"tenant": tenant, "scope": scope, "seq_id": seq_id})
-        request = Request(uuid.uuid4().hex, tenant, kind, self._executor.submit(traced), dict(extra or {}))
+        return known
+
+    def _added(self, known: _Scope, seq_id: int, request: Request) -> Request:
         self._requests[request.id] = request
+        self._unfinished[request.id] = request
+        request.future.add_done_callback(lambda _: self._unfinished.pop(request.id, None))
         known.names[seq_id] = request.id
         while len(known.names) > self.keep_per_scope:
             old_seq, old_id = known.names.popitem(last=False)
@@ -123,6 +152,14 @@ class RequestLog:
         requests = [self._requests.get(request_id) for request_id in (known.names.values() if known else ())]
         return sum(1 for request in requests if request is not None and not request.future.done())
 
+    def in_flight(self) -> dict[str, tuple[int, int]]:
+        """Each tenant's requests now (queued, running); a tenant with none is not listed."""
+        counts: dict[str, tuple[int, int]] = {}
+        for request in list(self._unfinished.values()):  # list(...) first: the work thread removes finished ones
+            queued, running = counts.get(request.tenant, (0, 0))
+            counts[request.tenant] = (queued, running + 1) if request.future.running() else (queued + 1, running)
+        return counts
+
     def forget(self, scope: str) -> None:
         """Drop a scope's names and results (its training run or sampling session is gone)."""
         known = self._scopes.pop(scope, None)
@@ -130,18 +167,36 @@ class RequestLog:
             self._requests.pop(request_id, None)
 
 
+@contextlib.contextmanager
+def _work_span(kind: str, parent: otel_context.Context, attributes: dict[str, Any]) -> Iterator[None]:
+    """A request's work: a span under the submitter's context, timed into WORK_SECONDS ("ok" unless it raised)."""
+    outcome, start = "error", time.perf_counter()
+    with _TRACER.start_as_current_span(f"tinker.{kind}", context=parent, attributes=attributes):
+        try:
+            yield
+            outcome = "ok"
+        finally:
+            WORK_SECONDS.labels(kind, outcome).observe(time.perf_counter() - start)
+
+
+def _traced_async(work: Callable[[], Coroutine[Any, Any, Any]], kind: str,
+                  attributes: dict[str, Any]) -> Callable[[], Coroutine[Any, Any, Any]]:
+    """As `_traced`, for work on the event loop."""
+    parent = otel_context.get_current()
+
+    async def run() -> Any:
+        with _work_span(kind, parent, attributes):
+            return await work()
+
+    return run
+
+
 def _traced(work: Callable[[], Any], kind: str, attributes: dict[str, Any]) -> Callable[[], Any]:
     """work, run in a span under the submitter's context, timed into WORK_SECONDS."""
     parent = otel_context.get_current()
 
     def run() -> Any:
-        outcome, start = "error", time.perf_counter()
-        with _TRACER.start_as_current_span(f"tinker.{kind}", context=parent, attributes=attributes):
-            try:
-                result = work()
-                outcome = "ok"
-                return result
-            finally:
-                WORK_SECONDS.labels(kind, outcome).observe(time.perf_counter() - start)
+        with _work_span(kind, parent, attributes):
+            return work()
 
     return run

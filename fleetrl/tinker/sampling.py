@@ -15,7 +15,6 @@ the tokens after it but keeps the backend the actors' own.
 
 from __future__ import annotations
 
-import math
 import random
 from dataclasses import dataclass
 
@@ -23,9 +22,9 @@ import torch
 
 from fleetrl.policy import models
 from fleetrl.policy.backends import Completion, HFBackend
-from fleetrl.policy.logprobs import token_logprobs
 from fleetrl.spec.config import LoraSpec
 from fleetrl.tinker.types import SampleParams, SampleResult, Sequence
+from fleetrl.weights.channel import WeightPointer
 
 
 @dataclass(frozen=True)
@@ -37,6 +36,11 @@ class SamplerWeights:
     base_model: str
     lora: LoraSpec | None = None
     tensors: dict[str, torch.Tensor] | None = None
+    """The adapter in this process (the local path); None for the base, or when it is in the weight store."""
+    job_id: str = ""
+    """With `sampling = "fleet"`: the weight-store namespace it was published under (`fleetrl.tinker.fleet`)."""
+    pointer: WeightPointer | None = None
+    """With `sampling = "fleet"`: its version there (None: the base, no adapter)."""
 
 
 class Samplers:
@@ -53,15 +57,7 @@ class Samplers:
 
     def sample(self, weights: SamplerWeights, params: SampleParams) -> SampleResult:
         """num_samples sequences of the prompt from `weights`, and the prompt's log-probs when asked."""
-        backend = self._backend_for(weights)
-        seed = params.seed if params.seed is not None else random.getrandbits(62)
-        cut_by_us = params.stop_tokens is not None
-        completions = backend.generate(params.prompt, params.num_samples, max_new_tokens=params.max_tokens,
-                                       temperature=params.temperature, top_p=params.top_p, seed=seed,
-                                       ignore_eos=cut_by_us)
-        sequences = [_stopped_at(c, params.stop_tokens) if cut_by_us else _sequence(c) for c in completions]
-        prompt_logprobs = _prompt_logprobs(backend, params.prompt) if params.prompt_logprobs else None
-        return SampleResult(sequences, prompt_logprobs)
+        return sample_with(self._backend_for(weights), params)
 
     def _backend_for(self, weights: SamplerWeights) -> HFBackend:
         key = (weights.base_model, weights.lora.model_dump_json() if weights.lora else "")
@@ -77,6 +73,19 @@ class Samplers:
         return backend
 
 
+def sample_with(backend: HFBackend, params: SampleParams) -> SampleResult:
+    """A sample request on a backend holding the version asked for: here (`Samplers`) or on an actor
+    (`fleetrl.tinker.fleet.ActorSampling`, an adapter of the actor's shared base)."""
+    seed = params.seed if params.seed is not None else random.getrandbits(62)
+    cut_by_us = params.stop_tokens is not None
+    completions = backend.generate(params.prompt, params.num_samples, max_new_tokens=params.max_tokens,
+                                   temperature=params.temperature, top_p=params.top_p, seed=seed,
+                                   ignore_eos=cut_by_us)
+    sequences = [_stopped_at(c, params.stop_tokens) if cut_by_us else _sequence(c) for c in completions]
+    prompt_logprobs = backend.prompt_logprobs(params.prompt) if params.prompt_logprobs else None
+    return SampleResult(sequences, prompt_logprobs)
+
+
 def _sequence(completion: Completion) -> Sequence:
     return Sequence(completion.token_ids, completion.logprobs, completion.finish_reason == "eos")
 
@@ -87,14 +96,3 @@ def _stopped_at(completion: Completion, stop_tokens: frozenset[int] | None) -> S
         if stop_tokens and token in stop_tokens:
             return Sequence(completion.token_ids[: position + 1], completion.logprobs[: position + 1], True)
     return Sequence(completion.token_ids, completion.logprobs, False)
-
-
-@torch.inference_mode()
-def _prompt_logprobs(backend: HFBackend, prompt: list[int]) -> list[float]:
-    """log p(prompt[i] | prompt[:i]) for each i, NaN for the first token (nothing precedes it)."""
-    if len(prompt) < 2:
-        return [math.nan] * len(prompt)
-    ids = torch.tensor([prompt], device=backend.device)
-    logits = backend.model(input_ids=ids).logits[:, :-1]  # (1, P - 1, V)
-    logprobs, _ = token_logprobs(logits, ids[:, 1:])
-    return [math.nan, *logprobs[0].tolist()]

@@ -13,9 +13,12 @@ one more is refused ResourceExhausted, naming the setting, so one tenant cannot 
 memory from the others.
 Models come from the operator's allow-list (`policy.models.allow_list_problem`, the gateway's rule).
 
-In this landing everything runs in the tinker service process: the training runs' adapters and
-optimizers, and the samplers (`Samplers`, the actors' backend). Sampler versions live in this process
-(and on disk when named); checkpoints go to disk (`CheckpointStore`) and survive a restart.
+The training runs' adapters and optimizers run in the tinker service process. Samples run here too
+(`Samplers`, the actors' backend; sampler versions live in this process, and on disk when named) unless
+the service was given a `FleetSampling` (`sampling = "fleet"`): then each sampler version's adapter is
+published to the weight store and every sample request is served by an actor (`fleetrl.tinker.fleet`),
+its work awaited on the event loop, not on the work thread. Checkpoints go to disk (`CheckpointStore`)
+and survive a restart.
 """
 
 from __future__ import annotations
@@ -24,21 +27,22 @@ import contextlib
 import secrets
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections import Counter
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 from fleetrl.errors import FieldViolation, InvalidArgument, NotFound, ResourceExhausted
+from fleetrl.policy.lora import SharedBases
 from fleetrl.policy.models import allow_list_problem
 from fleetrl.tinker.checkpoints import CheckpointPath, CheckpointStore, check_name, parse
-from fleetrl.tinker.losses import LOSSES
+from fleetrl.tinker.checks import check_adam, check_loss, check_sample, check_token_ids
+from fleetrl.tinker.fleet import FleetSampling, path_job_id, run_job_id
 from fleetrl.tinker.requests import Key, Request, RequestLog
 from fleetrl.tinker.sampling import Samplers, SamplerWeights
 from fleetrl.tinker.training import TrainingRun, lora_spec
-from fleetrl.tinker.types import AdamParams, Datum, LoraRequest, SampleParams, SessionSummary
+from fleetrl.tinker.types import AdamParams, Datum, LoraRequest, SampleParams, SessionSummary, TenantLoad
 
 
 @dataclass(frozen=True)
@@ -98,18 +102,24 @@ class TinkerService:
     checkpoints: CheckpointStore
     _samplers: Samplers
     _state: _State
+    _bases: SharedBases
+    """The base models of the training runs, each held once for all runs on it."""
+    _fleet: FleetSampling | None
+    """Where samples run when not here: the fleet's actors (`sampling = "fleet"`)."""
 
-    def __init__(self, limits: Limits, log: RequestLog) -> None:
+    def __init__(self, limits: Limits, log: RequestLog, fleet: FleetSampling | None = None) -> None:
         self.limits = limits
         self.log = log
+        self._fleet = fleet
         self.checkpoints = CheckpointStore(limits.run_dir / "tinker")
         self._samplers = Samplers()
         self._state = _State()
+        self._bases = SharedBases()
 
     # ------------------------------------------------------------------ sessions
 
     def create_session(self, tenant: str) -> str:
-        held = sum(1 for s in self._state.sessions.values() if s.tenant == tenant and not s.finished)
+        held = self._live_sessions()[tenant]
         _check_quota(tenant, "sessions", held, self.limits.max_sessions_per_tenant, "max_sessions_per_tenant")
         session = Session(f"session-{uuid.uuid4().hex}", tenant)
         self._state.sessions[session.id] = session
@@ -145,6 +155,28 @@ class TinkerService:
             tuple(sorted({r.lora.rank for r in runs})), len(runs), len(samplers), sum(r.steps for r in runs),
             round(now - session.last_request, 3))
 
+    def tenants(self, known: Iterable[str] = (), now: float | None = None) -> list[TenantLoad]:
+        """What each tenant holds, for the operator only: every tenant in `known` (the token table's, so one
+        holding nothing reads as zeros) and every one holding anything, by name."""
+        now = time.monotonic() if now is None else now
+        sessions, runs, in_flight = self._live_sessions(), self._held_runs(), self.log.in_flight()
+        samplers = list(self._state.samplers.values())
+        created = list(self._state.runs.values())
+        last: dict[str, float] = {}
+        for s in list(self._state.sessions.values()):
+            if not s.finished:
+                last[s.tenant] = max(last.get(s.tenant, s.last_request), s.last_request)
+        loads: list[TenantLoad] = []
+        for tenant in sorted(set(known) | set(sessions) | set(runs) | set(in_flight)):
+            queued, running = in_flight.get(tenant, (0, 0))
+            mine = [r for r in created if r.tenant == tenant]
+            sampler_bytes = sum(_bytes(s.weights) for s in samplers if s.tenant == tenant)
+            loads.append(TenantLoad(
+                tenant, sessions[tenant], runs[tenant], sum(1 for s in samplers if s.tenant == tenant), queued,
+                running, sum(r.steps for r in mine), sum(r.own_bytes() for r in mine) + sampler_bytes,
+                round(now - last[tenant], 3) if tenant in last else None))
+        return loads
+
     def heartbeat(self, tenant: str, session_id: str) -> Session:
         session = self.session(tenant, session_id)
         session.last_seen = time.monotonic()
@@ -155,8 +187,10 @@ class TinkerService:
         self.session(tenant, session_id).finished = True
         # list(...) first: the work thread may add runs or samplers while this (the event loop) iterates
         for model_id in [m for m in list(self._state.runs) if m.startswith(f"{session_id}:")]:
-            del self._state.runs[model_id]
+            self._state.runs.pop(model_id).close()
             self.log.forget(model_id)
+            if self._fleet is not None:
+                self._fleet.forget(run_job_id(model_id))
         for sampler_id in [i for i, s in list(self._state.samplers.items()) if s.session_id == session_id]:
             del self._state.samplers[sampler_id]
             self.log.forget(sampler_id)
@@ -195,7 +229,7 @@ class TinkerService:
 
         def work() -> dict[str, Any]:
             with self._creating(model_id):
-                self._state.runs[model_id] = TrainingRun.create(model_id, tenant, base_model, spec, seed)
+                self._state.runs[model_id] = TrainingRun.create(model_id, tenant, base_model, spec, seed, self._bases)
             return {"model_id": model_id}
 
         return self.log.submit(tenant, key, "CreateModel", work, {"model_id": model_id})
@@ -205,12 +239,19 @@ class TinkerService:
         without queuing work (a retry or replay of a name it knows, or one too old to run) counts nothing."""
         if not self.log.queues(key):
             return
-        # list(...) first: the work thread adds and removes runs while this (the event loop) counts
-        held = sum(1 for r in list(self._state.runs.values()) if r.tenant == tenant)
-        held += sum(1 for owner in list(self._state.creating.values()) if owner == tenant)
+        held = self._held_runs()[tenant]
         _check_quota(tenant, "training runs", held, self.limits.max_training_runs_per_tenant,
                      "max_training_runs_per_tenant")
         self._state.creating[model_id] = tenant
+
+    def _live_sessions(self) -> Counter[str]:
+        """Live sessions by tenant: what `max_sessions_per_tenant` counts."""
+        return Counter(s.tenant for s in list(self._state.sessions.values()) if not s.finished)
+
+    def _held_runs(self) -> Counter[str]:
+        """Training runs created or queued for creation, by tenant: what `max_training_runs_per_tenant` counts."""
+        # list(...) first: the work thread adds and removes runs while this (the event loop) counts
+        return Counter([r.tenant for r in list(self._state.runs.values())] + list(self._state.creating.values()))
 
     @contextlib.contextmanager
     def _creating(self, model_id: str) -> Iterator[None]:
@@ -231,15 +272,15 @@ class TinkerService:
     def forward_backward(self, tenant: str, model_id: str, seq_id: int, data: list[Datum], loss_fn: str,
                          settings: dict[str, float], forward_only: bool) -> Request:
         run = self.run(tenant, model_id)
-        _check_loss(loss_fn, settings, data)
-        _check_token_ids(data, int(run.model.config.vocab_size))
+        check_loss(loss_fn, settings, data)
+        check_token_ids(data, int(run.model.config.vocab_size))
         kind = "Forward" if forward_only else "ForwardBackward"
         return self.log.submit(tenant, (model_id, seq_id), kind,
                                lambda: run.forward_backward(data, loss_fn, settings, backward=not forward_only))
 
     def optim_step(self, tenant: str, model_id: str, seq_id: int, adam: AdamParams) -> Request:
         run = self.run(tenant, model_id)
-        _check_adam(adam)
+        check_adam(adam)
         return self.log.submit(tenant, (model_id, seq_id), "OptimStep", lambda: {"metrics": run.optim_step(adam)})
 
     def save_state(self, tenant: str, model_id: str, seq_id: int, name: str | None) -> Request:
@@ -283,9 +324,13 @@ class TinkerService:
             with self._creating(model_id):
                 checkpoint = self.checkpoints.load(tenant, where)
                 self.check_model(checkpoint.base_model)
-                run = TrainingRun.create(model_id, tenant, checkpoint.base_model, checkpoint.lora, seed=0)
-                run.load_state({"adapter": checkpoint.adapter, "steps": checkpoint.steps,
-                                **({"optimizer": checkpoint.optimizer} if checkpoint.optimizer else {})}, optimizer)
+                run = TrainingRun.create(model_id, tenant, checkpoint.base_model, checkpoint.lora, 0, self._bases)
+                try:
+                    run.load_state({"adapter": checkpoint.adapter, "steps": checkpoint.steps,
+                                    **({"optimizer": checkpoint.optimizer} if checkpoint.optimizer else {})}, optimizer)
+                except BaseException:
+                    run.close()
+                    raise
                 self._state.runs[model_id] = run
             return {"path": path, "model_id": model_id, "type": "load_weights"}
 
@@ -317,6 +362,8 @@ class TinkerService:
             if path is not None:
                 self.checkpoints.save(tenant, path, run.base_model, run.lora, {"adapter": tensors, "steps": run.steps})
                 return {"path": str(path), "type": "save_weights_for_sampler"}
+            if self._fleet is not None:
+                weights = self._fleet.published(run_job_id(model_id), weights)
             session = self._new_sampler(tenant, model_id.partition(":")[0], weights, None)
             return {"sampling_session_id": session.id, "type": "save_weights_for_sampler"}
 
@@ -334,6 +381,8 @@ class TinkerService:
                                       [FieldViolation("model_path", "not a sampler path")])
             checkpoint = self.checkpoints.load(tenant, where)
             weights = SamplerWeights(model_path, checkpoint.base_model, checkpoint.lora, checkpoint.adapter)
+            if self._fleet is not None:
+                weights = self._fleet.published(path_job_id(tenant, model_path), weights)
             return self._new_sampler(tenant, session_id, weights, model_path)
         if not base_model:
             raise InvalidArgument("give base_model or model_path", [FieldViolation("base_model", "missing")])
@@ -356,27 +405,21 @@ class TinkerService:
 
     def sample(self, tenant: str, sampling_session_id: str, seq_id: int, params: SampleParams) -> Request:
         session = self.sampler(tenant, sampling_session_id)
-        self._check_sample(params)
+        check_sample(params, self.limits.max_num_samples, self.limits.max_sample_tokens)
         ids = [f"{sampling_session_id}/{seq_id}/{i}" for i in range(params.num_samples)]
-        return self.log.submit(tenant, (sampling_session_id, seq_id), "Sample",
-                               lambda: self._samplers.sample(session.weights, params), {"sample_sequence_ids": ids})
-
-    def _check_sample(self, params: SampleParams) -> None:
-        limits = self.limits
-        problems = [FieldViolation(name, why) for name, bad, why in (
-            ("num_samples", not 1 <= params.num_samples <= limits.max_num_samples, f"1..{limits.max_num_samples}"),
-            ("sampling_params.max_tokens", not 1 <= params.max_tokens <= limits.max_sample_tokens,
-             f"1..{limits.max_sample_tokens}"),
-            ("sampling_params.temperature", not params.temperature > 0, "must be > 0 (no greedy decoding yet)"),
-            ("sampling_params.top_p", not 0 < params.top_p <= 1, "in (0, 1]"),
-            ("prompt", not params.prompt, "empty"),
-        ) if bad]
-        if problems:
-            raise InvalidArgument("bad sample request: " + "; ".join(f"{p.field}: {p.description}" for p in problems),
-                                  problems)
+        key, extra = (sampling_session_id, seq_id), {"sample_sequence_ids": ids}
+        fleet = self._fleet
+        if fleet is not None:
+            return self.log.submit_async(tenant, key, "Sample", lambda: fleet.sample(session.weights, params),
+                                         fleet.loop, extra)
+        return self.log.submit(tenant, key, "Sample", lambda: self._samplers.sample(session.weights, params), extra)
 
     def capabilities(self) -> tuple[str, ...]:
         return self.limits.allowed_models
+
+
+def _bytes(weights: SamplerWeights) -> int:
+    return sum(t.numel() * t.element_size() for t in (weights.tensors or {}).values())
 
 
 def _check_quota(tenant: str, what: str, held: int, most: int, setting: str) -> None:
@@ -389,59 +432,3 @@ def _check_quota(tenant: str, what: str, held: int, most: int, setting: str) -> 
 def model_id_of(session_id: str, model_seq_id: int) -> str:
     """A training run's id: the SDK derives it the same way for a run created from a checkpoint."""
     return f"{session_id}:train:{model_seq_id}"
-
-
-def _check_loss(loss_fn: str, settings: dict[str, float], data: list[Datum]) -> None:
-    """InvalidArgument naming the field when the loss, its settings or a datum's inputs do not fit."""
-    loss = LOSSES.get(loss_fn)
-    if loss is None:
-        raise InvalidArgument(f"loss_fn {loss_fn!r} is not supported; supported: {', '.join(LOSSES)}",
-                              [FieldViolation("loss_fn", "unsupported")])
-    unknown = sorted(set(settings) - set(loss.settings))
-    if unknown:
-        raise InvalidArgument(f"loss_fn_config {unknown} not accepted by {loss_fn} (accepts {sorted(loss.settings)})",
-                              [FieldViolation("loss_fn_config", "unknown keys")])
-    if not data:
-        raise InvalidArgument("no datums", [FieldViolation("data", "empty")])
-    for i, datum in enumerate(data):
-        _check_datum(i, datum, loss_fn, ("target_tokens", *loss.required), loss.optional)
-
-
-def _check_datum(i: int, datum: Datum, loss_fn: str, required: tuple[str, ...], optional: tuple[str, ...]) -> None:
-    where = f"data[{i}].loss_fn_inputs"
-    missing = [name for name in required if name not in datum.inputs]
-    unknown = [name for name in datum.inputs if name not in required and name not in optional]
-    if missing or unknown:
-        raise InvalidArgument(f"{where}: {loss_fn} needs {list(required)}" + (f", may take {list(optional)}"
-                              if optional else "") + f"; missing {missing}, unknown {unknown}",
-                              [FieldViolation(where, "inputs do not fit the loss")])
-    if not datum.tokens:
-        raise InvalidArgument(f"data[{i}].model_input is empty", [FieldViolation(f"data[{i}].model_input", "empty")])
-    for name, values in datum.inputs.items():
-        if values.shape != (len(datum.tokens),):
-            raise InvalidArgument(f"{where}.{name} has shape {list(values.shape)}; model_input has "
-                                  f"{len(datum.tokens)} tokens, so it must be [{len(datum.tokens)}]",
-                                  [FieldViolation(f"{where}.{name}", "shape does not match model_input")])
-        if not np.isfinite(values).all():
-            raise InvalidArgument(f"{where}.{name} holds a non-finite value",
-                                  [FieldViolation(f"{where}.{name}", "not finite")])
-
-
-def _check_token_ids(data: list[Datum], vocab_size: int) -> None:
-    for i, datum in enumerate(data):
-        for where, ids in ((f"data[{i}].model_input", np.asarray(datum.tokens)),
-                           (f"data[{i}].loss_fn_inputs.target_tokens", datum.inputs["target_tokens"])):
-            if ids.size and (ids.min() < 0 or ids.max() >= vocab_size):
-                raise InvalidArgument(f"{where} holds token ids outside the model's vocabulary [0, {vocab_size})",
-                                      [FieldViolation(where, "token id out of range")])
-
-
-def _check_adam(adam: AdamParams) -> None:
-    checks: list[tuple[str, Callable[[float], bool], str]] = [
-        ("learning_rate", lambda v: v >= 0, ">= 0"), ("beta1", lambda v: 0 <= v < 1, "in [0, 1)"),
-        ("beta2", lambda v: 0 <= v < 1, "in [0, 1)"), ("eps", lambda v: v > 0, "> 0"),
-        ("weight_decay", lambda v: v >= 0, ">= 0"), ("grad_clip_norm", lambda v: v >= 0, ">= 0")]
-    bad = [FieldViolation(f"adam_params.{name}", why) for name, ok, why in checks
-           if not (np.isfinite(getattr(adam, name)) and ok(getattr(adam, name)))]
-    if bad:
-        raise InvalidArgument("bad adam_params: " + "; ".join(f"{v.field} {v.description}" for v in bad), bad)

@@ -9,6 +9,9 @@ LoRA code (`fleetrl.weights.adapters.wrap`, the learner's), and the log-probs co
 Design choices:
 - Adam's hyperparameters come with each optim_step (Tinker's contract), so they are written into the
   optimizer's parameter group before each step; its moments persist across steps.
+- The runs on one base model share its weights (`fleetrl.policy.lora.SharedBases`, the learner's): each
+  run's model is its own module tree, adapters and optimizer over the base's frozen tensors, so ten runs
+  on one base hold it once. `close` gives the base back; the last run's close drops it.
 - Finite numbers only: a chunk whose loss is not finite applies no gradient and fails with
   InvalidArgument; a step whose gradient norm is not finite zeroes the gradient and is reported as
   skipped (`skipped:sum` 1), so a NaN never reaches the adapter.
@@ -30,7 +33,7 @@ from peft import PeftModel
 from fleetrl.errors import FieldViolation, InvalidArgument
 from fleetrl.policy import models
 from fleetrl.policy.logprobs import token_logprobs
-from fleetrl.policy.lora import adapter_state_dict, load_adapters
+from fleetrl.policy.lora import SharedBases, adapter_state_dict, load_adapters
 from fleetrl.spec.config import LoraSpec
 from fleetrl.tinker.losses import LOSSES, LossBatch
 from fleetrl.tinker.types import AdamParams, Datum, ForwardResult, LoraRequest
@@ -66,14 +69,36 @@ class TrainingRun:
     """optim_steps applied."""
     pending_chunks: int = 0
     """forward_backward chunks whose gradient waits for the next optim_step."""
+    bases: SharedBases | None = None
+    """Where the base was taken from (given back by `close`); None: the run loaded its own."""
 
     @classmethod
-    def create(cls, model_id: str, tenant: str, base_model: str, lora: LoraSpec, seed: int) -> TrainingRun:
-        base, tokenizer = models.load(base_model)
-        model = wrap(base, lora, seed)
+    def create(cls, model_id: str, tenant: str, base_model: str, lora: LoraSpec, seed: int,
+               bases: SharedBases | None = None) -> TrainingRun:
+        base, tokenizer = bases.take(base_model, "cpu") if bases is not None else models.load(base_model)
+        try:
+            model = wrap(base, lora, seed)
+        except BaseException:
+            if bases is not None:
+                bases.give_back(base_model, "cpu")
+            raise
         params = [p for p in model.parameters() if p.requires_grad]
         optimizer = torch.optim.AdamW(params, fused=True)
-        return cls(model_id, tenant, base_model, lora, model, tokenizer, optimizer)
+        return cls(model_id, tenant, base_model, lora, model, tokenizer, optimizer, bases=bases)
+
+    def own_bytes(self) -> int:
+        """Bytes of the run's own tensors: its adapter, their gradients and the optimizer's moments."""
+        params = self._params()
+        moments = [t for state in list(self.optimizer.state.values()) for t in list(state.values())
+                   if isinstance(t, torch.Tensor)]  # list(...) first: the work thread adds them at the first step
+        grads = [p.grad for p in params if p.grad is not None]
+        return sum(t.numel() * t.element_size() for t in (*params, *grads, *moments))
+
+    def close(self) -> None:
+        """Give the shared base back (the run is dropped); idempotent."""
+        if self.bases is not None:
+            self.bases.give_back(self.base_model, "cpu")
+            self.bases = None
 
     def forward_backward(self, data: list[Datum], loss_fn: str, settings: dict[str, float],
                          backward: bool) -> ForwardResult:

@@ -104,3 +104,25 @@ class SessionSummary:
     last_request_age_s: float
     """Seconds since the session's last request (creation, or any call naming it, its runs or its
     sampling sessions; heartbeats and future polls do not count)."""
+
+
+@dataclass(frozen=True)
+class TenantLoad:
+    """What one tenant holds on the Tinker service now: the operator's view (services/tinker's /metrics),
+    which no tenant-facing call returns."""
+
+    tenant: str
+    sessions: int
+    """Live sessions, as `max_sessions_per_tenant` counts them."""
+    training_runs: int
+    """Training runs created or queued for creation, as `max_training_runs_per_tenant` counts them."""
+    sampling_sessions: int
+    requests_queued: int
+    requests_running: int
+    optim_steps: int
+    """optim_steps applied, summed over its training runs."""
+    adapter_bytes: int
+    """Bytes of its own tensors: its runs' adapters, gradients and optimizer moments, and its sampling
+    sessions' saved adapters (the base models are shared by every tenant's runs and not counted)."""
+    last_request_age_s: float | None
+    """Seconds since the last request of any of its live sessions; None: it holds no session."""

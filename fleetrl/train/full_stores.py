@@ -18,9 +18,17 @@ A NATS outage is waited out the same way (`bus.NatsUnreachable`: a task publish,
 dead-letter count, or the run's set-up of the job's streams and consumer or its fence of the weight pointer,
 that `bus.retry_outage` gave up on after `OUTAGE_RETRY_BEFORE_PAUSE_S`), the job paused
 with the call and the outage as its reason, and `fleetrl_learner_store_full` left alone (the store is
-unreachable, not full). A learner cut off from NATS alone keeps its leases in Redis meanwhile; before,
-its publish was retried for `bus.OUTAGE_RETRY_S` with the job's status saying nothing, and then the job
-failed with the outage, as if it were the job's fault.
+unreachable, not full). A learner cut off from NATS alone keeps its leases in Redis meanwhile. Past
+`store_full_wait_s` the NatsUnreachable goes through too, but it does not fail the job: the learner stops
+the run as on an unreachable Redis and a claim resumes the job from its checkpoint
+(`services/learner/service.py`, `pause_unreachable`). A store that is still full after the wait has
+refused the write, and the job fails; a server that does not answer has refused nothing.
+
+SIGTERM during the wait does not wait it out: the call raises `HandedBack` at once, the write not made, and the
+service hands the job back (its lease released, the pause reason kept until a claim clears it), so a claim,
+this learner's successor's or another's, resumes it from its checkpoint. Before, a learner asked to stop
+while paused on a full store stayed until the store took the write or `store_full_wait_s` passed (15
+minutes by default), past any orchestrator's grace period, and was SIGKILLed with its leases still held.
 
 A full Redis is not waited out here: the reason could not be written, so the service stops the run
 and a claim resumes it (services/learner/service.py).
@@ -29,16 +37,18 @@ and a claim resumes it (services/learner/service.py).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
+from fleetrl.errors import FleetError
 from fleetrl.jobs.store import JobStore
 from fleetrl.tasks.bus import REQUEST_TIMEOUT_S, JetStreamFull, NatsUnreachable
 from fleetrl.train.files import NoSpace
 from fleetrl.train.observability import STORE_FULL
-from fleetrl.train.status import StatusBoard
+from fleetrl.train.status import JobStatus
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -53,24 +63,31 @@ raise NatsUnreachable and the job pauses: a call that timed out once has waited 
 a NATS restart's quick refusals (reconnecting, no responders) pass without a pause."""
 
 
+class HandedBack(FleetError):
+    """SIGTERM came while the job was paused on a full or unreachable store: hand it back now, the write not
+    made; a claim resumes the job from its checkpoint."""
+
+
 class FullStoreWait:
     """Waits out full stores for one job run; JobRun wires it and passes each call that may meet one."""
 
     jobs: JobStore
-    board: StatusBoard
+    board: JobStatus
     job_id: str
     lease_epoch: int
     wait_s: float
     retry_s: float
     check: Callable[[], None]
     """Raises when the run must stop (its job lease lost): called before each try again."""
+    stop: asyncio.Event
+    """Set by SIGTERM: ends a pause at once with HandedBack."""
     _phase: str
     """The board's phase when the pause began, given back when it ends."""
 
-    def __init__(self, jobs: JobStore, board: StatusBoard, job_id: str, lease_epoch: int, *, wait_s: float,
-                 retry_s: float, check: Callable[[], None]) -> None:
+    def __init__(self, jobs: JobStore, board: JobStatus, job_id: str, lease_epoch: int, *, wait_s: float,
+                 retry_s: float, check: Callable[[], None], stop: asyncio.Event) -> None:
         self.jobs, self.board, self.job_id, self.lease_epoch = jobs, board, job_id, lease_epoch
-        self.wait_s, self.retry_s, self.check = wait_s, retry_s, check
+        self.wait_s, self.retry_s, self.check, self.stop = wait_s, retry_s, check, stop
         self._phase = ""
 
     async def call(self, attempt: Callable[[], Awaitable[T]]) -> T:
@@ -91,7 +108,11 @@ class FullStoreWait:
                         await self.pause(store, str(error), full=not isinstance(error, NatsUnreachable))
                     if time.monotonic() + self.retry_s > give_up_at:
                         raise
-                    await asyncio.sleep(self.retry_s)
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(self.stop.wait(), self.retry_s)
+                    if self.stop.is_set():
+                        raise HandedBack(f"job {self.job_id}: SIGTERM while paused on the {store} store ({error}); "
+                                         "handed back unwritten, a claim resumes it from its checkpoint") from error
                     self.check()
                     continue
                 if store:

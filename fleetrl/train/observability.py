@@ -8,8 +8,8 @@
   actor's insert span, from the group's lineage), and `learner.consume`, the training of the step
   that consumed it (attribute fleetrl.step, linked to the step's span). So one trace runs from the
   feeder's publish to the step.
-- `observe_loop`: every heartbeat.INTERVAL_S, the learner's heartbeat (for `fleetrl top`) and the
-  task-queue gauges of the job it runs.
+- `LearnerBeats`: every heartbeat.INTERVAL_S, the learner's heartbeats (for `fleetrl top`; one per job
+  while it runs several) and the task-queue gauges of the jobs it runs.
 """
 
 from __future__ import annotations
@@ -138,10 +138,24 @@ class StepObserver:
             REWARD_MEAN.labels(self.job_id).set(values["reward_mean"])
 
 
-def learner_beat(board: StatusBoard) -> heartbeat.Beat:
-    tokens_per_s = board.last.values.get("tokens_per_s", 0.0) if board.last is not None else 0.0
-    return heartbeat.Beat("learner", board.learner_id, board.phase, board.job_id, board.policy_version,
-                          tokens_per_s, 0.0, int(time.time() * 1000))
+def learner_beats(board: StatusBoard) -> dict[str, heartbeat.Beat]:
+    """The learner's heartbeats by member id: one for the job it runs (its id), or one per job, as
+    `<learner id>:<job id>`, while it runs several; with none running, its last job's (phase "done"), or an
+    idle beat. A learner whose claims Redis refuses says "paused"."""
+    statuses = board.current() or list(board.jobs.values())[-1:]
+    several = len(statuses) > 1
+    now_ms = int(time.time() * 1000)
+    if not statuses:
+        return {board.learner_id: heartbeat.Beat("learner", board.learner_id,
+                                                  "paused" if board.paused_reason else "idle", unix_ms=now_ms)}
+    beats = {}
+    for status in statuses:
+        member = f"{board.learner_id}:{status.job_id}" if several else board.learner_id
+        phase = "paused" if board.paused_reason and not board.running else status.phase
+        tokens_per_s = status.last.values.get("tokens_per_s", 0.0) if status.last is not None else 0.0
+        beats[member] = heartbeat.Beat("learner", member, phase, status.job_id, status.policy_version,
+                                       tokens_per_s, 0.0, now_ms)
+    return beats
 
 
 def set_queue_gauges(queue: bus.TaskQueue) -> None:
@@ -151,18 +165,33 @@ def set_queue_gauges(queue: bus.TaskQueue) -> None:
     QUEUE_DEAD_LETTERED.labels(queue.job_id).set(queue.dead_lettered)
 
 
-async def observe_loop(board: StatusBoard, client: aioredis.Redis, js: JetStreamContext) -> None:
-    """Heartbeat and queue gauges until cancelled; a failed round (Redis or NATS restarting) is logged."""
-    while True:
-        try:
-            await heartbeat.write(client, learner_beat(board))
-            if board.job_id and board.phase != "done":
-                set_queue_gauges(await bus.task_queue(js, board.job_id))
-        except Exception as error:  # observability must not stop training
-            log.warning("heartbeat/queue probe failed: %s", error)
-        await asyncio.sleep(heartbeat.INTERVAL_S)
+class LearnerBeats:
+    """Writes the learner's heartbeats and its jobs' task-queue gauges (`run` until cancelled), and drops
+    a beat it no longer writes (a job's, once the learner runs one job again), and all of them at the end."""
 
+    def __init__(self, board: StatusBoard, client: aioredis.Redis, js: JetStreamContext) -> None:
+        self.board, self.client, self.js = board, client, js
+        self.written: set[str] = set()
 
-async def clear_beat(client: aioredis.Redis, learner_id: str) -> None:
-    with contextlib.suppress(Exception):  # best effort: the beat expires anyway
-        await heartbeat.clear(client, "learner", learner_id)
+    async def run(self) -> None:
+        """A round every heartbeat.INTERVAL_S; a failed round (Redis or NATS restarting) is logged."""
+        while True:
+            try:
+                beats = learner_beats(self.board)
+                for beat in beats.values():
+                    await heartbeat.write(self.client, beat)
+                for member in self.written - set(beats):
+                    await heartbeat.clear(self.client, "learner", member)
+                self.written = set(beats)
+                for status in self.board.current():
+                    if status.phase != "done":
+                        set_queue_gauges(await bus.task_queue(self.js, status.job_id))
+            except Exception as error:  # observability must not stop training
+                log.warning("heartbeat/queue probe failed: %s", error)
+            await asyncio.sleep(heartbeat.INTERVAL_S)
+
+    async def clear(self) -> None:
+        """Drop every beat written (a clean shutdown); best effort: a beat expires anyway."""
+        with contextlib.suppress(Exception):
+            for member in self.written | {self.board.learner_id}:
+                await heartbeat.clear(self.client, "learner", member)

@@ -39,6 +39,12 @@ class LearnerSettings(InfraSettings):
     with no successful renewal within lease_s of the last good one stops the run (its lease has lapsed)."""
     claim_poll_s: float = Field(1.0, gt=0, le=60)
     """How often an idle learner looks for a queued job."""
+    max_jobs: int = Field(1, ge=1, le=64)
+    """Jobs this learner trains at once. Past the first, it claims only LoRA jobs on the base model of
+    the LoRA jobs it trains already, and holds that base once for all of them (`lora.SharedBases`): each
+    job adds its adapters and their optimizer state, and their steps take turns on the one compute
+    thread, so one job's step runs while another waits for its groups. A full fine-tune runs alone.
+    1 under torchrun (the ranks follow one job)."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """Where the model trains; auto: cuda when available, else cpu."""
     torch_threads: int = Field(0, ge=0, le=1024)
@@ -69,8 +75,9 @@ class LearnerSettings(InfraSettings):
     """How long a job waits for space when a checkpoint file (ENOSPC) or a JetStream write (its storage
     limit, or a stream's or bucket's) is refused for want of it: paused, its reason naming the refusal,
     and trying again every store_full_retry_s with its leases kept; past this the job fails with that
-    reason. A NATS outage that a task or weight publish meets is waited out the same way. (A full Redis
-    pauses the job until Redis takes writes, however long.)"""
+    reason. A NATS outage that a task or weight publish meets is waited out the same way, but past this
+    the run stops without failing the job: its lease lapses and a claim resumes it from its checkpoint.
+    (A full Redis pauses the job until Redis takes writes, however long.)"""
     store_full_retry_s: float = Field(5.0, gt=0, le=600)
     """How often a job paused on a full checkpoint disk or JetStream, or on a NATS outage, tries the write again."""
     checkpoint_delay_s: float = Field(0.0, ge=0, le=600)

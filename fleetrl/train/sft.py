@@ -1,11 +1,12 @@
 """An sft job: supervised fine-tuning on demonstration conversations, run by the learner like any job.
 
-`SftRun` is a `JobRun` whose step data come from the job's demonstrations instead of replay: no feeder,
-no actors, no reward, no leases. Everything else is JobRun's: the job lease and its fencing epoch, cancel
-and SIGTERM hand-back, checkpoints (written, made complete and pruned alike), resume after a learner
-restart, weight publication every `train.publish_interval` steps (so actors and evaluations can pull the
-result like any job's), LoRA or full weights, data parallelism, the non-finite guard, metrics and the
-final export (`jobs/<job>/model`, for LoRA also `jobs/<job>/adapter`). An RL job then starts from the
+`SftRun` is a `JobRun` whose step data come from the job's demonstrations instead of replay (`next_data`): no
+feeder, no actors, no reward, no leases. Everything else is JobRun's code: the step's stages (`run_step`), the
+optimizer step (`optimizer_step`), the job lease and its fencing epoch, cancel and SIGTERM hand-back,
+checkpoints (written, made complete and pruned alike), resume after a learner restart (`restore_latest`),
+weight publication every `train.publish_interval` steps (so actors and evaluations can pull the result like
+any job's), LoRA or full weights, data parallelism, the non-finite guard, metrics and the final export
+(`jobs/<job>/model`, for LoRA also `jobs/<job>/adapter`). An RL job then starts from the
 export with `model = "job:<this job's id>"` (the gateway resolves it for the same tenant only).
 
 Steps: `setup` reads the demonstrations (`fleetrl.spec.demonstrations`) and tokenizes every conversation
@@ -20,19 +21,11 @@ of `losses.PRESETS`: the `nll` surrogate, the mean negative log-likelihood of th
 
 from __future__ import annotations
 
-import asyncio
-import logging
-import time
-
 from fleetrl.policy.chat_mask import MaskedTokens, tokenized_or_raise
 from fleetrl.proto.fleetrl.v1 import common_pb2
 from fleetrl.spec import seeding
 from fleetrl.spec.demonstrations import read_demonstrations
-from fleetrl.train import checkpoint as ckpt
-from fleetrl.train.trained_policy import Followers, Policy, resolve_device
 from fleetrl.train.trainer import JobRun, StepData
-
-log = logging.getLogger(__name__)
 
 SFT_METRICS = ("loss", "tokens", "sequences", "lr", "grad_norm", "nonfinite_steps", "entropy", "kl",
                "forward_backward_s", "optimizer_s")
@@ -46,38 +39,19 @@ class SftRun(JobRun):
     """Every demonstration's tokens and assistant mask, in file order."""
     _order: tuple[int, list[int]] = (-1, [])
 
-    async def run_step(self) -> bool:
-        """One step's stages: the step's conversations, train, publish, checkpoint, report."""
-        data = self.step_data()
-        values = await self.obs.timed("train", self.train(data))
-        self.obs.consumed(data.groups, self.step, values)
-        await self.obs.timed("publish", self.publish())
-        await self.obs.timed("checkpoint", self.checkpoint_if_due())
-        await self.report(values, data)
-        self.fail_after_nonfinite_steps()
-        return True
-
     async def setup(self) -> None:
         self.phase("starting")
         data, _ = await self.deps.jobs.files(self.job_id)
         demonstrations = read_demonstrations(data)
-        device = resolve_device(self.deps.settings.device)
-        self.policy = self._policy if self._policy is not None else await self.compute(
-            Policy, self.spec, device, Followers.if_distributed())
+        await self.load_policy()
         self.conversations = await self.compute(tokenized_or_raise, self.policy.tokenizer, demonstrations,
                                                 self.spec.sft.max_seq_tokens)
-        await self.resume_sft()
+        await self.restore_latest()  # its step says where the conversations resume
         await self.start_publisher()
 
-    async def resume_sft(self) -> None:
-        """Restore the newest complete checkpoint, if any: its step says where the conversations resume."""
-        saved = await asyncio.to_thread(ckpt.load_latest, self.root)
-        self.metrics.truncate_after(0 if saved is None else saved.step)
-        if saved is None:
-            return
-        self.policy.restore(saved, self.root)
-        self.step = self.checkpoint_step = self.deps.board.checkpoint_step = saved.step
-        log.info("job %s resumed from step %d", self.job_id, saved.step)
+    async def next_data(self) -> StepData:
+        """The step's conversations, at once (no replay to wait for)."""
+        return self.step_data()
 
     def step_data(self) -> StepData:
         """The conversations of step `self.step + 1`, one group each."""
@@ -105,17 +79,14 @@ class SftRun(JobRun):
         return common_pb2.Group(job_id=self.job_id, task_id=task_id, policy_version=self.step, samples=[sample])
 
     async def train(self, data: StepData) -> dict[str, float]:
-        self.phase("training")
-        started = time.monotonic()
-        values = await self.compute(self.policy.step, data.groups)
-        elapsed = time.monotonic() - started
-        self.check_lease()
-        self.count_nonfinite(values)
-        self.step += 1
+        values = await self.optimizer_step(data.groups)
         out = {key: values[key] for key in (*SFT_METRICS, "nonfinite_steps_in_a_row") if key in values}
         out.update(epoch=self.step * self.spec.sft.conversations_per_step / len(self.conversations),
-                   tokens_per_s=values["tokens"] / max(elapsed, 1e-9), step_time_s=elapsed)
+                   tokens_per_s=values["tokens_per_s"], step_time_s=values["step_time_s"])
         return out
+
+    async def top_up(self) -> None:
+        """An sft job publishes no tasks: nothing to top up."""
 
     def checkpoint_state(self) -> dict[str, object]:
         """An sft checkpoint needs no cursor and holds no leases: its step places the conversations."""

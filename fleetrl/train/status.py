@@ -1,6 +1,8 @@
-"""The learner's status board: what the job loop is doing, read by the status servicer.
+"""The learner's status board: what each of its job runs is doing, read by the status servicer.
 
-Plain data with no grpc; the job loop writes it, `server.LearnerServicer` converts it.
+Plain data with no grpc; the job runs write it, `server.LearnerServicer` converts it. A learner runs
+up to `max_jobs` jobs at once (`LearnerSettings.max_jobs`), each with its own `JobStatus`; the board
+keeps every job this learner has run, so a finished job's last status can still be read.
 """
 
 from __future__ import annotations
@@ -22,39 +24,57 @@ class StepRecord:
 
 
 @dataclass
-class StatusBoard:
-    """Live state of one learner; one job at a time."""
+class JobStatus:
+    """Live state of one job run on this learner (what its `JobRun` writes)."""
 
     learner_id: str
-    job_id: str = ""
+    job_id: str
     step: int = 0
     policy_version: int = 0
     checkpoint_step: int = 0
-    phase: str = "idle"
+    phase: str = "starting"
     last: StepRecord | None = None
     paused_reason: str = ""
     """Why the job waits on a full store (phase "paused"); empty when it does not."""
-    history: dict[str, StatusBoard] = field(default_factory=dict, repr=False)
-
-    def start_job(self, job_id: str) -> None:
-        if self.job_id:
-            self.history[self.job_id] = StatusBoard(
-                self.learner_id, self.job_id, self.step, self.policy_version, self.checkpoint_step,
-                self.phase, self.last, self.paused_reason,
-            )
-        self.job_id, self.step, self.policy_version, self.checkpoint_step = job_id, 0, 0, 0
-        self.phase, self.last, self.paused_reason = "starting", None, ""
 
     def pause(self, reason: str) -> None:
         """The job waits on a full store: phase "paused", and why."""
         self.phase, self.paused_reason = "paused", reason
 
-    def for_job(self, job_id: str) -> StatusBoard:
-        """The status of job_id ("" = the current job); NotFound if this learner never ran it."""
-        if not job_id or job_id == self.job_id:
-            if not self.job_id:
+
+@dataclass
+class StatusBoard:
+    """Live state of one learner: its job runs, newest last, and why it claims nothing (if it is refused)."""
+
+    learner_id: str
+    jobs: dict[str, JobStatus] = field(default_factory=dict)
+    """Every job run on this learner, by job id, in the order they (last) started."""
+    running: set[str] = field(default_factory=set)
+    """The ids of the jobs it runs now."""
+    paused_reason: str = ""
+    """Why its claims are refused (Redis refuses writes); empty when they are not."""
+
+    def start_job(self, job_id: str) -> JobStatus:
+        """A fresh status for a run of job_id (a job claimed again starts afresh), now running."""
+        self.jobs.pop(job_id, None)
+        status = self.jobs[job_id] = JobStatus(self.learner_id, job_id)
+        self.running.add(job_id)
+        return status
+
+    def end_job(self, job_id: str) -> None:
+        """The run of job_id stopped; its last status stays readable."""
+        self.running.discard(job_id)
+
+    def current(self) -> list[JobStatus]:
+        """The statuses of the jobs running now, oldest claim first."""
+        return [status for job_id, status in self.jobs.items() if job_id in self.running]
+
+    def for_job(self, job_id: str) -> JobStatus:
+        """The status of job_id ("" = the job started last); NotFound if this learner never ran it."""
+        if not job_id:
+            if not self.jobs:
                 raise NotFound("this learner runs no job")
-            return self
-        if job_id in self.history:
-            return self.history[job_id]
+            return next(reversed(self.jobs.values()))
+        if job_id in self.jobs:
+            return self.jobs[job_id]
         raise NotFound(f"learner {self.learner_id} does not run job {job_id!r}")

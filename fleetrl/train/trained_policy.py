@@ -24,6 +24,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from fleetrl.errors import FailedPrecondition
 from fleetrl.policy import lora, models
+from fleetrl.policy.lora import SharedBases
 from fleetrl.proto.fleetrl.v1 import common_pb2
 from fleetrl.spec.config import JobSpec
 from fleetrl.train import checkpoint as ckpt
@@ -114,19 +115,34 @@ class Policy:
     rank: int
     world: int
     followers: Followers | None
+    _bases: SharedBases | None
+    """Where this LoRA job's base is shared from (given back by `close`); None: the policy owns its model."""
 
-    def __init__(self, spec: JobSpec, device: str = "cpu", followers: Followers | None = None) -> None:
+    def __init__(self, spec: JobSpec, device: str = "cpu", followers: Followers | None = None,
+                 bases: SharedBases | None = None) -> None:
+        """`bases`: where a LoRA job takes its base (held once by the learner for all its jobs on it); a
+        full fine-tune, or a job without them, loads its own copy."""
         self.spec = spec
         self.device = device
         self.followers = followers
         if followers is not None:
             followers.send("job", spec.model_dump_json(), device)
-        self.model, self.tokenizer = models.load(spec.model, device=device)
-        self.ref_model = None
+        self._bases = bases if spec.train.lora is not None and followers is None else None
+        base, self.tokenizer = (self._bases.take(spec.model, device) if self._bases is not None
+                                else models.load(spec.model, device=device))
+        try:
+            self._build(base, spec, device)
+        except BaseException:
+            self.close()
+            raise
+
+    def _build(self, base: PreTrainedModel, spec: JobSpec, device: str) -> None:
+        """Everything around the loaded base: adapters, reference, critic, DDP, optimizer, scheduler."""
+        self.model, self.ref_model = base, None
         if spec.train.activation_checkpointing:
-            checkpoint_activations(self.model)
+            checkpoint_activations(base)
         if spec.train.lora is not None:
-            self.model = lora.wrap(self.model, spec.train.lora, spec.seed)
+            self.model = lora.wrap(base, spec.train.lora, spec.seed)
             if spec.algorithm.kl_coef > 0:
                 self.ref_model = lora.FrozenBase(self.model)  # the base itself: no second copy
         elif spec.algorithm.kl_coef > 0:
@@ -141,6 +157,12 @@ class Policy:
             self.module = DistributedDataParallel(self.module, device_ids=device_ids)
         self.optimizer = build_optimizer(self.model, spec.optim, self.critic, spec.algorithm.value_learning_rate)
         self.scheduler = build_scheduler(self.optimizer, spec.optim, spec.train.max_steps)
+
+    def close(self) -> None:
+        """Give a shared base back (the learner drops it with its last job); idempotent."""
+        if self._bases is not None:
+            self._bases.give_back(self.spec.model, self.device)
+            self._bases = None
 
     def step(self, groups: list[common_pb2.Group]) -> dict[str, float]:
         """One optimizer step on the whole step's groups (each rank is given all of them)."""

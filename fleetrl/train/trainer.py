@@ -43,6 +43,7 @@ from peft import PeftModel
 from fleetrl.errors import Cancelled, DeadlineExceeded, FailedPrecondition, Fenced, FleetError, NotFound
 from fleetrl.eval.heldout import HeldOutEval, parse_eval_prompts
 from fleetrl.jobs.store import JobRecord, JobState, JobStore, job_dir
+from fleetrl.policy.lora import SharedBases
 from fleetrl.proto.fleetrl.v1 import common_pb2
 from fleetrl.replay.client import ReplayClient
 from fleetrl.replay.samplers import SAMPLERS
@@ -60,10 +61,10 @@ from fleetrl.train.full_stores import OUTAGE_RETRY_BEFORE_PAUSE_S, FullStoreWait
 from fleetrl.train.leases import LeaseBook, LeaseRecord
 from fleetrl.train.observability import StepObserver
 from fleetrl.train.settings import LearnerSettings
-from fleetrl.train.status import StatusBoard, StepRecord
+from fleetrl.train.status import JobStatus, StepRecord
 from fleetrl.train.trained_policy import Followers, Policy, resolve_device
+from fleetrl.weights.channel import WeightChannel
 from fleetrl.weights.publish import WeightPublisher
-from fleetrl.weights.store import WeightStore
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -79,22 +80,29 @@ class NonFiniteSteps(FleetError, FloatingPointError):
 
 @dataclass
 class Deps:
-    """What a job run needs from the process (owned by the service, shared by its runs)."""
+    """What a job run needs: the process's connections, compute and bases (owned by the service, shared by
+    its runs), and the run's own status and lease-lost event."""
 
     settings: LearnerSettings
     jobs: JobStore
     nc: NATS
     js: JetStreamContext
     replay: ReplayClient
-    weights: WeightStore
-    board: StatusBoard
+    weights: WeightChannel
+    board: JobStatus
+    """This run's status, read by the learner's status service and heartbeat."""
     stop: asyncio.Event
     """Set by SIGTERM: finish the step, checkpoint, hand the job back."""
     lease_lost: asyncio.Event = field(default_factory=asyncio.Event)
+    """This run's: set when its job lease may be another learner's."""
     reward: RewardClient | None = None
     """Scores held-out evaluations (eval.interval); None: jobs that ask for one fail at setup."""
     compute: Executor | None = None
-    """Runs building the model and training steps (`compute_executor`); None: asyncio's default executor."""
+    """Runs building the model and training steps (`compute_executor`); None: asyncio's default executor.
+    The runs of one learner share it: their steps take turns."""
+    bases: SharedBases | None = None
+    """The base models held for the LoRA jobs this learner trains at once (one copy per base); None: each
+    job loads its own."""
 
 
 def compute_executor(nice: int) -> ThreadPoolExecutor:
@@ -141,6 +149,10 @@ class JobRun:
     checkpoint_step: int
     nonfinite_in_a_row: int
     """Steps in a row, up to the last one, whose update was skipped as not finite."""
+    _policy: Policy | None
+    """The policy a test gave, used as it is."""
+    _built: Policy | None
+    """The policy this run built (`load_policy`), closed with the run."""
 
     def __init__(self, deps: Deps, record: JobRecord, policy: Policy | None = None) -> None:
         self.deps = deps
@@ -157,8 +169,9 @@ class JobRun:
         self.epoch = record.lease_epoch
         self.full_stores = FullStoreWait(deps.jobs, deps.board, record.job_id, self.epoch,
                                          wait_s=deps.settings.store_full_wait_s,
-                                         retry_s=deps.settings.store_full_retry_s, check=self.check_lease)
-        self._policy = policy
+                                         retry_s=deps.settings.store_full_retry_s, check=self.check_lease,
+                                         stop=deps.stop)
+        self._policy, self._built = policy, None
 
     @property
     def job_id(self) -> str:
@@ -180,7 +193,7 @@ class JobRun:
 
     async def run_step(self) -> bool:
         """One step's stages, each timed and traced; False when SIGTERM came before its data."""
-        data = await self.obs.timed("wait_for_data", self.wait_for_data())
+        data = await self.next_data()
         if data is None:
             return False
         values = await self.obs.timed("train", self.train(data))
@@ -201,15 +214,28 @@ class JobRun:
         prompts_bytes, reward_file = await self.deps.jobs.files(self.job_id)
         prompts = parse_prompts(prompts_bytes)
         self.held_out = await self.held_out_eval(reward_file)
-        device = resolve_device(self.deps.settings.device)
-        self.policy = self._policy if self._policy is not None else await self.compute(
-            Policy, self.spec, device, Followers.if_distributed())
+        await self.load_policy()
         await self.fenced_replay(self.deps.replay.configure(self.job_id, self.spec.replay, self.epoch))
         await self.full_stores.call(lambda: self.job_bus.prepare(self.spec))
         cursor = await self.resume()
         self.feeder = Feeder(self.job_bus, self.ledger, self.epoch, self.spec, prompts, cursor)
         await self.start_publisher()
         await self.top_up()
+
+    async def load_policy(self) -> None:
+        """The job's policy: the one given (tests), else built on the compute thread (a LoRA job's on the
+        learner's shared base, given back by `close`)."""
+        if self._policy is not None:
+            self.policy = self._policy
+            return
+        device = resolve_device(self.deps.settings.device)
+        self.policy = self._built = await self.compute(Policy, self.spec, device, Followers.if_distributed(),
+                                                       self.deps.bases)
+
+    def close(self) -> None:
+        """Give back what the run holds of the learner: the base its policy shares with other jobs."""
+        if self._built is not None:
+            self._built.close()
 
     async def start_publisher(self) -> None:
         """The job's weight publisher, and the current weights published (version 0 for a new job)."""
@@ -235,20 +261,24 @@ class JobRun:
 
     async def resume(self) -> FeederCursor:
         """Restore the newest complete checkpoint (if any) and commit the leases it recorded."""
-        saved = await asyncio.to_thread(ckpt.load_latest, self.root)
+        saved = await self.restore_latest()
+        await self.ledger.forget_steps_after(self.job_id, 0 if saved is None else saved.step, lease_epoch=self.epoch)
         if saved is None:
-            self.metrics.truncate_after(0)
-            await self.ledger.forget_steps_after(self.job_id, 0, lease_epoch=self.epoch)
             return FeederCursor()
-        self.policy.restore(saved, self.root)
-        self.step = self.checkpoint_step = saved.step
-        self.deps.board.checkpoint_step = saved.step
-        self.metrics.truncate_after(saved.step)
-        await self.ledger.forget_steps_after(self.job_id, saved.step, lease_epoch=self.epoch)
         self.book.restore(saved.state["leases"])
         await self.commit(self.book)
-        log.info("job %s resumed from step %d", self.job_id, saved.step)
         return FeederCursor.from_dict(saved.state["cursor"], saved.step * self.spec.rollout.prompts_per_step)
+
+    async def restore_latest(self) -> ckpt.Checkpoint | None:
+        """Restore the newest complete checkpoint, if any: the policy (model, optimizer, scheduler, RNG) and the
+        step; the metrics log is cut back to that step (0 without one)."""
+        saved = await asyncio.to_thread(ckpt.load_latest, self.root)
+        self.metrics.truncate_after(0 if saved is None else saved.step)
+        if saved is not None:
+            self.policy.restore(saved, self.root)
+            self.step = self.checkpoint_step = self.deps.board.checkpoint_step = saved.step
+            log.info("job %s resumed from step %d", self.job_id, saved.step)
+        return saved
 
     # ------------------------------------------------------------------ per step
 
@@ -281,6 +311,10 @@ class JobRun:
     def check_lease(self) -> None:
         if self.deps.lease_lost.is_set():
             raise LeaseLost(f"lost the lease of job {self.job_id}")
+
+    async def next_data(self) -> StepData | None:
+        """The step's groups (`wait_for_data`, timed as a stage), or None if SIGTERM came first."""
+        return await self.obs.timed("wait_for_data", self.wait_for_data())
 
     async def wait_for_data(self) -> StepData | None:
         """prompts_per_step fresh groups under leases, or None if SIGTERM came first.
@@ -352,24 +386,30 @@ class JobRun:
                 await self.deps.replay.release(self.job_id, record.lease_id)
 
     async def train(self, data: StepData) -> dict[str, float]:
-        self.phase("training")
-        started = time.monotonic()
-        values = await self.compute(self.policy.step, data.groups)
-        elapsed = time.monotonic() - started
-        self.check_lease()
-        self.count_nonfinite(values)
         staleness = [self.step - g.policy_version for g in data.groups]
-        self.step += 1
+        values = await self.optimizer_step(data.groups)
         await self.ledger.trained(self.job_id, self.step, [g.task_id for g in data.groups], lease_epoch=self.epoch)
         self.book.add(data.leases)
         self.feeder.settle(len(data.groups))
         values.update({
             "staleness_mean": sum(staleness) / len(staleness), "staleness_max": float(max(staleness)),
             "stale_dropped": float(data.stale_dropped), "copies_skipped": float(data.copies_skipped),
-            "tokens_per_s": values.get("tokens", 0.0) / max(elapsed, 1e-9), "step_time_s": elapsed,
             **component_means(data.groups),
             **episode_metrics(data.groups),
         })
+        return values
+
+    async def optimizer_step(self, groups: list[common_pb2.Group]) -> dict[str, float]:
+        """Train on groups (`Policy.step`, on the compute thread) and count the step: its metrics, with the
+        non-finite run (`count_nonfinite`), `tokens_per_s` and `step_time_s`."""
+        self.phase("training")
+        started = time.monotonic()
+        values = await self.compute(self.policy.step, groups)
+        elapsed = time.monotonic() - started
+        self.check_lease()
+        self.count_nonfinite(values)
+        self.step += 1
+        values.update(tokens_per_s=values.get("tokens", 0.0) / max(elapsed, 1e-9), step_time_s=elapsed)
         return values
 
     def count_nonfinite(self, values: dict[str, float]) -> None:

@@ -6,8 +6,10 @@ the parser's buffer, a slice of it and its bytes) before the application sees it
 `asyncio.BufferedProtocol` on a connection of its own: the event loop `recv_into`s each payload at
 its place in the destination, so the kernel's copy is the only one. It speaks just the part of the
 client protocol a subscriber needs (INFO, CONNECT with the URL's credentials, SUB, PING/PONG,
-MSG/HMSG, -ERR): no TLS (FailedPrecondition) and no reconnect (a lost connection fails the read
-with Unavailable; the caller pulls again). Flow-control requests are answered, heartbeats skipped.
+MSG/HMSG, -ERR) and no reconnect (a lost connection fails the read with Unavailable; the caller
+pulls again). Flow-control requests are answered, heartbeats skipped. A server that requires TLS gets
+it as NATS does it (INFO in the clear, then the handshake), with nc's SSL context and host name;
+asyncio's TLS layer decrypts each payload straight into the destination too.
 """
 
 from __future__ import annotations
@@ -15,13 +17,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import ssl
 from collections.abc import AsyncIterator
 from typing import Any
 from urllib.parse import ParseResult
 
 import nats.aio.client
 
-from fleetrl.errors import FailedPrecondition, Unavailable
+from fleetrl.errors import Unavailable
 
 SCRATCH_BYTES = 64 * 1024
 """Control lines and status headers land here; message data goes to the destination."""
@@ -77,12 +80,13 @@ class ChunkReader(asyncio.BufferedProtocol):
         if self._error is not None:
             raise self._error
 
-    async def subscribe(self, url: ParseResult, inbox: str) -> None:
-        """Await INFO, send CONNECT + SUB + PING; the PONG confirms the subscription is registered."""
+    async def subscribe(self, url: ParseResult, inbox: str, tls: ssl.SSLContext, tls_hostname: str) -> None:
+        """Await INFO (then the TLS handshake, when the server requires it), send CONNECT + SUB + PING; the
+        PONG confirms the subscription is registered."""
         while self._server_info is None:
             await self.wait()
         if self._server_info.get("tls_required"):
-            raise FailedPrecondition("the NATS server requires TLS, which the chunk reader does not speak")
+            await self._start_tls(tls, tls_hostname)
         options: dict[str, Any] = {
             "verbose": False, "pedantic": False, "headers": True, "no_responders": True, "protocol": 1,
             "lang": "python", "version": "fleetrl", "name": "fleetrl-chunk-reader",
@@ -94,6 +98,17 @@ class ChunkReader(asyncio.BufferedProtocol):
         self._write(b"CONNECT " + json.dumps(options).encode() + b"\r\nSUB " + inbox.encode() + b" 1\r\nPING\r\n")
         while not self._ponged:
             await self.wait()
+
+    async def _start_tls(self, context: ssl.SSLContext, hostname: str) -> None:
+        if self._transport is None:
+            raise Unavailable("NATS connection lost before its TLS handshake")
+        try:
+            transport = await asyncio.get_running_loop().start_tls(self._transport, self, context,
+                                                                     server_hostname=hostname)
+        except (OSError, ConnectionError) as error:  # ssl.SSLError, a failed certificate check among them
+            raise Unavailable(f"TLS handshake with NATS failed: {error}") from error
+        assert isinstance(transport, asyncio.Transport)
+        self._transport = transport
 
     def close(self) -> None:
         self._closed = True
@@ -254,7 +269,7 @@ async def chunk_reader(nc: nats.aio.client.Client, buffer: memoryview, inbox: st
     except OSError as error:
         raise Unavailable(f"cannot connect to NATS at {url.hostname}:{url.port}: {error}") from error
     try:
-        await reader.subscribe(url, inbox)
+        await reader.subscribe(url, inbox, nc.ssl_context, nc.options.get("tls_hostname") or url.hostname)
         yield reader
     finally:
         reader.close()

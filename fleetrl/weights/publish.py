@@ -17,9 +17,10 @@ does not wait for the next publish, which would need their groups.
 A publish that fails in a NATS outage (a chunk's or the pointer's reply lost with a killed server, or no
 answer at all across a partition) is tried again through `bus.retry_outage` for `outage_retry_s`, then raises
 `bus.NatsUnreachable` (the learner pauses the job and calls `publish` again: `fleetrl.train.full_stores`); so
-is `sync`'s fence. The store purges a failed write's chunks (at once, or in its next write when NATS did not
-answer) and deletes a half-written object of the version before writing it again, and a try whose pointer
-move landed though its reply was lost counts as done, in this call or a later one.
+is `sync`'s fence. The store purges a failed write's chunks (at once, or, when NATS did not answer, by the
+sweep that starts every write, which also purges what a killed learner's write left: safe because `sync`
+fenced the pointer first) and deletes a half-written object of the version before writing it again, and a
+try whose pointer move landed though its reply was lost counts as done, in this call or a later one.
 
 A LoRA job (`adapter_of`, the base model's name) publishes its adapter tensors only
 (`fleetrl.weights.adapters.adapter_tensors`), each version whole: actors load the base once and apply each
@@ -37,7 +38,7 @@ from peft import PeftModel
 from fleetrl.policy import models
 from fleetrl.tasks import bus
 from fleetrl.weights.adapters import adapter_tensors
-from fleetrl.weights.store import HeldWeights, WeightPointer, WeightStore, encode_safetensors
+from fleetrl.weights.channel import HeldWeights, WeightChannel, WeightPointer, encode_safetensors
 
 log = logging.getLogger(__name__)
 
@@ -59,11 +60,11 @@ class WeightPublisher:
     """How long one `publish` tries again through a NATS outage before it raises NatsUnreachable."""
     _unsure: int
     """The version whose last try did not return (-1: none): its pointer move may have landed unseen."""
-    _store: WeightStore
+    _store: WeightChannel
     _base: HeldWeights | None
     """The newest version this publisher wrote, kept when deltas are on."""
 
-    def __init__(self, store: WeightStore, job_id: str, dtype: str, interval: int, keep: int,
+    def __init__(self, store: WeightChannel, job_id: str, dtype: str, interval: int, keep: int,
                  lease_epoch: int, full_interval: int = 1, adapter_of: str = "",
                  outage_retry_s: float = bus.OUTAGE_RETRY_S) -> None:
         self._store = store
@@ -103,6 +104,11 @@ class WeightPublisher:
             tensors = adapter_tensors(model, self.dtype)
         else:
             tensors = models.state_dict_for_publish(model, self.dtype)
+        return await self.publish_tensors(tensors, version)
+
+    async def publish_tensors(self, tensors: dict[str, torch.Tensor], version: int) -> WeightPointer:
+        """Publish `version` holding these tensors, already in `dtype` (a LoRA model's adapters when
+        `adapter_of` is set: what the Tinker API's sampler versions are); the rules of `publish`."""
         payload = encode_safetensors(tensors)
 
         async def attempt() -> WeightPointer:

@@ -8,7 +8,8 @@ pull consumer (created with `bus.ensure_job_consumer`, the same settings the lea
 max_ack_pending bounds how many tasks all actors together hold). It then takes one round of tasks at a
 time from the job the fair share picks (`fleetrl.rollout.fair_share`: weighted fair queueing of the
 actor's time by tenant weight); a round's groups are generated in one batch (`fleetrl.rollout.batching`).
-A job that stops running is dropped.
+A job that stops running is dropped. Beside its jobs, an actor with `tinker_models` serves the Tinker
+API's sample requests of those bases (`fleetrl.tinker.fleet.ActorSampling`, one background loop per base).
 On stop (SIGTERM) the current task is finished (or released after grace_s), then the subscriptions
 are closed and the connection drained. Every heartbeat.INTERVAL_S a background task writes the
 actor's heartbeat (state, job, policy version, tokens/s, busy fraction) to Redis for `fleetrl top`.
@@ -48,7 +49,10 @@ from fleetrl.runtime.grpcutil import RetryPolicy
 from fleetrl.spec.config import JobSpec
 from fleetrl.tasks import bus
 from fleetrl.tasks.queue import Delivery, JobQueue, Produce, parse, parsed_count
-from fleetrl.weights.store import WeightStore
+from fleetrl.tasks.samples import SampleQueue
+from fleetrl.tinker.fleet import ActorSampling
+from fleetrl.weights import factory
+from fleetrl.weights.channel import WeightChannel
 
 log = logging.getLogger(__name__)
 
@@ -104,11 +108,11 @@ class Actor:
             start_http_server(s.metrics_port)
         await self._preload()
         async with AsyncExitStack() as stack:
-            nc = await bus.connect(s.nats_url, f"actor-{s.actor_id}")
+            nc = await bus.connect(s.nats_url, f"actor-{s.actor_id}", tls_ca_file=s.tls_ca_file)
             stack.push_async_callback(self._drain, nc)
             js = bus.jetstream(nc)
             await bus.ensure_streams(js)
-            store = JobStore.from_url(s.redis_url)
+            store = JobStore.from_url(s.redis_url, tls_ca_file=s.tls_ca_file)
             stack.push_async_callback(store.close)
             replay = ReplayClient(s.replay_addr, timeout_s=s.replay_timeout_s, retry=rpc_retry(s))
             stack.push_async_callback(replay.close)
@@ -117,10 +121,11 @@ class Actor:
             stack.push_async_callback(reward.close)
             stack.push_async_callback(self._close_jobs)
             rollout = Rollout(s, replay, reward, self.activity, episodes=reward)
-            weights = WeightStore(nc, js)
+            weights = WeightChannel(factory.transport(s.weights_dir, nc, js))
             stack.push_async_callback(self._clear_beat, store)
             beats = asyncio.create_task(self._beat_loop(store, self.activity))
             stack.callback(beats.cancel)
+            await self._serve_tinker_samples(js, weights, stop, stack)
             log.info("actor %s serving (backend %s on %s)", s.actor_id, s.backend, s.device)
             while not stop.is_set():
                 try:
@@ -132,10 +137,29 @@ class Actor:
                         await asyncio.wait_for(stop.wait(), s.poll_interval_s if not self.jobs else 0.05)
         log.info("actor %s stopped", s.actor_id)
 
+    async def _serve_tinker_samples(self, js: JetStreamContext, weights: WeightChannel, stop: asyncio.Event,
+                                    stack: AsyncExitStack) -> None:
+        """Serve the Tinker API's sample requests of each of `tinker_models` in the background, until stop."""
+        s = self.settings
+        if not s.tinker_models:
+            return
+        await bus.ensure_sample_streams(js)
+        sampling = ActorSampling(weights, s.tinker_adapters_cached, dtype=s.dtype, device=s.device)
+        stack.push_async_callback(sampling.close)  # after every base's loop has finished
+        for model in s.tinker_models:
+            await bus.ensure_sample_consumer(js, model, ack_wait_s=s.tinker_sample_ack_wait_s,
+                                             max_deliver=s.tinker_sample_max_deliver)
+            sub = await js.pull_subscribe_bind(durable=bus.sample_consumer(model), stream=bus.SAMPLES_STREAM)
+            queue = SampleQueue(model, js, sub, s.tinker_sample_ack_wait_s, s.actor_id)
+            stack.push_async_callback(queue.close)  # after the loop has finished (the stack unwinds in reverse)
+            serving = asyncio.create_task(sampling.run(queue, stop), name=f"tinker-samples-{model}")
+            stack.push_async_callback(_finished, serving, s.grace_s)
+
     async def _preload(self) -> None:
-        """Load the `preload_models` bases now, each held for the actor's life and committed in its budget."""
-        for model in self.settings.preload_models:
-            if not preloadable(model, self.settings):
+        """Load the `preload_models` bases and the `tinker_models` ones now, each held for the actor's life and
+        committed in its budget (a Tinker sampler is an adapter on its base: `fleetrl.tinker.fleet`)."""
+        for model in dict.fromkeys([*self.settings.preload_models, *self.settings.tinker_models]):
+            if model not in self.settings.tinker_models and not preloadable(model, self.settings):
                 log.warning("preload_models: %s is not preloaded (its LoRA jobs would not run on a shared hf base "
                             "here: backend %s, share_lora_base %s)", model, self.settings.backend,
                             self.settings.share_lora_base)
@@ -190,7 +214,7 @@ class Actor:
             await step
         return {}
 
-    async def _refresh_jobs(self, store: JobStore, js: JetStreamContext, weights: WeightStore,
+    async def _refresh_jobs(self, store: JobStore, js: JetStreamContext, weights: WeightChannel,
                             rollout: Rollout) -> None:
         """Every poll_interval_s: start serving new running jobs, drop those that stopped."""
         if time.monotonic() < self._next_refresh:
@@ -246,7 +270,7 @@ class Actor:
         await self._close_job(self.jobs.pop(job_id))
 
     async def _open_job(self, record: JobRecord, store: JobStore, js: JetStreamContext,
-                        weights: WeightStore) -> ServedJob:
+                        weights: WeightChannel) -> ServedJob:
         s, spec = self.settings, record.spec
         _, reward_file = await store.files(record.job_id)
         environment_file = await store.environment_file(record.job_id) if spec.environment is not None else None
@@ -300,6 +324,16 @@ class Actor:
     async def _drain(nc: NATS) -> None:
         with contextlib.suppress(Exception):
             await asyncio.wait_for(nc.drain(), bus.REQUEST_TIMEOUT_S)
+
+
+async def _finished(task: asyncio.Task[None], grace_s: float) -> None:
+    """Wait up to grace_s for a background loop that saw stop to end (its request served), then cancel it
+    (its request is released); its failure is raised here."""
+    with contextlib.suppress(TimeoutError):
+        await asyncio.wait_for(asyncio.shield(task), grace_s)
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
 
 
 def job_reward_spec(spec: JobSpec, reward_file: bytes | None) -> reward_pb2.RewardSpec | None:

@@ -22,6 +22,7 @@ from fleetrl.runtime import heartbeat
 from fleetrl.services.gateway.service import event_payload
 from fleetrl.tasks import bus
 from fleetrl.tasks.ledger import Accounting, Ledger
+from fleetrl.weights.transport import Transport
 
 log = logging.getLogger(__name__)
 
@@ -44,14 +45,15 @@ class JetStreamPurger:
 
 
 class StoreDeleter:
-    """Deletes a job's data from Redis, NATS and the run directory (`fleetrl.jobs.retention`)."""
+    """Deletes a job's data from Redis, NATS, the run directory and its weights' transport
+    (`fleetrl.jobs.retention`)."""
 
-    def __init__(self, redis: aioredis.Redis, js: JetStreamContext, run_dir: Path) -> None:
-        self.redis, self.js, self.run_dir = redis, js, run_dir
+    def __init__(self, redis: aioredis.Redis, js: JetStreamContext, run_dir: Path, weights: Transport) -> None:
+        self.redis, self.js, self.run_dir, self.weights = redis, js, run_dir, weights
 
     async def delete(self, job_id: str) -> retention.Footprint:
         try:
-            return await retention.delete(self.redis, self.js, self.run_dir, job_id)
+            return await retention.delete(self.redis, self.js, self.run_dir, self.weights, job_id)
         except (*bus.NATS_UNREACHABLE, *REDIS_UNREACHABLE) as error:
             raise Unavailable(f"cannot delete job {job_id} now: {error!r}; delete it again to finish") from error
 

@@ -35,6 +35,7 @@ from fleetrl.services.gateway.config import GatewaySettings
 from fleetrl.services.gateway.service import Gateway
 from fleetrl.spec.config import read_bytes
 from fleetrl.tasks import bus
+from fleetrl.weights import factory
 
 log = logging.getLogger(__name__)
 RETENTION_CHECK_S = 60.0
@@ -199,9 +200,9 @@ async def serve(settings: GatewaySettings, stop: asyncio.Event,
     telemetry.setup_tracing("gateway", settings.run_dir)
     serve_metrics(settings.metrics_port)
     async with contextlib.AsyncExitStack() as stack:
-        store = JobStore.from_url(settings.redis_url)
+        store = JobStore.from_url(settings.redis_url, tls_ca_file=settings.tls_ca_file)
         stack.push_async_callback(store.close)
-        nc = await bus.connect(settings.nats_url, "gateway")
+        nc = await bus.connect(settings.nats_url, "gateway", tls_ca_file=settings.tls_ca_file)
         stack.push_async_callback(nc.drain)
         js = bus.jetstream(nc)
         await bus.ensure_streams(js)
@@ -211,7 +212,8 @@ async def serve(settings: GatewaySettings, stop: asyncio.Event,
             store, reward,
             JetStreamPurger(js), JetStreamEvents(js), FleetProbe(store.redis, js),
             Limits(int(settings.max_prompts_mb * 1024 * 1024), int(settings.max_reward_file_kb * 1024)),
-            Admission.of(settings), deleter=StoreDeleter(store.redis, js, settings.run_dir),
+            Admission.of(settings),
+            deleter=StoreDeleter(store.redis, js, settings.run_dir, factory.transport(settings.weights_dir, nc, js)),
             poll_s=settings.watch_poll_s, chunk_bytes=settings.download_chunk_kb * 1024,
         )
         backlog = asyncio.create_task(backlog_loop(gateway))

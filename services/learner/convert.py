@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from fleetrl.proto.fleetrl.v1 import learner_pb2
-from fleetrl.train.status import StatusBoard, StepRecord
+from fleetrl.train.status import JobStatus, StepRecord
 
 
 def step_to_proto(record: StepRecord) -> learner_pb2.StepMetrics:
@@ -11,7 +11,7 @@ def step_to_proto(record: StepRecord) -> learner_pb2.StepMetrics:
                                    values=record.values, unix_ms=record.unix_ms)
 
 
-def status_to_proto(board: StatusBoard) -> learner_pb2.LearnerStatus:
+def status_to_proto(board: JobStatus) -> learner_pb2.LearnerStatus:
     status = learner_pb2.LearnerStatus(
         job_id=board.job_id, learner_id=board.learner_id, step=board.step,
         policy_version=board.policy_version, checkpoint_step=board.checkpoint_step, phase=board.phase,

@@ -34,6 +34,9 @@ def backend_for(settings: LearnerSettings) -> str:
 def main(settings: LearnerSettings, once: bool,
          run: Callable[[LearnerSettings, bool], Coroutine[Any, Any, None]]) -> int:
     """Join the process group; rank 0 serves (then tells the followers to exit), others follow."""
+    if settings.max_jobs > 1:
+        raise ValueError(f"max_jobs={settings.max_jobs}: a learner under torchrun trains one job at a time (its "
+                         "ranks follow one job); set max_jobs to 1")
     dist.init_process_group(backend_for(settings), timeout=datetime.timedelta(days=1))
     rank = dist.get_rank()
     log.info("rank %d of %d (%s): %s", rank, dist.get_world_size(), dist.get_backend(),

@@ -5,8 +5,8 @@
 - `convert`: request validation and proto <-> domain conversion.
 - `config`: `ReplaySettings` (environment prefix FLEETRL_REPLAY_); `__main__` the entry point.
 
-Durability is Redis's: with `appendonly yes` + `appendfsync always` an acknowledged
-insert survives a kill -9 of Redis; with `everysec` up to about the last second
-(at most ~2 s) of acknowledged writes can be lost; with AOF off everything since
-the last RDB snapshot. The service itself holds no state, so killing it loses nothing.
+Durability: an Insert is answered only once Redis has fsynced it to its AOF (`WAITAOF`,
+`insert_fsync_timeout_s`), so a kill -9 of Redis or of the machine loses no acknowledged group under
+`appendfsync always` or `everysec`; other writes are as durable as the policy (docs/guarantees.md).
+The service itself holds no state, so killing it loses nothing.
 """

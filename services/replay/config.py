@@ -31,6 +31,13 @@ class ReplaySettings(InfraSettings):
     max_lineage_records: int = Field(1_000_000, ge=1, le=100_000_000)
     """Lineage records kept per job for Query (also after consumption); the lowest
     policy versions are trimmed first."""
+    insert_fsync_timeout_s: float = Field(2.0, ge=0, le=60)
+    """An Insert is answered only once Redis has fsynced its groups to the AOF (`WAITAOF 1 0`, group
+    commit: under `appendfsync everysec` within about a second), so a crash of Redis loses no acknowledged
+    group; past this many seconds it is answered UNAVAILABLE (the actor retries; the retry is answered
+    duplicate once the groups are on disk). 0: answered once Redis applied them, as durable as its
+    appendfsync (docs/guarantees.md). Needs `appendonly yes` and Redis >= 7.2 or Valkey; without them the
+    service warns at start and answers once applied."""
     check_maxmemory_policy: bool = True
     """Refuse to start against a Redis whose maxmemory-policy may evict keys silently."""
     grace_s: float = Field(5.0, ge=0, le=600)

@@ -17,13 +17,12 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 import grpc
-import redis.asyncio as aioredis
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from fleetrl.errors import ResourceExhausted
 from fleetrl.proto.fleetrl.v1 import replay_pb2, replay_pb2_grpc
 from fleetrl.replay.table import ReplayTables
-from fleetrl.runtime import telemetry
+from fleetrl.runtime import redisutil, telemetry
 from fleetrl.runtime.grpcutil import map_errors, start_server, stop_server
 from fleetrl.runtime.observe import ObservingInterceptor, serve_metrics
 from fleetrl.services.replay import convert
@@ -192,13 +191,14 @@ async def refresh_sizes(tables: ReplayTables, metrics: Metrics) -> None:
 async def running(settings: ReplaySettings) -> AsyncIterator[Running]:
     """Run the service until the context exits (then stop gracefully)."""
     async with contextlib.AsyncExitStack() as stack:
-        client = aioredis.Redis.from_url(settings.redis_url, health_check_interval=10, socket_timeout=30,
-                                         retry_on_timeout=False)
+        client = redisutil.client(settings.redis_url, tls_ca_file=settings.tls_ca_file, health_check_interval=10,
+                                  socket_timeout=30, retry_on_timeout=False)
         stack.push_async_callback(client.aclose)
         tables = ReplayTables(client, max_lineage_records=settings.max_lineage_records,
-                              poll_interval_s=settings.poll_interval_s)
+                              poll_interval_s=settings.poll_interval_s, fsync_timeout_s=settings.insert_fsync_timeout_s)
         if settings.check_maxmemory_policy:
             await tables.check_redis()
+        await tables.check_fsync()
         telemetry.setup_tracing("replay", settings.run_dir)
         metrics = Metrics()
         serve_metrics(settings.metrics_port, metrics.registry)

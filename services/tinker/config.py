@@ -7,6 +7,8 @@ Auth is closed by default: no tokens and `open_mode = false` refuses to start.
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import Field
 
 from fleetrl.policy.models import ModelAllowList
@@ -49,5 +51,16 @@ class TinkerSettings(InfraSettings, TokenSettings, ModelAllowList):
     """torch intra-op threads, set with torch.set_num_threads at start (0: torch's default, one per
     core). On a machine shared with other work, 1 avoids OpenMP's spinning threads fighting for the
     cores (a SmolLM2 forward of 40 tokens: 0.3 s with 1 thread, 4-8 s with 2 on 2 busy cores)."""
+    sampling: Literal["local", "fleet"] = "local"
+    """Where `sample` and `compute_logprobs` run. "local": in this process, one sampler per base model.
+    "fleet": on the fleet's actors (those with the base among their `tinker_models`), through NATS
+    (`nats_url`): each sampler version's adapter is published to the weight store and each request is
+    served by any such actor, redelivered to another when its actor dies."""
+    sample_timeout_s: float = Field(300.0, gt=0, le=3600)
+    """With sampling = "fleet": a sample request not answered by an actor within this many seconds fails
+    (the SDK's RequestFailedError), and an actor that receives it later drops it unserved."""
+    sampler_versions_kept: int = Field(8, ge=1, le=1000)
+    """With sampling = "fleet": the newest sampler versions the weight store keeps of each training run (and
+    of each checkpoint loaded by path); a sampling client on an older one gets an error naming it."""
     grace_s: float = Field(5.0, ge=0, le=600)
     """Seconds in-flight HTTP requests may finish after SIGTERM."""

@@ -10,7 +10,11 @@ Auth: the SDK sends its API key as `X-API-Key`; the key is a tenant token of `fl
 (the gateway's). Only `/api/v1/healthz` is open.
 
 Every call is a server span and is counted in `fleetrl_tinker_http_seconds{route, status}` (`observed`
-middleware); each request's work is a span under it (`fleetrl.tinker.requests`).
+middleware); each request's work is a span under it (`fleetrl.tinker.requests`). The metrics port also
+serves the operator's per-tenant gauges (`metrics.TenantGauges`: sessions, runs, requests, against the quotas).
+
+With `sampling = "fleet"`, `serve` also connects to NATS and wires `FleetSampling` (samples served by the
+fleet's actors; `fleetrl.tinker.fleet`).
 
 Errors are mapped once (`errors` middleware): a bad request is 400 with the field's name (the SDK's
 BadRequestError), an unknown or another tenant's id 404 (NotFoundError), a bad key 401
@@ -23,14 +27,17 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import json
 import logging
 import time
+import uuid
 from collections.abc import Awaitable, Callable
 from typing import Any
 
 import grpc
 from aiohttp import web
+from nats.aio.client import Client as NATS
 from opentelemetry import trace
 from prometheus_client import Histogram
 
@@ -49,9 +56,16 @@ from fleetrl.runtime.observe import LATENCY_BUCKETS_S, serve_metrics
 from fleetrl.runtime.tokens import TokenTable, auth_table
 from fleetrl.services.tinker import convert
 from fleetrl.services.tinker.config import TinkerSettings
+from fleetrl.services.tinker.metrics import TenantGauges, registry
+from fleetrl.spec.config import redacted
+from fleetrl.tasks import bus
+from fleetrl.tasks.samples import SampleRequester
+from fleetrl.tinker.fleet import FleetSampling
 from fleetrl.tinker.requests import Request, RequestLog
 from fleetrl.tinker.service import Limits, TinkerService
 from fleetrl.tinker.types import ForwardResult, SampleResult
+from fleetrl.weights import factory
+from fleetrl.weights.channel import WeightChannel
 
 log = logging.getLogger("fleetrl.tinker")
 
@@ -305,11 +319,38 @@ def limits_of(settings: TinkerSettings) -> Limits:
 async def serve(settings: TinkerSettings, stop: asyncio.Event,
                 on_start: Callable[[int], None] | None = None) -> None:
     """Serve the Tinker API until stop is set; on_start gets the bound port."""
+    async with contextlib.AsyncExitStack() as stack:
+        fleet = await fleet_sampling(settings, stack) if settings.sampling == "fleet" else None
+        await _serve(settings, stop, on_start, fleet)
+
+
+async def fleet_sampling(settings: TinkerSettings, stack: contextlib.AsyncExitStack) -> FleetSampling:
+    """Samples on the fleet's actors: a NATS connection, the sample streams, this process's results subject."""
+    nc = await bus.connect(settings.nats_url, "tinker", tls_ca_file=settings.tls_ca_file)
+    stack.push_async_callback(_drain, nc)
+    js = bus.jetstream(nc)
+    await bus.ensure_sample_streams(js)
+    requester = SampleRequester(js, f"tinker-{uuid.uuid4().hex[:16]}")
+    await requester.start()
+    stack.push_async_callback(requester.close)
+    log.info("samples are served by the fleet's actors (NATS %s)", redacted(settings.nats_url))
+    weights = WeightChannel(factory.transport(settings.weights_dir, nc, js))
+    return FleetSampling(weights, requester, asyncio.get_running_loop(),
+                         keep=settings.sampler_versions_kept, timeout_s=settings.sample_timeout_s)
+
+
+async def _drain(nc: NATS) -> None:
+    with contextlib.suppress(Exception):
+        await asyncio.wait_for(nc.drain(), bus.REQUEST_TIMEOUT_S)
+
+
+async def _serve(settings: TinkerSettings, stop: asyncio.Event, on_start: Callable[[int], None] | None,
+                 fleet: FleetSampling | None) -> None:
     table = auth_table(settings, "tinker", log)
     executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tinker-work")
-    service = TinkerService(limits_of(settings), RequestLog(executor, settings.keep_requests_per_scope))
+    service = TinkerService(limits_of(settings), RequestLog(executor, settings.keep_requests_per_scope), fleet)
     telemetry.setup_tracing("tinker", settings.run_dir)
-    serve_metrics(settings.metrics_port)
+    metrics = serve_metrics(settings.metrics_port, registry(TenantGauges(service, table.tenants())))
     app = web.Application(middlewares=[observed, errors, authenticate(table)],
                           client_max_size=int(settings.max_request_mb * 1024 * 1024))
     app.add_routes(Routes(service, settings.poll_s).table())
@@ -332,4 +373,7 @@ async def serve(settings: TinkerSettings, stop: asyncio.Event,
         reaper.cancel()
     finally:
         await runner.cleanup()
+        if metrics is not None:
+            metrics.shutdown()
+            metrics.server_close()
         executor.shutdown(wait=False, cancel_futures=True)

@@ -95,6 +95,26 @@ def test_settings_precedence(tmp_path: Path) -> None:
     assert settings.log_level == "ERROR"
 
 
+def test_credentials_files_go_into_the_urls(tmp_path: Path) -> None:
+    """A mounted secret's user and password end up in the URLs (every NATS server of a list, replacing any
+    login there; Redis's default user as `:password@`); a missing or malformed file names its setting."""
+    (tmp_path / "nats").write_text("fleetrl\npa/ss\n")
+    (tmp_path / "redis").write_text("default\nsecret\n")
+    env = {"FLEETRL_X_NATS_URL": "nats://old:login@a:1,nats://b:2",
+           "FLEETRL_X_NATS_CREDENTIALS_FILE": str(tmp_path / "nats"),
+           "FLEETRL_X_REDIS_CREDENTIALS_FILE": str(tmp_path / "redis")}
+    settings = load_settings(InfraSettings, env_prefix="FLEETRL_X_", environ=env)
+    assert settings.nats_url == "nats://fleetrl:pa%2Fss@a:1,nats://fleetrl:pa%2Fss@b:2"
+    assert settings.redis_url == "redis://:secret@127.0.0.1:6379/0"
+    with pytest.raises(ConfigError, match=r"redis_credentials_file .*missing: No such file"):
+        load_settings(InfraSettings, env_prefix="FLEETRL_X_", environ={
+            "FLEETRL_X_REDIS_CREDENTIALS_FILE": str(tmp_path / "missing")})
+    (tmp_path / "bad").write_text("only-a-user\n")
+    with pytest.raises(ConfigError, match=r"nats_credentials_file: .*a password on the second"):
+        load_settings(InfraSettings, env_prefix="FLEETRL_X_", environ={
+            "FLEETRL_X_NATS_CREDENTIALS_FILE": str(tmp_path / "bad")})
+
+
 def test_bad_setting_names_the_field() -> None:
     with pytest.raises(ConfigError, match="metrics_port"):
         load_settings(InfraSettings, env_prefix="FLEETRL_X_", overrides=["metrics_port=70000"], environ={})

@@ -18,10 +18,11 @@ import torch
 from nats.aio.client import Client as NATS
 from nats.js.object_store import ObjectStore
 
+from fleetrl.errors import WeightsCorrupt
 from fleetrl.policy import models
 from fleetrl.tasks import bus
 from fleetrl.weights.publish import WeightPublisher
-from fleetrl.weights.store import HeldWeights, WeightsCorrupt, WeightStore, encode_safetensors
+from fleetrl.weights.store import HeldWeights, WeightStore, encode_safetensors
 from tests.conftest import TinyModel
 
 JOB = "job-chain"

@@ -12,13 +12,14 @@ import pytest
 import torch
 from nats.aio.client import Client as NATS
 from nats.js.object_store import ObjectStore
+from prometheus_client import REGISTRY
 
-from fleetrl.errors import DeadlineExceeded, FailedPrecondition, Fenced, NotFound
+from fleetrl.errors import DeadlineExceeded, FailedPrecondition, Fenced, NotFound, WeightsCorrupt
 from fleetrl.launcher.embedded import EmbeddedNats
 from fleetrl.tasks import bus
-from fleetrl.weights import store as weights
+from fleetrl.weights import jetstream as weights
 from fleetrl.weights.chunk_reader import ChunkReader
-from fleetrl.weights.store import WeightPointer, WeightsCorrupt, WeightStore, decode_safetensors, encode_safetensors
+from fleetrl.weights.store import WeightPointer, WeightStore, decode_safetensors, encode_safetensors
 
 JOB = "job-w"
 
@@ -223,6 +224,56 @@ async def test_pruning_leaves_no_markers_and_the_server_does_not_grow(
     print(f"nats-server grew {grown:.0f} MB over 35 publishes of a 4 MB object, each pruning one")
     assert state.messages == 2 * (chunks + 1)  # two objects: their chunks and one metadata message each
     assert grown < 60  # with the deleted markers: about 190 MB
+
+
+async def chunk_subjects(nc: NATS) -> dict[str, int]:
+    """The job's chunk subjects in its bucket's stream, and the chunks on each."""
+    bucket = bus.weights_bucket(JOB)
+    info = await bus.jetstream(nc).stream_info(f"OBJ_{bucket}", subjects_filter=f"$O.{bucket}.C.>")
+    return dict(info.state.subjects or {})
+
+
+async def write_killed_half_way(nc: NATS, chunks: int) -> str:
+    """What a learner killed in the middle of a write leaves: chunks under a fresh nuid, no ObjectInfo."""
+    subject = f"$O.{bus.weights_bucket(JOB)}.C.{nc._nuid.next().decode()}"
+    for _ in range(chunks):
+        await bus.jetstream(nc).publish(subject, os.urandom(weights.CHUNK_BYTES))
+    return subject
+
+
+def purged_counted() -> float:
+    return REGISTRY.get_sample_value("fleetrl_learner_stray_weight_chunks_purged_total", {"job": JOB}) or 0.0
+
+
+async def test_the_sweep_purges_the_chunks_no_object_names_and_keeps_the_objects(store: WeightStore,
+                                                                                 nc: NATS) -> None:
+    payload = os.urandom(3 * 1024 * 1024 + 5)
+    pointer = await store.publish(JOB, 0, payload, "bfloat16")
+    stray = await write_killed_half_way(nc, 3)
+    stream = f"OBJ_{bus.weights_bucket(JOB)}"
+    before = (await bus.jetstream(nc).stream_info(stream)).state.bytes
+    counted = purged_counted()
+    purged = await WeightStore(nc, bus.jetstream(nc)).sweep_stray_chunks(JOB)  # a new learner's: it knows nothing
+    after = (await bus.jetstream(nc).stream_info(stream)).state.bytes
+    left = await chunk_subjects(nc)
+    v0 = await (await object_store(nc)).get_info("v0")
+    assert purged == 3 and purged_counted() - counted == 3
+    assert left == {f"$O.{v0.bucket}.C.{v0.nuid}": 4} and stray not in left, left
+    assert before - after >= 3 * weights.CHUNK_BYTES, (before, after)
+    assert await store.pull(JOB, pointer) == payload  # byte-exact, digest checked
+    assert await store.sweep_stray_chunks(JOB) == 0
+
+
+async def test_a_publish_after_a_learner_killed_mid_write_leaves_no_stray_chunks(nc: NATS) -> None:
+    """The learner that wrote half an object died; the next one to publish the job's weights purges its chunks
+    (before, a failed write's chunks were remembered in the memory of the process that failed, and purged only
+    by its next write)."""
+    await WeightStore(nc, bus.jetstream(nc)).publish(JOB, 0, os.urandom(1000), "bfloat16")
+    stray = await write_killed_half_way(nc, 2)
+    pointer = await WeightStore(nc, bus.jetstream(nc)).publish(JOB, 1, os.urandom(1000), "bfloat16")
+    infos = await (await object_store(nc)).list(ignore_deletes=True)
+    assert set(await chunk_subjects(nc)) == {f"$O.{i.bucket}.C.{i.nuid}" for i in infos}, stray
+    assert pointer.version == 1
 
 
 async def test_watch_yields_increasing_versions(store: WeightStore) -> None:

@@ -12,6 +12,7 @@ gateway's backlog gauge where the gateway serves it.
 from __future__ import annotations
 
 import copy
+import json
 import os
 from pathlib import Path
 from typing import Any
@@ -21,6 +22,7 @@ import pytest
 import yaml
 from k8s_objects import K8S, NEEDS_KUBECTL, find, problems, render
 
+from fleetrl.launcher import credentials
 from fleetrl.launcher.configdoc import SERVICES
 from fleetrl.launcher.main import ROUTES
 from fleetrl.services.gateway.server import TASK_BACKLOG
@@ -57,14 +59,30 @@ def pod_specs(objects: list[dict[str, Any]]) -> list[tuple[dict[str, Any], dict[
 
 def fleetrl_containers(objects: list[dict[str, Any]]) -> list[tuple[str, dict[str, Any]]]:
     """(service, container) of every container running the fleetrl image."""
+    return [(service, container) for service, container, _ in fleetrl_pods(objects)]
+
+
+def fleetrl_pods(objects: list[dict[str, Any]]) -> list[tuple[str, dict[str, Any], dict[str, Any]]]:
+    """(service, container, pod spec) of every container running the fleetrl image."""
     out = []
     for _, spec in pod_specs(objects):
         for container in spec["containers"]:
             if container["image"].split(":")[0].endswith("fleetrl"):
                 args = container.get("args", [])
                 service = args[args.index("fleetrl") + 1] if "command" in container else args[0]
-                out.append((service, container))
+                out.append((service, container, spec))
     return out
+
+
+def secret_file(container: dict[str, Any], spec: dict[str, Any], path: str) -> str:
+    """The key of the Secret fleetrl-infra that a container reads at path (a mounted item of it)."""
+    volumes = {v["name"]: v for v in spec.get("volumes", [])}
+    for mount in container.get("volumeMounts", []):
+        secret = volumes[mount["name"]].get("secret", {})
+        if secret.get("secretName") == "fleetrl-infra" and path.startswith(mount["mountPath"] + "/"):
+            items = {item["path"]: item["key"] for item in secret["items"]}
+            return items[path[len(mount["mountPath"]) + 1:]]
+    raise AssertionError(f"{path} is no item of a mounted fleetrl-infra secret")
 
 
 @pytest.mark.parametrize("overlay", [*OVERLAYS, "all-components"])
@@ -115,10 +133,13 @@ def test_schema_check_refuses_what_the_api_server_would(rendered: dict[str, list
 
 @pytest.mark.parametrize("overlay", [*OVERLAYS, "all-components"])
 def test_containers_run_real_entry_points_with_real_settings(rendered: dict[str, list[dict[str, Any]]],
-                                                             overlay: str) -> None:
-    containers = fleetrl_containers(rendered[overlay])
-    assert {service for service, _ in containers} == set(SETTINGS)
-    for service, container in containers:
+                                                             overlay: str, tmp_path: Path) -> None:
+    """... and every service that talks to NATS or Redis logs in with the Secret fleetrl-infra's files (as
+    `fleetrl secrets --kubernetes` makes them); the reward service, which runs user code, mounts none."""
+    containers = fleetrl_pods(rendered[overlay])
+    assert {service for service, _, _ in containers} == set(SETTINGS)
+    made = json.loads(credentials.kubernetes_secret("fleetrl-infra"))["stringData"]
+    for service, container, spec in containers:
         if "command" in container:  # torchrun running the same entry point: `torchrun --no-python fleetrl learner`
             assert container["command"] == ["torchrun"] and container["args"][0] == "--no-python", container
         module, keeps_name, _ = ROUTES[service]
@@ -135,6 +156,16 @@ def test_containers_run_real_entry_points_with_real_settings(rendered: dict[str,
             field = name[len(prefix):].lower().split("__")[0]
             assert field in cls.model_fields, f"{name} is not a setting of {service}"
             values[name] = variable["value"]
+            if field.endswith("_credentials_file"):  # the Secret's item, as the pod mounts it, here
+                key = secret_file(container, spec, variable["value"])
+                assert key == field.removesuffix("_credentials_file"), name
+                values[name] = str(tmp_path / key)
+                (tmp_path / key).write_text(made[key])
+        for server in ("nats", "redis"):
+            if f"{prefix}{server.upper()}_URL" in values:
+                assert f"{prefix}{server.upper()}_CREDENTIALS_FILE" in values, f"{service} does not log in to {server}"
+        if service in ("reward", "tinker"):
+            assert not any(v.get("secret", {}).get("secretName") == "fleetrl-infra" for v in spec.get("volumes", []))
         settings = load_settings(cls, env_prefix=prefix, environ=values)  # the values validate too
         if service in GRPC_SERVICES:
             assert settings.listen.startswith("0.0.0.0:"), f"{service} must listen on every interface"

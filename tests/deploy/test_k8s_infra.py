@@ -23,13 +23,18 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
+import nats
+import nats.errors
+import pytest
 import redis
+import redis.exceptions
 from k8s_objects import K8S, NEEDS_KUBECTL, find, render
 
 from fleetrl.jobs.store import JobStore
+from fleetrl.launcher.credentials import Credentials, server_files
 from fleetrl.launcher.embedded import free_port, nats_server_binary, valkey_server_binary, wait_for_port
 from fleetrl.replay.table import SAFE_POLICIES
-from fleetrl.spec.config import JobSpec
+from fleetrl.spec.config import JobSpec, with_credentials
 from fleetrl.tasks import bus
 
 SPEC = JobSpec.model_validate({"prompts": "p.jsonl", "reward": {"builtin": "numeric_match"}})
@@ -63,13 +68,31 @@ def get(url: str, timeout_s: float = 20.0) -> dict[str, Any]:
             time.sleep(0.1)
 
 
+SECRET = server_files(Credentials("fleetrl", "nats-password"), Credentials("default", "redis-password"))
+"""The Secret fleetrl-infra's files, as `fleetrl secrets --kubernetes` makes them (known passwords here)."""
+
+
+def mount_here(pod_spec: dict[str, Any], container: dict[str, Any], root: Path) -> dict[str, Path]:
+    """Each volume mount of container as a directory under root at its mount path (so relative includes
+    between mounts resolve as in the pod); a fleetrl-infra secret's items written into theirs."""
+    volumes = {v["name"]: v for v in pod_spec.get("volumes", [])}
+    local = {}
+    for mount in container["volumeMounts"]:
+        local[mount["name"]] = root / mount["mountPath"].lstrip("/")
+        local[mount["name"]].mkdir(parents=True)
+        secret = volumes.get(mount["name"], {}).get("secret", {})
+        if secret.get("secretName") == "fleetrl-infra":
+            for item in secret["items"]:
+                (local[mount["name"]] / item["path"]).write_text(SECRET[item["key"]])
+    return local
+
+
 def nats_command(objects: list[dict[str, Any]], pod: int, tmp: Path, ports: dict[str, list[int]]) -> list[str]:
     """The rendered nats container's command for pod `nats-<pod>`, on local ports and directories."""
-    container = find(objects, "StatefulSet", "nats")["spec"]["template"]["spec"]["containers"][0]
+    spec = find(objects, "StatefulSet", "nats")["spec"]["template"]["spec"]
+    container = spec["containers"][0]
     mounts = {m["name"]: m["mountPath"] for m in container["volumeMounts"]}
-    local = {name: tmp / f"{name}{pod}" for name in mounts}
-    for directory in local.values():
-        directory.mkdir()
+    local = mount_here(spec, container, tmp / f"nats-{pod}")
     conf = find(objects, "ConfigMap", "nats-config")["data"]["nats.conf"]
     (local["config"] / "nats.conf").write_text(conf.replace(f"store_dir: {mounts['data']}\n",
                                                             f'store_dir: "{local["data"]}"\n'))
@@ -89,7 +112,8 @@ def local_ports(servers: int) -> dict[str, list[int]]:
     return {kind: [free_port() for _ in range(servers)] for kind in ("client", "monitor", "cluster")}
 
 
-def test_one_nats_server_answers_its_probes(tmp_path: Path) -> None:
+async def test_one_nats_server_answers_its_probes_and_only_clients_with_the_secret(tmp_path: Path) -> None:
+    """The probes need no login; a client does, with the user and password of the Secret's `nats` file."""
     objects = render(K8S / "overlays" / "cpu")
     container = find(objects, "StatefulSet", "nats")["spec"]["template"]["spec"]["containers"][0]
     conf = find(objects, "ConfigMap", "nats-config")["data"]["nats.conf"]
@@ -101,6 +125,12 @@ def test_one_nats_server_answers_its_probes(tmp_path: Path) -> None:
             get(monitor + container[probe]["httpGet"]["path"])
         varz = get(f"{monitor}/varz")
         assert varz["max_payload"] == 8 * 1024 * 1024 and varz["server_name"] == "nats-0"
+        url = f"nats://127.0.0.1:{ports['client'][0]}"
+        with pytest.raises((nats.errors.Error, OSError)):
+            await nats.connect(url, allow_reconnect=False, connect_timeout=5, max_reconnect_attempts=0)
+        user, password = SECRET["nats"].split()
+        client = await nats.connect(with_credentials(url, user, password), allow_reconnect=False, connect_timeout=5)
+        await client.close()
 
 
 async def test_the_gateway_serves_the_backlog_kedas_trigger_reads(tmp_path: Path) -> None:
@@ -181,15 +211,23 @@ def test_ha_nats_servers_form_one_jetstream_cluster(tmp_path: Path) -> None:
             get(f"http://127.0.0.1:{port}/healthz")
 
 
-def test_redis_runs_with_a_policy_replay_accepts(tmp_path: Path) -> None:
+def test_redis_runs_with_a_policy_replay_accepts_for_clients_with_the_secret(tmp_path: Path) -> None:
     objects = render(K8S / "overlays" / "cpu")
-    args = find(objects, "StatefulSet", "redis")["spec"]["template"]["spec"]["containers"][0]["args"]
-    args = [str(tmp_path) if previous == "--dir" else a for previous, a in zip(["", *args[:-1]], args, strict=True)]
+    spec = find(objects, "StatefulSet", "redis")["spec"]["template"]["spec"]
+    container = spec["containers"][0]
+    local = {m["mountPath"]: str(path) for m, path in zip(container["volumeMounts"],
+                                                          mount_here(spec, container, tmp_path).values(), strict=True)}
+    args = [str(tmp_path) if previous == "--dir" else a for previous, a in
+            zip(["", *container["args"][:-1]], container["args"], strict=True)]
+    args = [next((path + a[len(mount):] for mount, path in local.items() if a.startswith(mount + "/")), a)
+            for a in args]
     port = free_port()
     command = [valkey_server_binary(), *args, "--bind", "127.0.0.1", "--port", str(port)]
     with running([command], tmp_path):
         wait_for_port("127.0.0.1", port, 20)
-        client = redis.Redis(port=port, decode_responses=True)
+        with pytest.raises(redis.exceptions.AuthenticationError):
+            redis.Redis(port=port).ping()
+        client = redis.Redis(port=port, password=SECRET["redis"].split()[1], decode_responses=True)
         try:
             config = client.config_get("*")
         finally:

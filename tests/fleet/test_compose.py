@@ -11,7 +11,9 @@ from __future__ import annotations
 import importlib
 import shutil
 import subprocess
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
@@ -39,8 +41,10 @@ def _services_of(path: Path) -> dict[str, dict]:
 
 
 def _fleetrl_services(path: Path) -> dict[str, dict]:
+    """The fleet's services (not the one-shot `secrets`, which runs `fleetrl secrets` before NATS and Redis)."""
     services = yaml.safe_load(path.read_text())["services"]
-    return {name: svc for name, svc in services.items() if svc.get("image", "").startswith("fleetrl")}
+    return {name: svc for name, svc in services.items() if svc.get("image", "").startswith("fleetrl")
+            and name != "secrets"}
 
 
 @pytest.mark.parametrize("compose", ["docker-compose.yml", "docker-compose.gpu.yml"])
@@ -70,15 +74,104 @@ def test_compose_config_validates() -> None:
                    cwd=ROOT, check=True, timeout=60)
 
 
-def test_compose_nats_configuration_is_accepted_by_nats_server() -> None:
-    """The compose NATS service's command and config file, checked by the real nats-server (`-t`)."""
+def mounted(service: dict[str, Any], root: Path, secrets: Path) -> Callable[[str], str]:
+    """A container path of service as a path here: its bind mounts copied under root (so that a config
+    file's relative includes resolve as they do in the container), the `secrets` volume as `secrets`."""
+    places = {}
+    for volume in service.get("volumes", []):
+        source, target = volume.split(":")[:2]
+        if source.startswith("./"):
+            here = root / target.lstrip("/")
+            here.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy(ROOT / source, here)
+            places[target] = here
+        elif source == "secrets":
+            (root / target.lstrip("/")).parent.mkdir(parents=True, exist_ok=True)
+            (root / target.lstrip("/")).symlink_to(secrets)
+            places[target] = root / target.lstrip("/")
+
+    def here(path: str) -> str:
+        for target, place in places.items():
+            if path == target or path.startswith(target + "/"):
+                return str(place) + path[len(target):]
+        return path
+
+    return here
+
+
+def test_compose_nats_configuration_is_accepted_by_nats_server(tmp_path: Path) -> None:
+    """The compose NATS service's command and config file (with the secrets it includes), checked by the
+    real nats-server (`-t`)."""
+    from fleetrl.launcher import credentials
     from fleetrl.launcher.embedded import nats_server_binary
 
+    credentials.write_once(tmp_path / "secrets")
     nats = _services_of(ROOT / "docker-compose.yml")["nats"]
-    command = list(nats["command"])
-    mounted = {v.split(":")[1]: v.split(":")[0] for v in nats["volumes"] if v.startswith("./")}
-    config = command[command.index("-c") + 1]
-    command[command.index("-c") + 1] = str(ROOT / mounted[config])
+    here = mounted(nats, tmp_path / "nats", tmp_path / "secrets")
+    command = [here(part) for part in nats["command"]]
     done = subprocess.run([nats_server_binary(), *command, "-t"], capture_output=True, text=True, timeout=30)
     assert done.returncode == 0, done.stdout + done.stderr
-    assert "max_payload" in (ROOT / mounted[config]).read_text()
+    assert "max_payload" in Path(command[command.index("-c") + 1]).read_text()
+
+
+async def test_compose_nats_and_redis_refuse_a_client_without_the_secrets(tmp_path: Path) -> None:
+    """NATS and Redis as compose runs them (their commands and files, the credentials `fleetrl secrets`
+    wrote), on free ports here: a client without credentials is refused by both; the learner's settings
+    from its compose environment (the credentials files) get in. Every fleetrl service that talks to NATS
+    or Redis is given both files; the reward service, which runs user code, mounts no secrets."""
+    import nats
+    import nats.errors
+    import redis.asyncio as aioredis
+    import redis.exceptions
+
+    from fleetrl.launcher import credentials
+    from fleetrl.launcher.embedded import free_port, nats_server_binary, valkey_server_binary, wait_for_port
+    from fleetrl.train.settings import LearnerSettings
+
+    services = _services_of(ROOT / "docker-compose.yml")
+    assert services["secrets"]["command"] == ["secrets", "/secrets"]
+    for name, svc in _fleetrl_services(ROOT / "docker-compose.yml").items():
+        env = svc.get("environment", {})
+        prefix = f"FLEETRL_{name.upper()}_"
+        for server in ("NATS", "REDIS"):
+            if f"{prefix}{server}_URL" in env:
+                assert env[f"{prefix}{server}_CREDENTIALS_FILE"] == f"/secrets/{server.lower()}", name
+    assert not any(v.startswith("secrets:") for v in services["reward"]["volumes"])
+    assert credentials.write_once(tmp_path / "secrets") and not credentials.write_once(tmp_path / "secrets")  # kept
+
+    nats_port, monitor_port, redis_port = free_port(), free_port(), free_port()
+    here = mounted(services["nats"], tmp_path / "nats", tmp_path / "secrets")
+    nats_cmd = [nats_server_binary(), *[here(p) for p in services["nats"]["command"]], "-p", str(nats_port),
+                "-m", str(monitor_port)]
+    conf = Path(nats_cmd[nats_cmd.index("-c") + 1])  # the copy here: its data volume, /data, as a directory here
+    conf.write_text(conf.read_text().replace("store_dir: /data", f"store_dir: {tmp_path / 'nats-data'}"))
+    here = mounted(services["redis"], tmp_path / "redis", tmp_path / "secrets")
+    redis_cmd = [valkey_server_binary(), *[here(p) for p in services["redis"]["command"][1:]], "--port",
+                 str(redis_port), "--dir", str(tmp_path)]
+    procs = [subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+             for cmd in (nats_cmd, redis_cmd)]
+    try:
+        for port, proc in zip((nats_port, redis_port), procs, strict=True):
+            wait_for_port("127.0.0.1", port, 30, proc)
+        with pytest.raises((nats.errors.Error, OSError)):
+            await nats.connect(f"nats://127.0.0.1:{nats_port}", allow_reconnect=False, connect_timeout=5,
+                               max_reconnect_attempts=0)
+        stranger = aioredis.Redis.from_url(f"redis://127.0.0.1:{redis_port}/0")
+        with pytest.raises(redis.exceptions.AuthenticationError):
+            await stranger.ping()
+        await stranger.aclose()
+
+        env = services["learner"]["environment"]
+        settings = LearnerSettings(
+            nats_url=f"nats://127.0.0.1:{nats_port}", redis_url=f"redis://127.0.0.1:{redis_port}/0",
+            nats_credentials_file=here(env["FLEETRL_LEARNER_NATS_CREDENTIALS_FILE"]),
+            redis_credentials_file=here(env["FLEETRL_LEARNER_REDIS_CREDENTIALS_FILE"]))
+        client = await nats.connect(settings.nats_url, allow_reconnect=False, connect_timeout=5)
+        await client.close()
+        member = aioredis.Redis.from_url(settings.redis_url)
+        assert await member.ping()
+        await member.aclose()
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.wait()

@@ -105,6 +105,12 @@ GOLD_EPISODES: dict[str, list[tuple[str, str, float, bool]]] = {
                      ('<tool_call>{{"name": "calculator", "arguments": {{"expression": "40 + 2"}}}}</tool_call>', "42",
                       0.0, False),
                      ("{answer}", "", 0.5, True)],
+    # the OpenAI Agents SDK's default model (the Responses API) sends the whole conversation back: every call
+    # extends the one before, the tool's output and the feedback its only new messages
+    "openai_agent/agents_sdk_job": [
+        ("I think 0.", "Not quite, try again. Answer with just the number.", 0.0, False),
+        ('<tool_call>{{"name": "calculator", "arguments": {{"expression": "40 + 2"}}}}</tool_call>', "42", 0.0, False),
+        ("{answer}", "", 0.5, True)],
     # smolagents rewrites its history at every step: each call after the first is a new segment
     "openai_agent/smolagents_job": [
         ('<tool_call>{{"name": "final_answer", "arguments": {{"answer": "0"}}}}</tool_call>',

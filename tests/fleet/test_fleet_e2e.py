@@ -38,6 +38,7 @@ from fleetrl.launcher import cores
 from fleetrl.sdk.client import FLAT_PARAMS
 from fleetrl.sdk.records import DeletedInfo
 from fleetrl.tasks import bus
+from fleetrl.weights.jetstream import NatsTransport
 
 pytestmark = pytest.mark.slow
 
@@ -253,7 +254,8 @@ def footprint_of(fleet: FleetUnderTest, job_id: str) -> retention.Footprint:
         redis = aioredis.Redis.from_url(fleet.fleet.infra.valkey.url)  # type: ignore[union-attr]
         nc = await bus.connect(fleet.fleet.infra.nats.url, "footprint")  # type: ignore[union-attr]
         try:
-            return await retention.footprint(redis, bus.jetstream(nc), fleet.run_dir, job_id)
+            js = bus.jetstream(nc)
+            return await retention.footprint(redis, js, fleet.run_dir, NatsTransport(nc, js), job_id)
         finally:
             await nc.close()
             await redis.aclose()

@@ -14,6 +14,8 @@ import redis.asyncio as aioredis
 from fleetrl.errors import FleetError, grpc_code
 from fleetrl.jobs.store import JobState, JobStore
 from fleetrl.sdk.client import Client
+from fleetrl.weights.channel import WeightChannel
+from fleetrl.weights.filesystem import FilesystemTransport
 from tests.gateway.conftest import TOKENS, Infra
 
 PROMPTS = b'{"prompt": "1 + 1?", "answer": "2"}\n'
@@ -56,6 +58,30 @@ def test_retention_deletes_finished_jobs_only(infra: Infra) -> None:
             infra.store(lambda store: _finish(store, queued.job_id))
             held = alice.delete_job(queued.job_id)  # at once, whatever the retention
             assert held.redis_keys >= 2 and keys_of(infra, queued.job_id) == []
+    finally:
+        proc.stop()
+
+
+def test_delete_job_deletes_weights_under_weights_dir(infra: Infra) -> None:
+    """With `weights_dir` set, a job's weights travel as files there (`FilesystemTransport`): what a learner
+    published and an actor pulled is counted with the job's files and deleted by `fleetrl delete`, and another
+    job's weights stay."""
+    weights_dir = infra.tmp / "shared-weights"
+    channel = WeightChannel(FilesystemTransport(weights_dir))
+    payload = b"weights" * 1000
+    proc = infra.gateway("weights-dir", f'weights_dir = "{weights_dir}"').start()
+    try:
+        with Client(proc.address, token=TOKENS["alice"]) as alice:
+            job = alice.submit(SPEC, PROMPTS, spec_format="json")
+            other = alice.submit(SPEC, PROMPTS, spec_format="json")
+            pointers = [asyncio.run(channel.publish(j.job_id, 0, payload, "float32")) for j in (job, other)]
+            assert bytes(asyncio.run(channel.pull(job.job_id, pointers[0]))) == payload
+            infra.store(lambda store: _finish(store, job.job_id))
+            held = alice.delete_job(job.job_id)
+            assert held.disk_files >= 2 and held.disk_bytes >= len(payload), held
+            assert not (weights_dir / job.job_id).exists()
+            assert bytes(asyncio.run(channel.pull(other.job_id, pointers[1]))) == payload
+            assert held.nats_bytes == 0  # nothing of the weights went through NATS
     finally:
         proc.stop()
 

@@ -15,6 +15,9 @@ and each pointer the test saw named an object that exists and whose bytes match 
 
 Cut off before it claims a job, the learner meets the outage in the run's set-up (the job's streams and task
 consumer, the pointer's fence): it keeps the job, paused with the call named, and runs it once NATS answers.
+
+Cut off longer than `store_full_wait_s`, the run stops without failing the job (an outage, not a full store):
+the lease lapses, and a claim resumes the job from its checkpoint once NATS answers.
 """
 
 from __future__ import annotations
@@ -32,12 +35,13 @@ import pytest
 import torch
 from blackhole import Blackhole
 from learner_fleet import create_job, insert_groups, learner_process, replay_service, spec_for
+from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 from test_crash import finish, metrics
 from test_store_full import PPS, STEPS, account, assert_exact, learner_status, until
 
-from fleetrl.jobs.store import JobState, JobStore
+from fleetrl.jobs.store import JobRecord, JobState, JobStore
 from fleetrl.replay.client import ReplayClient
 from fleetrl.tasks import bus
 from fleetrl.weights.publish import WeightPublisher
@@ -85,6 +89,26 @@ class PointerLog:
                 self.bad.append(f"v{pointer.version}: digest differs")
 
 
+async def cut_at_the_next_publish(nc: NATS, proxy: Blackhole, replay: ReplayClient, job: JobRecord) -> float:
+    """Insert the job's remaining groups (after the first 3 steps') and cut the proxy once the first chunk of
+    the next weight version reaches the server (the test's own connection watches the job's object store);
+    the moment of the cut."""
+    cut = asyncio.Event()
+
+    async def on_chunk(msg: Msg) -> None:
+        if not cut.is_set():
+            proxy.cut()
+            cut.set()
+
+    sub = await nc.subscribe(f"$O.{bus.weights_bucket(job.job_id)}.C.>", cb=on_chunk)
+    await nc.flush()
+    await insert_groups(replay, job, STEPS * PPS + 2, skip=3 * PPS)
+    await asyncio.wait_for(cut.wait(), 60)
+    cut_at = time.monotonic()
+    await sub.unsubscribe()
+    return cut_at
+
+
 async def test_the_learner_cut_off_from_nats_mid_publish_waits_it_out_and_goes_on(
         nats_url: str, redis_url: str, tmp_path: Path) -> None:
     host, port = nats_url.removeprefix("nats://").rsplit(":", 1)
@@ -96,7 +120,6 @@ async def test_the_learner_cut_off_from_nats_mid_publish_waits_it_out_and_goes_o
     store = WeightStore(nc, js)
     spec = spec_for(max_steps=STEPS, checkpoint_interval=2)
     run_dir, log = tmp_path / "run", tmp_path / "learner.log"
-    cut = asyncio.Event()
     follower: asyncio.Task[None] | None = None
     try:
         async with replay_service(redis_url) as addr, ReplayClient(addr) as replay:
@@ -107,18 +130,7 @@ async def test_the_learner_cut_off_from_nats_mid_publish_waits_it_out_and_goes_o
             await until("step 3", lambda: len(metrics(run_dir, job.job_id)) >= 3)
             pointers = PointerLog(store, job.job_id)
             follower = asyncio.create_task(pointers.follow(await (await bus.ensure_weights_kv(js)).watch(job.job_id)))
-
-            async def on_chunk(msg: Msg) -> None:
-                if not cut.is_set():
-                    proxy.cut()
-                    cut.set()
-
-            sub = await nc.subscribe(f"$O.{bus.weights_bucket(job.job_id)}.C.>", cb=on_chunk)
-            await nc.flush()
-            await insert_groups(replay, job, STEPS * PPS + 2, skip=3 * PPS)
-            await asyncio.wait_for(cut.wait(), 60)  # v4's first chunk reached the server
-            cut_at = time.monotonic()
-            await sub.unsubscribe()
+            cut_at = await cut_at_the_next_publish(nc, proxy, replay, job)  # v4's first chunk reached the server
             pointer_at_cut = await store.latest(job.job_id)
             noticed_s, status = None, None
             while time.monotonic() - cut_at < CUT_S:
@@ -235,6 +247,60 @@ async def test_a_learner_that_claims_a_job_while_cut_off_from_nats_keeps_it_paus
     assert first_step_s <= 2 * bus.REQUEST_TIMEOUT_S, first_step_s
     assert "Traceback" not in text and "resumed from step" not in text  # one run, waited out
     assert record.state == JobState.SUCCEEDED and record.lease_epoch == 1 and not record.reason, record
+    assert_exact(accounting, run_dir, job.job_id)
+
+
+LONG_CUT_WAIT_S = 2
+"""The learner's `store_full_wait_s` in the test of a cut longer than the wait."""
+
+
+async def test_a_nats_cut_longer_than_the_wait_pauses_the_job_and_a_claim_resumes_it(
+        nats_url: str, redis_url: str, tmp_path: Path) -> None:
+    """NATS unreachable past `store_full_wait_s` is an outage, not the job's failure: the run stops as on an
+    unreachable Redis (lease left to lapse, nothing more written), the job stays RUNNING with the outage as its
+    reason, and once NATS answers a claim resumes it from its checkpoint. Before, the job was marked FAILED."""
+    host, port = nats_url.removeprefix("nats://").rsplit(":", 1)
+    proxy = Blackhole(host, int(port))
+    proxied = f"nats://127.0.0.1:{await proxy.start()}"
+    jobs = JobStore.from_url(redis_url)
+    nc = await bus.connect(nats_url, "test")
+    spec = spec_for(max_steps=STEPS, checkpoint_interval=2)
+    run_dir, log = tmp_path / "run", tmp_path / "learner.log"
+    try:
+        async with replay_service(redis_url) as addr, ReplayClient(addr) as replay:
+            job = await create_job(jobs, spec)
+            await insert_groups(replay, job, 3 * PPS)
+            learner = learner_process(proxied, redis_url, addr, run_dir, log, once=False,
+                                      FLEETRL_LEARNER_STORE_FULL_WAIT_S=str(LONG_CUT_WAIT_S),
+                                      FLEETRL_LEARNER_STORE_FULL_RETRY_S="1")
+            await until("step 3", lambda: len(metrics(run_dir, job.job_id)) >= 3)
+            cut_at = await cut_at_the_next_publish(nc, proxy, replay, job)  # v4's first chunk reached the server
+            stopped = (f"job {job.job_id} paused, NATS unreachable past store_full_wait_s", f"job {job.job_id} failed")
+            await until("the run's stop", lambda: any(line in log.read_text() for line in stopped), 90)
+            stopped_s = time.monotonic() - cut_at
+            during = await jobs.get(job.job_id)
+            alive = learner.poll() is None
+            proxy.heal()
+            ended = (f"job {job.job_id} ledger", f"job {job.job_id} failed")
+            await until("the job's end", lambda: any(line in log.read_text() for line in ended), 120)
+            learner.send_signal(signal.SIGTERM)
+            await finish(learner)
+            record = await jobs.get(job.job_id)
+            accounting = await account(nats_url, redis_url, job.job_id)
+    finally:
+        await nc.close()
+        await proxy.close()
+        await jobs.close()
+    text = log.read_text()
+    print(f"nats cut off from the learner at v4's first chunk, store_full_wait_s {LONG_CUT_WAIT_S}: the run stopped "
+          f"{stopped_s:.1f}s after the cut, record {during.state.value, during.reason}; "
+          f"{[line.split(' ', 3)[-1] for line in text.splitlines() if re.search('paused|resumed|failed', line)]}; "
+          f"final {record.state.value} epoch {record.lease_epoch}; ledger: {accounting.counts}")
+    assert alive, "the learner exited during the partition"
+    assert during.state == JobState.RUNNING and "NATS unreachable" in during.reason, during  # not FAILED
+    assert f"job {job.job_id} failed" not in text
+    assert "resumed from step 2" in text  # a later claim, from the checkpoint before the cut
+    assert record.state == JobState.SUCCEEDED and record.lease_epoch >= 2 and not record.reason, record
     assert_exact(accounting, run_dir, job.job_id)
 
 

@@ -26,6 +26,8 @@ from fleetrl.spec.demonstrations import read_demonstrations
 from fleetrl.tasks import bus
 from fleetrl.train import checkpoint as ckpt
 from fleetrl.train.settings import LearnerSettings
+from fleetrl.weights.channel import WeightChannel
+from fleetrl.weights.filesystem import FilesystemTransport
 from fleetrl.weights.store import WeightStore, decode_safetensors
 
 DEMOS = 8
@@ -34,10 +36,10 @@ SPEC = sft_spec(max_steps=STEPS, checkpoint_interval=2, keep_checkpoints=3)
 DATA = demonstrations_jsonl(DEMOS)
 
 
-def settings(nats_url: str, redis_url: str, run_dir: Path, learner_id: str = "L1") -> LearnerSettings:
+def settings(nats_url: str, redis_url: str, run_dir: Path, learner_id: str = "L1", **more: Any) -> LearnerSettings:
     """No replay service: an sft job never calls one."""
     return LearnerSettings(nats_url=nats_url, redis_url=redis_url, replay_addr="127.0.0.1:1", run_dir=run_dir,
-                           listen="127.0.0.1:0", lease_s=3, learner_id=learner_id)
+                           listen="127.0.0.1:0", lease_s=3, learner_id=learner_id, **more)
 
 
 def metrics(run_dir: Path, job_id: str) -> list[dict[str, Any]]:
@@ -142,3 +144,25 @@ async def test_a_learner_killed_mid_sft_job_resumes_to_the_same_losses(trained: 
     assert [x["step"] for x in lb] == list(range(1, STEPS + 1))
     assert [x["task_ids"] for x in lb] == [x["task_ids"] for x in la]
     assert [x["loss"] for x in lb] == [x["loss"] for x in la]
+
+
+async def test_a_learner_with_a_weights_dir_publishes_there(trained: Trained, tmp_path: Path) -> None:
+    """With `weights_dir` set the learner publishes a job's weights as files there (`FilesystemTransport`)
+    instead of to NATS: the last version pulled from the directory is the exported model."""
+    jobs = JobStore.from_url(trained.redis_url)
+    record = await jobs.create("tenant", SPEC, DATA, None)
+    weights_dir = tmp_path / "weights"
+    await asyncio.wait_for(serve(settings(trained.nats_url, trained.redis_url, trained.run_dir, "L3",
+                                          weights_dir=weights_dir), asyncio.Event(), once=True), 120)
+    done = await jobs.get(record.job_id)
+    await jobs.close()
+    assert done.state == JobState.SUCCEEDED, done.reason
+    channel = WeightChannel(FilesystemTransport(weights_dir))
+    pointer = await channel.latest(record.job_id)
+    assert pointer is not None and pointer.version == STEPS
+    published = decode_safetensors(await channel.pull(record.job_id, pointer))
+    expected = models.state_dict_for_publish(AutoModelForCausalLM.from_pretrained(done.model_uri), "float32")
+    assert published.keys() == expected.keys() and all(torch.equal(published[k], expected[k]) for k in expected)
+    nc = await bus.connect(trained.nats_url, "test")
+    assert await WeightStore(nc, bus.jetstream(nc)).latest(record.job_id) is None
+    await nc.close()

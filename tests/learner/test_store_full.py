@@ -21,7 +21,9 @@
   the bucket holds), then the server at its `max_file_store` (a filler stream takes the rest). Each
   refused write (err_code 10077, then 10023; before, both were retried as an outage for 60 s and then
   failed the job with nats-py's bare ServiceUnavailableError) pauses the job with the refusal named in
-  its record, and once the limit is raised or the filler deleted the job goes on in the same run.
+  its record. SIGTERM during the first pause hands the job back at once (before, the learner stayed for
+  `store_full_wait_s`, 900 s), its lease released and the reason kept; a second learner resumes it from
+  checkpoint 2 once the limit is raised. When the filler is deleted, the job goes on in that run.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import re
+import signal
 import time
 from pathlib import Path
 
@@ -238,7 +241,13 @@ async def test_a_full_jetstream_pauses_the_job_until_space_returns(redis_url: st
             await js.update_stream(dataclasses.replace(bucket, max_bytes=held + 1024 * 1024))  # no room for v3
             await insert_groups(replay, job, 4 * PPS, skip=2 * PPS)
             bucket_full = await _until_reason(jobs, job.job_id)
+            learner.send_signal(signal.SIGTERM)  # paused: it hands the job back now, not after the 900 s wait
+            stopping = time.monotonic()
+            await finish(learner, 30)
+            stopped_s = time.monotonic() - stopping
+            handed_back, holder = await jobs.get(job.job_id), await jobs.lease_holder(job.job_id)
             await js.update_stream(dataclasses.replace(bucket, max_bytes=-1))
+            learner = learner_process(nats.url, redis_url, addr, run_dir, log, FLEETRL_LEARNER_STORE_FULL_RETRY_S="0.3")
             await until("step 4", lambda: len(metrics(run_dir, job.job_id)) >= 4)
             filled = await _fill_jetstream(js)
             await insert_groups(replay, job, STEPS * PPS + 2, skip=4 * PPS)
@@ -250,14 +259,18 @@ async def test_a_full_jetstream_pauses_the_job_until_space_returns(redis_url: st
         await nc.close()
     await jobs.close()
     text = log.read_text()
-    print(f"jetstream full: weights bucket at max_bytes: {bucket_full.reason!r}; server at max_file_store (filler "
-          f"{filled / 2**20:.0f} MB): {server_full.reason!r}; {record.state.value}; ledger: {accounting.counts}")
+    print(f"jetstream full: weights bucket at max_bytes: {bucket_full.reason!r}, SIGTERM then: exited in "
+          f"{stopped_s:.1f}s; server at max_file_store (filler {filled / 2**20:.0f} MB): {server_full.reason!r}; "
+          f"{record.state.value}; ledger: {accounting.counts}")
     assert bucket_full.state == JobState.RUNNING and "publish of weights v3 refused: JetStream is full" in \
         bucket_full.reason and "err_code 10077" in bucket_full.reason, bucket_full.reason
+    assert f"job {job.job_id} handed back: job {job.job_id}: SIGTERM while paused on the nats store" in text
+    assert handed_back.state == JobState.RUNNING and handed_back.reason == bucket_full.reason  # until a claim
+    assert holder is None and handed_back.lease_epoch == 1 and stopped_s < 10  # released, not left to lapse
     assert server_full.state == JobState.RUNNING and "JetStream is full" in server_full.reason, server_full.reason
     assert "err_code 10023" in server_full.reason, server_full.reason
-    assert text.count("the nats store took the write, the pause ends") == 2
-    assert "resumed from step" not in text and record.lease_epoch == 1  # one run, paused twice
+    assert text.count("the nats store took the write, the pause ends") == 1  # the server-full pause, in its run
+    assert f"job {job.job_id} resumed from step 2" in text and record.lease_epoch == 2
     assert record.state == JobState.SUCCEEDED and not record.reason, record
     assert_exact(accounting, run_dir, job.job_id)
 

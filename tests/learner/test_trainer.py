@@ -328,8 +328,14 @@ async def test_get_status(redis_url: str, tmp_path: Path) -> None:
             raise AssertionError("expected NOT_FOUND")
         except grpc.aio.AioRpcError as error:
             assert error.code() == grpc.StatusCode.NOT_FOUND
-        board.start_job("j-1")
-        board.step, board.phase = 3, "training"
+        first = board.start_job("j-1")
+        first.step, first.phase = 3, "training"
+        second = board.start_job("j-2")  # a learner running two jobs at once (max_jobs 2)
+        second.step = 1
         status = await stub.GetStatus(learner_pb2.LearnerStatusRequest(job_id="j-1"), timeout=5)
+        newest = await stub.GetStatus(learner_pb2.LearnerStatusRequest(), timeout=5)
+        board.end_job("j-1")
+        ended = await stub.GetStatus(learner_pb2.LearnerStatusRequest(job_id="j-1"), timeout=5)
     await srv.stop(0)
     assert status.step == 3 and status.phase == "training" and status.learner_id == "L9"
+    assert (newest.job_id, newest.step) == ("j-2", 1) and ended.step == 3 and board.running == {"j-2"}

@@ -88,10 +88,11 @@ def prompts(n: int) -> str:
 
 @contextmanager
 def traced_fleet(run_dir: Path) -> Iterator[TracedFleet]:
-    """Start the fleet (1 actor, tracing on, the Tinker API too), submit the job, scrape after its first
-    step; stop on exit."""
+    """Start the fleet (1 actor, tracing on, the Tinker API too, its samples served by the actor), submit the
+    job, scrape after its first step; stop on exit."""
     (run_dir / "prompts.jsonl").write_text(prompts(16))
-    fleet = Fleet(FleetOptions(run_dir=run_dir, actors=1, tracing=True, extra_env=FAST_ENV, tinker=True))
+    fleet = Fleet(FleetOptions(run_dir=run_dir, actors=1, tracing=True, extra_env=FAST_ENV, tinker=True,
+                               tinker_models=(MODEL,)))
     stop = threading.Event()
     serving: threading.Thread | None = None
     try:

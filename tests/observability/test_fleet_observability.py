@@ -134,16 +134,24 @@ def test_top_fails_cleanly_without_a_fleet(tmp_path: Any, capsys: pytest.Capture
 
 
 def test_the_fleet_serves_the_tinker_api_to_the_official_sdk(fleet: TracedFleet) -> None:
-    """`fleetrl up --tinker`: the official SDK, with any `tml-` key (open mode), gets the fleet's model
-    allow-list; the call is counted on the tinker service's /metrics and written as its span."""
+    """`fleetrl up --tinker --tinker-on-actors MODEL`: the official SDK, with any `tml-` key (open mode),
+    gets the fleet's model allow-list, and a sample of the base is served by the fleet's actor; the call is
+    counted on the tinker service's /metrics and written as its span."""
     import tinker
+    from tinker import types
 
     service = tinker.ServiceClient(base_url=f"http://{fleet.layout.addresses['tinker']}", api_key="tml-local")
     try:
         models = {m.model_name for m in service.get_server_capabilities().supported_models}
+        sampler = service.create_sampling_client(base_model=MODEL)
+        params = types.SamplingParams(max_tokens=4, seed=3, stop=[])
+        result = sampler.sample(types.ModelInput.from_ints([1, 2, 3, 4]), 1, params).result(timeout=120)
     finally:
         service.close("success").result()
     assert MODEL in models
+    assert len(result.sequences) == 1 and len(result.sequences[0].tokens) == 4
+    assert total(scrape(fleet.layout.metrics_ports["actor-1"]), "fleetrl_actor_tinker_samples_total",
+                 outcome="served") == 1
     route = "/api/v1/get_server_capabilities"
     assert total(scrape(fleet.layout.metrics_ports["tinker"]), "fleetrl_tinker_http_seconds_count", route=route,
                  status="200") == 1

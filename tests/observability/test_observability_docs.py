@@ -16,9 +16,11 @@ import fleetrl.services.gateway.server
 import fleetrl.services.tinker.server
 import fleetrl.tinker.requests
 import fleetrl.train.observability
+import fleetrl.weights.store
 from fleetrl.reward.metrics import RewardMetrics
 from fleetrl.runtime.observe import RpcMetrics
 from fleetrl.services.replay.server import Metrics as ReplayMetrics
+from fleetrl.services.tinker import metrics as tinker_metrics
 
 ROOT = Path(__file__).resolve().parents[2]
 FLEETRL = ("gateway", "replay", "reward", "learner", "actor", "tinker")
@@ -54,6 +56,8 @@ def _families() -> dict[str, Family]:
                     labels = (family.name,) if family.type == "stateset" else tuple(collector._labelnames)
                     kind = family.type.replace("stateset", "state set")
                     out[_exposed_name(family)] = Family(_exposed_name(family), kind, labels)
+    for family in tinker_metrics.families([], None):  # read from the service at each scrape: no metric objects
+        out[family.name] = Family(family.name, family.type, family._labelnames)
     return out
 
 

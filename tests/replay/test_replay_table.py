@@ -12,7 +12,7 @@ import redis.asyncio as aioredis
 from replay_helpers import configure, make_group
 
 from fleetrl.errors import FailedPrecondition, InvalidArgument, NotFound
-from fleetrl.proto.fleetrl.v1 import common_pb2, replay_pb2, replay_pb2_grpc
+from fleetrl.proto.fleetrl.v1 import common_pb2, replay_pb2
 from fleetrl.replay.client import DUPLICATE, INSERTED, ReplayClient
 from fleetrl.replay.samplers import SAMPLERS, SAMPLERS_BY_KIND
 from fleetrl.replay.table import ReplayTables, TableConfig
@@ -193,7 +193,7 @@ async def test_bad_input_gets_clear_errors_and_server_keeps_serving(
     await configure(replay, "j", capacity_groups=10)
     with pytest.raises(InvalidArgument, match="at least one sample"):
         await replay.insert([make_group("j", "0/0", rewards=())])
-    stub = replay_pb2_grpc.ReplayServiceStub(replay._channel)
+    stub = replay._channel.stubs.replay
     bad = make_group("j", "0/1")
     del bad.samples[1].behaviour_logprobs[1:]
     with pytest.raises(grpc.aio.AioRpcError) as info:

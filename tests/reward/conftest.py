@@ -6,6 +6,10 @@ import contextlib
 import ctypes
 import json
 import os
+import pwd
+import shutil
+import subprocess
+import sys
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
@@ -22,6 +26,9 @@ from fleetrl.spec.config import RewardSpec
 from tests import sandbox_uids
 
 UID_BASE = sandbox_uids.claim()  # this process's own range: teardowns count its processes
+ROOT = Path(__file__).resolve().parents[2]
+USER = "fleettest"
+"""The ordinary user a service runs as in the tests' "user" mode (`launcher`)."""
 PR_SET_CHILD_SUBREAPER = 36
 
 
@@ -141,3 +148,43 @@ async def reward_stub(tmp_path: Path) -> AsyncIterator[reward_pb2_grpc.RewardSer
     """A RewardService with 2 workers per pool."""
     async with reward_service(tmp_path) as stub:
         yield stub
+
+
+def service_user() -> tuple[int, int] | None:
+    """(uid, gid) of the test's ordinary user, created when missing; None when that is not possible."""
+    with contextlib.suppress(KeyError):
+        entry = pwd.getpwnam(USER)
+        return entry.pw_uid, entry.pw_gid
+    if shutil.which("useradd") is None:
+        return None
+    subprocess.run(["useradd", "--create-home", USER], check=True, capture_output=True)
+    entry = pwd.getpwnam(USER)
+    return entry.pw_uid, entry.pw_gid
+
+
+LAUNCH = """
+import os, sys
+sys.path.insert(0, {root!r})
+from fleetrl.reward import guard
+uid, gid = int(sys.argv[1]), int(sys.argv[2])
+guard.expose_paths([sys.prefix, sys.base_prefix, sys.executable, {root!r}])
+os.setgroups([])
+os.setgid(gid)
+os.setuid(uid)
+os.execv(sys.argv[3], sys.argv[3:])
+"""
+
+
+def launcher(mode: str) -> tuple[list[str], int, int]:
+    """The command prefix that runs a process in mode, and its uid and gid."""
+    if mode == "root":
+        if os.geteuid() != 0:
+            pytest.skip("the root parametrisation needs the tests to run as root")
+        return [], 0, 0
+    if os.geteuid() != 0:
+        return [], os.getuid(), os.getgid()  # an ordinary user already
+    user = service_user()
+    if user is None:
+        pytest.skip("running as root without useradd: cannot create an ordinary user for the service")
+    uid, gid = user
+    return [sys.executable, "-I", "-c", LAUNCH.format(root=str(ROOT)), str(uid), str(gid)], uid, gid

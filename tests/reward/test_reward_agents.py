@@ -5,24 +5,47 @@ history as whole conversations (`segment`), a call that extends the previous one
 messages only, `run`'s return as the final reward; the completion the agent receives carries the
 actor's text, finish reason, usage and parsed tool calls. An async agent reaches the policy through
 an `openai.AsyncOpenAI()` built from the environment alone, even at import, and gets what agent
-frameworks expect (sync tools in `asyncio.to_thread`, `inspect.getsource`, no tracing). Hostile
-agents (a hang between calls, a flood of calls, a huge message, a call after `run` returned, network
-attempts, a write outside the sandbox) end their episodes within their limits, and the service keeps
-serving.
+frameworks expect (sync tools in `asyncio.to_thread`, `inspect.getsource`, no tracing). A streamed
+call (`stream=True` on the openai client, `Runner.run_streamed` in the OpenAI Agents SDK) gets the
+reply as deltas that assemble into what the actor generated, and its episode records the turns the
+same episode unstreamed records. The Agents SDK's agent runs in a service run as root and as an
+ordinary user. Hostile agents (a hang between calls, a flood of calls, a huge message, a call after
+`run` returned, network attempts, a write outside the sandbox) end their episodes within their
+limits, and the service keeps serving.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
 import time
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
 
+from fleetrl.launcher.embedded import free_port, wait_for_port
 from fleetrl.proto.fleetrl.v1 import common_pb2, reward_pb2, reward_pb2_grpc
 from fleetrl.reward.client import environment_to_proto
+from fleetrl.runtime.grpcutil import channel
 from fleetrl.spec.config import EnvironmentSpec
-from tests.reward.conftest import reward_server, reward_service
+from tests.reward.conftest import (
+    ROOT,
+    UID_BASE,
+    descendants,
+    launcher,
+    reward_server,
+    reward_service,
+    sandbox_uid_processes,
+    subreaper,
+    wait_gone,
+)
 
 OK = common_pb2.REWARD_STATUS_OK
 STARTS = {"worker_start_timeout_s": 20.0, "worker_load_timeout_s": 20.0}
@@ -108,6 +131,201 @@ async def run(client, task):
 '''
 
 
+AGENTS_SDK = '''
+import os
+
+import openai
+from agents import Agent, Runner, WebSearchTool, function_tool
+
+UIDS = []
+
+
+@function_tool
+def calculator(expression: str) -> str:
+    """Evaluate a sum of integers such as '40 + 2'."""
+    UIDS.append(os.getuid())
+    return str(sum(int(term) for term in expression.split("+")))
+
+
+async def refusal(attempt):
+    try:
+        await attempt
+    except openai.BadRequestError as error:
+        return str(error)
+    return "accepted"
+
+
+async def run(client, task):
+    """The SDK's own default model (no model given: OpenAIResponsesModel on a client it builds from
+    OPENAI_BASE_URL), a function tool, then another agent on a new conversation."""
+    solver = Agent(name="solver", instructions="Use the calculator.", tools=[calculator])
+    solved = await Runner.run(solver, task["prompt"])
+    checker = Agent(name="checker", instructions="Reply yes or no.")
+    checked = await Runner.run(checker, f"Is {task['prompt']} = {solved.final_output}?")
+    refused = [await refusal(Runner.run(checker, "again", previous_response_id=checked.last_response_id)),
+               await refusal(Runner.run(checker, "again", conversation_id="conv_1")),
+               await refusal(Runner.run(Agent(name="searcher", tools=[WebSearchTool()]), "look it up"))]
+    return {"responses_api": float(solved.last_response_id.startswith("resp_fleetrl_")),
+            "tool_uid": float(UIDS[0]) if len(UIDS) == 1 else -1.0,
+            "answer": float(solved.final_output == task["answer"]), "checked": float(checked.final_output == "yes"),
+            "previous_response_id": float("previous_response_id is not supported" in refused[0]),
+            "conversation": float("conversation is not supported" in refused[1]),
+            "hosted_tool": float("tools[0] is a 'web_search' tool" in refused[2])}
+'''
+
+
+STREAMED_CHAT = '''
+import json
+
+TOOLS = [{"type": "function", "function": {"name": "calc", "description": "evaluate",
+          "parameters": {"type": "object", "properties": {"expression": {"type": "string"}}}}}]
+
+
+def received(client, messages, stream):
+    """What the agent receives of one completion, assembled from the chunks when it streams."""
+    if not stream:
+        reply = client.chat.completions.create(model="m", messages=messages, tools=TOOLS)
+        choice = reply.choices[0]
+        return {"role": choice.message.role, "content": choice.message.content, "finish": choice.finish_reason,
+                "calls": [[c.id, c.function.name, c.function.arguments] for c in choice.message.tool_calls or []],
+                "usage": [reply.usage.prompt_tokens, reply.usage.completion_tokens, reply.usage.total_tokens]}
+    chunks = [chunk for chunk in client.chat.completions.create(
+        model="m", messages=messages, tools=TOOLS, stream=True, stream_options={"include_usage": True})]
+    *deltas, last = chunks
+    assert last.choices == [] and all(c.usage is None for c in deltas), "the usage comes last, alone"
+    calls = {}
+    for chunk in deltas:
+        for call in chunk.choices[0].delta.tool_calls or []:
+            entry = calls.setdefault(call.index, [call.id, call.function.name, ""])
+            entry[2] += call.function.arguments or ""
+    return {"role": deltas[0].choices[0].delta.role,
+            "content": "".join(c.choices[0].delta.content or "" for c in deltas),
+            "finish": deltas[-1].choices[0].finish_reason, "calls": list(calls.values()),
+            "usage": [last.usage.prompt_tokens, last.usage.completion_tokens, last.usage.total_tokens]}
+
+
+def run(client, task, stream=False):
+    """Two completions: the first's reply (and its tool calls' outputs) go back with a report of what the
+    agent received, which the actor sees as the second call's new user message."""
+    messages = [{"role": "user", "content": task["prompt"]}]
+    got = received(client, messages, stream)
+    calls = [{"id": i, "type": "function", "function": {"name": n, "arguments": a}} for i, n, a in got["calls"]]
+    messages.append({"role": "assistant", "content": got["content"], **({"tool_calls": calls} if calls else {})})
+    messages += [{"role": "tool", "tool_call_id": i, "content": str(eval(json.loads(a)["expression"]))}
+                 for i, _, a in got["calls"]]
+    messages.append({"role": "user", "content": json.dumps(got)})
+    last = received(client, messages, stream)
+    return float(last["content"] == "done" and last["finish"] == "stop")
+'''
+
+
+def async_agent(source: str) -> str:
+    """A sync agent file as its `async def run` on an `openai.AsyncOpenAI`."""
+    for sync, coroutine in (("def ", "async def "), ("client.chat", "await client.chat"),
+                            ("chunk for chunk in", "chunk async for chunk in"), ("= received(", "= await received(")):
+        source = source.replace(sync, coroutine)
+    return source
+
+
+AGENTS_SDK_STREAMED = '''
+import json
+
+from agents import Agent, Runner, function_tool
+
+
+@function_tool
+def calculator(expression: str) -> str:
+    """Evaluate a sum of integers such as '40 + 2'."""
+    return str(sum(int(term) for term in expression.split("+")))
+
+
+def output_of(response):
+    return {"text": "".join(part.text for item in response.output if item.type == "message" for part in item.content),
+            "calls": [[item.name, item.arguments] for item in response.output if item.type == "function_call"]}
+
+
+async def play(agent, text, stream):
+    """The run's final output, and what the agent received of each model response: its text and tool calls,
+    from the stream's deltas when it streams."""
+    if not stream:
+        result = await Runner.run(agent, text)
+        return result.final_output, [output_of(response) for response in result.raw_responses]
+    result = Runner.run_streamed(agent, text)
+    received, texts, calls = [], [], []
+    async for event in result.stream_events():
+        data = event.data if event.type == "raw_response_event" else None
+        kind = getattr(data, "type", None)
+        if kind == "response.output_text.delta":
+            texts.append(data.delta)
+        elif kind == "response.output_item.added" and data.item.type == "function_call":
+            calls.append([data.item.name, ""])
+        elif kind == "response.function_call_arguments.delta":
+            calls[-1][1] += data.delta
+        elif kind == "response.completed":
+            received.append({"text": "".join(texts), "calls": calls})
+            texts, calls = [], []
+    return result.final_output, received
+
+
+async def run(client, task, stream=False):
+    """A solver with a function tool, then a checker given the solver's answer and a report of what the agent
+    received (the actor sees it as the checker's user message)."""
+    solver = Agent(name="solver", instructions="Use the calculator.", tools=[calculator])
+    answer, received = await play(solver, task["prompt"], stream)
+    checker = Agent(name="checker", instructions="Reply yes or no.")
+    checked, more = await play(checker, json.dumps({"answer": answer, "received": received}), stream)
+    return {"answer": float(answer == task["answer"]), "checked": float(checked == "yes"),
+            "received": float(more == [{"text": "yes", "calls": []}])}
+'''
+
+
+CONCURRENT = '''
+import asyncio
+
+async def run(client, task, pause=False):
+    async def chain(name):
+        messages = [{"role": "user", "content": name + "1"}]
+        first = await client.chat.completions.create(model="m", messages=messages)
+        if pause:
+            await asyncio.sleep(0)  # the other chain's call comes in between
+        messages += [first.choices[0].message, {"role": "user", "content": name + "2"}]
+        return (await client.chat.completions.create(model="m", messages=messages)).choices[0].message.content
+    return float(await asyncio.gather(chain("A"), chain("B")) == ["a2", "b2"])
+'''
+
+
+BAD_RESPONSES_INPUT = {
+    # what the agent sends as `input` (after instructions, a system message of the chat it stands for) -> the 400
+    "image": ([{"type": "function_call", "call_id": "c", "name": "calc", "arguments": "{}"},
+               {"type": "function_call_output", "call_id": "c", "output": "4"},
+               {"role": "user", "content": [{"type": "input_text", "text": "see"},
+                                            {"type": "input_image", "image_url": "https://example.com/x.png"}]}],
+              "input[2].content[1] is a 'input_image' part"),
+    "tool_output": ([{"role": "user", "content": "hi"},
+                     {"type": "function_call_output", "call_id": "c", "output": [{"type": "input_file"}]}],
+                    "input[1].output[0] is a 'input_file' part"),
+    "role": ([{"role": "user", "content": "hi"}, {"role": "robot", "content": "beep"}], "input[1].role is 'robot'"),
+    "content": ([{"type": "reasoning", "summary": []}, {"role": "user", "content": 7}],
+                "input[1].content is int"),
+}
+
+RESPONSES_BAD_INPUT = f"""
+import openai
+
+CASES = {BAD_RESPONSES_INPUT!r}
+
+async def run(client, task):
+    found = {{}}
+    for name, (items, expected) in CASES.items():
+        try:
+            await client.responses.create(model="m", instructions="be brief", input=items)
+            found[name] = 0.0
+        except openai.BadRequestError as error:
+            found[name] = float(expected in str(error))
+    return found
+"""
+
+
 def agent_spec(source: str, step_timeout_s: float = 2.0, **params: object) -> reward_pb2.EnvironmentSpec:
     spec = EnvironmentSpec(kind="agent", file="agent.py", step_timeout_s=step_timeout_s, memory_limit_mb=512,
                            params=params)
@@ -131,6 +349,32 @@ async def act(stub: reward_pb2_grpc.RewardServiceStub, session: str, turn: int, 
 
 def messages(result: reward_pb2.EpisodeResult) -> list[tuple[str, str]]:
     return [(m.role, m.content) for m in result.observation]
+
+
+async def play(stub: reward_pb2_grpc.RewardServiceStub, session: str, spec: reward_pb2.EnvironmentSpec,
+               actions: list[tuple[str, dict[str, object]]]) -> list[reward_pb2.EpisodeResult]:
+    """One episode: the actor's actions (text and fields) in turn; every reply, its latency cleared (what the
+    actor records of a turn)."""
+    (result,) = await open_session(stub, session, spec)
+    results = [result]
+    for turn, (text, fields) in enumerate(actions):
+        assert result.status == OK and not result.done, result.reason
+        result = await act(stub, session, turn, text, 0, **fields)
+        results.append(result)
+    for result in results:
+        result.ClearField("latency_s")
+    return results
+
+
+async def streamed_and_not(stub: reward_pb2_grpc.RewardServiceStub, source: str,
+                           actions: list[tuple[str, dict[str, object]]],
+                           step_timeout_s: float = 2.0) -> list[reward_pb2.EpisodeResult]:
+    """The episode of an agent file whose `run` takes `stream`, played streamed: asserts its every reply is
+    the one the same episode unstreamed gets."""
+    plain = await play(stub, "plain", agent_spec(source, step_timeout_s, stream=False), actions)
+    streamed = await play(stub, "streamed", agent_spec(source, step_timeout_s, stream=True), actions)
+    assert streamed == plain
+    return streamed
 
 
 async def test_scripted_agent_calls_are_turns(tmp_path: Path) -> None:
@@ -181,6 +425,158 @@ async def test_an_agent_on_the_responses_api(tmp_path: Path) -> None:
         assert last.status == OK and last.done, last.reason
         assert dict(last.components) == {"called": 1.0, "answer": 1.0, "usage": 3.0, "incomplete": 1.0,
                                          "refused": 1.0}
+
+
+
+
+@pytest.mark.parametrize("client", ["sync", "async"])
+async def test_a_streamed_chat_completion(client: str, tmp_path: Path) -> None:
+    """`chat.completions.create(stream=True, stream_options={"include_usage": True})` on the openai client
+    (`OpenAI`, `AsyncOpenAI`): the chunks assemble into the completion the actor generated (role, text,
+    finish reason, usage last and alone), and the episode records the turns it records unstreamed."""
+    source = STREAMED_CHAT if client == "sync" else async_agent(STREAMED_CHAT)
+    async with reward_service(tmp_path, **STARTS) as stub:
+        first, second, last = await streamed_and_not(stub, source, [
+            ("4.", {"finish_reason": "length", "prompt_tokens": 7, "completion_tokens": 5}), ("done", {})])
+    assert first.segment and messages(first) == [("user", "2+2")], first.reason
+    assert not second.segment and [role for role, _ in messages(second)] == ["user"], second.reason
+    assert json.loads(messages(second)[0][1]) == {"role": "assistant", "content": "4.", "finish": "length",
+                                                  "calls": [], "usage": [7, 5, 12]}
+    assert last.status == OK and last.done and last.reward == 1.0, last.reason
+
+
+async def test_streamed_tool_calls(tmp_path: Path) -> None:
+    """A streamed completion whose text holds a tool call: the tool-call delta carries the call the unstreamed
+    completion's `tool_calls` carry (id, name, arguments), the finish reason is `tool_calls`, and the reply
+    the agent sends back with the tool's output extends the call (only the new messages go out)."""
+    call = '<tool_call>{"name": "calc", "arguments": {"expression": "2+2"}}</tool_call>'
+    async with reward_service(tmp_path, **STARTS) as stub:
+        first, second, last = await streamed_and_not(stub, async_agent(STREAMED_CHAT), [
+            (call, {"prompt_tokens": 9, "completion_tokens": 12}), ("done", {})])
+    assert first.segment and [t["function"]["name"] for t in json.loads(first.tools_json)] == ["calc"]
+    assert not second.segment and [role for role, _ in messages(second)] == ["tool", "user"], second.reason
+    assert messages(second)[0] == ("tool", "4")
+    assert json.loads(messages(second)[1][1]) == {
+        "role": "assistant", "content": call, "finish": "tool_calls",
+        "calls": [["call_0_0", "calc", '{"expression": "2+2"}']], "usage": [9, 12, 21]}
+    assert last.status == OK and last.done and last.reward == 1.0, last.reason
+
+
+async def test_an_openai_agents_sdk_agent_streamed(tmp_path: Path) -> None:
+    """`Runner.run_streamed` on the SDK's default model (the Responses API, streamed): the text and function-call
+    deltas it receives are the actor's text and tool call, its function tool runs, its answer is the actor's,
+    and the episode records the turns `Runner.run` records."""
+    call = '<tool_call>{"name": "calculator", "arguments": {"expression": "2+2"}}</tool_call>'
+    async with reward_service(tmp_path, **STARTS) as stub:
+        # 10 s: a worker's first streamed response builds the openai client's models of the stream's events
+        first, second, third, last = await streamed_and_not(stub, AGENTS_SDK_STREAMED,
+                                                            [(call, {}), ("4", {}), ("yes", {})], step_timeout_s=10.0)
+    assert first.segment and messages(first) == [("system", "Use the calculator."), ("user", "2+2")], first.reason
+    assert not second.segment and messages(second) == [("tool", "4")], second.reason
+    assert third.segment and [role for role, _ in messages(third)] == ["system", "user"], third.reason
+    assert json.loads(messages(third)[1][1]) == {
+        "answer": "4", "received": [{"text": call, "calls": [["calculator", '{"expression": "2+2"}']]},
+                                    {"text": "4", "calls": []}]}
+    assert last.status == OK and last.done, last.reason
+    assert dict(last.components) == {"answer": 1.0, "checked": 1.0, "received": 1.0}
+
+
+@contextlib.asynccontextmanager
+async def reward_process(mode: str) -> AsyncIterator[tuple[reward_pb2_grpc.RewardServiceStub, int]]:
+    """A reward service process run as root or as an ordinary user (`launcher`, as the hostile tests run it):
+    a stub, and the service's uid. Asserts it exits cleanly and leaves no process behind."""
+    prefix, uid, gid = launcher(mode)
+    run_dir = Path(tempfile.mkdtemp(prefix="fleetrl-agents-"))
+    os.chown(run_dir, uid, gid)
+    port = free_port()
+    argv = [*prefix, sys.executable, "-m", "fleetrl.services.reward", "--listen", f"127.0.0.1:{port}",
+            "--set", f"sandbox_uid_base={UID_BASE}", "--set", f"run_dir={run_dir}",
+            *(arg for key, value in STARTS.items() for arg in ("--set", f"{key}={value:g}"))]
+    env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": str(run_dir), "PYTHONPATH": str(ROOT)}
+    before = set(descendants())  # servers that other tests' session fixtures keep running
+    with subreaper(), tempfile.TemporaryFile() as log:
+        proc = subprocess.Popen(argv, env=env, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+        try:
+            await asyncio.to_thread(wait_for_port, "127.0.0.1", port, 60.0, proc)
+            async with channel(f"127.0.0.1:{port}") as chan:
+                yield reward_pb2_grpc.RewardServiceStub(chan), uid
+        finally:
+            proc.terminate()
+            await asyncio.to_thread(proc.wait, 30)
+        left = wait_gone(lambda: sorted(set(descendants()) - before) + sandbox_uid_processes(), within_s=10.0)
+        log.seek(0)
+        output = log.read().decode(errors="replace")
+    shutil.rmtree(run_dir)
+    assert proc.returncode == 0, output[-3000:]
+    assert left == [], f"processes left behind: {left}"
+
+
+@pytest.mark.parametrize("mode", ["root", "user"])
+async def test_an_openai_agents_sdk_agent_on_its_default_model(mode: str) -> None:
+    """The OpenAI Agents SDK (`Agent` + `Runner.run`, no model given) reaches the policy through the Responses API
+    with a client built from the environment, in a service run as root and as an ordinary user. Its function
+    tool runs in the sandbox (as the worker's sandbox uid under a root service, as the service's own uid under
+    an ordinary user's), and its output is the next call's only new message (the SDK sends the whole input
+    back: the call extends the one before); another agent's run starts a new segment; the reward comes back.
+    What the worker refuses, the SDK surfaces as the 400 naming it: `previous_response_id`,
+    `conversation_id`, a hosted tool."""
+    async with reward_process(mode) as (stub, service_uid):
+        (first,) = await open_session(stub, "a", agent_spec(AGENTS_SDK))
+        assert first.status == OK and first.segment, first.reason
+        assert messages(first) == [("system", "Use the calculator."), ("user", "2+2")]
+        assert [t["function"]["name"] for t in json.loads(first.tools_json)] == ["calculator"]
+        call = '<tool_call>{"name": "calculator", "arguments": {"expression": "2+2"}}</tool_call>'
+        second = await act(stub, "a", 0, call)
+        assert second.status == OK and not second.segment, second.reason
+        assert messages(second) == [("tool", "4")]  # the tool ran in the sandbox; only its output is new
+        third = await act(stub, "a", 1, "4")
+        assert third.status == OK and third.segment, third.reason
+        assert messages(third) == [("system", "Reply yes or no."), ("user", "Is 2+2 = 4?")]
+        assert json.loads(third.tools_json or "[]") == []
+        last = await act(stub, "a", 2, "yes")
+        assert last.status == OK and last.done, last.reason
+        components = dict(last.components)
+        uid = components.pop("tool_uid")
+        if mode == "root":
+            assert UID_BASE <= uid < UID_BASE + 60_000  # the tool ran once, as the worker's sandbox uid
+        else:
+            assert uid == service_uid  # an ordinary user's service has no other uid to give its workers
+        assert components == {"responses_api": 1.0, "answer": 1.0, "checked": 1.0, "previous_response_id": 1.0,
+                              "conversation": 1.0, "hosted_tool": 1.0}
+        assert last.reward == uid + 6.0
+
+
+@pytest.mark.parametrize("pause", [False, True])
+async def test_concurrent_calls_are_served_one_at_a_time(pause: bool, tmp_path: Path) -> None:
+    """Two chains of calls under `asyncio.gather` are turns one after another: a call holds the agent's event
+    loop until the actor answers it. Chains that never suspend between calls run whole, one after the other,
+    each extending itself; chains that interleave (an `asyncio.sleep(0)` is enough) start a segment at every
+    call, re-rendered."""
+    async with reward_service(tmp_path, **STARTS) as stub:
+        result = (await open_session(stub, "c", agent_spec(CONCURRENT, pause=pause)))[0]
+        seen = []
+        for turn in range(4):
+            assert result.status == OK and not result.done, result.reason
+            seen.append((result.segment, messages(result)))
+            result = await act(stub, "c", turn, messages(result)[-1][1].lower())
+        assert result.done and result.reward == 1.0, result.reason
+        if not pause:
+            assert seen == [(True, [("user", "A1")]), (False, [("user", "A2")]),
+                            (True, [("user", "B1")]), (False, [("user", "B2")])]
+        else:
+            assert seen == [(True, [("user", "A1")]), (True, [("user", "B1")]),
+                            (True, [("user", "A1"), ("assistant", "a1"), ("user", "A2")]),
+                            (True, [("user", "B1"), ("assistant", "b1"), ("user", "B2")])]
+
+
+async def test_a_bad_responses_input_is_named_as_sent(tmp_path: Path) -> None:
+    """A Responses request's bad part, role or content is named by its place in the request's `input` and its
+    field there (`input[2].content[1]`, `input[1].output[0]`), not by the chat message it would have become
+    (instructions, a function call's assistant message and dropped reasoning items shift those)."""
+    async with reward_service(tmp_path, **STARTS) as stub:
+        (result,) = await open_session(stub, "b", agent_spec(RESPONSES_BAD_INPUT))
+        assert result.status == OK and result.done, result.reason
+        assert dict(result.components) == dict.fromkeys(BAD_RESPONSES_INPUT, 1.0)
 
 
 async def test_agent_files_get_what_frameworks_expect(tmp_path: Path) -> None:

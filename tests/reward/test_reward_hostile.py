@@ -16,7 +16,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
-import pwd
 import shutil
 import socket
 import subprocess
@@ -34,20 +33,20 @@ from fleetrl.launcher.embedded import free_port, wait_for_port
 from fleetrl.proto.fleetrl.v1 import common_pb2, reward_pb2, reward_pb2_grpc
 from fleetrl.runtime.grpcutil import channel
 from tests.reward.conftest import (
+    ROOT,
     UID_BASE,
     descendants,
     file_spec,
     items,
+    launcher,
     sandbox_uid_processes,
     subreaper,
     wait_gone,
 )
 
-ROOT = Path(__file__).resolve().parents[2]
 OK, ERROR = common_pb2.REWARD_STATUS_OK, common_pb2.REWARD_STATUS_ERROR
 TIMEOUT_S = 1.0
 LOAD_TIMEOUT_S = 4.0
-USER = "fleettest"
 BENIGN = "def reward(completion, prompt, **meta):\n    return float(completion.strip() == meta['answer'])\n"
 
 TEMPLATE = """
@@ -202,46 +201,6 @@ def snapshot(plant: Path) -> dict[str, bytes]:
         elif not path.is_file():
             out[str(path.relative_to(plant))] = b"<dir or socket>"
     return out
-
-
-def service_user() -> tuple[int, int] | None:
-    """(uid, gid) of the test's ordinary user, created when missing; None when that is not possible."""
-    with contextlib.suppress(KeyError):
-        entry = pwd.getpwnam(USER)
-        return entry.pw_uid, entry.pw_gid
-    if shutil.which("useradd") is None:
-        return None
-    subprocess.run(["useradd", "--create-home", USER], check=True, capture_output=True)
-    entry = pwd.getpwnam(USER)
-    return entry.pw_uid, entry.pw_gid
-
-
-LAUNCH = """
-import os, sys
-sys.path.insert(0, {root!r})
-from fleetrl.reward import guard
-uid, gid = int(sys.argv[1]), int(sys.argv[2])
-guard.expose_paths([sys.prefix, sys.base_prefix, sys.executable, {root!r}])
-os.setgroups([])
-os.setgid(gid)
-os.setuid(uid)
-os.execv(sys.argv[3], sys.argv[3:])
-"""
-
-
-def launcher(mode: str) -> tuple[list[str], int, int]:
-    """The command prefix that runs a process in mode, and its uid and gid."""
-    if mode == "root":
-        if os.geteuid() != 0:
-            pytest.skip("the root parametrisation needs the tests to run as root")
-        return [], 0, 0
-    if os.geteuid() != 0:
-        return [], os.getuid(), os.getgid()  # an ordinary user already
-    user = service_user()
-    if user is None:
-        pytest.skip("running as root without useradd: cannot create an ordinary user for the service")
-    uid, gid = user
-    return [sys.executable, "-I", "-c", LAUNCH.format(root=str(ROOT)), str(uid), str(gid)], uid, gid
 
 
 def make_plant(uid: int, gid: int) -> Path:

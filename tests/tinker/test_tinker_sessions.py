@@ -6,6 +6,7 @@ import concurrent.futures
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from fleetrl.errors import NotFound, ResourceExhausted
@@ -69,3 +70,39 @@ def test_a_session_with_a_queued_request_is_working_and_listed_to_its_tenant_onl
     assert service.sessions("bob") == []
     service.finish_session("alice", session)
     assert service.sessions("alice") == []
+
+
+def test_training_runs_on_one_base_share_it_and_train_apart(tmp_path: Path) -> None:
+    """Two runs on one base hold its weights once (one copy of every frozen tensor); a step of one leaves
+    the other's losses as they were; the base is dropped with the last run's session."""
+    from fleetrl.tinker.types import AdamParams, Datum
+
+    service = TinkerService(Limits((MODEL,), (), tmp_path, 64, 64, 4, 8, 8),
+                            RequestLog(concurrent.futures.ThreadPoolExecutor(1)))
+    sessions = [service.create_session("alice"), service.create_session("bob")]
+    ids = []
+    for seq, (tenant, session) in enumerate(zip(("alice", "bob"), sessions, strict=True)):
+        created = service.create_model(tenant, session, seq, MODEL, LoraRequest(rank=4, seed=seq))
+        created.future.result()
+        ids.append(created.extra["model_id"])
+    first, second = service.run("alice", ids[0]), service.run("bob", ids[1])
+    assert service._bases.held() == {(MODEL, "cpu"): 2}
+    frozen = [{n: p.data_ptr() for n, p in run.model.named_parameters() if not p.requires_grad}
+              for run in (first, second)]
+    assert frozen[0] == frozen[1] and frozen[0]
+    tokens = list(range(5, 17))
+    datum = Datum(tokens[:-1], {"target_tokens": np.array(tokens[1:]), "weights": np.ones(len(tokens) - 1)})
+
+    def loss(run_id: str, tenant: str, seq: int, backward: bool) -> float:
+        result = service.forward_backward(tenant, run_id, seq, [datum], "cross_entropy", {}, not backward)
+        return float(result.future.result().metrics["loss:sum"])
+
+    before = loss(ids[1], "bob", 1, False)
+    loss(ids[0], "alice", 1, True)
+    service.optim_step("alice", ids[0], 2, AdamParams(learning_rate=1e-2)).future.result()
+    assert loss(ids[0], "alice", 3, False) != before  # alice's adapter moved
+    assert loss(ids[1], "bob", 2, False) == before  # bob's did not
+    service.finish_session("alice", sessions[0])
+    assert service._bases.held() == {(MODEL, "cpu"): 1}
+    service.finish_session("bob", sessions[1])
+    assert service._bases.held() == {}

@@ -1,0 +1,89 @@
+"""The HTTP side of an agent worker: every httpx request of the process answered by the policy, through the
+episode's `fleetrl.env.agent.AgentHost` (`serve_httpx` patches the default transports of `httpx` and openai 3's
+`httpx2`, so the openai SDK's clients and any framework's reach it), and the reply to one request
+(`answer_request`): a chat completion, a Responses API response (`fleetrl.env.agent_responses`), as JSON or
+server-sent events (`fleetrl.env.agent_stream`); other endpoints answer 404.
+
+Stdlib only here (the httpx modules are patched by name); imported only by agent workers.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+from typing import Any
+
+from fleetrl.env import agent_stream
+from fleetrl.env.agent import AgentHost, CallError
+from fleetrl.env.agent_responses import chat_request, response_of
+
+JSON = "application/json"
+
+
+def answer_request(host: AgentHost, method: str, path: str, body: bytes) -> tuple[int, str, bytes]:
+    """The HTTP status, media type and body answering one request of the agent: a chat completion, or a
+    response of the Responses API (`POST /responses`, carried as the chat completion it stands for); as JSON,
+    or as server-sent events when the request asks for `stream` (`fleetrl.env.agent_stream`: the same reply,
+    whole, in the stream's format)."""
+    responses = path.endswith("/responses")
+    if method != "POST" or not (path.endswith("/chat/completions") or responses):
+        return _json(404, {"error": {"message": f"{method} {path}: agent episodes serve POST /chat/completions "
+                                                "and POST /responses only", "type": "not_found"}})
+    try:
+        request = json.loads(body or b"{}")
+        if not isinstance(request, dict):
+            raise CallError(400, "the request body is not a JSON object")
+        if responses:
+            response = response_of(host.complete(chat_request(request)), request)
+            if request.get("stream"):
+                return 200, agent_stream.MEDIA_TYPE, agent_stream.response_events(response)
+            return _json(200, response)
+        completion = host.complete(request)
+        if request.get("stream"):
+            include_usage = bool((request.get("stream_options") or {}).get("include_usage"))
+            return 200, agent_stream.MEDIA_TYPE, agent_stream.chat_chunks(completion, include_usage)
+        return _json(200, completion)
+    except CallError as error:
+        return _json(error.status, {"error": {"message": str(error), "type": "invalid_request_error"}})
+    except ValueError as error:
+        return _json(400, {"error": {"message": f"the request body is not JSON: {error}",
+                                     "type": "invalid_request_error"}})
+
+
+def _json(status: int, body: dict[str, Any]) -> tuple[int, str, bytes]:
+    return status, JSON, json.dumps(body).encode()
+
+
+HTTPX_MODULES = ("httpx", "httpx2")
+"""The httpx distributions whose transports are served (openai 2 uses httpx, openai 3 its fork httpx2)."""
+
+
+def serve_httpx(host: AgentHost) -> list[str]:
+    """Answer every httpx request of this process with the policy: the default transports of every httpx
+    client (the openai SDK's, a framework's) answer through `host` instead of the network. The names
+    of the httpx modules served."""
+    served = []
+    for name in HTTPX_MODULES:
+        try:
+            module = importlib.import_module(name)
+        except ImportError:
+            continue
+        _patch(module, host)
+        served.append(name)
+    return served
+
+
+def _patch(module: Any, host: AgentHost) -> None:
+    def respond(request: Any) -> Any:
+        # a body given as bytes is read the same by a sync and an async client, streamed or not
+        status, media_type, body = answer_request(host, request.method, request.url.path, request.read())
+        return module.Response(status, headers={"content-type": media_type}, content=body)
+
+    def handle(self: Any, request: Any) -> Any:
+        return respond(request)
+
+    async def handle_async(self: Any, request: Any) -> Any:
+        return respond(request)
+
+    module.HTTPTransport.handle_request = handle
+    module.AsyncHTTPTransport.handle_async_request = handle_async
