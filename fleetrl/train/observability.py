@@ -14,7 +14,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import logging
 import time
@@ -28,7 +27,7 @@ from opentelemetry import trace
 from prometheus_client import Counter, Gauge, Histogram
 
 from fleetrl.proto.fleetrl.v1 import common_pb2
-from fleetrl.runtime import heartbeat, telemetry
+from fleetrl.runtime import background, heartbeat, telemetry
 from fleetrl.tasks import bus
 from fleetrl.train.status import StatusBoard
 
@@ -174,21 +173,20 @@ class LearnerBeats:
         self.written: set[str] = set()
 
     async def run(self) -> None:
-        """A round every heartbeat.INTERVAL_S; a failed round (Redis or NATS restarting) is logged."""
-        while True:
-            try:
-                beats = learner_beats(self.board)
-                for beat in beats.values():
-                    await heartbeat.write(self.client, beat)
-                for member in self.written - set(beats):
-                    await heartbeat.clear(self.client, "learner", member)
-                self.written = set(beats)
-                for status in self.board.current():
-                    if status.phase != "done":
-                        set_queue_gauges(await bus.task_queue(self.js, status.job_id))
-            except Exception as error:  # observability must not stop training
-                log.warning("heartbeat/queue probe failed: %s", error)
-            await asyncio.sleep(heartbeat.INTERVAL_S)
+        """A round every heartbeat.INTERVAL_S; a failed round (Redis or NATS restarting) is logged: observability
+        must not stop training."""
+        await background.repeat(self.round, heartbeat.INTERVAL_S, what="heartbeat/queue probe")
+
+    async def round(self) -> None:
+        beats = learner_beats(self.board)
+        for beat in beats.values():
+            await heartbeat.write(self.client, beat)
+        for member in self.written - set(beats):
+            await heartbeat.clear(self.client, "learner", member)
+        self.written = set(beats)
+        for status in self.board.current():
+            if status.phase != "done":
+                set_queue_gauges(await bus.task_queue(self.js, status.job_id))
 
     async def clear(self) -> None:
         """Drop every beat written (a clean shutdown); best effort: a beat expires anyway."""

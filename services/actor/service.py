@@ -44,7 +44,7 @@ from fleetrl.rollout.job_policy import JobPolicy
 from fleetrl.rollout.memory import Cost, MemoryBudget, budget_bytes, job_cost, preloadable, preloaded_base
 from fleetrl.rollout.rollout import JobContext, Rollout
 from fleetrl.rollout.settings import ActorSettings
-from fleetrl.runtime import heartbeat, telemetry
+from fleetrl.runtime import background, heartbeat, telemetry
 from fleetrl.runtime.grpcutil import RetryPolicy
 from fleetrl.spec.config import JobSpec
 from fleetrl.tasks import bus
@@ -124,7 +124,7 @@ class Actor:
             weights = WeightChannel(factory.transport(s.weights_dir, nc, js))
             stack.push_async_callback(self._clear_beat, store)
             beats = asyncio.create_task(self._beat_loop(store, self.activity))
-            stack.callback(beats.cancel)
+            stack.push_async_callback(background.stop, beats)
             await self._serve_tinker_samples(js, weights, stop, stack)
             log.info("actor %s serving (backend %s on %s)", s.actor_id, s.backend, s.device)
             while not stop.is_set():
@@ -291,12 +291,8 @@ class Actor:
 
     async def _beat_loop(self, store: JobStore, activity: metrics.Activity) -> None:
         """Write this actor's heartbeat every heartbeat.INTERVAL_S; a failed write is retried next time."""
-        while True:
-            try:
-                await heartbeat.write(store.redis, self._beat(activity))
-            except Exception as error:  # Redis restarting: the beat lapses, top shows the actor gone
-                log.warning("heartbeat failed: %s", error)
-            await asyncio.sleep(heartbeat.INTERVAL_S)
+        await background.repeat(lambda: heartbeat.write(store.redis, self._beat(activity)), heartbeat.INTERVAL_S,
+                                what="heartbeat")  # Redis restarting: the beat lapses, top shows the actor gone
 
     def _beat(self, activity: metrics.Activity) -> heartbeat.Beat:
         busy, tokens_per_s = activity.rates()

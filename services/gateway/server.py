@@ -23,7 +23,7 @@ from fleetrl.errors import InvalidArgument
 from fleetrl.jobs.store import JobStore
 from fleetrl.proto.fleetrl.v1 import gateway_pb2, gateway_pb2_grpc
 from fleetrl.reward.client import RewardClient
-from fleetrl.runtime import grpcutil, telemetry
+from fleetrl.runtime import background, grpcutil, telemetry
 from fleetrl.runtime.grpcutil import map_errors, map_stream_errors
 from fleetrl.runtime.observe import ObservingInterceptor, serve_metrics
 from fleetrl.runtime.tokens import auth_table
@@ -172,25 +172,21 @@ def token_table(settings: GatewaySettings) -> TokenTable:
 
 async def retention_loop(gateway: Gateway, retention_s: float) -> None:
     """Delete finished jobs older than retention_s, every RETENTION_CHECK_S (a failed pass is retried)."""
-    while True:
-        try:
-            deleted = await gateway.expire(retention_s)
-            if deleted:
-                log.info("retention: deleted %d finished jobs older than %gs: %s", len(deleted), retention_s, deleted)
-        except Exception as error:  # Redis or NATS away: the next pass finishes it
-            log.warning("retention pass failed: %s", error)
-        await asyncio.sleep(min(RETENTION_CHECK_S, retention_s))
+    async def expire() -> None:
+        deleted = await gateway.expire(retention_s)
+        if deleted:
+            log.info("retention: deleted %d finished jobs older than %gs: %s", len(deleted), retention_s, deleted)
+
+    await background.repeat(expire, min(RETENTION_CHECK_S, retention_s), what="retention pass")
 
 
 async def backlog_loop(gateway: Gateway) -> None:
     """Keep TASK_BACKLOG current. A failed read (NATS away) leaves the last figure: the autoscaler then holds
     the actor count rather than scaling the fleet down in an outage."""
-    while True:
-        try:
-            TASK_BACKLOG.set(await gateway.backlog())
-        except Exception as error:  # NATS or Redis away: the next pass retries
-            log.warning("task backlog not read: %s", error)
-        await asyncio.sleep(BACKLOG_CHECK_S)
+    async def read() -> None:
+        TASK_BACKLOG.set(await gateway.backlog())
+
+    await background.repeat(read, BACKLOG_CHECK_S, what="task backlog read")
 
 
 async def serve(settings: GatewaySettings, stop: asyncio.Event,
@@ -217,10 +213,10 @@ async def serve(settings: GatewaySettings, stop: asyncio.Event,
             poll_s=settings.watch_poll_s, chunk_bytes=settings.download_chunk_kb * 1024,
         )
         backlog = asyncio.create_task(backlog_loop(gateway))
-        stack.callback(backlog.cancel)
+        stack.push_async_callback(background.stop, backlog)
         if settings.retention_s is not None:
             expiring = asyncio.create_task(retention_loop(gateway, settings.retention_s))
-            stack.callback(expiring.cancel)
+            stack.push_async_callback(background.stop, expiring)
         server, port, health_servicer = await grpcutil.start_server(
             settings.listen, [add_job_service(JobServicer(gateway, settings.max_list_jobs))],
             interceptors=[ObservingInterceptor(), AuthInterceptor(table)], credentials=server_credentials(settings),

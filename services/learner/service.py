@@ -55,7 +55,7 @@ from fleetrl.jobs.store import (
 from fleetrl.policy.lora import SharedBases
 from fleetrl.replay.client import ReplayClient
 from fleetrl.reward.client import RewardClient
-from fleetrl.runtime import telemetry
+from fleetrl.runtime import background, telemetry
 from fleetrl.runtime.grpcutil import RetryPolicy, stop_server
 from fleetrl.runtime.observe import serve_metrics
 from fleetrl.services.learner import server
@@ -271,7 +271,7 @@ async def serve(settings: LearnerSettings, stop: asyncio.Event, *, once: bool = 
         beats = LearnerBeats(board, jobs.redis, js)
         stack.push_async_callback(beats.clear)
         observer = asyncio.create_task(beats.run())
-        stack.callback(observer.cancel)
+        stack.push_async_callback(background.stop, observer)
         grpc_server, port, health = await server.start(board, settings.listen)
         stack.push_async_callback(stop_server, grpc_server, health, settings.grace_s)
         log.info("learner %s: status on port %d", settings.learner_id, port)

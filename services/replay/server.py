@@ -22,7 +22,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 from fleetrl.errors import ResourceExhausted
 from fleetrl.proto.fleetrl.v1 import replay_pb2, replay_pb2_grpc
 from fleetrl.replay.table import ReplayTables
-from fleetrl.runtime import redisutil, telemetry
+from fleetrl.runtime import background, redisutil, telemetry
 from fleetrl.runtime.grpcutil import map_errors, start_server, stop_server
 from fleetrl.runtime.observe import ObservingInterceptor, serve_metrics
 from fleetrl.services.replay import convert
@@ -169,14 +169,14 @@ class Running:
 
 
 async def reclaim_loop(tables: ReplayTables, metrics: Metrics, interval_s: float) -> None:
-    """Return expired leases' groups even when nobody samples."""
-    while True:
-        await asyncio.sleep(interval_s)
-        try:
-            metrics.expired_leases.inc(await tables.reclaim_all())
-            await refresh_sizes(tables, metrics)
-        except (ConnectionError, ResourceExhausted) as error:  # Redis restarting or full: try again next period
-            log.warning("lease reclaim skipped: %s", error)
+    """Return expired leases' groups even when nobody samples; Redis restarting or full: the next period
+    tries again."""
+    async def reclaim() -> None:
+        metrics.expired_leases.inc(await tables.reclaim_all())
+        await refresh_sizes(tables, metrics)
+
+    await background.repeat(reclaim, interval_s, what="lease reclaim", retried=(ConnectionError, ResourceExhausted),
+                            first_after=True)
 
 
 async def refresh_sizes(tables: ReplayTables, metrics: Metrics) -> None:
@@ -208,7 +208,7 @@ async def running(settings: ReplaySettings) -> AsyncIterator[Running]:
                                                   interceptors=[ObservingInterceptor(metrics.registry)])
         stack.push_async_callback(stop_server, server, health, settings.grace_s)
         reclaim = asyncio.create_task(reclaim_loop(tables, metrics, settings.reclaim_interval_s))
-        stack.callback(reclaim.cancel)
+        stack.push_async_callback(background.stop, reclaim)
         log.info("replay service on port %d, redis %s", port, redacted(settings.redis_url))
         yield Running(port, tables, reclaim, metrics)
 

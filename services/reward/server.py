@@ -24,6 +24,7 @@ from fleetrl.reward.scorer import Scorer
 from fleetrl.reward.sessions import EpisodeSessions
 from fleetrl.reward.settings import RewardSettings
 from fleetrl.runtime import telemetry
+from fleetrl.runtime.background import stop as stop_background
 from fleetrl.runtime.grpcutil import map_errors, start_server, stop_server
 from fleetrl.runtime.observe import ObservingInterceptor, serve_metrics
 from fleetrl.services.reward import convert
@@ -129,7 +130,7 @@ async def running(settings: RewardSettings) -> AsyncIterator[Running]:
         stack.push_async_callback(stop_server, server, health, settings.grace_s)
         serve_metrics(settings.metrics_port, scorer.metrics.registry)
         background = asyncio.get_running_loop().create_task(reap_loop(scorer, sessions, reap_interval_s(settings)))
-        stack.callback(background.cancel)
+        stack.push_async_callback(stop_background, background)
         log.info("reward service listening on port %d", port)
         yield Running(port, scorer, sessions, background)
 

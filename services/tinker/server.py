@@ -51,7 +51,7 @@ from fleetrl.errors import (
     ResourceExhausted,
     grpc_code,
 )
-from fleetrl.runtime import telemetry
+from fleetrl.runtime import background, telemetry
 from fleetrl.runtime.observe import LATENCY_BUCKETS_S, serve_metrics
 from fleetrl.runtime.tokens import TokenTable, auth_table
 from fleetrl.services.tinker import convert
@@ -370,7 +370,7 @@ async def _serve(settings: TinkerSettings, stop: asyncio.Event, on_start: Callab
             on_start(bound)
         reaper = asyncio.create_task(reap_loop(service, settings.session_idle_s))
         await stop.wait()
-        reaper.cancel()
+        await background.stop(reaper)
     finally:
         await runner.cleanup()
         if metrics is not None:

@@ -223,7 +223,7 @@ async def test_valkey_disk_full_refuses_writes_misconf_and_they_resume_with_spac
     assert redis_full(direct.value).startswith("Redis cannot persist writes (MISCONF")
     assert present == set(acked)
     assert f"lease renewal of job {job.job_id} failed: MISCONF" in caplog.text  # refused, retried, not dead
-    assert "lease reclaim skipped: Redis cannot persist writes (MISCONF" in caplog.text
+    assert "lease reclaim failed: Redis cannot persist writes (MISCONF" in caplog.text
 
 
 async def _until_accepted(client: ReplayClient, timeout_s: float) -> float:
