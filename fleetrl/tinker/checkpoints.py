@@ -15,7 +15,10 @@ own tenant, so another tenant's path reads as not found: no lookup table to keep
 from __future__ import annotations
 
 import json
+import os
 import re
+import shutil
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -73,6 +76,18 @@ class Checkpoint:
     optimizer: dict[str, Any] | None
 
 
+@dataclass(frozen=True)
+class Listed:
+    """A checkpoint as listed: its path, when it was written (seconds since the epoch), its bytes, and the base
+    and LoRA rank it was trained on."""
+
+    path: CheckpointPath
+    written_at: float
+    size_bytes: int
+    base_model: str
+    lora_rank: int
+
+
 class CheckpointStore:
     """Checkpoint directories under one root."""
 
@@ -97,6 +112,9 @@ class CheckpointStore:
 
         write_dir_atomically(self._dir(tenant, path), write)
 
+    def exists(self, tenant: str, path: CheckpointPath) -> bool:
+        return (self._dir(tenant, path) / "meta.json").is_file()
+
     def load(self, tenant: str, path: CheckpointPath) -> Checkpoint:
         """The tenant's checkpoint `path`; NotFound when the tenant has none by that path."""
         directory = self._dir(tenant, path)
@@ -107,3 +125,30 @@ class CheckpointStore:
         optimizer = torch.load(optimizer_file, weights_only=True) if optimizer_file.is_file() else None
         return Checkpoint(meta["base_model"], LoraSpec(**meta["lora"]), int(meta["steps"]),
                           load_file(str(directory / "adapter.safetensors")), optimizer)
+
+    def listed(self, tenant: str, model_id: str) -> list[Listed]:
+        """The tenant's checkpoints of training run `model_id` (both kinds), oldest first; [] when it has none."""
+        found = []
+        for kind in KINDS:
+            kind_dir = self.root / tenant / model_id / kind
+            names = sorted(os.listdir(kind_dir)) if _MODEL_ID.match(model_id) and kind_dir.is_dir() else []
+            for name in names:
+                meta_file = kind_dir / name / "meta.json"
+                if name.startswith(".") or not meta_file.is_file():  # a write or a delete under way
+                    continue
+                meta = json.loads(meta_file.read_text())
+                size = sum(f.stat().st_size for f in (kind_dir / name).iterdir() if f.is_file())
+                found.append(Listed(CheckpointPath(model_id, kind, name), meta_file.stat().st_mtime, size,
+                                    meta["base_model"], int(meta["lora"]["rank"])))
+        return sorted(found, key=lambda c: (c.written_at, str(c.path)))
+
+    def delete(self, tenant: str, path: CheckpointPath) -> None:
+        """Delete the tenant's checkpoint `path` (renamed aside first, so a reader never sees half of one);
+        NotFound when the tenant has none by that path."""
+        directory = self._dir(tenant, path)
+        aside = directory.with_name(f".{directory.name}.deleted-{uuid.uuid4().hex}")
+        try:
+            os.rename(directory, aside)
+        except FileNotFoundError:
+            raise NotFound(f"checkpoint {path} not found") from None
+        shutil.rmtree(aside, ignore_errors=True)

@@ -7,8 +7,8 @@ The tinker service's side, `FleetSampling`:
   for a training run's versions, `path_job_id` for a named checkpoint loaded by path), through the learner's
   `WeightPublisher`: an adapter pointer (kind "adapter", its base named), its sha256, moved only forward,
   the last `keep` versions kept. A payload equal to the namespace's newest version is not published again.
-  A training run's namespace is deleted when its session ends (`forget`); a checkpoint's stays, as the
-  checkpoint does on disk.
+  A training run's namespace is deleted when its session ends (`forget`); a checkpoint's when the checkpoint
+  is deleted (`TinkerService.delete_checkpoint`).
 - `sample(weights, params)`: the request (base, LoRA shape, namespace and pointer, prompt and sampling
   parameters, seed drawn here when the client gave none, so a redelivery samples the same) to
   `SampleRequester`, within `timeout_s`; an actor's error comes back as FailedPrecondition (the caller's)

@@ -36,13 +36,21 @@ from typing import Any
 from fleetrl.errors import FieldViolation, InvalidArgument, NotFound, ResourceExhausted
 from fleetrl.policy.lora import SharedBases
 from fleetrl.policy.models import allow_list_problem
-from fleetrl.tinker.checkpoints import CheckpointPath, CheckpointStore, check_name, parse
+from fleetrl.tinker.checkpoints import SCHEME, CheckpointPath, CheckpointStore, Listed, check_name, parse
 from fleetrl.tinker.checks import check_adam, check_loss, check_sample, check_token_ids
 from fleetrl.tinker.fleet import FleetSampling, path_job_id, run_job_id
 from fleetrl.tinker.requests import Key, Request, RequestLog
 from fleetrl.tinker.sampling import Samplers, SamplerWeights
 from fleetrl.tinker.training import TrainingRun, lora_spec
-from fleetrl.tinker.types import AdamParams, Datum, LoraRequest, SampleParams, SessionSummary, TenantLoad
+from fleetrl.tinker.types import (
+    AdamParams,
+    Datum,
+    LoraRequest,
+    SampleParams,
+    SampleResult,
+    SessionSummary,
+    TenantLoad,
+)
 
 
 @dataclass(frozen=True)
@@ -83,6 +91,22 @@ class SamplingSession:
     """The session that made it; closing that session frees it."""
     weights: SamplerWeights
     model_path: str | None = None
+
+
+@dataclass(frozen=True)
+class RunInfo:
+    """A training run as the SDK's RestClient reads it (`get_training_run`, `list_checkpoints`): live in this
+    process, or known only by its checkpoints on disk (its session ended, or the server restarted)."""
+
+    model_id: str
+    tenant: str
+    base_model: str
+    lora_rank: int
+    last_request_at: float
+    """Seconds since the epoch: its session's last request, or, for a run known by its checkpoints, the newest
+    one's writing."""
+    checkpoints: tuple[Listed, ...]
+    """Oldest first."""
 
 
 @dataclass
@@ -347,6 +371,29 @@ class TinkerService:
     def model_info(self, tenant: str, model_id: str) -> TrainingRun:
         return self.run(tenant, model_id)
 
+    def run_info(self, tenant: str, model_id: str) -> RunInfo:
+        """The tenant's training run `model_id` with its checkpoints, live or known by its checkpoints on disk;
+        NotFound for any other (another tenant's reads as unknown). Reads the disk: not for the event loop."""
+        listed = tuple(self.checkpoints.listed(tenant, model_id))
+        run = self._state.runs.get(model_id)
+        if run is not None and run.tenant == tenant:
+            session = self._state.sessions.get(model_id.partition(":")[0])
+            idle_s = time.monotonic() - session.last_request if session is not None else 0.0
+            return RunInfo(model_id, tenant, run.base_model, run.lora.rank, time.time() - idle_s, listed)
+        if not listed:
+            raise NotFound(f"training run {model_id!r} not found")
+        newest = listed[-1]
+        return RunInfo(model_id, tenant, newest.base_model, newest.lora_rank, newest.written_at, listed)
+
+    def delete_checkpoint(self, tenant: str, model_id: str, checkpoint_id: str) -> None:
+        """Delete one of the tenant's checkpoints (`weights/<name>` or `sampler_weights/<name>` of `model_id`)
+        from disk and, on the fleet, a sampler checkpoint's versions from the weight store: a sampling client
+        made from it then fails its next sample, naming the version gone (a local one keeps its copy)."""
+        path = parse(f"{SCHEME}{model_id}/{checkpoint_id}", "checkpoint_id")
+        self.checkpoints.delete(tenant, path)
+        if path.kind == "sampler_weights" and self._fleet is not None:
+            self._fleet.forget(path_job_id(tenant, str(path)))
+
     # ------------------------------------------------------------------ sampler versions
 
     def save_for_sampler(self, tenant: str, model_id: str, seq_id: int, name: str | None) -> Request:
@@ -410,9 +457,23 @@ class TinkerService:
         key, extra = (sampling_session_id, seq_id), {"sample_sequence_ids": ids}
         fleet = self._fleet
         if fleet is not None:
-            return self.log.submit_async(tenant, key, "Sample", lambda: fleet.sample(session.weights, params),
-                                         fleet.loop, extra)
-        return self.log.submit(tenant, key, "Sample", lambda: self._samplers.sample(session.weights, params), extra)
+            async def on_fleet() -> SampleResult:
+                self._check_source(session)
+                return await fleet.sample(session.weights, params)
+
+            return self.log.submit_async(tenant, key, "Sample", on_fleet, fleet.loop, extra)
+
+        def here() -> SampleResult:
+            self._check_source(session)
+            return self._samplers.sample(session.weights, params)
+
+        return self.log.submit(tenant, key, "Sample", here, extra)
+
+    def _check_source(self, session: SamplingSession) -> None:
+        """A sampling client made from a checkpoint samples only while the checkpoint exists: on the fleet its
+        versions go with it, so here too (the same answer wherever it runs)."""
+        if session.model_path is not None and not self.checkpoints.exists(session.tenant, parse(session.model_path)):
+            raise NotFound(f"checkpoint {session.model_path} was deleted: make a sampling client from another one")
 
     def capabilities(self) -> tuple[str, ...]:
         return self.limits.allowed_models

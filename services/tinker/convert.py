@@ -13,6 +13,7 @@ SampleResponse) use `fleetrl.v1` Tinker* messages, whose field numbers are the S
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import math
 from typing import Any
 
@@ -23,6 +24,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from fleetrl.errors import FieldViolation, InvalidArgument
 from fleetrl.proto.fleetrl.v1 import tinker_pb2 as pb
 from fleetrl.spec.config import violations_of
+from fleetrl.tinker.checkpoints import Listed
+from fleetrl.tinker.service import RunInfo
 from fleetrl.tinker.types import (
     AdamParams,
     Datum,
@@ -84,6 +87,29 @@ def sessions_page(summaries: list[SessionSummary], page: ListSessions) -> dict[s
     the SDK ignores and `fleetrl top` reads)."""
     shown = summaries[page.offset:page.offset + page.limit]
     return {"sessions": [s.session_id for s in shown], "summaries": [dataclasses.asdict(s) for s in shown]}
+
+
+def _iso(seconds: float) -> str:
+    return datetime.datetime.fromtimestamp(seconds, datetime.UTC).isoformat()
+
+
+def checkpoint(listed: Listed) -> dict[str, Any]:
+    """The SDK's Checkpoint: its id is the path after the run (`weights/<name>`, `sampler_weights/<name>`)."""
+    return {"checkpoint_id": f"{listed.path.kind}/{listed.path.name}",
+            "checkpoint_type": "training" if listed.path.kind == "weights" else "sampler",
+            "time": _iso(listed.written_at), "tinker_path": str(listed.path), "size_bytes": listed.size_bytes,
+            "public": False}
+
+
+def training_run(info: RunInfo) -> dict[str, Any]:
+    """The SDK's TrainingRun, with its newest checkpoint of each kind."""
+    def newest(kind: str) -> dict[str, Any] | None:
+        of_kind = [c for c in info.checkpoints if c.path.kind == kind]
+        return checkpoint(of_kind[-1]) if of_kind else None
+
+    return {"training_run_id": info.model_id, "base_model": info.base_model, "model_owner": info.tenant,
+            "is_lora": True, "lora_rank": info.lora_rank, "last_request_time": _iso(info.last_request_at),
+            "last_checkpoint": newest("weights"), "last_sampler_checkpoint": newest("sampler_weights")}
 
 
 def session_summary(item: dict[str, Any]) -> SessionSummary:

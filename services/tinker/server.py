@@ -62,7 +62,7 @@ from fleetrl.tasks import bus
 from fleetrl.tasks.samples import SampleRequester
 from fleetrl.tinker.fleet import FleetSampling
 from fleetrl.tinker.requests import Request, RequestLog
-from fleetrl.tinker.service import Limits, TinkerService
+from fleetrl.tinker.service import Limits, RunInfo, TinkerService
 from fleetrl.tinker.types import ForwardResult, SampleResult
 from fleetrl.weights import factory
 from fleetrl.weights.channel import WeightChannel
@@ -182,6 +182,9 @@ class Routes:
             web.post(f"{v1}/save_weights_for_sampler", self.save_for_sampler),
             web.post(f"{v1}/create_sampling_session", self.create_sampling_session),
             web.get(f"{v1}/samplers/{{sampler_id}}", self.get_sampler),
+            web.get(f"{v1}/training_runs/{{model_id}}", self.get_training_run),
+            web.get(f"{v1}/training_runs/{{model_id}}/checkpoints", self.list_checkpoints),
+            web.delete(f"{v1}/training_runs/{{model_id}}/checkpoints/{{checkpoint_id:.+}}", self.delete_checkpoint),
             web.post(f"{v1}/asample", self.sample),
             web.post(f"{v1}/retrieve_future", self.retrieve_future),
         ]
@@ -274,6 +277,24 @@ class Routes:
         session = self.service.sampler(request[TENANT], request.match_info["sampler_id"])
         return web.json_response({"sampler_id": session.id, "base_model": session.weights.base_model,
                                   "model_path": session.model_path})
+
+    async def get_training_run(self, request: web.Request) -> web.Response:
+        info = await self._run_info(request)
+        return web.json_response(convert.training_run(info))
+
+    async def list_checkpoints(self, request: web.Request) -> web.Response:
+        info = await self._run_info(request)
+        return web.json_response({"checkpoints": [convert.checkpoint(c) for c in info.checkpoints]})
+
+    async def _run_info(self, request: web.Request) -> RunInfo:
+        return await asyncio.get_running_loop().run_in_executor(  # lists checkpoints on disk
+            None, self.service.run_info, request[TENANT], request.match_info["model_id"])
+
+    async def delete_checkpoint(self, request: web.Request) -> web.Response:
+        await asyncio.get_running_loop().run_in_executor(
+            None, self.service.delete_checkpoint, request[TENANT], request.match_info["model_id"],
+            request.match_info["checkpoint_id"])
+        return web.json_response(None)
 
     async def sample(self, request: web.Request) -> web.Response:
         body = convert.parse(convert.Sample, await _json(request))

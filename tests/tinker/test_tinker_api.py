@@ -116,6 +116,45 @@ def test_another_tenants_key_is_refused(server: TinkerServer, alice: tinker.Serv
         tinker.ServiceClient(base_url=server.url, api_key="tml-nobody").create_lora_training_client(MODEL).result()
 
 
+def test_checkpoints_are_read_listed_and_deleted_through_the_rest_client(server: TinkerServer,
+                                                                        alice: tinker.ServiceClient) -> None:
+    """What tinker-cookbook's checkpoint_utils calls: a run read by a checkpoint's path, its checkpoints
+    listed, one deleted; another tenant reads and deletes none of them."""
+    tc = alice.create_lora_training_client(base_model=MODEL, rank=8, seed=4).result()
+    state = tc.save_state("first").result().path
+    sampler = tc.save_weights_for_sampler("snapshot").result().path
+    rest = tinker.RestClient(base_url=server.url, api_key=KEYS["alice"])
+    run = rest.get_training_run_by_tinker_path(state).result()
+    assert (run.training_run_id, run.base_model, run.lora_rank, run.model_owner) == (tc.model_id, MODEL, 8, "alice")
+    assert run.last_checkpoint is not None and run.last_checkpoint.tinker_path == state
+    assert run.last_sampler_checkpoint is not None and run.last_sampler_checkpoint.tinker_path == sampler
+    listed = rest.list_checkpoints(tc.model_id).result().checkpoints
+    assert [(c.checkpoint_id, c.checkpoint_type, c.tinker_path) for c in listed] == [
+        ("weights/first", "training", state), ("sampler_weights/snapshot", "sampler", sampler)]
+    assert all(c.size_bytes is not None and c.size_bytes > 0 for c in listed)
+
+    bob = tinker.RestClient(base_url=server.url, api_key=KEYS["bob"])
+    with pytest.raises(tinker.NotFoundError, match="not found"):
+        bob.list_checkpoints(tc.model_id).result()
+    with pytest.raises(tinker.NotFoundError, match="not found"):
+        bob.delete_checkpoint_from_tinker_path(sampler).result()
+
+    by_path = alice.create_sampling_client(model_path=sampler).result()
+    prompt, params = types.ModelInput.from_ints(SEQUENCE[:8]), types.SamplingParams(max_tokens=4, seed=1)
+    assert len(by_path.sample(prompt, 1, params).result().sequences) == 1
+    rest.delete_checkpoint_from_tinker_path(sampler).result()
+    with pytest.raises(tinker.RequestFailedError, match=f"checkpoint {sampler} was deleted"):
+        by_path.sample(prompt, 1, params).result()  # as on the fleet, where its versions go with it
+    assert [c.tinker_path for c in rest.list_checkpoints(tc.model_id).result().checkpoints] == [state]
+    with pytest.raises(tinker.NotFoundError, match="not found"):
+        alice.create_sampling_client(model_path=sampler).result()
+    with pytest.raises(tinker.NotFoundError, match="not found"):
+        rest.delete_checkpoint_from_tinker_path(sampler).result()
+    with pytest.raises(tinker.BadRequestError, match="checkpoint_id"):
+        rest.delete_checkpoint(tc.model_id, "weights/-x").result()
+    assert alice.create_training_client_from_state(state).result().model_id  # the other one is untouched
+
+
 def test_bad_inputs_get_the_sdks_errors_naming_the_field(alice: tinker.ServiceClient) -> None:
     with pytest.raises(tinker.BadRequestError, match="base_model 'no-such-model'"):
         alice.create_lora_training_client(base_model="no-such-model", rank=8).result()

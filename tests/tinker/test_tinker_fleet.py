@@ -25,10 +25,10 @@ from tinker import types
 
 from fleetrl.launcher.embedded import EmbeddedNats, EmbeddedValkey
 from fleetrl.tasks import bus
-from fleetrl.tinker.fleet import run_job_id
+from fleetrl.tinker.fleet import path_job_id, run_job_id
 from fleetrl.weights.channel import WeightPointer
 from fleetrl.weights.store import WeightStore
-from tests.tinker.conftest import MODEL, TinkerServer
+from tests.tinker.conftest import KEYS, MODEL, TinkerServer
 from tests.tinker.test_tinker_api import LOGPROB_TOL, SEQUENCE, forward_logprobs, train
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -160,6 +160,18 @@ def test_actors_sample_what_the_local_path_samples(fleet_server: TinkerServer, a
         assert newer.sample(prompt, 2, params).result().sequences != first.sequences
         _same(on_fleet.sample(prompt, 2, params).result(), expected)  # the older client keeps its version
         assert "served" in actors.text("a1")
+
+        # deleting the named checkpoint deletes its versions from the weight store too
+        checkpoint_job = path_job_id("alice", path)
+        assert asyncio.run(_pointer(infra[0].url, checkpoint_job)) is not None
+        tinker.RestClient(base_url=fleet_server.url, api_key=KEYS["alice"]).delete_checkpoint_from_tinker_path(
+            path).result()
+        deadline = time.monotonic() + 10
+        while asyncio.run(_pointer(infra[0].url, checkpoint_job)) is not None:
+            assert time.monotonic() < deadline, "the deleted checkpoint's sampler versions are still in the store"
+            time.sleep(0.2)
+        with pytest.raises(tinker.RequestFailedError, match=f"checkpoint {path} was deleted"):
+            by_path.sample(prompt, 2, params).result()  # though the actor still holds the version
         sc.close("success").result()  # the session's end deletes its runs' sampler versions from the store
         deadline = time.monotonic() + 10
         while asyncio.run(_pointer(infra[0].url, run_job_id(tc.model_id))) is not None:
