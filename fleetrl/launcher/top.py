@@ -54,9 +54,11 @@ class Frame:
     tinker: str | None = None
     """The Tinker API asked for sessions; None: none known (no sessions table)."""
     sessions: list[SessionSummary] | None = None
+    all_tenants: bool = False
+    """An operator's view: every tenant's jobs, shares and sessions, by name."""
 
     def to_dict(self) -> dict[str, Any]:
-        jobs = [{"job_id": j.job_id, "name": j.name, "state": j.state, "max_steps": j.max_steps,
+        jobs = [{"job_id": j.job_id, "tenant": j.tenant, "name": j.name, "state": j.state, "max_steps": j.max_steps,
                  "last": asdict(j.last) if j.last else None} for j in self.jobs]
         sessions = None if self.sessions is None else [asdict(s) for s in self.sessions]
         return {"gateway": self.gateway, **self.fleet.to_dict(), "jobs": jobs, "tinker": self.tinker,
@@ -70,6 +72,8 @@ def parser(prog: str = "fleetrl top") -> argparse.ArgumentParser:
     p.add_argument("--tinker", help="Tinker API address host:port or URL, for its sessions (env FLEETRL_TINKER_URL; "
                    "with --dir, the fleet's own when it runs one)")
     p.add_argument("--token", help="bearer token, also the Tinker API key (env FLEETRL_TOKEN)")
+    p.add_argument("--all-tenants", action="store_true",
+                   help="every tenant's jobs, shares and sessions (a token of a tenant in the services' operators)")
     p.add_argument("--interval", type=_seconds, default=1.0, help="seconds between refreshes (default 1)")
     p.add_argument("--once", action="store_true", help="print one frame and exit")
     p.add_argument("--json", action="store_true", help="JSON instead of tables (one object per refresh)")
@@ -105,11 +109,12 @@ def tinker_client(args: argparse.Namespace) -> TinkerClient | None:
     return TinkerClient(address, args.token or os.environ.get(ENV_TOKEN)) if address else None
 
 
-def snapshot(client: Client, tinker: TinkerClient | None = None) -> Frame:
-    fleet, jobs = client.fleet(), client.list_jobs(JOBS_SHOWN)
+def snapshot(client: Client, tinker: TinkerClient | None = None, all_tenants: bool = False) -> Frame:
+    fleet = client.fleet(all_tenants=all_tenants)
+    jobs = client.list_jobs(JOBS_SHOWN, all_tenants=all_tenants)
     if tinker is None:
-        return Frame(client.address, fleet, jobs)
-    return Frame(client.address, fleet, jobs, tinker.url, tinker.sessions(SESSIONS_SHOWN))
+        return Frame(client.address, fleet, jobs, all_tenants=all_tenants)
+    return Frame(client.address, fleet, jobs, tinker.url, tinker.sessions(SESSIONS_SHOWN, all_tenants), all_tenants)
 
 
 # ----------------------------------------------------------------------------- rendering
@@ -124,7 +129,8 @@ def render(frame: Frame) -> Group:
                 f"{len(learners)} learners, {tokens:.1f} generated tok/s", style="bold")
     sandbox = Text(f"reward sandbox: {frame.fleet.reward_sandbox or 'unknown'}",
                    style="bold red" if not frame.fleet.reward_sandbox.startswith("mode jail") else "")
-    tables = [actors_table(actors), learners_table(learners), jobs_table(frame.jobs, frame.fleet.queues),
+    tables = [actors_table(actors), learners_table(learners),
+              jobs_table(frame.jobs, frame.fleet.queues, with_tenant=frame.all_tenants),
               shares_table(frame.fleet.shares)]
     if frame.sessions is not None:
         tables.append(sessions_table(frame.sessions))
@@ -151,11 +157,13 @@ def learners_table(learners: list[MemberInfo]) -> Table:
     return table
 
 
-def jobs_table(jobs: list[JobInfo], queues: list[QueueInfo]) -> Table:
+def jobs_table(jobs: list[JobInfo], queues: list[QueueInfo], with_tenant: bool = False) -> Table:
     by_job = {q.job_id: q for q in queues}
     table = Table(title="jobs (queue: queued / in flight / redelivered / dead-lettered tasks)", title_justify="left",
                   expand=True)
     table.add_column("job", no_wrap=True, min_width=14)
+    if with_tenant:
+        table.add_column("tenant", no_wrap=True)
     table.add_column("state")
     for column in ("step", "reward", "stale", "queue"):
         table.add_column(column, justify="right", no_wrap=True)
@@ -163,7 +171,8 @@ def jobs_table(jobs: list[JobInfo], queues: list[QueueInfo]) -> Table:
         values = job.last.values if job.last else {}
         queue = by_job.get(job.job_id)
         counts = f"{queue.pending}/{queue.in_flight}/{queue.redelivered}/{queue.dead_lettered}" if queue else "-"
-        table.add_row(job.job_id, job.state, f"{job.last.step if job.last else 0}/{job.max_steps}",
+        owner = [job.tenant] if with_tenant else []
+        table.add_row(job.job_id, *owner, job.state, f"{job.last.step if job.last else 0}/{job.max_steps}",
                       _number(values.get("reward_mean")), _number(values.get("staleness_mean")), counts)
     return table
 
@@ -234,7 +243,7 @@ def live(client: Client, tinker: TinkerClient | None, args: argparse.Namespace, 
     with Live(Text("connecting..."), console=out, auto_refresh=False) as view:
         for _ in every(args.interval):
             try:
-                view.update(render(snapshot(client, tinker)), refresh=True)
+                view.update(render(snapshot(client, tinker, args.all_tenants)), refresh=True)
             except FleetError as error:
                 view.update(Text(f"gateway {client.address}: {error}", style="red"), refresh=True)
     return EXIT_OK
@@ -244,7 +253,7 @@ def stream_json(client: Client, tinker: TinkerClient | None, args: argparse.Name
     """One JSON object per interval until Ctrl-C; a failed refresh prints {"gateway", "error"}."""
     for _ in every(args.interval):
         try:
-            print(json.dumps(snapshot(client, tinker).to_dict()), flush=True)
+            print(json.dumps(snapshot(client, tinker, args.all_tenants).to_dict()), flush=True)
         except FleetError as error:
             print(json.dumps({"gateway": client.address, "error": str(error)}), flush=True)
     return EXIT_OK
@@ -262,7 +271,7 @@ def main(argv: list[str]) -> int:
     with client:
         if args.once:
             try:
-                show(snapshot(client, tinker), args.json, out)
+                show(snapshot(client, tinker, args.all_tenants), args.json, out)
             except FleetError as error:
                 out.print(f"[red]fleetrl top: gateway {client.address}: {error}[/red]")
                 return EXIT_FAILURE

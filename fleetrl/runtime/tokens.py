@@ -8,6 +8,11 @@ Tokens are compared as sha256 digests with `hmac.compare_digest`, so the table h
 a comparison leaks no timing. Auth is closed by default: a service with no tokens and `open_mode =
 false` refuses to start (`auth_table`), so forgetting to configure tokens never exposes anything. In
 open mode every caller is tenant `local`.
+
+`operators` names the tenants whose callers may also read every tenant's rows of the fleet's listings
+(`fleetrl top --all-tenants`: the gateway's GetFleet and ListJobs, the Tinker API's sessions), asked for
+explicitly each time (`TokenTable.viewer`). Reading only: every other call still acts as the caller's own
+tenant, so an operator cannot fetch, cancel, delete, account or download another tenant's job.
 """
 
 from __future__ import annotations
@@ -16,11 +21,12 @@ import hashlib
 import hmac
 import logging
 import re
+from collections.abc import Iterable
 from pathlib import Path
 
 from pydantic import Field, field_validator
 
-from fleetrl.errors import ConfigError, FieldViolation, Unauthenticated
+from fleetrl.errors import ConfigError, FieldViolation, PermissionDenied, Unauthenticated
 from fleetrl.spec.config import Strict, read_toml
 
 OPEN_TENANT = "local"
@@ -37,10 +43,22 @@ class TokenTable:
 
     digests: dict[str, str]
     open_mode: bool
+    operators: frozenset[str]
 
-    def __init__(self, digests: dict[str, str], open_mode: bool = False) -> None:
+    def __init__(self, digests: dict[str, str], open_mode: bool = False, operators: Iterable[str] = ()) -> None:
         self.digests = dict(digests)
         self.open_mode = open_mode
+        self.operators = frozenset(operators)
+
+    def viewer(self, tenant: str, all_tenants: bool) -> str | None:
+        """Whose rows a listing shows the caller: its tenant's, or with `all_tenants` every tenant's (None), which
+        only an operator may ask for (PermissionDenied). In open mode the one tenant is the operator."""
+        if not all_tenants:
+            return tenant
+        if not (self.open_mode or tenant in self.operators):
+            raise PermissionDenied(f"tenant {tenant!r} is not an operator: only the tenants in the service's "
+                                   "`operators` setting may list every tenant's rows")
+        return None
 
     def tenants(self) -> tuple[str, ...]:
         """Every tenant a caller can be: the table's, or `local` in open mode."""
@@ -82,6 +100,9 @@ class TokenSettings(Strict):
     """TOML file of `tenant = "sha256 hex"` lines, merged into `tokens`."""
     open_mode: bool = False
     """No authentication: every caller is tenant `local`. For a single-user machine only."""
+    operators: list[str] = Field(default_factory=list, max_length=64)
+    """Tenants (of `tokens`) whose callers may also list every tenant's jobs, fleet rows and Tinker sessions
+    (`fleetrl top --all-tenants`); reading only: they act on their own tenant's jobs alone."""
 
     @field_validator("tokens")
     @classmethod
@@ -103,6 +124,9 @@ class TokenSettings(Strict):
             table.update(tokens)
         bad = [FieldViolation(f"tokens.{t}", "not a sha256 hex digest") for t, d in table.items()
                if not isinstance(d, str) or not _SHA256_HEX.match(d)]
+        if not self.open_mode:
+            bad += [FieldViolation(f"operators[{i}]", f"{tenant!r} is not a tenant of tokens or tokens_file")
+                    for i, tenant in enumerate(self.operators) if tenant not in table]
         if bad:
             raise ConfigError("invalid tokens", bad)
         return table
@@ -119,4 +143,6 @@ def auth_table(settings: TokenSettings, service: str, log: logging.Logger) -> To
     elif not digests:
         raise ConfigError(f"{service} settings", [FieldViolation(
             "tokens", "no tokens configured: set tokens or tokens_file, or open_mode = true for local use")])
-    return TokenTable(digests, settings.open_mode)
+    if settings.operators and not settings.open_mode:
+        log.info("operators (may list every tenant's rows): %s", ", ".join(sorted(settings.operators)))
+    return TokenTable(digests, settings.open_mode, settings.operators)

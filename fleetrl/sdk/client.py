@@ -208,15 +208,18 @@ class Client:
         request = gateway_pb2.GetJobAccountingRequest(job_id=job_id, include_tasks=include_tasks)
         return convert.accounting_info(self._call(self._stub.GetJobAccounting, request, timeout_s))
 
-    def fleet(self, timeout_s: float | None = None) -> FleetInfo:
-        """Live actors and learners and the task queues of your active jobs (what `fleetrl top` shows)."""
-        return convert.fleet_info(self._call(self._stub.GetFleet, gateway_pb2.GetFleetRequest(), timeout_s))
+    def fleet(self, timeout_s: float | None = None, all_tenants: bool = False) -> FleetInfo:
+        """Live actors and learners and the task queues of your active jobs (what `fleetrl top` shows); with
+        `all_tenants` (an operator's token only) every tenant's, by name."""
+        request = gateway_pb2.GetFleetRequest(all_tenants=all_tenants)
+        return convert.fleet_info(self._call(self._stub.GetFleet, request, timeout_s))
 
     def get_job(self, job_id: str) -> JobInfo:
         return convert.job_info(self._call(self._stub.GetJob, gateway_pb2.GetJobRequest(job_id=job_id)))
 
-    def list_jobs(self, limit: int = 50) -> list[JobInfo]:
-        response = self._call(self._stub.ListJobs, gateway_pb2.ListJobsRequest(limit=limit))
+    def list_jobs(self, limit: int = 50, all_tenants: bool = False) -> list[JobInfo]:
+        """Your jobs, newest first; with `all_tenants` (an operator's token only) every tenant's."""
+        response = self._call(self._stub.ListJobs, gateway_pb2.ListJobsRequest(limit=limit, all_tenants=all_tenants))
         return [convert.job_info(job) for job in response.jobs]
 
     def cancel_job(self, job_id: str, reason: str = "") -> JobInfo:

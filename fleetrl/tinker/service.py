@@ -161,10 +161,12 @@ class TinkerService:
         session.last_request = time.monotonic()
         return session
 
-    def sessions(self, tenant: str, now: float | None = None) -> list[SessionSummary]:
-        """The tenant's live sessions, newest request first; never another tenant's."""
+    def sessions(self, tenant: str | None, now: float | None = None) -> list[SessionSummary]:
+        """The tenant's live sessions, newest request first; never another tenant's, unless the caller is an
+        operator listing every tenant's (tenant None)."""
         now = time.monotonic() if now is None else now
-        live = [s for s in list(self._state.sessions.values()) if s.tenant == tenant and not s.finished]
+        live = [s for s in list(self._state.sessions.values())
+                if (tenant is None or s.tenant == tenant) and not s.finished]
         return sorted((self._summary(s, now) for s in live), key=lambda s: (s.last_request_age_s, s.session_id))
 
     def _summary(self, session: Session, now: float) -> SessionSummary:

@@ -68,9 +68,11 @@ class JobServicer(gateway_pb2_grpc.JobServiceServicer):
 
     gateway: Gateway
     max_list: int
+    tokens: TokenTable
+    """Who may list every tenant's rows (`TokenTable.viewer`)."""
 
-    def __init__(self, gateway: Gateway, max_list: int) -> None:
-        self.gateway, self.max_list = gateway, max_list
+    def __init__(self, gateway: Gateway, max_list: int, tokens: TokenTable) -> None:
+        self.gateway, self.max_list, self.tokens = gateway, max_list, tokens
 
     @map_errors
     async def SubmitJob(self, request: gateway_pb2.SubmitJobRequest, context: Any) -> gateway_pb2.Job:
@@ -85,7 +87,8 @@ class JobServicer(gateway_pb2_grpc.JobServiceServicer):
     @map_errors
     async def ListJobs(self, request: gateway_pb2.ListJobsRequest, context: Any) -> gateway_pb2.ListJobsResponse:
         _require(request)
-        records = await self.gateway.list_jobs(current_tenant(), min(request.limit or 50, self.max_list))
+        viewer = self.tokens.viewer(current_tenant(), request.all_tenants)
+        records = await self.gateway.list_jobs(viewer, min(request.limit or 50, self.max_list))
         return gateway_pb2.ListJobsResponse(jobs=[convert.job_to_proto(r) for r in records])
 
     @map_errors
@@ -110,7 +113,8 @@ class JobServicer(gateway_pb2_grpc.JobServiceServicer):
     @map_errors
     async def GetFleet(self, request: gateway_pb2.GetFleetRequest, context: Any) -> gateway_pb2.FleetStatus:
         _require(request)
-        return convert.fleet_to_proto(await self.gateway.fleet(current_tenant()))
+        viewer = self.tokens.viewer(current_tenant(), request.all_tenants)
+        return convert.fleet_to_proto(await self.gateway.fleet(viewer))
 
     @map_errors
     async def GetJobAccounting(self, request: gateway_pb2.GetJobAccountingRequest,
@@ -218,7 +222,7 @@ async def serve(settings: GatewaySettings, stop: asyncio.Event,
             expiring = asyncio.create_task(retention_loop(gateway, settings.retention_s))
             stack.push_async_callback(background.stop, expiring)
         server, port, health_servicer = await grpcutil.start_server(
-            settings.listen, [add_job_service(JobServicer(gateway, settings.max_list_jobs))],
+            settings.listen, [add_job_service(JobServicer(gateway, settings.max_list_jobs, table))],
             interceptors=[ObservingInterceptor(), AuthInterceptor(table)], credentials=server_credentials(settings),
             max_receive_bytes=int(settings.max_message_mb * 1024 * 1024))
         log.info("gateway listening on %s (port %d, %s)", settings.listen, port,

@@ -28,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+from collections import Counter, defaultdict
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -252,7 +253,8 @@ class Gateway:
             raise NotFound(f"job {job_id!r} does not exist")
         return record
 
-    async def list_jobs(self, tenant: str, limit: int) -> list[JobRecord]:
+    async def list_jobs(self, tenant: str | None, limit: int) -> list[JobRecord]:
+        """The tenant's jobs, newest first; every tenant's for an operator (tenant None)."""
         return await self.store.list(tenant, limit)
 
     async def cancel(self, tenant: str, job_id: str, reason: str) -> JobRecord:
@@ -336,8 +338,9 @@ class Gateway:
                 return
             await asyncio.sleep(self.poll_s)
 
-    async def fleet(self, tenant: str) -> FleetView:
-        """Every live member (another tenant's job hidden) and the queue of each of the tenant's active jobs."""
+    async def fleet(self, tenant: str | None) -> FleetView:
+        """Every live member (another tenant's job hidden) and the queue of each of the tenant's active jobs;
+        for an operator (tenant None) every tenant's, by name."""
         members = await self.fleet_source.members()
         active = await self.store.active_jobs()
         owners: dict[str, str | None] = {record.job_id: record.tenant for record in active}
@@ -345,7 +348,7 @@ class Gateway:
             if job not in owners:  # finished since a member's beat, or deleted
                 owners[job] = await self._owner(job)
         visible = [seen_by(tenant, member, owners) for member in members]
-        mine = sorted((r for r in active if r.tenant == tenant), key=lambda r: r.job_id)
+        mine = sorted((r for r in active if tenant is None or r.tenant == tenant), key=lambda r: r.job_id)
         queues = [await self.fleet_source.queue(record.job_id) for record in mine]
         shares = tenant_shares(tenant, members, owners, active)
         return FleetView(visible, queues, now_ms(), await self._reward_sandbox(), shares)
@@ -429,34 +432,40 @@ def event_payload(job_id: str, event: dict[str, Any]) -> dict[str, Any]:
     return {"job_id": job_id, "unix_ms": now_ms(), **event}
 
 
-def seen_by(tenant: str, member: Beat, owners: dict[str, str | None]) -> Beat:
-    """A member's beat as the tenant may see it: another tenant's job, its version and its seconds hidden."""
+def seen_by(tenant: str | None, member: Beat, owners: dict[str, str | None]) -> Beat:
+    """A member's beat as the tenant may see it: another tenant's job, its version and its seconds hidden
+    (tenant None, an operator: all of it)."""
+    if tenant is None:
+        return member
     own = owners.get(member.job_id) == tenant
     return dataclasses.replace(member, job_id=member.job_id if own else "",
                                policy_version=member.policy_version if own else 0,
                                served_s={job: s for job, s in member.served_s.items() if owners.get(job) == tenant})
 
 
-def tenant_shares(tenant: str, members: list[Beat], owners: dict[str, str | None],
+def tenant_shares(tenant: str | None, members: list[Beat], owners: dict[str, str | None],
                   active: list[JobRecord]) -> list[TenantShare]:
-    """The caller's row and one row for every other tenant together (omitted when there are none), from the
-    actors' windowed served seconds and the active jobs' weights."""
-    served: dict[bool, float] = {True: 0.0, False: 0.0}
+    """The tenants' shares, from the actors' windowed served seconds and the active jobs' weights: the caller's
+    row and one row for every other tenant together (omitted when there are none); for an operator (tenant
+    None) one row per tenant, by name."""
+    def row(owner: str) -> str:
+        return owner if tenant is None or owner == tenant else ""
+
+    served: dict[str, float] = defaultdict(float)
     for member in members:
         for job, seconds in member.served_s.items():
-            if owners.get(job) is not None:  # a deleted job's seconds belong to nobody
-                served[owners[job] == tenant] += seconds
+            owner = owners.get(job)
+            if owner is not None:  # a deleted job's seconds belong to nobody
+                served[row(owner)] += seconds
     weights: dict[str, float] = {}
     for record in active:
         weights[record.tenant] = max(weights.get(record.tenant, 0.0), record.weight)
+    jobs, row_weight = Counter(row(r.tenant) for r in active), defaultdict[str, float](float)
+    for owner, weight in weights.items():
+        row_weight[row(owner)] += weight
     total_s, total_weight = sum(served.values()), sum(weights.values())
-    rows = []
-    for own in (True, False):
-        count = sum((r.tenant == tenant) == own for r in active)
-        weight = weights.get(tenant, 0.0) if own else total_weight - weights.get(tenant, 0.0)
-        if not own and not count and not served[False]:
-            continue
-        rows.append(TenantShare(tenant if own else "", count, weight, round(served[own], 3),
-                                served[own] / total_s if total_s else 0.0,
-                                weight / total_weight if total_weight else 0.0))
-    return rows
+    shown = {name for name in set(served) | set(jobs) if jobs[name] or served[name]}
+    names = sorted(shown) if tenant is None else [tenant, *([""] if "" in shown else [])]
+    return [TenantShare(name, jobs[name], row_weight[name], round(served[name], 3),
+                        served[name] / total_s if total_s else 0.0,
+                        row_weight[name] / total_weight if total_weight else 0.0) for name in names]

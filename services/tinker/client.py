@@ -12,7 +12,7 @@ import json
 import urllib.error
 import urllib.request
 
-from fleetrl.errors import FleetError, Unauthenticated, Unavailable
+from fleetrl.errors import FleetError, PermissionDenied, Unauthenticated, Unavailable
 from fleetrl.services.tinker.convert import session_summary
 from fleetrl.tinker.types import SessionSummary
 
@@ -30,16 +30,18 @@ class TinkerClient:
         self.url = url if "://" in url else f"http://{url}"
         self.token, self.timeout_s = token, timeout_s
 
-    def sessions(self, limit: int = 100) -> list[SessionSummary]:
-        """The caller's live sessions, newest request first (`GET /api/v1/sessions`)."""
-        request = urllib.request.Request(f"{self.url}/api/v1/sessions?limit={limit}",
-                                         headers={"X-API-Key": self.token or ""})
+    def sessions(self, limit: int = 100, all_tenants: bool = False) -> list[SessionSummary]:
+        """The caller's live sessions, newest request first (`GET /api/v1/sessions`); every tenant's with
+        `all_tenants` (an operator's key only: PermissionDenied otherwise)."""
+        query = f"limit={limit}" + ("&all_tenants=true" if all_tenants else "")
+        request = urllib.request.Request(f"{self.url}/api/v1/sessions?{query}", headers={"X-API-Key": self.token or ""})
         try:
             with urllib.request.urlopen(request, timeout=self.timeout_s) as response:
                 body = json.load(response)
         except urllib.error.HTTPError as error:
-            if error.code == 401:
-                raise Unauthenticated(f"tinker API {self.url}: {error.read().decode(errors='replace')}") from None
+            if error.code in (401, 403):
+                kind = Unauthenticated if error.code == 401 else PermissionDenied
+                raise kind(f"tinker API {self.url}: {error.read().decode(errors='replace')}") from None
             raise FleetError(f"tinker API {self.url}: HTTP {error.code}") from None
         except OSError as error:
             raise Unavailable(f"tinker API {self.url}: {error}") from None

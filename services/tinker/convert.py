@@ -76,10 +76,12 @@ class SessionRef(Wire):
 
 
 class ListSessions(Wire):
-    """`GET sessions` query (the SDK's list_sessions; `access_scope` is ignored: a tenant's sessions are its own)."""
+    """`GET sessions` query (the SDK's list_sessions; `access_scope` is ignored: a tenant's sessions are its own).
+    `all_tenants=true` (fleetrl's, for `fleetrl top --all-tenants`): every tenant's, for an operator only."""
 
     limit: int = Field(20, ge=1, le=10_000)
     offset: int = Field(0, ge=0)
+    all_tenants: bool = False
 
 
 def sessions_page(summaries: list[SessionSummary], page: ListSessions) -> dict[str, Any]:

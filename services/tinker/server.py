@@ -157,9 +157,11 @@ class Routes:
 
     service: TinkerService
     poll_s: float
+    tokens: TokenTable
+    """Who may list every tenant's sessions (`TokenTable.viewer`)."""
 
-    def __init__(self, service: TinkerService, poll_s: float) -> None:
-        self.service, self.poll_s = service, poll_s
+    def __init__(self, service: TinkerService, poll_s: float, tokens: TokenTable) -> None:
+        self.service, self.poll_s, self.tokens = service, poll_s, tokens
 
     def table(self) -> list[web.RouteDef]:
         v1 = "/api/v1"
@@ -218,7 +220,8 @@ class Routes:
 
     async def list_sessions(self, request: web.Request) -> web.Response:
         page = convert.parse(convert.ListSessions, dict(request.query))
-        return web.json_response(convert.sessions_page(self.service.sessions(request[TENANT]), page))
+        viewer = self.tokens.viewer(request[TENANT], page.all_tenants)
+        return web.json_response(convert.sessions_page(self.service.sessions(viewer), page))
 
     async def finish_session(self, request: web.Request) -> web.Response:
         self.service.finish_session(request[TENANT], request.match_info["session_id"])
@@ -374,7 +377,7 @@ async def _serve(settings: TinkerSettings, stop: asyncio.Event, on_start: Callab
     metrics = serve_metrics(settings.metrics_port, registry(TenantGauges(service, table.tenants())))
     app = web.Application(middlewares=[observed, errors, authenticate(table)],
                           client_max_size=int(settings.max_request_mb * 1024 * 1024))
-    app.add_routes(Routes(service, settings.poll_s).table())
+    app.add_routes(Routes(service, settings.poll_s, table).table())
     runner = web.AppRunner(app, access_log=None, shutdown_timeout=settings.grace_s)
     await runner.setup()
     host, _, port = settings.listen.rpartition(":")

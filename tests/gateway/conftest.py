@@ -123,7 +123,8 @@ def infra(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Infra]:
 
 @pytest.fixture(scope="session")
 def gateway(infra: Infra) -> Iterator[Proc]:
-    proc = infra.gateway("shared", "max_message_mb = 4\nmax_prompts_mb = 1\nmax_reward_file_kb = 16").start()
+    proc = infra.gateway("shared", 'max_message_mb = 4\nmax_prompts_mb = 1\nmax_reward_file_kb = 16\n'
+                         'operators = ["carol"]').start()
     yield proc
     proc.stop()
 

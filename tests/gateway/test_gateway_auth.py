@@ -16,8 +16,9 @@ from google.protobuf import descriptor_pb2
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from fleetrl.errors import NotFound, Unauthenticated, Unavailable
+from fleetrl.errors import ConfigError, NotFound, PermissionDenied, Unauthenticated, Unavailable
 from fleetrl.proto.fleetrl.v1 import gateway_pb2
+from fleetrl.runtime.tokens import TokenSettings
 from fleetrl.sdk.client import Client, Run
 from fleetrl.services.gateway.__main__ import main as gateway_main
 from fleetrl.services.gateway.auth import TokenTable, hash_token
@@ -95,6 +96,19 @@ def test_token_table() -> None:
         with pytest.raises(Unauthenticated):
             table.tenant_for(header)
     assert TokenTable({}, open_mode=True).tenant_for(None) == "local"
+
+
+def test_operators_are_tenants_of_the_table_and_only_they_list_every_tenant() -> None:
+    table = TokenTable({"a": hash_token("1"), "op": hash_token("2")}, operators=["op"])
+    assert (table.viewer("a", False), table.viewer("op", False), table.viewer("op", True)) == ("a", "op", None)
+    with pytest.raises(PermissionDenied, match="tenant 'a' is not an operator"):
+        table.viewer("a", True)
+    assert TokenTable({}, open_mode=True).viewer("local", True) is None  # the one user of an open service
+    settings = TokenSettings(tokens={"a": hash_token("1")}, operators=["a", "nobody"])
+    with pytest.raises(ConfigError) as refused:
+        settings.token_table()
+    assert [(v.field, v.description) for v in refused.value.violations] == [
+        ("operators[1]", "'nobody' is not a tenant of tokens or tokens_file")]
 
 
 def test_hash_token_command(capsys: pytest.CaptureFixture[str]) -> None:

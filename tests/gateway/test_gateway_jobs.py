@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from fleetrl.errors import ConfigError, FailedPrecondition, NotFound
+from fleetrl.errors import ConfigError, FailedPrecondition, NotFound, PermissionDenied
 from fleetrl.jobs.store import ADAPTER_DIR, JobState, JobStore
 from fleetrl.launcher import jobs_cli as cli
 from fleetrl.runtime import heartbeat
@@ -86,6 +86,28 @@ def test_a_tenant_sees_its_own_share_of_actor_time_and_no_other_tenants_jobs(
             assert (ours.served_s, others.served_s) == (own_s, 9.0 - own_s)
             text = json.dumps(fleet.to_dict())
             assert other not in text and ("bob" if own == "alice" else "alice") not in text, text
+
+        # carol, an operator (the shared gateway's `operators`), sees every tenant's rows when she asks, and
+        # still acts on her own jobs only; nobody else may ask
+        carol = client_for("carol")
+        fleet = carol.fleet(all_tenants=True)
+        [member] = [m for m in fleet.members if m.member_id == beat.member_id]
+        assert (member.job_id, member.policy_version) == (mine, 3)
+        served = {s.tenant: s.served_s for s in fleet.shares}
+        assert (served["alice"], served["bob"]) == (6.0, 3.0) and "" not in served
+        assert {mine, theirs} <= {q.job_id for q in fleet.queues}
+        listed = {j.job_id: j.tenant for j in carol.list_jobs(1000, all_tenants=True)}
+        assert (listed[mine], listed[theirs]) == ("alice", "bob")
+        assert mine not in {j.job_id for j in carol.list_jobs(1000)}  # not asked: her own only
+        assert theirs not in json.dumps(carol.fleet().to_dict())
+        for call in (lambda: carol.get_job(mine), lambda: carol.cancel_job(mine),
+                     lambda: carol.accounting(mine)):
+            with pytest.raises(NotFound):
+                call()
+        for call in (lambda: alice.fleet(all_tenants=True), lambda: bob.list_jobs(all_tenants=True)):
+            with pytest.raises(PermissionDenied, match="not an operator"):
+                call()
+        assert alice.get_job(mine).state == "queued"  # carol's cancel did nothing
     finally:
         asyncio.run(write(clear=True))
         alice.cancel_job(mine)

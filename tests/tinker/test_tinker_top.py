@@ -1,16 +1,20 @@
 """`fleetrl top` lists the caller's live Tinker sessions: the official SDK trains on a real Tinker API server,
 and top's client, frame, table and JSON show each session with its tenant, shape and optimizer steps;
-another tenant's session is its own row, in that tenant's view only."""
+another tenant's session is its own row, in that tenant's view only, unless an operator asks for every
+tenant's (`fleetrl top --all-tenants`)."""
 
 from __future__ import annotations
 
 import io
 import json
+from collections.abc import Iterator
 
+import pytest
 import tinker
 from rich.console import Console
 from tinker import types
 
+from fleetrl.errors import PermissionDenied
 from fleetrl.launcher import top
 from fleetrl.sdk.records import FleetInfo
 from tests.tinker.conftest import KEYS, MODEL, TinkerServer
@@ -34,16 +38,25 @@ class NoJobs:
 
     address = "gateway-not-asked"
 
-    def fleet(self) -> FleetInfo:
+    def fleet(self, all_tenants: bool = False) -> FleetInfo:
         return FleetInfo([], [], 0, "mode jail")
 
-    def list_jobs(self, limit: int) -> list[object]:
+    def list_jobs(self, limit: int, all_tenants: bool = False) -> list[object]:
         return []
 
 
-def frame_of(server: TinkerServer, tenant: str) -> top.Frame:
-    args = top.parser().parse_args(["--tinker", server.url, "--token", KEYS[tenant], "--once", "--json"])
-    return top.snapshot(NoJobs(), top.tinker_client(args))  # type: ignore[arg-type]
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TinkerServer]:
+    """This module's server: alice is an operator (`operators`), bob is not."""
+    running = TinkerServer(tmp_path_factory.mktemp("tinker-top"), max_training_runs_per_tenant=100,
+                           operators=["alice"]).start()
+    yield running
+    running.stop()
+
+
+def frame_of(server: TinkerServer, tenant: str, *flags: str) -> top.Frame:
+    args = top.parser().parse_args(["--tinker", server.url, "--token", KEYS[tenant], "--once", "--json", *flags])
+    return top.snapshot(NoJobs(), top.tinker_client(args), args.all_tenants)  # type: ignore[arg-type]
 
 
 def rendered(frame: top.Frame) -> str:
@@ -79,6 +92,14 @@ def test_top_shows_each_tenants_live_sessions_with_their_steps(server: TinkerSer
         (bob_session, "bob", (8,), 1)]
     assert alice_session not in rendered(theirs)
 
+    # alice is an operator: asked, her view holds every tenant's sessions, by tenant; bob may not ask
+    everyone = frame_of(server, "alice", "--all-tenants")
+    assert sorted((s.session_id, s.tenant) for s in everyone.sessions or []) == sorted(
+        [(alice_session, "alice"), (bob_session, "bob")])
+    assert bob_session in rendered(everyone)
+    with pytest.raises(PermissionDenied, match="not an operator"):
+        frame_of(server, "bob", "--all-tenants")
+
     # the SDK's own list_sessions sees the same ids, and a closed session leaves the listing
     rest = tinker.RestClient(base_url=server.url, api_key=KEYS["alice"])
     assert rest.list_sessions().result().sessions == [alice_session]
@@ -91,3 +112,4 @@ def test_top_shows_each_tenants_live_sessions_with_their_steps(server: TinkerSer
 def test_top_without_a_tinker_api_has_no_sessions_table() -> None:
     frame = top.snapshot(NoJobs())  # type: ignore[arg-type]
     assert frame.to_dict()["sessions"] is None and "tinker sessions" not in rendered(frame)
+

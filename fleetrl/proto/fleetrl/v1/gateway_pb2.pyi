@@ -93,10 +93,12 @@ class GetJobRequest(_message.Message):
     def __init__(self, job_id: _Optional[str] = ...) -> None: ...
 
 class ListJobsRequest(_message.Message):
-    __slots__ = ("limit",)
+    __slots__ = ("limit", "all_tenants")
     LIMIT_FIELD_NUMBER: _ClassVar[int]
+    ALL_TENANTS_FIELD_NUMBER: _ClassVar[int]
     limit: int
-    def __init__(self, limit: _Optional[int] = ...) -> None: ...
+    all_tenants: bool
+    def __init__(self, limit: _Optional[int] = ..., all_tenants: _Optional[bool] = ...) -> None: ...
 
 class ListJobsResponse(_message.Message):
     __slots__ = ("jobs",)
@@ -173,8 +175,10 @@ class FileChunk(_message.Message):
     def __init__(self, path: _Optional[str] = ..., offset: _Optional[int] = ..., data: _Optional[bytes] = ..., last: _Optional[bool] = ...) -> None: ...
 
 class GetFleetRequest(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("all_tenants",)
+    ALL_TENANTS_FIELD_NUMBER: _ClassVar[int]
+    all_tenants: bool
+    def __init__(self, all_tenants: _Optional[bool] = ...) -> None: ...
 
 class FleetMember(_message.Message):
     __slots__ = ("kind", "member_id", "state", "job_id", "policy_version", "tokens_per_s", "busy_fraction", "seen_unix_ms")
