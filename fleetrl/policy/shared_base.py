@@ -163,6 +163,11 @@ class SharedBaseBackend(HFBackend):
                 parameter.data.copy_(tensors[published].to(device=parameter.device, dtype=parameter.dtype))
             self._turns = None
 
+    def adapter_bytes(self) -> int:
+        """What this job's adapter holds on the base (its weights, in the base's dtype)."""
+        with self._base.lock:
+            return sum(w.numel() * w.element_size() for w in self._layers().values())
+
     def adapter_shapes(self) -> dict[str, tuple[int, ...]]:
         with self._base.lock:
             return {name: tuple(weight.shape) for name, weight in self._layers().items()}

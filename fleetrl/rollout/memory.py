@@ -8,8 +8,9 @@ while LoRA jobs sharing their base (`share_lora_base`, `fleetrl.policy.shared_ba
 their adapter and the base once between them; a vLLM backend adds its KV cache
 (`vllm_kv_cache_gib`) to its engine, and LoRA jobs sharing a vLLM engine (one base, one rank bucket)
 each commit their adapter and the engine once between them; the fixed backend holds a tokenizer
-only. A shared hf base the actor preloaded (`preload_models`) is committed from the start, held or
-not. Activations and the HF backend's KV cache during a generation are not counted: they are per
+only. A shared hf base the actor preloaded (`preload_models`, and the `tinker_models` bases) is committed
+from the start, held or not, and so are the Tinker samplers' adapters on it (`MemoryBudget.samplers`).
+Activations and the HF backend's KV cache during a generation are not counted: they are per
 generation, not per job, and the budget's default leaves room for them.
 
 `MemoryBudget` keeps what each held job committed and when it last served a task. A job that fits
@@ -120,6 +121,10 @@ class MemoryBudget:
     costs: dict[str, Cost] = field(default_factory=dict)
     pinned: set[tuple[tuple[str, str, str], int]] = field(default_factory=set)
     """Preloaded shared bases (key, bytes): committed whatever jobs are held."""
+    samplers: int = 0
+    """Bytes the Tinker API's samplers hold on this actor (their adapters on the shared base, their cached
+    versions: `fleetrl.tinker.fleet.ActorSampling`, which drops its least recently used ones to stay within the
+    budget); committed as a held job's are, so a job that no longer fits beside them is deferred."""
     opened: dict[str, float] = field(default_factory=dict)
     served: dict[str, float] = field(default_factory=dict)
 
@@ -131,7 +136,7 @@ class MemoryBudget:
         """Bytes the jobs (and a job of cost extra) commit: each one's own, each shared base once."""
         costs = [self.costs[job] for job in jobs] + ([extra] if extra is not None else [])
         bases = {cost.base for cost in costs if cost.base is not None} | self.pinned
-        return sum(cost.own for cost in costs) + sum(size for _, size in bases)
+        return sum(cost.own for cost in costs) + sum(size for _, size in bases) + self.samplers
 
     def make_room(self, cost: Cost, now: float) -> list[str] | None:
         """The held jobs to drop (least recently served first) so that cost fits, [] when it fits

@@ -55,7 +55,8 @@ class ActorSettings(InfraSettings):
     `sampling = "fleet"`), beside its jobs: it takes them from the base's shared queue one at a time, pulls
     each sampler version's adapter from the weight store and samples through an adapter of the hf shared
     base (`fleetrl.tinker.fleet`), the one its LoRA jobs use. Each is preloaded at start (as
-    `preload_models`) and counts against the memory budget; the adapters are not counted."""
+    `preload_models`) and counts against the memory budget, and so do the samplers' adapters and cached
+    versions (the least recently used dropped past it)."""
     tinker_sample_ack_wait_s: float = Field(30.0, ge=1, le=3600)
     """A sample request whose actor stops sending in_progress (it died) for this long is redelivered to
     another actor. The first actor serving a base sets it for every actor of that base."""
@@ -63,7 +64,8 @@ class ActorSettings(InfraSettings):
     """Deliveries of one sample request at most (set, like tinker_sample_ack_wait_s, by the first actor)."""
     tinker_adapters_cached: int = Field(16, ge=1, le=10_000)
     """Tinker samplers (training runs' or checkpoints' namespaces) that keep their adapter on the shared
-    base, and sampler versions kept after their pull; the least recently used beyond are dropped."""
+    base, and sampler versions kept after their pull; the least recently used beyond are dropped, and sooner
+    when the memory budget cannot hold them."""
     memory_budget_mb: int = Field(0, ge=0, le=1 << 30)
     """Most memory the jobs this actor holds at once may commit, in MiB: each job's estimated weights
     (and a vllm backend's KV cache; `fleetrl.rollout.memory`). A job that does not fit is taken after

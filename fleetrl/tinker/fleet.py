@@ -36,6 +36,7 @@ import json
 import logging
 import random
 from collections import OrderedDict
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
@@ -148,10 +149,20 @@ class FleetSampling:
 
 @dataclass
 class _Adapter:
-    """A namespace's adapter on the actor's shared base, and the version copied into it (-1: none, B = 0)."""
+    """A namespace's adapter on the actor's shared base, its bytes, and the version copied into it (-1: none,
+    B = 0)."""
 
     backend: SharedBaseBackend
+    bytes: int
     version: int = -1
+
+
+def _nbytes(tensors: dict[str, torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors.values())
+
+
+def _unbounded(held: int) -> bool:
+    return True
 
 
 class ActorSampling:
@@ -167,13 +178,22 @@ class ActorSampling:
     _tensors: OrderedDict[tuple[str, int], dict[str, torch.Tensor]]
     _sampling: asyncio.Lock
     """One Tinker sample at a time on this actor (its adapters change between them)."""
+    account: Callable[[int], bool]
+    """Told the bytes the samplers hold after every change (their adapters on the base, and the versions
+    cached); answers whether the actor's memory budget still holds them (`MemoryBudget.samplers`). While it
+    does not, the least recently used cached versions, then adapters, other than the sample's own are dropped."""
 
-    def __init__(self, store: WeightChannel, adapters_cached: int, *, dtype: str, device: str) -> None:
+    def __init__(self, store: WeightChannel, adapters_cached: int, *, dtype: str, device: str,
+                 account: Callable[[int], bool] = _unbounded) -> None:
         self.adapters_cached, self.dtype, self.device = adapters_cached, dtype, device
         self._store = store
         self._adapters = OrderedDict()
         self._tensors = OrderedDict()
         self._sampling = asyncio.Lock()
+        self.account = account
+
+    def held_bytes(self) -> int:
+        return sum(a.bytes for a in self._adapters.values()) + sum(map(_nbytes, self._tensors.values()))
 
     async def run(self, queue: SampleQueue, stop: asyncio.Event) -> None:
         """Serve the queue's base until stop; a failed fetch (NATS restarting) is tried again."""
@@ -195,6 +215,7 @@ class ActorSampling:
             tensors = await self._pulled(weights)
             async with self._sampling:
                 backend = await self._backend(weights, tensors)
+                await self._fit(self._key(weights))
                 result = await asyncio.to_thread(sample_with, backend, params)
             return encode_result(result)
         except RETRIED:
@@ -207,17 +228,38 @@ class ActorSampling:
     async def close(self) -> None:
         while self._adapters:
             await asyncio.to_thread(self._adapters.popitem()[1].backend.close)
+        self._tensors.clear()
+        self.account(0)
+
+    @staticmethod
+    def _key(weights: SamplerWeights) -> str:
+        return weights.job_id or base_key(weights.base_model)
+
+    async def _fit(self, in_use: str) -> None:
+        """Drop what the budget cannot hold: cached versions first (pulled again when asked for), then adapters,
+        least recently used first, never the adapter in use. A sample whose own adapter is over the budget still
+        runs (it is logged): the budget bounds what is kept between samples."""
+        while not self.account(self.held_bytes()):
+            if self._tensors:
+                self._tensors.popitem(last=False)
+                continue
+            spare = next((key for key in self._adapters if key != in_use), None)
+            if spare is None:
+                log.warning("tinker sampler %s alone holds %d MiB, over the actor's memory budget", in_use,
+                            self.held_bytes() >> 20)
+                return
+            await asyncio.to_thread(self._adapters.pop(spare).backend.close)
 
     async def _backend(self, weights: SamplerWeights, tensors: dict[str, torch.Tensor] | None) -> SharedBaseBackend:
         """The namespace's adapter on the shared base with the version asked for copied in (a base-only
         sampler: a fresh adapter, B = 0, which adds nothing); the least recently used beyond
         `adapters_cached` are removed from the base."""
-        key = weights.job_id or base_key(weights.base_model)
+        key = self._key(weights)
         held = self._adapters.get(key)
         if held is None:
-            held = self._adapters[key] = _Adapter(await asyncio.to_thread(
-                SharedBaseBackend, weights.base_model, dtype=self.dtype, device=self.device,
-                lora=weights.lora or LoraSpec(), job_id=key))
+            backend = await asyncio.to_thread(SharedBaseBackend, weights.base_model, dtype=self.dtype,
+                                              device=self.device, lora=weights.lora or LoraSpec(), job_id=key)
+            held = self._adapters[key] = _Adapter(backend, backend.adapter_bytes())
             while len(self._adapters) > self.adapters_cached:
                 await asyncio.to_thread(self._adapters.popitem(last=False)[1].backend.close)
         self._adapters.move_to_end(key)

@@ -144,7 +144,8 @@ class Actor:
         if not s.tinker_models:
             return
         await bus.ensure_sample_streams(js)
-        sampling = ActorSampling(weights, s.tinker_adapters_cached, dtype=s.dtype, device=s.device)
+        sampling = ActorSampling(weights, s.tinker_adapters_cached, dtype=s.dtype, device=s.device,
+                                 account=self._account_samplers)
         stack.push_async_callback(sampling.close)  # after every base's loop has finished
         for model in s.tinker_models:
             await bus.ensure_sample_consumer(js, model, ack_wait_s=s.tinker_sample_ack_wait_s,
@@ -154,6 +155,12 @@ class Actor:
             stack.push_async_callback(queue.close)  # after the loop has finished (the stack unwinds in reverse)
             serving = asyncio.create_task(sampling.run(queue, stop), name=f"tinker-samples-{model}")
             stack.push_async_callback(_finished, serving, s.grace_s)
+
+    def _account_samplers(self, held: int) -> bool:
+        """The Tinker samplers hold `held` bytes now: committed in the budget; whether it still holds them."""
+        self.memory.samplers = held
+        metrics.MEMORY_COMMITTED.set(self.memory.used)
+        return self.memory.used <= self.memory.limit
 
     async def _preload(self) -> None:
         """Load the `preload_models` bases and the `tinker_models` ones now, each held for the actor's life and
