@@ -12,8 +12,13 @@ model's Tinker samples (`tinker_models`) and a second server with `sampling = "f
 same run: `sample` through the SDK on the fleet against the local server's (`fleet_sample_ms`), and the wall
 time of `--burst` sample requests sent at once (4 sequences of 64 tokens each) on each (`burst_s`).
 
-What it does not measure yet: the example loop against the same training as a fleet job (issue 29's
-second figure), which waits for forward_backward and optim_step to run on the fleet.
+With `--loop-steps N` (N >= 3) it also runs, in the same run and one after the other, the user-written loop
+`examples/tinker_rl_loop/rl_loop.py` (the demo's addition task through the official SDK, against a Tinker
+server in this process with `--loop-threads` torch threads, samples local) and the demo job
+(`examples/addition/job.toml`) with the same N steps on a local fleet (`fleetrl up`'s launcher, one actor),
+both on `--loop-model`, and reports each side's optimizer steps per second from its first step to its last
+(start-up, model loads and the first step's warm-up left out) and their ratio, `loop_over_job` (issue 29's
+goal: at least 0.8).
 """
 
 from __future__ import annotations
@@ -162,6 +167,65 @@ def on_the_fleet(settings: TinkerSettings, local_url: str, args: argparse.Namesp
             sample["local"], "burst_requests": args.burst, "burst_s": burst}
 
 
+ROOT = Path(__file__).resolve().parents[1]
+LOOP = ROOT / "examples" / "tinker_rl_loop" / "rl_loop.py"
+DEMO_JOB = ROOT / "examples" / "addition" / "job.toml"
+
+
+def steps_per_s(times: list[float]) -> float:
+    """Steps a second between the first step's end and the last's (the first is the warm-up)."""
+    if len(times) < 3:
+        raise RuntimeError(f"{len(times)} steps: at least 3 are needed to time the steps after the first")
+    return (len(times) - 1) / (times[-1] - times[0])
+
+
+def loop_steps(settings: TinkerSettings, model: str, steps: int, log: Path) -> list[float]:
+    """When each step of the example loop ended, against a local Tinker server (its own `steps`)."""
+    url = start_server(settings.model_copy(update={"allowed_models": (model,)}))
+    env = {**os.environ, "TINKER_BASE_URL": url, "TINKER_API_KEY": KEY, "MODEL": model, "STEPS": str(steps),
+           "EVAL": "1", "TOKENIZERS_PARALLELISM": "false"}
+    times = []
+    with open(log, "w") as err, subprocess.Popen([sys.executable, str(LOOP)], stdout=subprocess.PIPE, stderr=err,
+                                                 env=env, text=True) as proc:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            if line.startswith('{"step"'):
+                times.append(time.perf_counter())
+    if proc.returncode != 0:
+        raise RuntimeError(f"the example loop failed: {log.read_text(errors='replace')[-2000:]}")
+    return times
+
+
+def job_steps(run_dir: Path, model: str, steps: int) -> list[float]:
+    """When each step of the demo job ended, on a local fleet of one actor (the watch's step events)."""
+    from fleetrl.launcher.fleet import Fleet, FleetOptions
+    from fleetrl.sdk.client import Client
+
+    fleet, stop = Fleet(FleetOptions(run_dir=run_dir, actors=1)), threading.Event()
+    try:
+        layout = fleet.start()
+        threading.Thread(target=fleet.serve, args=(stop,), daemon=True).start()
+        with Client(layout.addresses["gateway"]) as client:
+            job = client.submit_file(DEMO_JOB, [f"train.max_steps={steps}", f'model="{model}"'])
+            times = [time.perf_counter() for event in client.watch_job(job.job_id) if event.step is not None]
+            if client.get_job(job.job_id).state != "succeeded":
+                raise RuntimeError(f"the demo job ended {client.get_job(job.job_id).state}")
+    finally:
+        stop.set()
+        fleet.stop()
+    return times
+
+
+def loop_against_job(settings: TinkerSettings, args: argparse.Namespace) -> dict[str, Any]:
+    """The example loop's steps per second against the demo job's, same model and steps, one after the other."""
+    torch.set_num_threads(args.loop_threads)
+    loop = steps_per_s(loop_steps(settings, args.loop_model, args.loop_steps, settings.run_dir / "loop.log"))
+    torch.set_num_threads(args.threads)
+    job = steps_per_s(job_steps(settings.run_dir / "fleet", args.loop_model, args.loop_steps))
+    return {"model": args.loop_model, "steps": args.loop_steps, "loop_threads": args.loop_threads,
+            "loop_steps_per_s": loop, "job_steps_per_s": job, "loop_over_job": loop / job}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="tiny-llama")
@@ -170,6 +234,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--fleet-actors", type=int, default=0, help="also time sample on this many actors")
     parser.add_argument("--burst", type=int, default=8, help="sample requests sent at once (with --fleet-actors)")
+    parser.add_argument("--loop-steps", type=int, default=0,
+                        help="also time the example loop against the demo job, this many steps each (at least 3)")
+    parser.add_argument("--loop-model", default="smollm2-135m", help="the model of the loop and the job")
+    parser.add_argument("--loop-threads", type=int, default=len(os.sched_getaffinity(0)),
+                        help="the loop's Tinker server's torch threads (default: this process's cores, as the "
+                             "fleet's learner and actor share them)")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     settings = TinkerSettings(listen="127.0.0.1:0", run_dir=Path(tempfile.mkdtemp(prefix="bench-tinker-")),
@@ -181,6 +251,8 @@ def main(argv: list[str] | None = None) -> int:
                               "overhead_ms": {name: remote[name] - local[name] for name in local}}
     if args.fleet_actors:
         result["fleet"] = on_the_fleet(settings, url, args)
+    if args.loop_steps:
+        result["loop"] = loop_against_job(settings, args)
     print(json.dumps(result) if args.json else json.dumps(result, indent=2))
     return 0
 

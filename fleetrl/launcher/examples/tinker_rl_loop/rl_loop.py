@@ -64,11 +64,11 @@ for step in range(STEPS):
             sequences.append(ids + sample.tokens)
             advantage = (r - sum(group) / len(group)) / (PROMPTS * SAMPLES)
             advantages.append([0.0] * (len(ids) - 1) + [advantage] * len(sample.tokens))
-    # on-policy: the ratio is taken against the trainer's own log-probs (the samples used temperature 0.7)
-    current = training.forward([datum(t) for t in sequences], "cross_entropy").result().loss_fn_outputs
-    data = [datum(t, advantages=a, logprobs=out["logprobs"].tolist())
-            for t, a, out in zip(sequences, advantages, current, strict=True)]
-    training.forward_backward(data, "importance_sampling").result()
+    # on-policy REINFORCE: cross_entropy weighted by the advantages has the gradient of importance_sampling at
+    # ratio 1, with no forward pass for the trainer's own log-probs (the samples used temperature 0.7, so the
+    # sampler's log-probs are not the trainer's)
+    data = [datum(t, weights=a) for t, a in zip(sequences, advantages, strict=True)]
+    training.forward_backward(data, "cross_entropy").result()
     training.optim_step(types.AdamParams(learning_rate=1e-4)).result()
     print(json.dumps({"step": step, "reward_mean": round(sum(rewards) / len(rewards), 3)}), flush=True)
 after = accuracy(training.save_weights_and_get_sampling_client().result(), held_out)
