@@ -115,7 +115,7 @@ class TenantShare:
     """A tenant's share of the actors' time over the heartbeat window (`fleetrl top`'s tenants table).
 
     `tenant` is "" for every other tenant together: a caller sees its own row and the rest of the fleet
-    as one, never another tenant's name or jobs.
+    as one, never another tenant's name or jobs (an operator asking for every tenant's: one row each).
     """
 
     tenant: str

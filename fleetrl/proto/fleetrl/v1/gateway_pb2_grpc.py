@@ -106,7 +106,7 @@ class JobServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def ListJobs(self, request, context):
-        """The caller's jobs, newest first.
+        """The caller's jobs, newest first (an operator may ask for every tenant's).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -141,7 +141,8 @@ class JobServiceServicer:
         """The fleet now, for `fleetrl top`: every live actor and learner (from the
         heartbeats they write every second; a member silent for a few seconds is
         gone) and the task queue of each of the caller's queued or running jobs.
-        A member working on another tenant's job is listed without that job.
+        A member working on another tenant's job is listed without that job,
+        unless an operator asks for every tenant's (GetFleetRequest.all_tenants).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
