@@ -278,11 +278,9 @@ PUBLISH_STEPS = 8
 KILL_ATTEMPTS = 3
 
 
-async def kill_nats_mid_publish(fleet: FleetUnderTest, job_id: str, after_version: int,
-                                kill: Callable[[], object] | None = None) -> dict[str, object]:
-    """Watch the job's object store subjects; SIGKILL nats-server (or call `kill`) as soon as a chunk of a
-    new object arrives after the pointer passed `after_version`, before that object's metadata. Returns
-    what it saw."""
+async def kill_nats_mid_publish(fleet: FleetUnderTest, job_id: str, after_version: int) -> dict[str, object]:
+    """Watch the job's object store subjects; SIGKILL nats-server as soon as a chunk of a new object arrives
+    after the pointer passed `after_version`, before that object's metadata. Returns what it saw."""
     assert fleet.fleet.infra is not None
     nats = fleet.fleet.infra.nats
     bucket = bus.weights_bucket(job_id)
@@ -298,7 +296,7 @@ async def kill_nats_mid_publish(fleet: FleetUnderTest, job_id: str, after_versio
     async def on_chunk(msg: Msg) -> None:
         if killed.is_set():
             return
-        (kill or nats.kill)()
+        nats.kill()
         killed.set()
         seen["chunk_subject"], seen["chunk_bytes"] = msg.subject, len(msg.data)
 
@@ -306,6 +304,39 @@ async def kill_nats_mid_publish(fleet: FleetUnderTest, job_id: str, after_versio
     await nc.flush()
     try:
         await asyncio.wait_for(killed.wait(), 120)
+    finally:
+        with contextlib.suppress(Exception):
+            await nc.close()
+    return seen
+
+
+async def kill_during_upload_after(fleet: FleetUnderTest, job_id: str, version: int,
+                                   kill: Callable[[], object]) -> dict[str, object]:
+    """Watch the job's weight pointer and its object chunks from before they exist, on one connection, and call
+    `kill` at the first chunk that arrives while the pointer is at `version`: a chunk of the next version's
+    upload. Exact, not a race with the learner: NATS delivers one publisher's messages in order and the learner
+    writes chunks and pointer on one connection. Start it before the pointer reaches `version`."""
+    assert fleet.fleet.infra is not None
+    nc = NATS()
+    await nc.connect(fleet.fleet.infra.nats.url, allow_reconnect=False)
+    seen: dict[str, object] = {}
+    pointer, killed = [0], asyncio.Event()
+
+    async def on_pointer(msg: Msg) -> None:
+        pointer[0] = int(json.loads(msg.data)["version"])
+
+    async def on_chunk(msg: Msg) -> None:
+        if killed.is_set() or pointer[0] != version:
+            return
+        kill()
+        killed.set()
+        seen["pointer_before"], seen["chunk_subject"], seen["chunk_bytes"] = pointer[0], msg.subject, len(msg.data)
+
+    await nc.subscribe(f"$KV.{bus.WEIGHTS_KV}.{job_id}", cb=on_pointer)
+    await nc.subscribe(f"$O.{bus.weights_bucket(job_id)}.C.>", cb=on_chunk)
+    await nc.flush()
+    try:
+        await asyncio.wait_for(killed.wait(), 180)
     finally:
         with contextlib.suppress(Exception):
             await nc.close()
@@ -389,8 +420,10 @@ def test_the_learner_killed_during_a_delta_upload(fleet: FleetUnderTest) -> None
     run = fleet.submit("delta-learner-kill", max_steps=PUBLISH_STEPS, checkpoint_interval=3,
                        **{"train.full_publish_interval": 3})
     job = run.job_id
-    wait_for(lambda: step_of(fleet, job) >= 3, 120, "step 3")
-    seen = asyncio.run(kill_nats_mid_publish(fleet, job, 3, kill=lambda: fleet.kill("learner")))
+
+    # watched from seconds before v3 is published (the learner has yet to claim the job), so the kill lands in
+    # v4's upload however fast the steps go
+    seen = asyncio.run(kill_during_upload_after(fleet, job, 3, lambda: fleet.kill("learner")))
     info = run.wait(timeout_s=240)
     learner_log = fleet.log("learner")
     assert info.state == "succeeded", (info.reason, learner_log[-3000:])

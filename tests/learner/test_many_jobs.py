@@ -37,8 +37,11 @@ def lora_spec(**train: Any) -> JobSpec:
 
 async def test_a_learner_adds_only_lora_jobs_on_its_base(redis_url: str) -> None:
     """A learner that runs a LoRA job claims next only a LoRA job on the same base, passing over older
-    jobs it could not share with (a full fine-tune, another base); a full fine-tune runs alone."""
-    jobs = JobStore.from_url(redis_url)
+    jobs it could not share with (a full fine-tune, another base); a full fine-tune runs alone.
+    On a database of its own, emptied first: a claim takes the oldest claimable job, and a learner id resumes
+    the job it held, so another test's jobs on the session's Valkey would answer these claims."""
+    jobs = JobStore.from_url(redis_url.rsplit("/", 1)[0] + "/9")
+    await jobs.redis.flushdb()
     lora_job = await create_job(jobs, lora_spec())
     full_job = await create_job(jobs, spec_for())
     other_base = await create_job(jobs, spec_for(lora=LORA).model_copy(update={"model": "tiny-qwen2"}))
