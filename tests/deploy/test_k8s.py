@@ -164,7 +164,8 @@ def test_containers_run_real_entry_points_with_real_settings(rendered: dict[str,
         for server in ("nats", "redis"):
             if f"{prefix}{server.upper()}_URL" in values:
                 assert f"{prefix}{server.upper()}_CREDENTIALS_FILE" in values, f"{service} does not log in to {server}"
-        infra = [v["secret"] for v in spec.get("volumes", []) if v.get("secret", {}).get("secretName") == "fleetrl-infra"]
+        infra = [v["secret"] for v in spec.get("volumes", [])
+                 if v.get("secret", {}).get("secretName") == "fleetrl-infra"]
         if service == "reward":  # it runs user code: no credentials at all
             assert not infra
         if service == "tinker":  # its samples go to the actors through NATS: NATS's credentials, not Redis's
