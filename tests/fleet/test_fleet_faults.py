@@ -410,10 +410,11 @@ def test_nats_killed_during_a_weight_publish(fleet: FleetUnderTest, full_every: 
 
 
 def test_the_learner_killed_during_a_delta_upload(fleet: FleetUnderTest) -> None:
-    """The learner SIGKILLed while it uploads v4, a delta against v3 (`train.full_publish_interval` 3):
-    the supervisor restarts it, it resumes from checkpoint 3 holding no base, so it writes v4 again as a
-    full snapshot over the half-written delta; the pointer never moves back, its last payload matches its
-    digest, every actor loads versions in order (never one twice) and the ledger is exact."""
+    """The learner SIGKILLed at the first chunk of v4's upload, a delta against v3 (`train.full_publish_interval`
+    3): the supervisor restarts it, it resumes from checkpoint 3 holding no base, so its first version is a full
+    snapshot, v4 again over the half-written delta, or v5 when the whole small delta was already on its way to
+    NATS as the kill landed (then v4 is in); the pointer never moves back, its last payload matches its digest,
+    every actor loads versions in order (never one twice) and the ledger is exact."""
     assert fleet.fleet.infra is not None
     fixed_actors(fleet)
     before = restarts(fleet)
@@ -432,12 +433,19 @@ def test_the_learner_killed_during_a_delta_upload(fleet: FleetUnderTest) -> None
         n: c for n, c in before.items() if n != "learner"}, (before, after)
     assert seen["pointer_before"] == 3 and f"job {job} resumed from step 3" in learner_log, seen
     version, pointer_sha, payload_sha, chain = asyncio.run(pointer_and_digest(fleet.fleet.infra.nats.url, job))
-    # the resumed learner held no base: v4 was full, v4-v6 one chain, v7 full again and v8 its delta
-    assert version == PUBLISH_STEPS and pointer_sha == payload_sha and chain == (7, 8), (version, chain)
+    # the resumed learner held no base: its first version (above the store's pointer at its start) was full, and
+    # every third after it; with v4 cut off: v4 and v7 full, the last pointer v8 a delta on v7; with v4 in: v5
+    # and v8 full
+    store_at = int(re.findall(rf"job {job}: version 3 already published \(store at (\d+)\)", learner_log)[0])
+    assert store_at in (3, 4), store_at
+    last_full = max(range(store_at + 1, PUBLISH_STEPS + 1, 3))
+    expected = () if last_full == PUBLISH_STEPS else tuple(range(last_full, PUBLISH_STEPS + 1))
+    assert version == PUBLISH_STEPS and pointer_sha == payload_sha and chain == expected, (version, chain, store_at)
     per_actor = {a: loaded_versions(fleet.log(a), job) for a in fleet.actors()}
     for name, versions in per_actor.items():
         assert versions == sorted(set(versions)) and versions[-1] == PUBLISH_STEPS, (name, versions)
     fleet.stop_actors()
     counts = ledger(fleet, job, PUBLISH_STEPS)
-    print(f"learner kill during a delta upload: at {seen}, versions loaded per actor {json.dumps(per_actor)}, "
+    print(f"learner kill during a delta upload: at {seen}, store at v{store_at} when it resumed, "
+          f"versions loaded per actor {json.dumps(per_actor)}, "
           f"last pointer v{version} chain {chain}, ledger: {json.dumps(counts)}")
