@@ -23,8 +23,7 @@ from fleetrl.proto.fleetrl.v1 import reward_pb2, reward_pb2_grpc
 from fleetrl.reward.scorer import Scorer
 from fleetrl.reward.sessions import EpisodeSessions
 from fleetrl.reward.settings import RewardSettings
-from fleetrl.runtime import telemetry
-from fleetrl.runtime.background import stop as stop_background
+from fleetrl.runtime import background, telemetry
 from fleetrl.runtime.grpcutil import map_errors, start_server, stop_server
 from fleetrl.runtime.observe import ObservingInterceptor, serve_metrics
 from fleetrl.services.reward import convert
@@ -129,10 +128,10 @@ async def running(settings: RewardSettings) -> AsyncIterator[Running]:
             interceptors=[ObservingInterceptor(scorer.metrics.registry)])
         stack.push_async_callback(stop_server, server, health, settings.grace_s)
         serve_metrics(settings.metrics_port, scorer.metrics.registry)
-        background = asyncio.get_running_loop().create_task(reap_loop(scorer, sessions, reap_interval_s(settings)))
-        stack.push_async_callback(stop_background, background)
+        reaper = asyncio.get_running_loop().create_task(reap_loop(scorer, sessions, reap_interval_s(settings)))
+        stack.push_async_callback(background.stop, reaper)
         log.info("reward service listening on port %d", port)
-        yield Running(port, scorer, sessions, background)
+        yield Running(port, scorer, sessions, reaper)
 
 
 def _register(servicer: RewardServicer, server: grpc.aio.Server) -> str:

@@ -278,44 +278,14 @@ PUBLISH_STEPS = 8
 KILL_ATTEMPTS = 3
 
 
-async def kill_nats_mid_publish(fleet: FleetUnderTest, job_id: str, after_version: int) -> dict[str, object]:
-    """Watch the job's object store subjects; SIGKILL nats-server as soon as a chunk of a new object arrives
-    after the pointer passed `after_version`, before that object's metadata. Returns what it saw."""
-    assert fleet.fleet.infra is not None
-    nats = fleet.fleet.infra.nats
-    bucket = bus.weights_bucket(job_id)
-    nc = NATS()
-    await nc.connect(nats.url, allow_reconnect=False)
-    seen: dict[str, object] = {}
-    killed = asyncio.Event()
-    store = WeightStore(nc, bus.jetstream(nc))
-    pointer = await store.latest(job_id)
-    assert pointer is not None and pointer.version >= after_version
-    seen["pointer_before"] = pointer.version
-
-    async def on_chunk(msg: Msg) -> None:
-        if killed.is_set():
-            return
-        nats.kill()
-        killed.set()
-        seen["chunk_subject"], seen["chunk_bytes"] = msg.subject, len(msg.data)
-
-    await nc.subscribe(f"$O.{bucket}.C.>", cb=on_chunk)
-    await nc.flush()
-    try:
-        await asyncio.wait_for(killed.wait(), 120)
-    finally:
-        with contextlib.suppress(Exception):
-            await nc.close()
-    return seen
-
-
-async def kill_during_upload_after(fleet: FleetUnderTest, job_id: str, version: int,
-                                   kill: Callable[[], object]) -> dict[str, object]:
-    """Watch the job's weight pointer and its object chunks from before they exist, on one connection, and call
-    `kill` at the first chunk that arrives while the pointer is at `version`: a chunk of the next version's
-    upload. Exact, not a race with the learner: NATS delivers one publisher's messages in order and the learner
-    writes chunks and pointer on one connection. Start it before the pointer reaches `version`."""
+async def kill_during_upload_after(fleet: FleetUnderTest, job_id: str, version: int, kill: Callable[[], object],
+                                   already: bool = False) -> dict[str, object]:
+    """Watch the job's weight pointer and its object chunks on one connection, and call `kill` at the first chunk
+    that arrives once the pointer is at `version` or past it: a chunk of the next version's upload, before that
+    object's metadata. Exact, not a race with the learner: NATS delivers one publisher's messages in order and
+    the learner writes chunks and pointer on one connection (the pointer read at the start seeds the watch).
+    With `already`, the pointer must be at `version` or past it when the watch starts. Returns the pointer when
+    it fired and the chunk it saw."""
     assert fleet.fleet.infra is not None
     nc = NATS()
     await nc.connect(fleet.fleet.infra.nats.url, allow_reconnect=False)
@@ -326,7 +296,7 @@ async def kill_during_upload_after(fleet: FleetUnderTest, job_id: str, version: 
         pointer[0] = int(json.loads(msg.data)["version"])
 
     async def on_chunk(msg: Msg) -> None:
-        if killed.is_set() or pointer[0] != version:
+        if killed.is_set() or pointer[0] < version:
             return
         kill()
         killed.set()
@@ -335,6 +305,9 @@ async def kill_during_upload_after(fleet: FleetUnderTest, job_id: str, version: 
     await nc.subscribe(f"$KV.{bus.WEIGHTS_KV}.{job_id}", cb=on_pointer)
     await nc.subscribe(f"$O.{bus.weights_bucket(job_id)}.C.>", cb=on_chunk)
     await nc.flush()
+    latest = await WeightStore(nc, bus.jetstream(nc)).latest(job_id)
+    assert not already or (latest is not None and latest.version >= version), latest
+    pointer[0] = max(pointer[0], latest.version if latest else 0)
     try:
         await asyncio.wait_for(killed.wait(), 180)
     finally:
@@ -381,7 +354,7 @@ def test_nats_killed_during_a_weight_publish(fleet: FleetUnderTest, full_every: 
     while interrupted is None and kills < KILL_ATTEMPTS:
         # a small payload's publish can end between the first chunk the test sees and the SIGKILL landing:
         # then the kill hit between publishes, and the next publish gets another one
-        seen = asyncio.run(kill_nats_mid_publish(fleet, job, after))
+        seen = asyncio.run(kill_during_upload_after(fleet, job, after, nats.kill, already=True))
         pointer_before = int(str(seen["pointer_before"]))
         kills += 1
         time.sleep(2.0)
