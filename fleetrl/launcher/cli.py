@@ -32,6 +32,9 @@ def _up_parser(prog: str) -> argparse.ArgumentParser:
     parser.add_argument("--tinker-on-actors", action="append", default=[], metavar="MODEL",
                         help="with --tinker: the actors serve the Tinker API's samples of this base model "
                              "(sampling = fleet; repeatable)")
+    parser.add_argument("--tinker-on-learner", action="append", default=[], metavar="MODEL",
+                        help="with --tinker: the learner holds the Tinker API's training runs of this base model "
+                             "(training = fleet; repeatable)")
     add_placement_flags(parser)
     return parser
 
@@ -77,11 +80,14 @@ def options_from(args: argparse.Namespace) -> FleetOptions:
         raise SystemExit("--actors must be >= 0")
     if args.tinker_on_actors and not args.tinker:
         raise SystemExit("--tinker-on-actors needs --tinker")
+    if args.tinker_on_learner and not args.tinker:
+        raise SystemExit("--tinker-on-learner needs --tinker")
     return FleetOptions(run_dir=args.dir, actors=args.actors, nats_url=args.nats_url, redis_url=args.redis_url,
                         tracing=args.tracing, cores=args.cores, learner_threads=args.learner_threads,
                         actor_threads=args.actor_threads, cores_mode=args.cores_mode, gpus=args.gpus,
                         allowed_models=tuple(args.allow_model), model_roots=tuple(args.model_root),
-                        tinker=args.tinker, tinker_models=tuple(args.tinker_on_actors))
+                        tinker=args.tinker, tinker_models=tuple(args.tinker_on_actors),
+                        tinker_learner_models=tuple(args.tinker_on_learner))
 
 
 def print_layout(layout: FleetLayout, actors: int) -> None:

@@ -71,6 +71,9 @@ class FleetOptions:
     tinker_models: tuple[str, ...] = ()
     """Base models whose Tinker samples the actors serve (every actor's `tinker_models`; the Tinker API then
     runs with `sampling = "fleet"`). Needs `tinker`."""
+    tinker_learner_models: tuple[str, ...] = ()
+    """Base models whose Tinker training runs the learner holds (its `tinker_models`; the Tinker API then runs
+    with `training = "fleet"`). Needs `tinker`."""
 
 
 @dataclass
@@ -118,6 +121,9 @@ class Fleet:
                                     options.cores_mode)
         if options.tinker_models and not options.tinker:
             raise ValueError("tinker_models needs tinker: the actors would serve a Tinker API that does not run")
+        if options.tinker_learner_models and not options.tinker:
+            raise ValueError("tinker_learner_models needs tinker: the learner would host runs of a Tinker API that "
+                             "does not run")
         if options.tinker:  # it trains and samples as a learner does, on the learner's share of the cores
             self.threads[TINKER] = self.threads["learner"]
         self.services = (*SERVICES, TINKER) if options.tinker else SERVICES
@@ -204,6 +210,11 @@ class Fleet:
                 env["SAMPLING"] = "fleet"
             elif service == "actor":
                 env["TINKER_MODELS"] = json.dumps(list(self.options.tinker_models))
+        if self.options.tinker_learner_models:  # training runs on the learner
+            if service == TINKER:
+                env["TRAINING"] = "fleet"
+            elif service == "learner":
+                env["TINKER_MODELS"] = json.dumps(list(self.options.tinker_learner_models))
         out = {prefix + key: value for key, value in env.items()}
         out["FLEETRL_TRACING"] = "1" if self.options.tracing else "0"
         out["TOKENIZERS_PARALLELISM"] = "false"

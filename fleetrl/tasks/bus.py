@@ -175,6 +175,20 @@ def sample_results_subject(service_id: str) -> str:
     return f"fleet.sample_results.{check_job_id(service_id)}"
 
 
+TRAIN_HOSTS = "tinker-learners"
+"""The queue group of the learners hosting Tinker training runs: one of them takes each placement."""
+
+
+def train_place_subject(model: str) -> str:
+    """Where the Tinker API places a training run of one base model (a learner hosting that base takes it)."""
+    return f"fleet.tinker_train.place.{base_token(model)}"
+
+
+def train_host_subject(learner_id: str) -> str:
+    """Where the calls of the Tinker training runs one learner holds go (learner ids hold `/` and `.`)."""
+    return f"fleet.tinker_train.host.{base_token(learner_id)}"
+
+
 def sample_result_msg_id(request_id: str) -> str:
     return f"result/{request_id}"
 

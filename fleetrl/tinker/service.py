@@ -33,12 +33,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from fleetrl.errors import FieldViolation, InvalidArgument, NotFound, ResourceExhausted
+from fleetrl.errors import FieldViolation, InvalidArgument, NotFound, ResourceExhausted, Unavailable
 from fleetrl.policy.lora import SharedBases
 from fleetrl.policy.models import allow_list_problem
+from fleetrl.spec.config import LoraSpec
 from fleetrl.tinker.checkpoints import SCHEME, CheckpointPath, CheckpointStore, Listed, check_name, parse
 from fleetrl.tinker.checks import check_adam, check_loss, check_sample, check_token_ids
 from fleetrl.tinker.fleet import FleetSampling, path_job_id, run_job_id
+from fleetrl.tinker.learners import LearnerTraining, RemoteRun, Restorable
 from fleetrl.tinker.requests import Key, Request, RequestLog
 from fleetrl.tinker.sampling import Samplers, SamplerWeights
 from fleetrl.tinker.training import TrainingRun, lora_spec
@@ -51,6 +53,9 @@ from fleetrl.tinker.types import (
     SessionSummary,
     TenantLoad,
 )
+
+Run = TrainingRun | RemoteRun
+"""A training run held in this process, or on a learner (`training = "fleet"`)."""
 
 
 @dataclass(frozen=True)
@@ -112,7 +117,7 @@ class RunInfo:
 @dataclass
 class _State:
     sessions: dict[str, Session] = field(default_factory=dict)
-    runs: dict[str, TrainingRun] = field(default_factory=dict)
+    runs: dict[str, Run] = field(default_factory=dict)
     creating: dict[str, str] = field(default_factory=dict)
     """Training runs queued for creation, not yet in `runs`: model id -> tenant (they count to its quota)."""
     samplers: dict[str, SamplingSession] = field(default_factory=dict)
@@ -130,11 +135,15 @@ class TinkerService:
     """The base models of the training runs, each held once for all runs on it."""
     _fleet: FleetSampling | None
     """Where samples run when not here: the fleet's actors (`sampling = "fleet"`)."""
+    _learners: LearnerTraining | None
+    """Where training runs live when not here: the fleet's learners (`training = "fleet"`)."""
 
-    def __init__(self, limits: Limits, log: RequestLog, fleet: FleetSampling | None = None) -> None:
+    def __init__(self, limits: Limits, log: RequestLog, fleet: FleetSampling | None = None,
+                 learners: LearnerTraining | None = None) -> None:
         self.limits = limits
         self.log = log
         self._fleet = fleet
+        self._learners = learners
         self.checkpoints = CheckpointStore(limits.run_dir / "tinker")
         self._samplers = Samplers()
         self._state = _State()
@@ -255,7 +264,7 @@ class TinkerService:
 
         def work() -> dict[str, Any]:
             with self._creating(model_id):
-                self._state.runs[model_id] = TrainingRun.create(model_id, tenant, base_model, spec, seed, self._bases)
+                self._state.runs[model_id] = self._new_run(model_id, tenant, base_model, spec, seed)
             return {"model_id": model_id}
 
         return self.log.submit(tenant, key, "CreateModel", work, {"model_id": model_id})
@@ -287,7 +296,25 @@ class TinkerService:
         finally:
             self._state.creating.pop(model_id, None)
 
-    def run(self, tenant: str, model_id: str) -> TrainingRun:
+    def _new_run(self, model_id: str, tenant: str, base_model: str, lora: LoraSpec, seed: int) -> Run:
+        """A training run here, on the base shared by this process's runs, or on a learner (from the work thread)."""
+        if self._learners is None:
+            return TrainingRun.create(model_id, tenant, base_model, lora, seed, self._bases)
+        return self._learners.create(model_id, tenant, base_model, lora, seed,
+                                     lambda: self._last_state(tenant, model_id))
+
+    def _last_state(self, tenant: str, model_id: str) -> Restorable | None:
+        """The newest save_state checkpoint of a run, which its restore on another learner starts from."""
+        saved = [c for c in self.checkpoints.listed(tenant, model_id) if c.path.kind == "weights"]
+        if not saved:
+            return None
+        checkpoint = self.checkpoints.load(tenant, saved[-1].path)
+        state: dict[str, Any] = {"adapter": checkpoint.adapter, "steps": checkpoint.steps}
+        if checkpoint.optimizer is not None:
+            state["optimizer"] = checkpoint.optimizer
+        return Restorable(str(saved[-1].path), checkpoint.steps, state)
+
+    def run(self, tenant: str, model_id: str) -> Run:
         """The tenant's training run `model_id`, a request of which just arrived."""
         found = self._state.runs.get(model_id)
         if found is None or found.tenant != tenant:
@@ -299,22 +326,25 @@ class TinkerService:
                          settings: dict[str, float], forward_only: bool) -> Request:
         run = self.run(tenant, model_id)
         check_loss(loss_fn, settings, data)
-        check_token_ids(data, int(run.model.config.vocab_size))
-        kind = "Forward" if forward_only else "ForwardBackward"
-        return self.log.submit(tenant, (model_id, seq_id), kind,
-                               lambda: run.forward_backward(data, loss_fn, settings, backward=not forward_only))
+        check_token_ids(data, run.vocab_size)
+        kind, generation = "Forward" if forward_only else "ForwardBackward", run.generation
+        return self.log.submit(tenant, (model_id, seq_id), kind, lambda: _same(run, generation).forward_backward(
+            data, loss_fn, settings, backward=not forward_only))
 
     def optim_step(self, tenant: str, model_id: str, seq_id: int, adam: AdamParams) -> Request:
         run = self.run(tenant, model_id)
         check_adam(adam)
-        return self.log.submit(tenant, (model_id, seq_id), "OptimStep", lambda: {"metrics": run.optim_step(adam)})
+        generation = run.generation
+        return self.log.submit(tenant, (model_id, seq_id), "OptimStep",
+                               lambda: {"metrics": _same(run, generation).optim_step(adam)})
 
     def save_state(self, tenant: str, model_id: str, seq_id: int, name: str | None) -> Request:
         run = self.run(tenant, model_id)
         path = CheckpointPath(model_id, "weights", check_name(name) if name else f"state-{uuid.uuid4().hex[:8]}")
+        generation = run.generation
 
         def work() -> dict[str, Any]:
-            self.checkpoints.save(tenant, path, run.base_model, run.lora, run.state())
+            self.checkpoints.save(tenant, path, run.base_model, run.lora, _same(run, generation).state())
             return {"path": str(path), "type": "save_weights"}
 
         return self.log.submit(tenant, (model_id, seq_id), "SaveWeights", work)
@@ -323,9 +353,11 @@ class TinkerService:
         """load_state into an existing run, from one of the tenant's training checkpoints."""
         run = self.run(tenant, model_id)
         where = self._training_checkpoint(path)
+        generation = run.generation
 
         def work() -> dict[str, Any]:
             checkpoint = self.checkpoints.load(tenant, where)
+            _same(run, generation)
             if (checkpoint.base_model, checkpoint.lora) != (run.base_model, run.lora):
                 raise InvalidArgument(f"checkpoint {where} is of {checkpoint.base_model} with LoRA rank "
                                       f"{checkpoint.lora.rank}; model {model_id} is of {run.base_model} with rank "
@@ -350,7 +382,7 @@ class TinkerService:
             with self._creating(model_id):
                 checkpoint = self.checkpoints.load(tenant, where)
                 self.check_model(checkpoint.base_model)
-                run = TrainingRun.create(model_id, tenant, checkpoint.base_model, checkpoint.lora, 0, self._bases)
+                run = self._new_run(model_id, tenant, checkpoint.base_model, checkpoint.lora, 0)
                 try:
                     run.load_state({"adapter": checkpoint.adapter, "steps": checkpoint.steps,
                                     **({"optimizer": checkpoint.optimizer} if checkpoint.optimizer else {})}, optimizer)
@@ -370,7 +402,7 @@ class TinkerService:
                                   [FieldViolation("path", "not a training checkpoint")])
         return where
 
-    def model_info(self, tenant: str, model_id: str) -> TrainingRun:
+    def model_info(self, tenant: str, model_id: str) -> Run:
         return self.run(tenant, model_id)
 
     def run_info(self, tenant: str, model_id: str) -> RunInfo:
@@ -403,9 +435,10 @@ class TinkerService:
         unnamed one as a new sampling session (answering its id)."""
         run = self.run(tenant, model_id)
         path = CheckpointPath(model_id, "sampler_weights", check_name(name)) if name else None
+        generation = run.generation
 
         def work() -> dict[str, Any]:
-            tensors = run.sampler_tensors()
+            tensors = _same(run, generation).sampler_tensors()
             version = str(path) if path else f"{model_id}@{uuid.uuid4().hex}"
             weights = SamplerWeights(version, run.base_model, run.lora, tensors)
             if path is not None:
@@ -479,6 +512,14 @@ class TinkerService:
 
     def capabilities(self) -> tuple[str, ...]:
         return self.limits.allowed_models
+
+
+def _same(run: Run, generation: int) -> Run:
+    """The run, unless it was restored on another learner since the request was sent: then the request fails
+    as the one that found its learner lost did (`RemoteRun.restored`), and nothing runs."""
+    if run.generation != generation:
+        raise Unavailable(run.restored)
+    return run
 
 
 def _bytes(weights: SamplerWeights) -> int:

@@ -86,6 +86,23 @@ class TrainingRun:
         optimizer = torch.optim.AdamW(params, fused=True)
         return cls(model_id, tenant, base_model, lora, model, tokenizer, optimizer, bases=bases)
 
+    generation = 0
+    """A run held here is never restored elsewhere (`fleetrl.tinker.learners.RemoteRun` counts its restores)."""
+    restored = ""
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.model.config.vocab_size)
+
+    @property
+    def arch(self) -> str:
+        """The base model's class name (the SDK's `get_info`)."""
+        return type(self.model.get_base_model()).__name__
+
+    @property
+    def tokenizer_id(self) -> str:
+        return str(self.tokenizer.name_or_path)
+
     def own_bytes(self) -> int:
         """Bytes of the run's own tensors: its adapter, their gradients and the optimizer's moments."""
         params = self._params()

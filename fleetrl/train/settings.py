@@ -47,6 +47,16 @@ class LearnerSettings(InfraSettings):
     1 under torchrun (the ranks follow one job)."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """Where the model trains; auto: cuda when available, else cpu."""
+    tinker_models: list[str] = Field(default_factory=list, max_length=16)
+    """Base models whose Tinker API training runs this learner hosts (a tinker service with
+    `training = "fleet"` places each run on one such learner, `fleetrl.tinker.learners`): each run's adapter
+    and optimizer on the base its LoRA jobs use, held once, its calls on the compute thread beside its jobs'
+    steps."""
+    tinker_max_runs: int = Field(8, ge=1, le=1000)
+    """Tinker training runs this learner holds at most; a placement past it goes to another learner."""
+    tinker_run_idle_s: float = Field(900.0, ge=10, le=7 * 86400)
+    """A Tinker training run no call reached for this long is dropped (its service ended it, or restored it
+    elsewhere after taking this learner for lost)."""
     torch_threads: int = Field(0, ge=0, le=1024)
     """torch intra-op threads, set with torch.set_num_threads at start (0: torch's default, one per
     core). The local launcher sets it from its thread budget (fleetrl/launcher/cores.py)."""

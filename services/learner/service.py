@@ -31,15 +31,22 @@ its one compute thread, where their steps take turns. Past the first job the lea
 jobs on the base model of the LoRA jobs it runs (`JobStore.claim(lora_base=...)`), so it holds one copy
 of that base for all of them (`lora.SharedBases`); a full fine-tune runs alone. A run that ends frees
 its slot for the next claim; SIGTERM hands every run's job back.
+
+With `tinker_models`, the learner also hosts Tinker API training runs of those bases
+(`fleetrl.tinker.learners.TrainingHost`): their calls run on the same compute thread, between its jobs'
+steps, and their adapters sit on the same shared base as its LoRA jobs'.
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import logging
 import time
 from collections.abc import Iterable
+
+from nats.aio.client import Client as NATS
 
 from fleetrl.errors import Cancelled, FailedPrecondition, Fenced, ResourceExhausted
 from fleetrl.jobs.store import (
@@ -60,6 +67,7 @@ from fleetrl.runtime.grpcutil import RetryPolicy, stop_server
 from fleetrl.runtime.observe import serve_metrics
 from fleetrl.services.learner import server
 from fleetrl.tasks import bus
+from fleetrl.tinker.learners import TrainingHost
 from fleetrl.train.full_stores import HandedBack
 from fleetrl.train.leases import keep_alive
 from fleetrl.train.observability import STORE_FULL, LearnerBeats
@@ -281,6 +289,8 @@ async def serve(settings: LearnerSettings, stop: asyncio.Event, *, once: bool = 
         compute = compute_executor(settings.compute_nice)
         stack.callback(compute.shutdown, wait=False)
         weights, bases = WeightChannel(factory.transport(settings.weights_dir, nc, js)), SharedBases()
+        if settings.tinker_models:
+            await host_tinker_runs(settings, nc, weights, compute, bases, stack)
         runs: dict[asyncio.Task[bool], JobRecord] = {}
         stack.push_async_callback(finish_runs, runs, stop)
         ended = False
@@ -299,6 +309,25 @@ async def serve(settings: LearnerSettings, stop: asyncio.Event, *, once: bool = 
             deps = Deps(settings, jobs, nc, js, replay, weights, board.start_job(record.job_id), stop,
                         reward=reward, compute=compute, bases=bases)
             runs[asyncio.create_task(run_claimed(deps, record), name=f"job {record.job_id}")] = record
+
+
+async def host_tinker_runs(settings: LearnerSettings, nc: NATS, weights: WeightChannel,
+                           compute: concurrent.futures.Executor, bases: SharedBases,
+                           stack: contextlib.AsyncExitStack) -> None:
+    """Host the Tinker API's training runs of `tinker_models` (`fleetrl.tinker.learners`) until the learner
+    stops; runs idle past `tinker_run_idle_s` are dropped."""
+    host = TrainingHost(nc, weights.transport, settings.learner_id, settings.tinker_models,
+                        max_runs=settings.tinker_max_runs, idle_s=settings.tinker_run_idle_s, compute=compute,
+                        bases=bases)
+    await host.start()
+    stack.push_async_callback(host.close)
+
+    async def drop_idle() -> None:
+        host.drop_idle()
+
+    dropper = asyncio.create_task(background.repeat(drop_idle, settings.tinker_run_idle_s / 4,
+                                                    what="dropping idle tinker runs", first_after=True))
+    stack.push_async_callback(background.stop, dropper)
 
 
 async def finish_runs(runs: dict[asyncio.Task[bool], JobRecord], stop: asyncio.Event) -> None:

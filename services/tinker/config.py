@@ -33,8 +33,8 @@ class TinkerSettings(InfraSettings, TokenSettings, ModelAllowList):
     """Live sessions (ServiceClients not closed, nor reaped after `session_idle_s`) one tenant may hold;
     one more is refused with 429 and `x-should-retry: false` (the SDK raises RateLimitError at once)."""
     max_training_runs_per_tenant: int = Field(8, ge=1, le=10_000)
-    """Training runs one tenant may hold, created or queued, over all its sessions: each holds its own
-    copy of the base model, its adapter and its optimizer state in this process. One more is refused as
+    """Training runs one tenant may hold, created or queued, over all its sessions: each holds its adapter
+    and its optimizer state in this process (or on a learner, with training = "fleet"). One more is refused as
     `max_sessions_per_tenant` is; closing a session frees its runs."""
     max_request_mb: float = Field(256.0, gt=0, le=4096)
     """Largest request body (a forward_backward chunk); larger ones are refused with 413."""
@@ -56,6 +56,14 @@ class TinkerSettings(InfraSettings, TokenSettings, ModelAllowList):
     "fleet": on the fleet's actors (those with the base among their `tinker_models`), through NATS
     (`nats_url`): each sampler version's adapter is published to the weight store and each request is
     served by any such actor, redelivered to another when its actor dies."""
+    training: Literal["local", "fleet"] = "local"
+    """Where training runs live. "local": in this process, their base shared. "fleet": each on one of the
+    fleet's learners (those with the base among their `tinker_models`), driven through NATS (`nats_url`), its
+    base shared with the learner's LoRA jobs; a run whose learner dies is restored on another from its newest
+    save_state checkpoint, and its next call fails saying so (docs/tinker.md)."""
+    train_timeout_s: float = Field(300.0, gt=0, le=3600)
+    """With training = "fleet": a call to a run's learner not answered within this many seconds (or whose
+    learner is gone: pings every 2 s) counts the learner as lost, and the run is restored on another."""
     sample_timeout_s: float = Field(300.0, gt=0, le=3600)
     """With sampling = "fleet": a sample request not answered by an actor within this many seconds fails
     (the SDK's RequestFailedError), and an actor that receives it later drops it unserved."""

@@ -14,7 +14,8 @@ middleware); each request's work is a span under it (`fleetrl.tinker.requests`).
 serves the operator's per-tenant gauges (`metrics.TenantGauges`: sessions, runs, requests, against the quotas).
 
 With `sampling = "fleet"`, `serve` also connects to NATS and wires `FleetSampling` (samples served by the
-fleet's actors; `fleetrl.tinker.fleet`).
+fleet's actors; `fleetrl.tinker.fleet`); with `training = "fleet"`, `LearnerTraining` (training runs held by
+the fleet's learners; `fleetrl.tinker.learners`). Both share one NATS connection.
 
 Errors are mapped once (`errors` middleware): a bad request is 400 with the field's name (the SDK's
 BadRequestError), an unknown or another tenant's id 404 (NotFoundError), a bad key 401
@@ -38,6 +39,7 @@ from typing import Any
 import grpc
 from aiohttp import web
 from nats.aio.client import Client as NATS
+from nats.js import JetStreamContext
 from opentelemetry import trace
 from prometheus_client import Histogram
 
@@ -61,6 +63,7 @@ from fleetrl.spec.config import redacted
 from fleetrl.tasks import bus
 from fleetrl.tasks.samples import SampleRequester
 from fleetrl.tinker.fleet import FleetSampling
+from fleetrl.tinker.learners import LearnerTraining
 from fleetrl.tinker.requests import Request, RequestLog
 from fleetrl.tinker.service import Limits, RunInfo, TinkerService
 from fleetrl.tinker.types import ForwardResult, SampleResult
@@ -238,8 +241,7 @@ class Routes:
         return web.json_response({
             "type": "get_info", "model_id": run.model_id, "model_name": run.base_model, "is_lora": True,
             "lora_rank": run.lora.rank, "optimizer_config": {"type": "adamw"},
-            "model_data": {"arch": type(run.model.get_base_model()).__name__, "model_name": run.base_model,
-                           "tokenizer_id": run.tokenizer.name_or_path}})
+            "model_data": {"arch": run.arch, "model_name": run.base_model, "tokenizer_id": run.tokenizer_id}})
 
     async def forward_backward(self, request: web.Request) -> web.Response:
         message = convert.forward_backward(await request.read(), request.headers.get("Content-Encoding"))
@@ -344,23 +346,41 @@ async def serve(settings: TinkerSettings, stop: asyncio.Event,
                 on_start: Callable[[int], None] | None = None) -> None:
     """Serve the Tinker API until stop is set; on_start gets the bound port."""
     async with contextlib.AsyncExitStack() as stack:
-        fleet = await fleet_sampling(settings, stack) if settings.sampling == "fleet" else None
-        await _serve(settings, stop, on_start, fleet)
+        fleet = learners = None
+        if "fleet" in (settings.sampling, settings.training):
+            nc = await bus.connect(settings.nats_url, "tinker", tls_ca_file=settings.tls_ca_file)
+            stack.push_async_callback(_drain, nc)
+            js = bus.jetstream(nc)
+            weights = WeightChannel(factory.transport(settings.weights_dir, nc, js))
+            service_id = f"tinker-{uuid.uuid4().hex[:16]}"
+            if settings.sampling == "fleet":
+                fleet = await fleet_sampling(settings, stack, js, weights, service_id)
+            if settings.training == "fleet":
+                learners = LearnerTraining(nc, weights.transport, asyncio.get_running_loop(), service_id,
+                                           timeout_s=settings.train_timeout_s)
+                stack.push_async_callback(_purged, learners)
+                log.info("training runs live on the fleet's learners (NATS %s)", redacted(settings.nats_url))
+        await _serve(settings, stop, on_start, fleet, learners)
 
 
-async def fleet_sampling(settings: TinkerSettings, stack: contextlib.AsyncExitStack) -> FleetSampling:
-    """Samples on the fleet's actors: a NATS connection, the sample streams, this process's results subject."""
-    nc = await bus.connect(settings.nats_url, "tinker", tls_ca_file=settings.tls_ca_file)
-    stack.push_async_callback(_drain, nc)
-    js = bus.jetstream(nc)
+async def fleet_sampling(settings: TinkerSettings, stack: contextlib.AsyncExitStack, js: JetStreamContext,
+                         weights: WeightChannel, service_id: str) -> FleetSampling:
+    """Samples on the fleet's actors: the sample streams, this process's results subject."""
     await bus.ensure_sample_streams(js)
-    requester = SampleRequester(js, f"tinker-{uuid.uuid4().hex[:16]}")
+    requester = SampleRequester(js, service_id)
     await requester.start()
     stack.push_async_callback(requester.close)
     log.info("samples are served by the fleet's actors (NATS %s)", redacted(settings.nats_url))
-    weights = WeightChannel(factory.transport(settings.weights_dir, nc, js))
     return FleetSampling(weights, requester, asyncio.get_running_loop(),
                          keep=settings.sampler_versions_kept, timeout_s=settings.sample_timeout_s)
+
+
+async def _purged(learners: LearnerTraining) -> None:
+    """Delete what is left in the exchange namespace (bodies whose reader died), bounded."""
+    try:
+        await asyncio.wait_for(learners.purge(), bus.REQUEST_TIMEOUT_S)
+    except Exception as error:  # stopping either way
+        log.warning("purging the exchange namespace %s failed: %s", learners.namespace, error)
 
 
 async def _drain(nc: NATS) -> None:
@@ -369,10 +389,11 @@ async def _drain(nc: NATS) -> None:
 
 
 async def _serve(settings: TinkerSettings, stop: asyncio.Event, on_start: Callable[[int], None] | None,
-                 fleet: FleetSampling | None) -> None:
+                 fleet: FleetSampling | None, learners: LearnerTraining | None) -> None:
     table = auth_table(settings, "tinker", log)
     executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tinker-work")
-    service = TinkerService(limits_of(settings), RequestLog(executor, settings.keep_requests_per_scope), fleet)
+    service = TinkerService(limits_of(settings), RequestLog(executor, settings.keep_requests_per_scope), fleet,
+                            learners)
     telemetry.setup_tracing("tinker", settings.run_dir)
     metrics = serve_metrics(settings.metrics_port, registry(TenantGauges(service, table.tenants())))
     app = web.Application(middlewares=[observed, errors, authenticate(table)],

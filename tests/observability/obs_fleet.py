@@ -92,7 +92,7 @@ def traced_fleet(run_dir: Path) -> Iterator[TracedFleet]:
     job, scrape after its first step; stop on exit."""
     (run_dir / "prompts.jsonl").write_text(prompts(16))
     fleet = Fleet(FleetOptions(run_dir=run_dir, actors=1, tracing=True, extra_env=FAST_ENV, tinker=True,
-                               tinker_models=(MODEL,)))
+                               tinker_models=(MODEL,), tinker_learner_models=(MODEL,)))
     stop = threading.Event()
     serving: threading.Thread | None = None
     try:

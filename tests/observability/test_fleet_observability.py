@@ -134,9 +134,10 @@ def test_top_fails_cleanly_without_a_fleet(tmp_path: Any, capsys: pytest.Capture
 
 
 def test_the_fleet_serves_the_tinker_api_to_the_official_sdk(fleet: TracedFleet) -> None:
-    """`fleetrl up --tinker --tinker-on-actors MODEL`: the official SDK, with any `tml-` key (open mode),
-    gets the fleet's model allow-list, and a sample of the base is served by the fleet's actor; the call is
-    counted on the tinker service's /metrics and written as its span."""
+    """`fleetrl up --tinker --tinker-on-actors MODEL --tinker-on-learner MODEL`: the official SDK, with any
+    `tml-` key (open mode), gets the fleet's model allow-list, a sample of the base is served by the fleet's
+    actor, and a training run lives on the fleet's learner beside its job; the call is counted on the tinker
+    service's /metrics and written as its span."""
     import tinker
     from tinker import types
 
@@ -146,8 +147,17 @@ def test_the_fleet_serves_the_tinker_api_to_the_official_sdk(fleet: TracedFleet)
         sampler = service.create_sampling_client(base_model=MODEL)
         params = types.SamplingParams(max_tokens=4, seed=3, stop=[])
         result = sampler.sample(types.ModelInput.from_ints([1, 2, 3, 4]), 1, params).result(timeout=120)
+        trainer = service.create_lora_training_client(base_model=MODEL, rank=4).result(timeout=120)
+        tokens = list(range(10, 20))
+        datum = types.Datum(model_input=types.ModelInput.from_ints(tokens[:-1]),
+                            loss_fn_inputs={"target_tokens": tokens[1:]})
+        trainer.forward_backward([datum], "cross_entropy").result(timeout=120)
+        step = trainer.optim_step(types.AdamParams(learning_rate=1e-3)).result(timeout=120)
     finally:
         service.close("success").result()
+    assert step.metrics["step:max"] == 1.0
+    learner_log = fleet.fleet.supervisor.children["learner"].log_path.read_text(errors="replace")
+    assert f"tinker training run {trainer.model_id}@" in learner_log
     assert MODEL in models
     assert len(result.sequences) == 1 and len(result.sequences[0].tokens) == 4
     assert total(scrape(fleet.layout.metrics_ports["actor-1"]), "fleetrl_actor_tinker_samples_total",

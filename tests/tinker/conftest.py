@@ -9,7 +9,11 @@ each with its own token (the SDK's API key).
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
+import subprocess
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -18,12 +22,52 @@ import pytest
 import tinker
 import torch
 
+from fleetrl.launcher.embedded import EmbeddedNats, EmbeddedValkey
 from fleetrl.runtime.tokens import hash_token
 from fleetrl.services.tinker.config import TinkerSettings
 from fleetrl.services.tinker.server import serve
 
 KEYS = {"alice": "tml-alice-key", "bob": "tml-bob-key"}
 MODEL = "tiny-llama"
+ROOT = Path(__file__).resolve().parents[2]
+
+
+class Processes:
+    """Service processes of the fleet (actors, learners) by name, each logging to `<log_dir>/<name>.log`
+    (appended: a restarted process keeps its predecessor's lines)."""
+
+    def __init__(self, log_dir: Path) -> None:
+        self.log_dir = log_dir
+        self.procs: dict[str, subprocess.Popen[bytes]] = {}
+
+    def spawn(self, name: str, argv: list[str]) -> None:
+        env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "FLEETRL_TRACING": "0"}
+        with open(self.log(name), "ab") as out:
+            self.procs[name] = subprocess.Popen(argv, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, env=env)
+
+    def log(self, name: str) -> Path:
+        return self.log_dir / f"{name}.log"
+
+    def text(self, name: str) -> str:
+        return self.log(name).read_text(errors="replace") if self.log(name).exists() else ""
+
+    def wait_for(self, name: str, line: str, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while line not in self.text(name):
+            assert self.procs[name].poll() is None, f"{name} exited:\n{self.text(name)[-3000:]}"
+            assert time.monotonic() < deadline, f"{name} never logged {line!r}:\n{self.text(name)[-3000:]}"
+            time.sleep(0.02)
+
+    def kill(self, name: str) -> None:
+        self.procs[name].send_signal(signal.SIGKILL)
+        self.procs[name].wait(10)
+
+    def stop_all(self) -> None:
+        for name, proc in self.procs.items():
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(10)
+            print(f"----- {name}\n{self.text(name)[-2000:]}")
 
 
 class TinkerServer:
@@ -67,6 +111,14 @@ class TinkerServer:
 
     def client(self, tenant: str = "alice") -> tinker.ServiceClient:
         return tinker.ServiceClient(base_url=self.url, api_key=KEYS[tenant])
+
+
+@pytest.fixture(scope="module")
+def infra(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[EmbeddedNats, EmbeddedValkey, Path]]:
+    """A NATS and a Valkey of the module's own, and a directory for its processes' logs."""
+    root = tmp_path_factory.mktemp("fleet")
+    with EmbeddedNats(data_dir=root / "nats") as nats_server, EmbeddedValkey(data_dir=root / "valkey") as valkey:
+        yield nats_server, valkey, root
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -9,9 +9,6 @@ subprocesses with `tinker_models` set, which the tests SIGKILL.
 from __future__ import annotations
 
 import asyncio
-import os
-import signal
-import subprocess
 import sys
 import time
 from collections.abc import Iterator
@@ -28,7 +25,7 @@ from fleetrl.tasks import bus
 from fleetrl.tinker.fleet import path_job_id, run_job_id
 from fleetrl.weights.channel import WeightPointer
 from fleetrl.weights.store import WeightStore
-from tests.tinker.conftest import KEYS, MODEL, TinkerServer
+from tests.tinker.conftest import KEYS, MODEL, Processes, TinkerServer
 from tests.tinker.test_tinker_api import LOGPROB_TOL, SEQUENCE, forward_logprobs, train
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -37,53 +34,19 @@ SAME_CODE_TOL = 1e-5
 """Fleet and local samples come from the same code on the same float32 adapter: equal up to thread order."""
 
 
-class Actors:
+class Actors(Processes):
     """Actor processes serving tinker samples of MODEL, their logs under log_dir."""
 
     def __init__(self, nats: EmbeddedNats, valkey: EmbeddedValkey, log_dir: Path) -> None:
-        self.nats, self.valkey, self.log_dir = nats, valkey, log_dir
-        self.procs: dict[str, subprocess.Popen[bytes]] = {}
+        super().__init__(log_dir)
+        self.nats, self.valkey = nats, valkey
 
     def start(self, name: str) -> None:
-        argv = [sys.executable, "-m", "fleetrl.services.actor", "--actor-id", name, "--nats-url", self.nats.url,
-                "--redis-url", self.valkey.url, "--replay-addr", "127.0.0.1:1", "--reward-addr", "127.0.0.1:1",
-                "--set", "torch_threads=1", "--set", f'tinker_models=["{MODEL}"]',
-                "--set", f"tinker_sample_ack_wait_s={ACK_WAIT_S}"]
-        env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "FLEETRL_TRACING": "0"}
-        with open(self.log(name), "ab") as out:
-            self.procs[name] = subprocess.Popen(argv, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, env=env)
+        self.spawn(name, [sys.executable, "-m", "fleetrl.services.actor", "--actor-id", name, "--nats-url",
+                          self.nats.url, "--redis-url", self.valkey.url, "--replay-addr", "127.0.0.1:1",
+                          "--reward-addr", "127.0.0.1:1", "--set", "torch_threads=1",
+                          "--set", f'tinker_models=["{MODEL}"]', "--set", f"tinker_sample_ack_wait_s={ACK_WAIT_S}"])
         self.wait_for(name, f"serving tinker samples of {MODEL}", 60)
-
-    def log(self, name: str) -> Path:
-        return self.log_dir / f"{name}.log"
-
-    def text(self, name: str) -> str:
-        return self.log(name).read_text(errors="replace") if self.log(name).exists() else ""
-
-    def wait_for(self, name: str, line: str, timeout_s: float) -> None:
-        deadline = time.monotonic() + timeout_s
-        while line not in self.text(name):
-            assert self.procs[name].poll() is None, f"actor {name} exited:\n{self.text(name)[-3000:]}"
-            assert time.monotonic() < deadline, f"actor {name} never logged {line!r}:\n{self.text(name)[-3000:]}"
-            time.sleep(0.02)
-
-    def kill(self, name: str) -> None:
-        self.procs[name].send_signal(signal.SIGKILL)
-        self.procs[name].wait(10)
-
-    def stop_all(self) -> None:
-        for name, proc in self.procs.items():
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait(10)
-            print(f"----- {name}\n{self.text(name)[-2000:]}")
-
-
-@pytest.fixture(scope="module")
-def infra(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[EmbeddedNats, EmbeddedValkey, Path]]:
-    root = tmp_path_factory.mktemp("fleet")
-    with EmbeddedNats(data_dir=root / "nats") as nats_server, EmbeddedValkey(data_dir=root / "valkey") as valkey:
-        yield nats_server, valkey, root
 
 
 @pytest.fixture(scope="module")

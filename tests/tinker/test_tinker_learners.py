@@ -1,0 +1,250 @@
+"""`training = "fleet"`: the official SDK's training runs held by real learner processes over a real NATS.
+
+A Tinker server in fleet-training mode places each training run on one of the learners hosting its base
+(`fleetrl.tinker.learners`) and drives it there; the learners are `python -m fleetrl.services.learner`
+subprocesses with `tinker_models` set, which the tests SIGKILL between a forward_backward and its optim_step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import sys
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import tinker
+import torch
+
+from fleetrl.errors import ResourceExhausted, Unavailable
+from fleetrl.launcher.embedded import EmbeddedNats, EmbeddedValkey
+from fleetrl.policy.lora import SharedBases
+from fleetrl.tasks import bus
+from fleetrl.tinker.learners import LearnerTraining, TrainingHost
+from fleetrl.tinker.requests import Request, RequestLog
+from fleetrl.tinker.service import Limits, TinkerService
+from fleetrl.tinker.training import lora_spec
+from fleetrl.tinker.types import AdamParams, Datum, LoraRequest
+from fleetrl.weights import factory
+from tests.tinker.conftest import MODEL, Processes, TinkerServer
+from tests.tinker.test_tinker_api import ADAM, SEQUENCE, datum, forward_logprobs, train
+
+ROOT = Path(__file__).resolve().parents[2]
+SAME_CODE_TOL = 1e-6
+"""A run on a learner and one in the server compute with the same code on the same CPU, one thread each."""
+
+
+class Learners(Processes):
+    """Learner processes hosting Tinker training runs of MODEL, their logs under log_dir."""
+
+    def __init__(self, nats: EmbeddedNats, valkey: EmbeddedValkey, log_dir: Path) -> None:
+        super().__init__(log_dir)
+        self.nats, self.valkey = nats, valkey
+
+    def start(self, name: str) -> None:
+        self.spawn(name, [sys.executable, "-m", "fleetrl.services.learner", "--nats-url", self.nats.url,
+                          "--redis-url", self.valkey.url, "--replay-addr", "127.0.0.1:1",
+                          "--run-dir", str(self.log_dir / name), "--set", f"learner_id={name}",
+                          "--set", "listen=127.0.0.1:0", "--set", "torch_threads=1",
+                          "--set", f'tinker_models=["{MODEL}"]', "--set", "claim_poll_s=5"])
+
+    def holder(self, model_id: str) -> str:
+        """The learner a run was last placed on: the latest of the learners' logged placements (logs are kept
+        across restarts, so by the time stamp each line starts with)."""
+        placed = [(line[:23], name) for name in self.procs for line in self.text(name).splitlines()
+                  if f"run {model_id}@" in line and "placed here" in line]
+        assert placed, f"no learner logged run {model_id}"
+        return max(placed)[1]
+
+
+@pytest.fixture(scope="module")
+def learners(infra: tuple[EmbeddedNats, EmbeddedValkey, Path]) -> Iterator[Learners]:
+    running = Learners(*infra)
+    for name in ("l1", "l2"):
+        running.start(name)
+    for name in ("l1", "l2"):
+        running.wait_for(name, "hosting tinker training runs of", 90)
+    yield running
+    running.stop_all()
+
+
+@pytest.fixture(scope="module")
+def fleet_server(infra: tuple[EmbeddedNats, EmbeddedValkey, Path], learners: Learners) -> Iterator[TinkerServer]:
+    nats_server, _, root = infra
+    server = TinkerServer(root / "run", training="fleet", nats_url=nats_server.url, train_timeout_s=60.0,
+                          max_training_runs_per_tenant=100).start()
+    yield server
+    server.stop()
+
+
+def test_a_run_on_a_learner_trains_as_a_run_in_the_server(fleet_server: TinkerServer, learners: Learners,
+                                                          tmp_path: Path) -> None:
+    """The same seed and steps give the same adapter on a learner as in a local-training server; the run's
+    save_state is a checkpoint the local server loads, and its sampler version samples there."""
+    local = TinkerServer(tmp_path / "local").start()
+    try:
+        ours = fleet_server.client().create_lora_training_client(base_model=MODEL, rank=8, seed=3).result()
+        theirs = local.client().create_lora_training_client(base_model=MODEL, rank=8, seed=3).result()
+        assert learners.holder(ours.model_id) in ("l1", "l2")
+        np.testing.assert_allclose(train(ours, 2), train(theirs, 2), atol=SAME_CODE_TOL)
+        np.testing.assert_allclose(forward_logprobs(ours, SEQUENCE), forward_logprobs(theirs, SEQUENCE),
+                                   atol=SAME_CODE_TOL)
+        info = ours.get_info()
+        assert (info.model_data.arch, info.lora_rank) == ("LlamaForCausalLM", 8)
+        sampler = ours.save_weights_and_get_sampling_client().result()  # the adapter comes from the learner
+        prompt = tinker.types.ModelInput.from_ints(SEQUENCE[:8])
+        params = tinker.types.SamplingParams(max_tokens=4, seed=1, temperature=1.0)
+        got = sampler.sample(prompt, 1, params).result().sequences[0].tokens
+        theirs_sampler = theirs.save_weights_and_get_sampling_client().result()
+        want = theirs_sampler.sample(prompt, 1, params).result().sequences[0].tokens
+        assert got == want
+    finally:
+        local.stop()
+
+
+def test_a_learner_killed_between_forward_backward_and_optim_step(fleet_server: TinkerServer,
+                                                                  learners: Learners) -> None:
+    """SIGKILL of the run's learner after a forward_backward: the optim_step fails saying the run was restored
+    from its last save_state on the other learner; the run then has exactly the saved weights and step count,
+    and trains on."""
+    tc = fleet_server.client().create_lora_training_client(base_model=MODEL, rank=8, seed=5).result()
+    train(tc, 2)
+    saved = tc.save_state("two-steps").result().path
+    at_save = forward_logprobs(tc, SEQUENCE)
+    train(tc, 1)  # a step after the save: lost with the learner
+    tc.forward_backward([datum(SEQUENCE)], "cross_entropy").result()
+    holder = learners.holder(tc.model_id)
+    other = next(n for n in ("l1", "l2") if n != holder)
+    learners.kill(holder)
+    try:
+        with pytest.raises(tinker.RequestFailedError) as lost:
+            tc.optim_step(ADAM).result()
+        message = str(lost.value)
+        assert f"restored on learner {other}" in message and saved in message and "(step 2)" in message, message
+        assert learners.holder(tc.model_id) == other
+        np.testing.assert_allclose(forward_logprobs(tc, SEQUENCE), at_save, atol=SAME_CODE_TOL)
+        fb = tc.forward_backward([datum(SEQUENCE)], "cross_entropy")
+        metrics = tc.optim_step(ADAM).result().metrics
+        fb.result()
+        assert metrics["step:max"] == 3.0  # the saved 2, and this one
+    finally:
+        learners.start(holder)
+        learners.wait_for(holder, "hosting tinker training runs of", 90)
+
+
+def test_a_run_lost_with_no_save_state_fails_every_later_call(fleet_server: TinkerServer,
+                                                              learners: Learners) -> None:
+    tc = fleet_server.client().create_lora_training_client(base_model=MODEL, rank=8, seed=6).result()
+    train(tc, 1)
+    holder = learners.holder(tc.model_id)
+    learners.kill(holder)
+    try:
+        for _ in range(2):
+            with pytest.raises(tinker.RequestFailedError, match="has no save_state checkpoint to resume from"):
+                tc.forward([datum(SEQUENCE)], "cross_entropy").result()
+    finally:
+        learners.start(holder)
+        learners.wait_for(holder, "hosting tinker training runs of", 90)
+
+
+def test_a_call_sent_twice_runs_once(tmp_path: Path) -> None:
+    """The service sends a call again when its answer is lost: the learner answers from what it remembers,
+    and an optim_step is applied once. A placement with the learner full, or with no learner hosting the base,
+    is refused naming the setting. (A NATS of its own: no other learner to take the placements.)"""
+
+    async def main(url: str) -> None:
+        nc = await bus.connect(url, "test")
+        transport = factory.transport(None, nc, bus.jetstream(nc))
+        host = TrainingHost(nc, transport, "in-test", [MODEL], max_runs=1, idle_s=60, compute=None,
+                            bases=SharedBases())
+        link = LearnerTraining(nc, transport, asyncio.get_running_loop(), "test-sent-twice", timeout_s=30)
+        await host.start()
+        try:
+            body = {"model_id": "session-x:train:0", "tenant": "t", "base_model": MODEL, "seed": 1, "state": None,
+                    "lora": lora_spec(LoraRequest(rank=4)).model_dump(mode="json"), "with_optimizer": True}
+            pid = (await link.place(body))["placement"]
+            fb = {"op": "forward_backward", "placement": pid, "call": f"{pid}/1", "loss_fn": "cross_entropy",
+                  "settings": {}, "backward": True, "data": [_wire(SEQUENCE)]}
+            assert (await link.call("in-test", fb))["pending_chunks"] == 1
+            step = {"op": "optim_step", "placement": pid, "call": f"{pid}/2", "adam": {"learning_rate": 1e-2}}
+            first, again = await link.call("in-test", step), await link.call("in-test", step)
+            assert first == again and (first["steps"], first["result"]["step:max"]) == (1, 1.0)
+            with pytest.raises(ResourceExhausted, match="tinker_max_runs"):
+                await link.place({**body, "model_id": "session-x:train:1"})
+            with pytest.raises(Unavailable, match="tinker_models"):
+                await link.place({**body, "base_model": "a-base-no-learner-hosts"})
+        finally:
+            await host.close()
+            await link.purge()
+            await nc.close()
+
+    with EmbeddedNats(data_dir=tmp_path / "nats") as nats_server:
+        asyncio.run(main(nats_server.url))
+
+
+def test_calls_queued_before_a_loss_fail_as_the_call_that_found_it(tmp_path: Path) -> None:
+    """Calls of a run that reached the service before its learner's loss was known (queued behind a held work
+    thread here) fail with the restore's message, as the call that found the loss does; a call after runs on
+    the restored weights. In one process: two hosts on one NATS, the service's work thread held on purpose."""
+
+    async def main(url: str) -> None:
+        nc = await bus.connect(url, "test")
+        transport = factory.transport(None, nc, bus.jetstream(nc))
+        hosts = {name: TrainingHost(nc, transport, name, [MODEL], max_runs=4, idle_s=60, compute=None,
+                                    bases=SharedBases()) for name in ("a", "b")}
+        for host in hosts.values():
+            await host.start()
+        executor = concurrent.futures.ThreadPoolExecutor(1)
+        log = RequestLog(executor)
+        link = LearnerTraining(nc, transport, asyncio.get_running_loop(), "test-queued", timeout_s=30)
+        limits = Limits((MODEL,), (), tmp_path, 64, 64, 8, 8, 8)
+        service = TinkerService(limits, log, learners=link)
+
+        async def done(request: Request) -> Any:
+            return await asyncio.wrap_future(request.future)
+
+        try:
+            session = service.create_session("t")
+            created = await done(service.create_model("t", session, 0, MODEL, LoraRequest(rank=4, seed=1)))
+            model_id = created["model_id"]
+            data = [Datum(SEQUENCE[:-1], {"target_tokens": np.asarray(SEQUENCE[1:], dtype=np.int64)})]
+            await done(service.forward_backward("t", model_id, 1, data, "cross_entropy", {}, False))
+            await done(service.optim_step("t", model_id, 2, AdamParams(learning_rate=1e-2)))
+            await done(service.save_state("t", model_id, 3, "one"))
+            at_save = (await done(service.forward_backward("t", model_id, 4, data, "cross_entropy", {}, True))).logprobs
+            await done(service.forward_backward("t", model_id, 5, data, "cross_entropy", {}, False))
+            gate = threading.Event()
+            held = log.submit("t", ("hold", 0), "Hold", gate.wait)
+            step = service.optim_step("t", model_id, 6, AdamParams(learning_rate=1e-2))
+            queued = service.forward_backward("t", model_id, 7, data, "cross_entropy", {}, True)
+            run = service.run("t", model_id)
+            lost_on = run.learner_id
+            assert lost_on in hosts
+            await hosts.pop(lost_on).close()  # its subscriptions gone: as a SIGKILLed learner's
+            gate.set()
+            await done(held)
+            with pytest.raises(Unavailable, match="restored on learner") as first:
+                await done(step)
+            with pytest.raises(Unavailable) as second:
+                await done(queued)
+            assert str(first.value) == str(second.value) and "tinker://" in str(first.value)
+            after = await done(service.forward_backward("t", model_id, 8, data, "cross_entropy", {}, True))
+            np.testing.assert_allclose(after.logprobs[0], at_save[0], atol=0)
+            assert run.steps == 1 and run.learner_id != lost_on
+        finally:
+            for host in hosts.values():
+                await host.close()
+            await link.purge()
+            await nc.close()
+            executor.shutdown()
+
+    with EmbeddedNats(data_dir=tmp_path / "nats") as nats_server:
+        asyncio.run(main(nats_server.url))
+
+
+def _wire(tokens: list[int]) -> dict[str, Any]:
+    return {"tokens": torch.tensor(tokens[:-1]), "inputs": {"target_tokens": torch.tensor(tokens[1:])}}
