@@ -37,10 +37,14 @@ from fleetrl.policy.lora import SharedBases, adapter_state_dict, load_adapters
 from fleetrl.spec.config import LoraSpec
 from fleetrl.tinker.losses import LOSSES, LossBatch
 from fleetrl.tinker.types import AdamParams, Datum, ForwardResult, LoraRequest
+from fleetrl.train.batch import kernel_mask, pack_prefix_runs, packing_pays, prefix_runs
+from fleetrl.train.optim import packing_cost_ratio
 from fleetrl.weights.adapters import adapter_tensors, wrap
 
 MICRO_BATCH_SEQUENCES = 8
 """Datums per forward/backward pass: bounds the activations and logits a chunk of any size holds at once."""
+MIN_SHARED_PREFIX = 8
+"""Tokens consecutive datums must share from their start to be packed with the prefix computed once."""
 ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP = ("gate_proj", "up_proj", "down_proj")
 
@@ -71,6 +75,11 @@ class TrainingRun:
     """forward_backward chunks whose gradient waits for the next optim_step."""
     bases: SharedBases | None = None
     """Where the base was taken from (given back by `close`); None: the run loaded its own."""
+    _packing_ratio: float | None = None
+    """The packing cost model's ratio of the model (`train.batch.attention_cost_ratio`); None: never pack."""
+
+    def __post_init__(self) -> None:
+        self._packing_ratio = packing_cost_ratio(self.model)
 
     @classmethod
     def create(cls, model_id: str, tenant: str, base_model: str, lora: LoraSpec, seed: int,
@@ -151,25 +160,40 @@ class TrainingRun:
             param.grad = grad
 
     def _batch(self, data: list[Datum], grad: bool) -> tuple[LossBatch, list[int]]:
+        """The micro-batch's log-probs of every target and its loss inputs, (B, T) each. Datums that share a
+        prefix (a group's samples of one prompt) are computed packed, the prefix once, when the cost model says
+        it is cheaper (`batch.pack_prefix_runs`); else padded."""
         lengths = [len(d.tokens) for d in data]
         width = max(lengths)
-        tokens = torch.zeros((len(data), width), dtype=torch.long)  # (B, T)
-        targets = torch.zeros_like(tokens)
+        targets = torch.zeros((len(data), width), dtype=torch.long)
         mask = torch.zeros((len(data), width), dtype=torch.float32)
         names = {name for d in data for name in d.inputs if name != "target_tokens"}
         inputs = {name: torch.zeros((len(data), width), dtype=torch.float32) for name in names}
         for i, d in enumerate(data):
             n = lengths[i]
-            tokens[i, :n] = torch.tensor(d.tokens)
             targets[i, :n] = torch.from_numpy(d.inputs["target_tokens"].astype(np.int64))
             mask[i, :n] = 1.0
             for name in names:
                 if name in d.inputs:
                     inputs[name][i, :n] = torch.from_numpy(d.inputs[name].astype(np.float32))
+        sequences = [d.tokens for d in data]
+        runs = prefix_runs(sequences, MIN_SHARED_PREFIX)
+        packed_width = max(shared + sum(lengths[i] - shared for i in range(a, b)) for a, b, shared in runs)
+        packed = len(runs) < len(data) and packing_pays((len(data), width), (len(runs), packed_width),
+                                                        self._packing_ratio)
         self.model.train(grad)
         with torch.set_grad_enabled(grad):
-            logits = self.model(input_ids=tokens, attention_mask=mask.long()).logits  # (B, T, V)
-            logprobs, _ = token_logprobs(logits, targets)
+            if packed:
+                rows = pack_prefix_runs(sequences, runs)
+                logits = self.model(input_ids=rows.input_ids, position_ids=rows.position_ids,
+                                    attention_mask=kernel_mask(self.model, rows.attention_mask)).logits  # (R, W, V)
+                logprobs, _ = token_logprobs(logits, targets, rows=rows.index)
+            else:
+                tokens = torch.zeros((len(data), width), dtype=torch.long)  # (B, T)
+                for i, d in enumerate(data):
+                    tokens[i, :lengths[i]] = torch.tensor(d.tokens)
+                logits = self.model(input_ids=tokens, attention_mask=mask.long()).logits  # (B, T, V)
+                logprobs, _ = token_logprobs(logits, targets)
         return LossBatch(logprobs, mask, inputs), lengths
 
     def optim_step(self, adam: AdamParams) -> dict[str, float]:

@@ -240,7 +240,7 @@ def share_prompts(batch: TrainBatch, ratio: float | None) -> TrainBatch:
     lengths = [int(batch.prompt_lens[a]) + int(batch.completion_lens[a:b].sum()) for a, b in runs]
     padded = batch.input_ids.shape
     packed = (len(runs), max(lengths))
-    if packed[0] * packed[1] * (1 + ratio * packed[1]) >= padded[0] * padded[1] * (1 + ratio * padded[1]):
+    if not packing_pays((padded[0], padded[1]), packed, ratio):
         return batch
     return replace(batch, packed=_pack(batch, runs, packed[1]))
 
@@ -285,12 +285,93 @@ def _pack(batch: TrainBatch, runs: list[tuple[int, int]], width: int) -> PackedR
             packed_position[prompt : prompt + count] = torch.arange(offset, offset + count)
             where[row] = packed_row * (width - first_kept) + packed_position - first_kept
             offset += count
+    columns = torch.arange(batch.start, batch.input_ids.shape[1] - 1)  # the positions predicting targets
+    return PackedRows(input_ids, position_ids, segment_mask(segment), torch.arange(first_kept, width),
+                      where[:, columns])
+
+
+def segment_mask(segment: Tensor) -> Tensor:
+    """The attention mask (R, 1, W, W) bool of packed rows from each position's segment (R, W): 0 the shared
+    prefix, s + 1 the s-th sequence's own tokens, -1 padding. A query sees, causally, the prefix and its own
+    segment; padding sees itself only (no row of the mask is empty)."""
+    width = segment.shape[1]
     causal = torch.ones((width, width), dtype=torch.bool).tril()
     visible = (segment[:, None, :] == 0) | (segment[:, None, :] == segment[:, :, None])  # (R, W query, W key)
-    pad_self = torch.eye(width, dtype=torch.bool) & (segment[:, :, None] < 0)  # padding sees itself: no empty row
-    mask = ((visible & causal & (segment[:, None, :] >= 0)) | pad_self)[:, None]
-    columns = torch.arange(batch.start, batch.input_ids.shape[1] - 1)  # the positions predicting targets
-    return PackedRows(input_ids, position_ids, mask, torch.arange(first_kept, width), where[:, columns])
+    pad_self = torch.eye(width, dtype=torch.bool) & (segment[:, :, None] < 0)
+    return ((visible & causal & (segment[:, None, :] >= 0)) | pad_self)[:, None]
+
+
+def kernel_mask(model: torch.nn.Module, mask: Tensor) -> Tensor:
+    """A packed rows' bool mask as the model's attention kernel takes it (eager adds it to the scores)."""
+    if _attention_kernel(model) == "eager":
+        return torch.zeros(mask.shape, device=mask.device).masked_fill_(~mask, torch.finfo(torch.float32).min)
+    return mask
+
+
+@dataclass
+class SharedPrefixRows:
+    """Sequences packed with each run's shared prefix once: R rows of width W, every position of every sequence
+    computed (the prefix's for all of its run), unlike `PackedRows`, which keeps the predicting columns only."""
+
+    input_ids: Tensor  # (R, W) long
+    position_ids: Tensor  # (R, W) long
+    attention_mask: Tensor  # (R, 1, W, W) bool
+    index: Tensor  # (B, L) long: where position t of sequence b is among the R * W (0 past its end)
+
+
+def prefix_runs(sequences: list[list[int]], min_shared: int) -> list[tuple[int, int, int]]:
+    """[start, end) ranges of consecutive sequences sharing a prefix of at least `min_shared` tokens with the
+    range's first, each with the prefix's length (the shortest such common prefix); a sequence sharing none
+    is a range of its own with prefix 0."""
+    runs: list[tuple[int, int, int]] = []
+    for i, tokens in enumerate(sequences):
+        if runs:
+            start, _, shared = runs[-1]
+            common = _common_prefix(sequences[start], tokens)
+            if common >= min_shared:  # a range of one holds 0 until its second sequence sets the prefix
+                runs[-1] = (start, i + 1, common if i == start + 1 else min(shared, common))
+                continue
+        runs.append((i, i + 1, 0))
+    return runs
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return n
+
+
+def pack_prefix_runs(sequences: list[list[int]], runs: list[tuple[int, int, int]]) -> SharedPrefixRows:
+    """Each run as one row: its prefix, then each sequence's own tokens at their true positions."""
+    lengths = [shared + sum(len(sequences[i]) - shared for i in range(start, end)) for start, end, shared in runs]
+    width, longest = max(lengths), max(len(t) for t in sequences)
+    input_ids = torch.zeros((len(runs), width), dtype=torch.long)
+    position_ids = torch.zeros((len(runs), width), dtype=torch.long)
+    segment = torch.full((len(runs), width), -1, dtype=torch.long)
+    index = torch.zeros((len(sequences), longest), dtype=torch.long)
+    for row, (start, end, shared) in enumerate(runs):
+        input_ids[row, :shared] = torch.tensor(sequences[start][:shared], dtype=torch.long)
+        position_ids[row, :shared] = torch.arange(shared)
+        segment[row, :shared] = 0
+        offset = shared
+        for s, b in enumerate(range(start, end)):
+            own = sequences[b][shared:]
+            input_ids[row, offset:offset + len(own)] = torch.tensor(own, dtype=torch.long)
+            position_ids[row, offset:offset + len(own)] = torch.arange(shared, shared + len(own))
+            segment[row, offset:offset + len(own)] = s + 1
+            index[b, :shared] = row * width + torch.arange(shared)
+            index[b, shared:len(sequences[b])] = row * width + torch.arange(offset, offset + len(own))
+            offset += len(own)
+    return SharedPrefixRows(input_ids, position_ids, segment_mask(segment), index)
+
+
+def packing_pays(padded: tuple[int, int], packed: tuple[int, int], ratio: float | None) -> bool:
+    """Whether `packed` (rows, width) costs less than `padded` by the cost model (module docstring)."""
+    if ratio is None:
+        return False
+    return packed[0] * packed[1] * (1 + ratio * packed[1]) < padded[0] * padded[1] * (1 + ratio * padded[1])
 
 
 @dataclass
@@ -318,11 +399,8 @@ def completion_forward(model: torch.nn.Module, batch: TrainBatch) -> Scores:
         out = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, logits_to_keep=positions,
                     use_cache=False)
         return Scores(out.logits, None, getattr(out, "state_values", None))
-    mask = packed.attention_mask
-    if _attention_kernel(model) == "eager":
-        mask = torch.zeros(mask.shape, device=mask.device).masked_fill_(~mask, torch.finfo(torch.float32).min)
-    out = model(input_ids=packed.input_ids, attention_mask=mask, position_ids=packed.position_ids,
-                logits_to_keep=packed.keep, use_cache=False)
+    out = model(input_ids=packed.input_ids, attention_mask=kernel_mask(model, packed.attention_mask),
+                position_ids=packed.position_ids, logits_to_keep=packed.keep, use_cache=False)
     values = getattr(out, "state_values", None)
     return Scores(out.logits.reshape(-1, out.logits.shape[-1]), packed.index,
                   None if values is None else values.reshape(-1)[packed.index])
