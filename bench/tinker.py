@@ -12,13 +12,19 @@ model's Tinker samples (`tinker_models`) and a second server with `sampling = "f
 same run: `sample` through the SDK on the fleet against the local server's (`fleet_sample_ms`), and the wall
 time of `--burst` sample requests sent at once (4 sequences of 64 tokens each) on each (`burst_s`).
 
+With `--packing` it also times one forward_backward of the example loop's batch shape on `TrainingRun` (on
+`--loop-model`, `--threads` torch threads): its datums packed, each group's shared prompt computed once, against
+the padded layout (`padded_over_packed`).
+
 With `--loop-steps N` (N >= 3) it also runs, in the same run and one after the other, the user-written loop
 `examples/tinker_rl_loop/rl_loop.py` (the demo's addition task through the official SDK, against a Tinker
 server in this process with `--loop-threads` torch threads, samples local) and the demo job
 (`examples/addition/job.toml`) with the same N steps on a local fleet (`fleetrl up`'s launcher, one actor),
 both on `--loop-model`, and reports each side's optimizer steps per second from its first step to its last
 (start-up, model loads and the first step's warm-up left out) and their ratio, `loop_over_job` (issue 29's
-goal: at least 0.8).
+goal: at least 0.8). With `--loop-fleet` also the loop with `OFF_POLICY=1` (the next step's samples asked for
+before this step trains) against a local fleet of one actor whose Tinker API samples on the actor and trains
+on the learner (`fleet_loop_over_job`), between the two.
 """
 
 from __future__ import annotations
@@ -182,8 +188,13 @@ def steps_per_s(times: list[float]) -> float:
 def loop_steps(settings: TinkerSettings, model: str, steps: int, log: Path) -> list[float]:
     """When each step of the example loop ended, against a local Tinker server (its own `steps`)."""
     url = start_server(settings.model_copy(update={"allowed_models": (model,)}))
+    return run_loop(url, model, steps, log, off_policy=False)
+
+
+def run_loop(url: str, model: str, steps: int, log: Path, *, off_policy: bool) -> list[float]:
+    """When each step of the example loop ended, against the Tinker API at url."""
     env = {**os.environ, "TINKER_BASE_URL": url, "TINKER_API_KEY": KEY, "MODEL": model, "STEPS": str(steps),
-           "EVAL": "1", "TOKENIZERS_PARALLELISM": "false"}
+           "EVAL": "1", "TOKENIZERS_PARALLELISM": "false", "OFF_POLICY": "1" if off_policy else "0"}
     times = []
     with open(log, "w") as err, subprocess.Popen([sys.executable, str(LOOP)], stdout=subprocess.PIPE, stderr=err,
                                                  env=env, text=True) as proc:
@@ -194,6 +205,24 @@ def loop_steps(settings: TinkerSettings, model: str, steps: int, log: Path) -> l
     if proc.returncode != 0:
         raise RuntimeError(f"the example loop failed: {log.read_text(errors='replace')[-2000:]}")
     return times
+
+
+def fleet_loop_steps(run_dir: Path, model: str, steps: int, log: Path) -> list[float]:
+    """When each step of the example loop, OFF_POLICY, ended against a local fleet of one actor whose Tinker API
+    samples on the actor and trains on the learner (`fleetrl up --tinker --tinker-on-actors M
+    --tinker-on-learner M`): the job's processes, and the job's overlap of sampling and training."""
+    from fleetrl.launcher.fleet import Fleet, FleetOptions
+
+    fleet = Fleet(FleetOptions(run_dir=run_dir, actors=1, tinker=True, tinker_models=(model,),
+                               tinker_learner_models=(model,)))
+    stop = threading.Event()
+    try:
+        layout = fleet.start()
+        threading.Thread(target=fleet.serve, args=(stop,), daemon=True).start()
+        return run_loop(f"http://{layout.addresses['tinker']}", model, steps, log, off_policy=True)
+    finally:
+        stop.set()
+        fleet.stop()
 
 
 def job_steps(run_dir: Path, model: str, steps: int) -> list[float]:
@@ -217,13 +246,52 @@ def job_steps(run_dir: Path, model: str, steps: int) -> list[float]:
 
 
 def loop_against_job(settings: TinkerSettings, args: argparse.Namespace) -> dict[str, Any]:
-    """The example loop's steps per second against the demo job's, same model and steps, one after the other."""
+    """The example loop's steps per second against the demo job's, same model and steps, one after the other:
+    the loop as written against a Tinker server in this process, then (`--loop-fleet`) OFF_POLICY against a
+    fleet that samples on its actor and trains on its learner, then the job."""
     torch.set_num_threads(args.loop_threads)
     loop = steps_per_s(loop_steps(settings, args.loop_model, args.loop_steps, settings.run_dir / "loop.log"))
     torch.set_num_threads(args.threads)
+    result: dict[str, Any] = {"model": args.loop_model, "steps": args.loop_steps, "loop_threads": args.loop_threads,
+                              "loop_steps_per_s": loop}
+    if args.loop_fleet:
+        result["fleet_loop_steps_per_s"] = steps_per_s(fleet_loop_steps(
+            settings.run_dir / "loop-fleet", args.loop_model, args.loop_steps, settings.run_dir / "loop-fleet.log"))
     job = steps_per_s(job_steps(settings.run_dir / "fleet", args.loop_model, args.loop_steps))
-    return {"model": args.loop_model, "steps": args.loop_steps, "loop_threads": args.loop_threads,
-            "loop_steps_per_s": loop, "job_steps_per_s": job, "loop_over_job": loop / job}
+    result.update(job_steps_per_s=job, loop_over_job=loop / job)
+    if args.loop_fleet:
+        result["fleet_loop_over_job"] = result["fleet_loop_steps_per_s"] / job
+    return result
+
+
+def packing(model: str, threads: int) -> dict[str, Any]:
+    """One forward_backward of the example loop's batch shape (4 prompts of 46 tokens, 8 completions of 12 each,
+    LoRA rank 16, cross_entropy weighted on the completions) on `TrainingRun`, its datums packed with each prompt
+    once against padded, each after a warm-up on its own run."""
+    from fleetrl.spec.config import LoraSpec
+    from fleetrl.tinker.training import TrainingRun
+
+    torch.set_num_threads(threads)
+    rng = np.random.default_rng(0)
+    data = []
+    for _ in range(4):
+        prompt = [int(t) for t in rng.integers(100, 30000, 46)]
+        for _ in range(8):
+            tokens = prompt + [int(t) for t in rng.integers(100, 30000, 12)]
+            weights = np.asarray([0.0] * (len(prompt) - 1) + [0.1] * 12, dtype=np.float32)
+            data.append(domain.Datum(tokens[:-1], {"target_tokens": np.asarray(tokens[1:]), "weights": weights}))
+    seconds = {}
+    for layout in ("packed", "padded"):
+        run = TrainingRun.create("bench:train:0", "bench", model, LoraSpec(rank=16), seed=0)
+        if layout == "padded":
+            run._packing_ratio = None
+        run.forward_backward(data[:8], "cross_entropy", {}, backward=True)
+        start = time.perf_counter()
+        run.forward_backward(data, "cross_entropy", {}, backward=True)
+        seconds[layout] = time.perf_counter() - start
+        run.close()
+    return {"model": model, "threads": threads, "forward_backward_s": seconds,
+            "padded_over_packed": seconds["padded"] / seconds["packed"]}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -237,6 +305,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--loop-steps", type=int, default=0,
                         help="also time the example loop against the demo job, this many steps each (at least 3)")
     parser.add_argument("--loop-model", default="smollm2-135m", help="the model of the loop and the job")
+    parser.add_argument("--packing", action="store_true",
+                        help="also time one forward_backward of the example loop's batch, packed against padded, on "
+                             "--loop-model")
+    parser.add_argument("--loop-fleet", action="store_true",
+                        help="with --loop-steps: also time the loop, OFF_POLICY, against a local fleet that samples "
+                             "on its actor and trains on its learner")
     parser.add_argument("--loop-threads", type=int, default=len(os.sched_getaffinity(0)),
                         help="the loop's Tinker server's torch threads (default: this process's cores, as the "
                              "fleet's learner and actor share them)")
@@ -251,6 +325,8 @@ def main(argv: list[str] | None = None) -> int:
                               "overhead_ms": {name: remote[name] - local[name] for name in local}}
     if args.fleet_actors:
         result["fleet"] = on_the_fleet(settings, url, args)
+    if args.packing:
+        result["packing"] = packing(args.loop_model, args.threads)
     if args.loop_steps:
         result["loop"] = loop_against_job(settings, args)
     print(json.dumps(result) if args.json else json.dumps(result, indent=2))

@@ -84,6 +84,10 @@ class RoundBatch:
         """The place of one task of the round, on its job's backend (version(): the version it holds now)."""
         return Seat(self, backend, version)
 
+    def absent(self) -> None:
+        """One of the round's tasks will take no seat (it failed before it knew its backend)."""
+        self._leave()
+
     def _ask(self, seat: Seat, request: GroupRequest) -> asyncio.Future[tuple[list[Completion], int]]:
         answer: asyncio.Future[tuple[list[Completion], int]] = asyncio.get_running_loop().create_future()
         self._asked.append((seat, request, answer))

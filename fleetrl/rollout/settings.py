@@ -52,7 +52,7 @@ class ActorSettings(InfraSettings):
     `fleetrl demo` preloads its job's model."""
     tinker_models: list[str] = Field(default_factory=list, max_length=16)
     """Base models whose Tinker API sample requests this actor serves (a tinker service with
-    `sampling = "fleet"`), beside its jobs: it takes them from the base's shared queue one at a time, pulls
+    `sampling = "fleet"`), beside its jobs: it takes them from the base's shared queue a batch at a time, pulls
     each sampler version's adapter from the weight store and samples through an adapter of the hf shared
     base (`fleetrl.tinker.fleet`), the one its LoRA jobs use. Each is preloaded at start (as
     `preload_models`) and counts against the memory budget, and so do the samplers' adapters and cached
@@ -62,6 +62,10 @@ class ActorSettings(InfraSettings):
     another actor. The first actor serving a base sets it for every actor of that base."""
     tinker_sample_max_deliver: int = Field(3, ge=1, le=100)
     """Deliveries of one sample request at most (set, like tinker_sample_ack_wait_s, by the first actor)."""
+    tinker_sample_batch: int = Field(8, ge=1, le=1000)
+    """Tinker sample requests of one base an actor takes at once and decodes in one batch (those waiting when
+    it asks; each namespace's adapter at one version per batch, a request with stop tokens of its own alone);
+    at most `tinker_adapters_cached` namespaces per batch."""
     tinker_adapters_cached: int = Field(16, ge=1, le=10_000)
     """Tinker samplers (training runs' or checkpoints' namespaces) that keep their adapter on the shared
     base, and sampler versions kept after their pull; the least recently used beyond are dropped, and sooner

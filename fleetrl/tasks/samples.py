@@ -123,13 +123,12 @@ class SampleQueue:
         self.model, self.actor_id, self.ack_wait_s = model, actor_id, ack_wait_s
         self._js, self._sub = js, sub
 
-    async def fetch(self, timeout_s: float) -> Msg | None:
-        """One delivery, or None when none came within timeout_s."""
+    async def fetch(self, most: int, timeout_s: float) -> list[Msg]:
+        """Up to `most` deliveries: those waiting now, or the first to come within timeout_s ([] when none)."""
         try:
-            msgs = await self._sub.fetch(1, timeout=timeout_s)
+            return list(await self._sub.fetch(most, timeout=timeout_s))
         except TimeoutError:
-            return None
-        return msgs[0] if msgs else None
+            return []
 
     async def handle(self, msg: Msg, serve: Serve) -> None:
         """Serve one delivery: result published, then acked; unserved (expired) acked; failed released."""

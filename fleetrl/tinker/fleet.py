@@ -20,9 +20,13 @@ versions), copies it into the namespace's adapter on the actor's shared base (`S
 its LoRA jobs use, held once; the last `adapters_cached` namespaces keep theirs) and samples with the local
 path's `sample_with`. The adapter is applied unmerged, as the trainer's PEFT layers apply it; the local path
 merges it into its weights: the same function, rounded differently.
-`run(queue, stop)` serves one base's requests until stop. Errors that a later delivery may not meet (NATS
-unreachable, a pull past its deadline) are raised to the queue, which releases the request for redelivery;
-any other is answered as an error result at once.
+`run(queue, stop)` serves one base's requests until stop, taking up to `batch` (`tinker_sample_batch`) of those
+waiting at once. Those that can share a batch (each namespace at one version, since its adapter holds one at a
+time; no stop tokens of their own) are decoded together: one `RoundBatch` of the job rounds' kind, whose
+`generate_together` mixes their adapters on the shared base (`shared_base.generate_mixed`), each request's rows
+through its own adapter and drawn from its own seed; the rest one at a time. Errors that a later delivery may
+not meet (NATS unreachable, a pull past its deadline) are raised to the queue, which releases the request for
+redelivery; any other is answered as an error result at once.
 
 Wire format: JSON (`encode_request`, `encode_result`); prompt log-probs' leading NaN travels as `NaN`.
 """
@@ -36,12 +40,13 @@ import json
 import logging
 import random
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+from nats.aio.msg import Msg
 
 from fleetrl.errors import (
     DeadlineExceeded,
@@ -52,10 +57,11 @@ from fleetrl.errors import (
     Unavailable,
 )
 from fleetrl.policy.shared_base import SharedBaseBackend
+from fleetrl.rollout.batching import RoundBatch
 from fleetrl.spec.config import LoraSpec
 from fleetrl.tasks import bus
 from fleetrl.tasks.samples import SampleQueue, SampleRequester
-from fleetrl.tinker.sampling import SamplerWeights, sample_with
+from fleetrl.tinker.sampling import SamplerWeights, batchable, group_request, sample_with, sequence_of
 from fleetrl.tinker.types import SampleParams, SampleResult, Sequence
 from fleetrl.weights.channel import WeightChannel, WeightPointer, decode_safetensors, encode_safetensors
 from fleetrl.weights.publish import WeightPublisher
@@ -176,54 +182,137 @@ class ActorSampling:
     _adapters: OrderedDict[str, _Adapter]
     """By namespace (a base-only sampler's: `base_key`), least recently used first."""
     _tensors: OrderedDict[tuple[str, int], dict[str, torch.Tensor]]
+    batch: int
+    """Sample requests taken at once (`tinker_sample_batch`) and decoded in one batch."""
     _sampling: asyncio.Lock
-    """One Tinker sample at a time on this actor (its adapters change between them)."""
+    """One batch of Tinker samples at a time on this actor (its adapters change between them)."""
+    _loading: asyncio.Lock
+    """One batch member's adapter set up at a time."""
+    _in_use: set[str]
+    """The namespaces of the batch being served: their adapters are never dropped to fit the budget."""
     account: Callable[[int], bool]
     """Told the bytes the samplers hold after every change (their adapters on the base, and the versions
     cached); answers whether the actor's memory budget still holds them (`MemoryBudget.samplers`). While it
     does not, the least recently used cached versions, then adapters, other than the sample's own are dropped."""
 
     def __init__(self, store: WeightChannel, adapters_cached: int, *, dtype: str, device: str,
-                 account: Callable[[int], bool] = _unbounded) -> None:
-        self.adapters_cached, self.dtype, self.device = adapters_cached, dtype, device
+                 account: Callable[[int], bool] = _unbounded, batch: int = 1) -> None:
+        self.adapters_cached, self.dtype, self.device, self.batch = adapters_cached, dtype, device, batch
         self._store = store
         self._adapters = OrderedDict()
         self._tensors = OrderedDict()
-        self._sampling = asyncio.Lock()
+        self._sampling, self._loading = asyncio.Lock(), asyncio.Lock()
+        self._in_use = set()
         self.account = account
 
     def held_bytes(self) -> int:
         return sum(a.bytes for a in self._adapters.values()) + sum(map(_nbytes, self._tensors.values()))
 
     async def run(self, queue: SampleQueue, stop: asyncio.Event) -> None:
-        """Serve the queue's base until stop; a failed fetch (NATS restarting) is tried again."""
+        """Serve the queue's base until stop, up to `batch` requests at a time; a failed fetch (NATS restarting)
+        is tried again."""
         log.info("serving tinker samples of %s", queue.model)
         while not stop.is_set():
             try:
-                msg = await queue.fetch(FETCH_S)
+                msgs = await queue.fetch(self.batch, FETCH_S)
             except Exception as error:  # NATS restarting: fetch again after a pause
                 log.warning("fetching tinker samples of %s failed: %s", queue.model, error)
                 await asyncio.sleep(FETCH_S)
                 continue
-            if msg is not None:
-                await queue.handle(msg, self.serve)
+            for wave, keys in self._waves(msgs):
+                async with self._sampling:
+                    self._in_use = keys
+                    if len(wave) == 1:
+                        await queue.handle(wave[0], self.serve)
+                    else:
+                        log.info("%d tinker samples of %s decoded in one batch", len(wave), queue.model)
+                        together = RoundBatch("tinker", len(wave))
+                        await asyncio.gather(*(self._handle_in(queue, together, msg) for msg in wave))
+
+    def _waves(self, msgs: list[Msg]) -> list[tuple[list[Msg], set[str]]]:
+        """The deliveries in batches that can be decoded together, in order: each namespace at one version
+        (its adapter holds one at a time), at most `adapters_cached` namespaces; a request that cannot share a
+        batch (stop tokens of its own, or one that does not parse) alone. Each with its namespaces."""
+        waves: list[list[Msg]] = []
+        versions: list[dict[str, int]] = []
+        for msg in msgs:
+            try:
+                weights, params = decode_request(msg.data)
+            except Exception:  # answered with its error by `serve`, alone
+                waves.append([msg])
+                versions.append({})
+                continue
+            key, version = self._key(weights), weights.pointer.version if weights.pointer else -1
+            if not batchable(params):
+                waves.append([msg])
+                versions.append({})
+                continue
+            for wave, held in zip(waves, versions, strict=True):
+                fits = held.get(key, version) == version and (key in held or len(held) < self.adapters_cached)
+                if held and fits:
+                    wave.append(msg)
+                    held[key] = version
+                    break
+            else:
+                waves.append([msg])
+                versions.append({key: version})
+        return [(wave, set(held)) for wave, held in zip(waves, versions, strict=True)]
 
     async def serve(self, payload: bytes) -> bytes:
         """A request's result, or its error as a result; RETRIED errors are raised (redelivery)."""
+        return await self._answered(self._sampled(payload))
+
+    async def _handle_in(self, queue: SampleQueue, together: RoundBatch, msg: Msg) -> None:
+        """One delivery of the batch `together`: served in it, or, when the queue serves it not (past its
+        deadline), absent from it, so the others do not wait for it."""
+        served = False
+
+        async def serve(payload: bytes) -> bytes:
+            nonlocal served
+            served = True
+            return await self._answered(self._sampled_in(together, payload))
+
         try:
-            weights, params = decode_request(payload)
-            tensors = await self._pulled(weights)
-            async with self._sampling:
-                backend = await self._backend(weights, tensors)
-                await self._fit(self._key(weights))
-                result = await asyncio.to_thread(sample_with, backend, params)
-            return encode_result(result)
+            await queue.handle(msg, serve)
+        finally:
+            if not served:
+                together.absent()
+
+    async def _answered(self, sampled: Coroutine[Any, Any, SampleResult]) -> bytes:
+        try:
+            return encode_result(await sampled)
         except RETRIED:
             raise
         except Exception as error:  # answered at once: a second delivery would fail the same way
             log.warning("tinker sample failed: %s: %s", type(error).__name__, error)
             return json.dumps({"error": f"{type(error).__name__}: {error}",
                                "user": isinstance(error, USER_ERRORS)}).encode()
+
+    async def _sampled(self, payload: bytes) -> SampleResult:
+        weights, params = decode_request(payload)
+        tensors = await self._pulled(weights)
+        backend = await self._backend(weights, tensors)
+        await self._fit({self._key(weights)})
+        return await asyncio.to_thread(sample_with, backend, params)
+
+    async def _sampled_in(self, together: RoundBatch, payload: bytes) -> SampleResult:
+        seat = None
+        try:
+            weights, params = decode_request(payload)
+            tensors = await self._pulled(weights)
+            async with self._loading:
+                backend = await self._backend(weights, tensors)
+                await self._fit(self._in_use | {self._key(weights)})
+            seat = together.seat(backend, lambda: 0)
+            completions, _ = await seat.generate(group_request(params))
+            prompt_logprobs = (await asyncio.to_thread(backend.prompt_logprobs, params.prompt)
+                               if params.prompt_logprobs else None)
+            return SampleResult([sequence_of(c) for c in completions], prompt_logprobs)
+        finally:
+            if seat is None:
+                together.absent()
+            else:
+                seat.leave()  # nothing once it asked
 
     async def close(self) -> None:
         while self._adapters:
@@ -235,17 +324,17 @@ class ActorSampling:
     def _key(weights: SamplerWeights) -> str:
         return weights.job_id or base_key(weights.base_model)
 
-    async def _fit(self, in_use: str) -> None:
+    async def _fit(self, in_use: set[str]) -> None:
         """Drop what the budget cannot hold: cached versions first (pulled again when asked for), then adapters,
-        least recently used first, never the adapter in use. A sample whose own adapter is over the budget still
-        runs (it is logged): the budget bounds what is kept between samples."""
+        least recently used first, never an adapter in use (the batch's). A batch whose own adapters are over the
+        budget still runs (it is logged): the budget bounds what is kept between batches."""
         while not self.account(self.held_bytes()):
             if self._tensors:
                 self._tensors.popitem(last=False)
                 continue
-            spare = next((key for key in self._adapters if key != in_use), None)
+            spare = next((key for key in self._adapters if key not in in_use), None)
             if spare is None:
-                log.warning("tinker sampler %s alone holds %d MiB, over the actor's memory budget", in_use,
+                log.warning("tinker samplers %s alone hold %d MiB, over the actor's memory budget", sorted(in_use),
                             self.held_bytes() >> 20)
                 return
             await asyncio.to_thread(self._adapters.pop(spare).backend.close)

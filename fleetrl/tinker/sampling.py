@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from fleetrl.policy import models
-from fleetrl.policy.backends import Completion, HFBackend
+from fleetrl.policy.backends import Completion, GroupRequest, HFBackend
 from fleetrl.spec.config import LoraSpec
 from fleetrl.tinker.types import SampleParams, SampleResult, Sequence
 from fleetrl.weights.channel import WeightPointer
@@ -81,12 +81,24 @@ def sample_with(backend: HFBackend, params: SampleParams) -> SampleResult:
     completions = backend.generate(params.prompt, params.num_samples, max_new_tokens=params.max_tokens,
                                    temperature=params.temperature, top_p=params.top_p, seed=seed,
                                    ignore_eos=cut_by_us)
-    sequences = [_stopped_at(c, params.stop_tokens) if cut_by_us else _sequence(c) for c in completions]
+    sequences = [_stopped_at(c, params.stop_tokens) if cut_by_us else sequence_of(c) for c in completions]
     prompt_logprobs = backend.prompt_logprobs(params.prompt) if params.prompt_logprobs else None
     return SampleResult(sequences, prompt_logprobs)
 
 
-def _sequence(completion: Completion) -> Sequence:
+def batchable(params: SampleParams) -> bool:
+    """Whether a request can be decoded in a batch with others (`generate_groups`): it stops where the model
+    does (its own stop tokens need the end of sequence ignored, which a batch does not take)."""
+    return params.stop_tokens is None
+
+
+def group_request(params: SampleParams) -> GroupRequest:
+    """A batchable request as one group of a batched decode (its seed given: the fleet draws one per request)."""
+    seed = params.seed if params.seed is not None else random.getrandbits(62)
+    return GroupRequest(params.prompt, params.num_samples, params.max_tokens, params.temperature, params.top_p, seed)
+
+
+def sequence_of(completion: Completion) -> Sequence:
     return Sequence(completion.token_ids, completion.logprobs, completion.finish_reason == "eos")
 
 

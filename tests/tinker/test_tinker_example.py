@@ -1,4 +1,5 @@
-"""examples/tinker_rl_loop/rl_loop.py runs unchanged against the server: a two-step loop on tiny-llama."""
+"""examples/tinker_rl_loop/rl_loop.py runs unchanged against the server: a two-step loop on tiny-llama, as written
+and with OFF_POLICY (the next step's samples asked for before this step trains)."""
 
 from __future__ import annotations
 
@@ -8,14 +9,17 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from tests.tinker.conftest import KEYS, TinkerServer
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "tinker_rl_loop" / "rl_loop.py"
 
 
-def test_the_example_loop_trains_and_reports(server: TinkerServer) -> None:
+@pytest.mark.parametrize("off_policy", ["0", "1"])
+def test_the_example_loop_trains_and_reports(server: TinkerServer, off_policy: str) -> None:
     env = {**os.environ, "TINKER_BASE_URL": server.url, "TINKER_API_KEY": KEYS["alice"], "MODEL": "tiny-llama",
-           "STEPS": "2", "EVAL": "3"}
+           "STEPS": "2", "EVAL": "3", "OFF_POLICY": off_policy}
     done = subprocess.run([sys.executable, str(EXAMPLE)], env=env, capture_output=True, text=True, timeout=240,
                           check=False)
     assert done.returncode == 0, done.stderr[-2000:]

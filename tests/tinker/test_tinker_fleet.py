@@ -144,6 +144,33 @@ def test_actors_sample_what_the_local_path_samples(fleet_server: TinkerServer, a
         local.stop()
 
 
+def test_requests_waiting_together_are_decoded_in_one_batch_each_from_its_own_adapter(
+        fleet_server: TinkerServer, actors: Actors) -> None:
+    """Six requests of three samplers (a trained run's, a fresh run's, the base's) waiting when an actor starts:
+    it decodes them in one batch, each with its own adapter; every sampled token's log-prob is its own
+    trainer's within the documented tolerance."""
+    sc = fleet_server.client()
+    trained = sc.create_lora_training_client(base_model=MODEL, rank=8, seed=21).result()
+    train(trained, 3)
+    fresh = sc.create_lora_training_client(base_model=MODEL, rank=4, seed=22).result()
+    samplers = {"trained": (trained, trained.save_weights_and_get_sampling_client().result()),
+                "fresh": (fresh, fresh.save_weights_and_get_sampling_client().result()),
+                "base": (fresh, sc.create_sampling_client(base_model=MODEL).result())}
+    prompt = types.ModelInput.from_ints(SEQUENCE[:8])
+    futures = {(name, i): sampler.sample(prompt, 2, types.SamplingParams(max_tokens=6, seed=30 + i))
+               for name, (_, sampler) in samplers.items() for i in range(2)}
+    time.sleep(1.0)  # every request in the stream before the actor's first fetch
+    actors.start("b1")
+    for (name, _), future in futures.items():
+        trainer = samplers[name][0]
+        for sequence in future.result(timeout=60).sequences:
+            want = forward_logprobs(trainer, SEQUENCE[:8] + sequence.tokens + [0])[7:7 + len(sequence.tokens)]
+            np.testing.assert_allclose(sequence.logprobs, want, atol=LOGPROB_TOL)
+    assert f"6 tinker samples of {MODEL} decoded in one batch" in actors.text("b1")
+    continuation = [*SEQUENCE[:12], 0]
+    assert np.abs(forward_logprobs(trained, continuation) - forward_logprobs(fresh, continuation)).max() > 0.1
+
+
 def test_an_actor_killed_holding_a_sample_another_serves_it_once(
         fleet_server: TinkerServer, actors: Actors, infra: tuple[EmbeddedNats, EmbeddedValkey, Path]) -> None:
     actors.start("k1")
