@@ -150,7 +150,9 @@ def test_grafana_is_provisioned_with_prometheus_and_the_fleet_dashboard() -> Non
     assert not _unknown_metrics(queries), "the dashboard queries metrics no code exposes"
     for key in ("fleetrl_actor_generated_tokens_total", "fleetrl_learner_policy_version", "fleetrl_task_queue_pending",
                 "fleetrl_learner_reward_mean", "fleetrl_learner_staleness_versions_bucket",
-                "fleetrl_learner_phase_seconds_sum"):
+                "fleetrl_learner_phase_seconds_sum", "fleetrl_tinker_http_seconds_bucket",
+                "fleetrl_tinker_work_seconds_sum", "fleetrl_tinker_training_runs",
+                "fleetrl_actor_tinker_samples_total"):
         assert key in queries, f"the dashboard does not show {key}"
 
 
