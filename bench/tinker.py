@@ -111,14 +111,22 @@ def over_http(url: str, model: str, calls: int, primitives: tuple[str, ...] = ("
     return {name: median_ms(timed[name], calls) for name in primitives}
 
 
-def start_server(settings: TinkerSettings) -> str:
+def start_server(settings: TinkerSettings, stop: threading.Event | None = None) -> str:
+    """A Tinker API server in a thread of this process, its URL; it serves until `stop` is set (None: for good)."""
     started, box = threading.Event(), {}
 
     def on_start(port: int) -> None:
         box["url"] = f"http://127.0.0.1:{port}"
         started.set()
 
-    threading.Thread(target=asyncio.run, args=(serve(settings, asyncio.Event(), on_start),), daemon=True).start()
+    async def main() -> None:
+        stopping = asyncio.Event()
+        if stop is not None:
+            loop = asyncio.get_running_loop()
+            threading.Thread(target=lambda: (stop.wait(), loop.call_soon_threadsafe(stopping.set)), daemon=True).start()
+        await serve(settings, stopping, on_start)
+
+    threading.Thread(target=asyncio.run, args=(main(),), daemon=True).start()
     if not started.wait(60):
         raise RuntimeError("the tinker server did not start")
     return str(box["url"])
@@ -159,13 +167,15 @@ def on_the_fleet(settings: TinkerSettings, local_url: str, args: argparse.Namesp
             EmbeddedValkey(data_dir=settings.run_dir / "valkey") as valkey:
         actors = [start_actor(nats.url, valkey.url, args.model, f"bench-{i}", args.threads,
                               settings.run_dir / f"actor-{i}.log") for i in range(args.fleet_actors)]
+        done = threading.Event()  # the fleet server stops before its NATS does
         try:
-            fleet_url = start_server(settings.model_copy(update={"sampling": "fleet", "nats_url": nats.url}))
+            fleet_url = start_server(settings.model_copy(update={"sampling": "fleet", "nats_url": nats.url}), done)
             sample = {"local": over_http(local_url, args.model, args.calls, ("sample",))["sample"],
                       "fleet": over_http(fleet_url, args.model, args.calls, ("sample",))["sample"]}
             burst = {"local": burst_s(local_url, args.model, args.burst),
                      "fleet": burst_s(fleet_url, args.model, args.burst)}
         finally:
+            done.set()
             for actor in actors:
                 actor.kill()
                 actor.wait(10)

@@ -66,6 +66,9 @@ class ActorSettings(InfraSettings):
     """Tinker sample requests of one base an actor takes at once and decodes in one batch (those waiting when
     it asks; each namespace's adapter at one version per batch, a request with stop tokens of its own alone);
     at most `tinker_adapters_cached` namespaces per batch."""
+    tinker_sample_linger_s: float = Field(0.05, ge=0, le=10)
+    """How long an actor that took fewer than tinker_sample_batch requests waits for more to join the batch
+    (a client's requests sent at once arrive a few milliseconds apart)."""
     tinker_adapters_cached: int = Field(16, ge=1, le=10_000)
     """Tinker samplers (training runs' or checkpoints' namespaces) that keep their adapter on the shared
     base, and sampler versions kept after their pull; the least recently used beyond are dropped, and sooner

@@ -34,6 +34,7 @@ Wire format: JSON (`encode_request`, `encode_result`); prompt log-probs' leading
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import hashlib
 import json
@@ -71,6 +72,8 @@ DTYPE = "float32"
 """Sampler versions travel as the local path holds them, so both paths sample from the same weights."""
 FETCH_S = 1.0
 """How long an actor's sample loop waits for a request before it looks at its stop event again."""
+LINGER_FETCH_S = 0.01
+"""The fetch after a linger takes what is waiting: it waits no longer than this for more."""
 USER_ERRORS = (InvalidArgument, NotFound, FailedPrecondition)
 RETRIED: tuple[type[Exception], ...] = (*bus.NATS_UNREACHABLE, Unavailable, DeadlineExceeded)
 """An actor's errors that another delivery may not meet: released for redelivery, not answered."""
@@ -184,6 +187,8 @@ class ActorSampling:
     _tensors: OrderedDict[tuple[str, int], dict[str, torch.Tensor]]
     batch: int
     """Sample requests taken at once (`tinker_sample_batch`) and decoded in one batch."""
+    linger_s: float
+    """How long a batch short of `batch` waits for more requests to join (`tinker_sample_linger_s`)."""
     _sampling: asyncio.Lock
     """One batch of Tinker samples at a time on this actor (its adapters change between them)."""
     _loading: asyncio.Lock
@@ -196,8 +201,9 @@ class ActorSampling:
     does not, the least recently used cached versions, then adapters, other than the sample's own are dropped."""
 
     def __init__(self, store: WeightChannel, adapters_cached: int, *, dtype: str, device: str,
-                 account: Callable[[int], bool] = _unbounded, batch: int = 1) -> None:
+                 account: Callable[[int], bool] = _unbounded, batch: int = 1, linger_s: float = 0.0) -> None:
         self.adapters_cached, self.dtype, self.device, self.batch = adapters_cached, dtype, device, batch
+        self.linger_s = linger_s
         self._store = store
         self._adapters = OrderedDict()
         self._tensors = OrderedDict()
@@ -219,6 +225,10 @@ class ActorSampling:
                 log.warning("fetching tinker samples of %s failed: %s", queue.model, error)
                 await asyncio.sleep(FETCH_S)
                 continue
+            if msgs and len(msgs) < self.batch and self.linger_s > 0:  # its siblings may be a moment behind
+                await asyncio.sleep(self.linger_s)
+                with contextlib.suppress(Exception):  # NATS restarting: serve what was taken
+                    msgs += await queue.fetch(self.batch - len(msgs), LINGER_FETCH_S)
             for wave, keys in self._waves(msgs):
                 async with self._sampling:
                     self._in_use = keys

@@ -9,7 +9,9 @@ learner's compute thread, where its jobs' steps take turns with them. Every call
 request name); the answers of a run's last `REMEMBERED_CALLS` are kept, so a call sent again after a lost
 answer gets the first answer and runs nothing twice. Pings are answered on their own subject, on the event
 loop, while a call computes. A run idle for `idle_s` is dropped (its service lost it and restored it
-elsewhere, or ended).
+elsewhere, or ended). A learner holding `max_runs` leaves the placement queue groups until a run leaves, so
+placements go to learners with room; one that fills while a placement is on its way answers "full", and the
+service asks again (`PLACE_TRIES`).
 
 The tinker service's side, `LearnerTraining`: `create(...)` places a run and returns a `RemoteRun`, which the
 service uses as it uses a local `TrainingRun`, from its work thread. While a call waits for its answer the
@@ -59,6 +61,7 @@ from fleetrl.errors import (
     Unavailable,
 )
 from fleetrl.policy.lora import SharedBases
+from fleetrl.runtime import background
 from fleetrl.spec.config import LoraSpec
 from fleetrl.tasks import bus
 from fleetrl.tinker.training import TrainingRun
@@ -124,6 +127,13 @@ async def _read(transport: Transport, msg: Msg) -> dict[str, Any]:
     return decode(fetched.payload)
 
 
+async def _unsubscribe(sub: Subscription) -> None:
+    try:
+        await sub.unsubscribe()
+    except Exception as error:  # the connection is closing anyway
+        log.debug("unsubscribing failed: %s", error)
+
+
 def _error_body(error: Exception) -> dict[str, Any]:
     return {"error": str(error), "type": type(error).__name__}
 
@@ -159,28 +169,41 @@ class TrainingHost:
     _reserved: int
     """Placements accepted whose run is still being created."""
     _subs: list[Subscription]
+    _placing: list[Subscription]
+    """The placement subscriptions, held while the learner has room: a full learner leaves the queue group, so
+    placements go to the others at once (and rejoins when a run leaves)."""
 
     def __init__(self, nc: NATS, transport: Transport, learner_id: str, models: list[str], *, max_runs: int,
                  idle_s: float, compute: concurrent.futures.Executor | None, bases: SharedBases) -> None:
         self.learner_id, self.models, self.max_runs, self.idle_s = learner_id, tuple(models), max_runs, idle_s
         self._nc, self._transport, self._compute, self._bases = nc, transport, compute, bases
-        self._runs, self._reserved, self._subs = {}, 0, []
+        self._runs, self._reserved, self._subs, self._placing = {}, 0, [], []
+        self._placements: set[asyncio.Task[None]] = set()
 
     async def start(self) -> None:
         subject = bus.train_host_subject(self.learner_id)
         self._subs.append(await self._nc.subscribe(subject, cb=self._on_call))
         self._subs.append(await self._nc.subscribe(f"{subject}.ping", cb=self._on_ping))
-        for model in self.models:
-            self._subs.append(await self._nc.subscribe(bus.train_place_subject(model), queue=bus.TRAIN_HOSTS,
-                                                       cb=self._on_place))
+        await self._take_placements()
         log.info("hosting tinker training runs of %s (at most %d)", ", ".join(self.models), self.max_runs)
 
+    async def _take_placements(self) -> None:
+        """Join (or leave) the placement queue groups as the learner has room (or not)."""
+        room = len(self._runs) + self._reserved < self.max_runs
+        if room and not self._placing:
+            for model in self.models:
+                self._placing.append(await self._nc.subscribe(bus.train_place_subject(model), queue=bus.TRAIN_HOSTS,
+                                                              cb=self._on_place))
+        elif not room and self._placing:
+            placing, self._placing = self._placing, []
+            for sub in placing:
+                await _unsubscribe(sub)
+
     async def close(self) -> None:
-        for sub in self._subs:
-            try:
-                await sub.unsubscribe()
-            except Exception as error:  # the connection is closing anyway
-                log.debug("unsubscribing failed: %s", error)
+        for placing in list(self._placements):
+            await background.stop(placing)
+        for sub in [*self._subs, *self._placing]:
+            await _unsubscribe(sub)
         for hosted in self._runs.values():
             hosted.run.close()
         self._runs.clear()
@@ -188,13 +211,14 @@ class TrainingHost:
     def held(self) -> int:
         return len(self._runs)
 
-    def drop_idle(self, now: float | None = None) -> list[str]:
+    async def drop_idle(self, now: float | None = None) -> list[str]:
         """Drop the runs no call reached for `idle_s`; their placement ids."""
         now = time.monotonic() if now is None else now
         idle = [pid for pid, hosted in self._runs.items() if now - hosted.last_call > self.idle_s]
         for pid in idle:
             self._runs.pop(pid).run.close()
             log.info("dropped tinker training run %s: no call for %.0f s", pid, self.idle_s)
+        await self._take_placements()
         return idle
 
     async def _on_ping(self, msg: Msg) -> None:
@@ -205,12 +229,20 @@ class TrainingHost:
             await _send(self._nc, self._transport, namespace, msg.reply, body)
 
     async def _on_place(self, msg: Msg) -> None:
+        """A placement: answered "full" at once, or taken (its run created in a task of its own: the callback
+        must return before the learner may leave the queue group, which ends the subscription's task)."""
         namespace = (msg.headers or {}).get(EXCHANGE_HEADER, "")
         if len(self._runs) + self._reserved >= self.max_runs:
             await self._answer(msg, namespace, {"full": True, "learner": self.learner_id})
             return
         self._reserved += 1
+        placing = asyncio.create_task(self._place(msg, namespace))
+        self._placements.add(placing)
+        placing.add_done_callback(self._placements.discard)
+
+    async def _place(self, msg: Msg, namespace: str) -> None:
         try:
+            await self._take_placements()  # full now: leave the queue group
             body = await _read(self._transport, msg)
             pid = f"{body['model_id']}@{uuid.uuid4().hex[:12]}"
             lora = LoraSpec.model_validate(body["lora"])
@@ -230,6 +262,7 @@ class TrainingHost:
             answer = _error_body(error)
         finally:
             self._reserved -= 1
+        await self._take_placements()
         await self._answer(msg, namespace, answer)
 
     async def _on_call(self, msg: Msg) -> None:
@@ -248,6 +281,7 @@ class TrainingHost:
                     hosted.answers.popitem(last=False)
             if body["op"] == "close":
                 self._runs.pop(body["placement"], None)
+                await self._take_placements()
         except Exception as error:
             answer = _error_body(error)
         await self._answer(msg, namespace, answer)
@@ -337,8 +371,9 @@ class LearnerTraining:
                 msg = await _send(self._nc, self._transport, self.namespace, bus.train_place_subject(model), body,
                                   self.timeout_s)
             except nats.errors.NoRespondersError:
-                raise Unavailable(f"no learner hosts Tinker training of {model} (a learner with it among its "
-                                  "tinker_models)") from None
+                raise Unavailable(f"no learner has room for a Tinker training run of {model}: none hosts it (a "
+                                  "learner with it among its tinker_models), or each holds its tinker_max_runs"
+                                  ) from None
             except TimeoutError:
                 raise DeadlineExceeded(f"no learner took a training run of {model} within {self.timeout_s:g} s "
                                        "(train_timeout_s)") from None

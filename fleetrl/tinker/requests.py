@@ -8,9 +8,11 @@ So an optim_step is applied at most once per (model_id, seq_id).
 
 Work runs on one executor thread, in the order requests arrive (the SDK sends a training client's
 requests in seq_id order); work that waits on other processes (a sample served by the fleet's actors,
-`submit_async`) runs on the event loop instead, at once and concurrently. Results are kept until
-their name leaves the table: each scope keeps its last `keep_per_scope` names, and a name older than
-those is refused (InvalidArgument) instead of being run again, which keeps the at-most-once promise
+`submit_async`) runs on the event loop instead, at once and concurrently. Work submitted with a `lane` (a
+training run held by a learner: its calls wait on that learner) runs on the lane's own thread instead, in
+arrival order within the lane, so one run's long call never holds another's, nor the process's thread.
+Results are kept until their name leaves the table: each scope keeps its last `keep_per_scope` names, and
+a name older than those is refused (InvalidArgument) instead of being run again, which keeps the at-most-once promise
 after eviction.
 
 Design choice: request ids are random (uuid4), never derived from the name, and each records its
@@ -71,6 +73,8 @@ class RequestLog:
 
     keep_per_scope: int
     _executor: concurrent.futures.Executor
+    _lanes: dict[str, concurrent.futures.ThreadPoolExecutor]
+    """One thread per lane, made at its first work and ended by `forget` of the scope of the same name."""
     _requests: dict[str, Request]
     _scopes: dict[str, _Scope]
     _unfinished: dict[str, Request]
@@ -79,6 +83,7 @@ class RequestLog:
     def __init__(self, executor: concurrent.futures.Executor, keep_per_scope: int = 4096) -> None:
         self.keep_per_scope = keep_per_scope
         self._executor = executor
+        self._lanes = {}
         self._requests = {}
         self._scopes = {}
         self._unfinished = {}
@@ -90,14 +95,25 @@ class RequestLog:
         return known is None or (seq_id not in known.names and seq_id > known.evicted_upto)
 
     def submit(self, tenant: str, key: Key, kind: str, work: Callable[[], Any],
-               extra: dict[str, Any] | None = None) -> Request:
-        """The request named `key`: the first submission's, or a new one whose work is queued on the thread."""
+               extra: dict[str, Any] | None = None, lane: str | None = None) -> Request:
+        """The request named `key`: the first submission's, or a new one whose work is queued on the thread (the
+        lane's, when given)."""
         known = self._named(key)
         if isinstance(known, Request):
             return known
         traced = _traced(work, kind, {"tenant": tenant, "scope": key[0], "seq_id": key[1]})
-        return self._added(known, key[1], Request(uuid.uuid4().hex, tenant, kind, self._executor.submit(traced),
+        executor = self._executor if lane is None else self._lane(lane)
+        return self._added(known, key[1], Request(uuid.uuid4().hex, tenant, kind, executor.submit(traced),
                                                    dict(extra or {})))
+
+    def _lane(self, lane: str) -> concurrent.futures.ThreadPoolExecutor:
+        executor = self._lanes.get(lane)
+        if executor is None:
+            executor = self._lanes[lane] = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tinker-lane")
+        return executor
+
+    def lanes(self) -> int:
+        return len(self._lanes)
 
     def submit_async(self, tenant: str, key: Key, kind: str, work: Callable[[], Coroutine[Any, Any, Any]],
                      loop: asyncio.AbstractEventLoop, extra: dict[str, Any] | None = None) -> Request:
@@ -160,8 +176,17 @@ class RequestLog:
             counts[request.tenant] = (queued, running + 1) if request.future.running() else (queued + 1, running)
         return counts
 
+    def end_lanes(self, prefix: str) -> None:
+        """End every lane whose name starts with prefix (a session's runs, created or not), once its work has run."""
+        for lane in [name for name in self._lanes if name.startswith(prefix)]:
+            self._lanes.pop(lane).shutdown(wait=False)
+
     def forget(self, scope: str) -> None:
-        """Drop a scope's names and results (its training run or sampling session is gone)."""
+        """Drop a scope's names and results (its training run or sampling session is gone), and end the lane of
+        that name, once its queued work has run."""
+        lane = self._lanes.pop(scope, None)
+        if lane is not None:
+            lane.shutdown(wait=False)
         known = self._scopes.pop(scope, None)
         for request_id in (known.names.values() if known else ()):
             self._requests.pop(request_id, None)

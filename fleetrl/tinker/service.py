@@ -230,6 +230,7 @@ class TinkerService:
             del self._state.samplers[sampler_id]
             self.log.forget(sampler_id)
         self.log.forget(f"create_model:{session_id}")
+        self.log.end_lanes(f"{session_id}:")
 
     def reap(self, idle_s: float, now: float | None = None) -> list[str]:
         """Finish every session silent for more than idle_s (no heartbeat: its client is gone); their ids."""
@@ -267,7 +268,7 @@ class TinkerService:
                 self._state.runs[model_id] = self._new_run(model_id, tenant, base_model, spec, seed)
             return {"model_id": model_id}
 
-        return self.log.submit(tenant, key, "CreateModel", work, {"model_id": model_id})
+        return self.log.submit(tenant, key, "CreateModel", work, {"model_id": model_id}, self._lane(model_id))
 
     def _reserve_run(self, tenant: str, model_id: str, key: Key) -> None:
         """Count a training run about to be queued against its tenant's quota; a request the log answers
@@ -303,6 +304,11 @@ class TinkerService:
         return self._learners.create(model_id, tenant, base_model, lora, seed,
                                      lambda: self._last_state(tenant, model_id))
 
+    def _lane(self, model_id: str) -> str | None:
+        """Where a training run's work runs: its own thread when a learner holds the run (the work waits on it),
+        else the process's one work thread (the work computes here)."""
+        return model_id if self._learners is not None else None
+
     def _last_state(self, tenant: str, model_id: str) -> Restorable | None:
         """The newest save_state checkpoint of a run, which its restore on another learner starts from."""
         saved = [c for c in self.checkpoints.listed(tenant, model_id) if c.path.kind == "weights"]
@@ -329,14 +335,14 @@ class TinkerService:
         check_token_ids(data, run.vocab_size)
         kind, generation = "Forward" if forward_only else "ForwardBackward", run.generation
         return self.log.submit(tenant, (model_id, seq_id), kind, lambda: _same(run, generation).forward_backward(
-            data, loss_fn, settings, backward=not forward_only))
+            data, loss_fn, settings, backward=not forward_only), lane=self._lane(model_id))
 
     def optim_step(self, tenant: str, model_id: str, seq_id: int, adam: AdamParams) -> Request:
         run = self.run(tenant, model_id)
         check_adam(adam)
         generation = run.generation
         return self.log.submit(tenant, (model_id, seq_id), "OptimStep",
-                               lambda: {"metrics": _same(run, generation).optim_step(adam)})
+                               lambda: {"metrics": _same(run, generation).optim_step(adam)}, lane=self._lane(model_id))
 
     def save_state(self, tenant: str, model_id: str, seq_id: int, name: str | None) -> Request:
         run = self.run(tenant, model_id)
@@ -347,7 +353,7 @@ class TinkerService:
             self.checkpoints.save(tenant, path, run.base_model, run.lora, _same(run, generation).state())
             return {"path": str(path), "type": "save_weights"}
 
-        return self.log.submit(tenant, (model_id, seq_id), "SaveWeights", work)
+        return self.log.submit(tenant, (model_id, seq_id), "SaveWeights", work, lane=self._lane(model_id))
 
     def load_state(self, tenant: str, model_id: str, seq_id: int, path: str, optimizer: bool) -> Request:
         """load_state into an existing run, from one of the tenant's training checkpoints."""
@@ -366,7 +372,7 @@ class TinkerService:
                             **({"optimizer": checkpoint.optimizer} if checkpoint.optimizer else {})}, optimizer)
             return {"path": path, "model_id": model_id, "type": "load_weights"}
 
-        return self.log.submit(tenant, (model_id, seq_id), "LoadWeights", work)
+        return self.log.submit(tenant, (model_id, seq_id), "LoadWeights", work, lane=self._lane(model_id))
 
     def create_from_state(self, tenant: str, session_id: str, model_seq_id: int, path: str,
                           optimizer: bool) -> Request:
@@ -392,7 +398,7 @@ class TinkerService:
                 self._state.runs[model_id] = run
             return {"path": path, "model_id": model_id, "type": "load_weights"}
 
-        return self.log.submit(tenant, key, "LoadWeights", work, {"model_id": model_id})
+        return self.log.submit(tenant, key, "LoadWeights", work, {"model_id": model_id}, self._lane(model_id))
 
     @staticmethod
     def _training_checkpoint(path: str) -> CheckpointPath:
@@ -449,7 +455,7 @@ class TinkerService:
             session = self._new_sampler(tenant, model_id.partition(":")[0], weights, None)
             return {"sampling_session_id": session.id, "type": "save_weights_for_sampler"}
 
-        return self.log.submit(tenant, (model_id, seq_id), "SaveWeightsForSampler", work)
+        return self.log.submit(tenant, (model_id, seq_id), "SaveWeightsForSampler", work, lane=self._lane(model_id))
 
     def create_sampling_session(self, tenant: str, session_id: str, base_model: str | None,
                                 model_path: str | None) -> SamplingSession:

@@ -145,7 +145,8 @@ class Actor:
             return
         await bus.ensure_sample_streams(js)
         sampling = ActorSampling(weights, s.tinker_adapters_cached, dtype=s.dtype, device=s.device,
-                                 account=self._account_samplers, batch=s.tinker_sample_batch)
+                                 account=self._account_samplers, batch=s.tinker_sample_batch,
+                                 linger_s=s.tinker_sample_linger_s)
         stack.push_async_callback(sampling.close)  # after every base's loop has finished
         for model in s.tinker_models:
             await bus.ensure_sample_consumer(js, model, ack_wait_s=s.tinker_sample_ack_wait_s,

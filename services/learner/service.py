@@ -322,10 +322,7 @@ async def host_tinker_runs(settings: LearnerSettings, nc: NATS, weights: WeightC
     await host.start()
     stack.push_async_callback(host.close)
 
-    async def drop_idle() -> None:
-        host.drop_idle()
-
-    dropper = asyncio.create_task(background.repeat(drop_idle, settings.tinker_run_idle_s / 4,
+    dropper = asyncio.create_task(background.repeat(host.drop_idle, settings.tinker_run_idle_s / 4,
                                                     what="dropping idle tinker runs", first_after=True))
     stack.push_async_callback(background.stop, dropper)
 

@@ -186,7 +186,8 @@ def test_an_actor_killed_holding_a_sample_another_serves_it_once(
     actors.start("k2")
     result = future.result(timeout=60)
     assert [len(s.tokens) for s in result.sequences] == [256] * 4
-    assert "delivery 2 received" in actors.text("k2") and "delivery 2 served" in actors.text("k2")
+    actors.wait_for("k2", "delivery 2 served", 10)  # logged after the result is published: a moment after it
+    assert "delivery 2 received" in actors.text("k2")
     assert asyncio.run(_stored_results(infra[0].url)) == stored + 1  # one result stored
     assert _dropped() == dropped  # and none dropped as a second one
 

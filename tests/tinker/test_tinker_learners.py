@@ -20,7 +20,7 @@ import pytest
 import tinker
 import torch
 
-from fleetrl.errors import ResourceExhausted, Unavailable
+from fleetrl.errors import Unavailable
 from fleetrl.launcher.embedded import EmbeddedNats, EmbeddedValkey
 from fleetrl.policy.lora import SharedBases
 from fleetrl.tasks import bus
@@ -153,8 +153,9 @@ def test_a_run_lost_with_no_save_state_fails_every_later_call(fleet_server: Tink
 
 def test_a_call_sent_twice_runs_once(tmp_path: Path) -> None:
     """The service sends a call again when its answer is lost: the learner answers from what it remembers,
-    and an optim_step is applied once. A placement with the learner full, or with no learner hosting the base,
-    is refused naming the setting. (A NATS of its own: no other learner to take the placements.)"""
+    and an optim_step is applied once. A placement with the learner full (it leaves the queue group until a run
+    leaves), or with no learner hosting the base, is refused naming the settings. (A NATS of its own: no other
+    learner to take the placements.)"""
 
     async def main(url: str) -> None:
         nc = await bus.connect(url, "test")
@@ -173,10 +174,13 @@ def test_a_call_sent_twice_runs_once(tmp_path: Path) -> None:
             step = {"op": "optim_step", "placement": pid, "call": f"{pid}/2", "adam": {"learning_rate": 1e-2}}
             first, again = await link.call("in-test", step), await link.call("in-test", step)
             assert first == again and (first["steps"], first["result"]["step:max"]) == (1, 1.0)
-            with pytest.raises(ResourceExhausted, match="tinker_max_runs"):
+            with pytest.raises(Unavailable, match="tinker_max_runs"):  # the full learner left the queue group
                 await link.place({**body, "model_id": "session-x:train:1"})
             with pytest.raises(Unavailable, match="tinker_models"):
                 await link.place({**body, "base_model": "a-base-no-learner-hosts"})
+            step = {"op": "close", "placement": pid, "call": f"{pid}/3"}
+            await link.call("in-test", step)  # a run leaves: the learner takes placements again
+            assert (await link.place({**body, "model_id": "session-x:train:2"}))["learner"] == "in-test"
         finally:
             await host.close()
             await link.purge()
@@ -241,6 +245,57 @@ def test_calls_queued_before_a_loss_fail_as_the_call_that_found_it(tmp_path: Pat
             await link.purge()
             await nc.close()
             executor.shutdown()
+
+    with EmbeddedNats(data_dir=tmp_path / "nats") as nats_server:
+        asyncio.run(main(nats_server.url))
+
+
+def test_a_run_whose_learner_is_busy_holds_no_other_run(tmp_path: Path) -> None:
+    """Each training run's calls run on a lane of their own in the service: with one learner's compute held, a
+    call of the run on the other learner is answered meanwhile, and the held one after. (Two hosts of one run
+    each: a full learner takes no placement, so the second run goes to the second host.)"""
+
+    async def main(url: str) -> None:
+        nc = await bus.connect(url, "test")
+        transport = factory.transport(None, nc, bus.jetstream(nc))
+        computes = [concurrent.futures.ThreadPoolExecutor(1) for _ in range(2)]
+        hosts = [TrainingHost(nc, transport, f"h{i}", [MODEL], max_runs=1, idle_s=60, compute=computes[i],
+                              bases=SharedBases()) for i in range(2)]
+        for host in hosts:
+            await host.start()
+        executor = concurrent.futures.ThreadPoolExecutor(1)
+        link = LearnerTraining(nc, transport, asyncio.get_running_loop(), "test-lanes", timeout_s=30)
+        service = TinkerService(Limits((MODEL,), (), tmp_path, 64, 64, 8, 8, 8), RequestLog(executor), learners=link)
+        gate = threading.Event()
+        try:
+            session = service.create_session("t")
+            models = []
+            for seq in range(2):
+                created = service.create_model("t", session, seq, MODEL, LoraRequest(rank=4, seed=seq))
+                models.append((await asyncio.wrap_future(created.future))["model_id"])
+            runs = [service.run("t", model_id) for model_id in models]
+            assert {run.learner_id for run in runs} == {"h0", "h1"}
+            held = next(i for i, run in enumerate(runs) if run.learner_id == "h0")
+            computes[0].submit(gate.wait)  # h0's compute thread is busy (a long step of its job, say)
+            data = [Datum(SEQUENCE[:-1], {"target_tokens": np.asarray(SEQUENCE[1:], dtype=np.int64)})]
+            waiting = service.forward_backward("t", models[held], 1, data, "cross_entropy", {}, True)
+            free = service.forward_backward("t", models[1 - held], 1, data, "cross_entropy", {}, True)
+            await asyncio.wait_for(asyncio.wrap_future(free.future), 30)
+            assert not waiting.future.done()
+            gate.set()
+            await asyncio.wait_for(asyncio.wrap_future(waiting.future), 30)
+            assert service.log.lanes() == 2
+            service.finish_session("t", session)
+            assert service.log.lanes() == 0
+        finally:
+            gate.set()
+            for host in hosts:
+                await host.close()
+            await link.purge()
+            await nc.close()
+            executor.shutdown()
+            for compute in computes:
+                compute.shutdown()
 
     with EmbeddedNats(data_dir=tmp_path / "nats") as nats_server:
         asyncio.run(main(nats_server.url))
