@@ -270,8 +270,10 @@ class TrainingHost:
         try:
             body = await _read(self._transport, msg)
             hosted = self._runs.get(body["placement"])
-            if hosted is None:
-                raise NotFound(f"learner {self.learner_id} holds no training run {body['placement']}")
+            if hosted is None:  # this learner restarted under its id since, or dropped the run as idle
+                await self._answer(msg, namespace, {"gone": f"learner {self.learner_id} holds no training run "
+                                                            f"{body['placement']} (restarted, or the run was idle)"})
+                return
             hosted.last_call = time.monotonic()
             answer = hosted.answers.get(body["call"])
             if answer is None:  # a call sent again after a lost answer runs nothing twice
@@ -388,12 +390,15 @@ class LearnerTraining:
         """A call to the learner holding a run, its answer. A call whose answer does not come within timeout_s is
         sent again, once, while the learner answers pings (its answer was lost, say in a NATS restart: the
         learner answers the resend from what it remembers, running nothing twice); LearnerLost when the learner
-        is gone, or does not answer pings either."""
+        is gone, does not answer pings either, or no longer holds the run (it restarted under its id)."""
         subject = bus.train_host_subject(learner_id)
         for sent in range(2):
             try:
                 msg = await self._ask(learner_id, subject, body)
-                return await _read(self._transport, msg)
+                answer = await _read(self._transport, msg)
+                if "gone" in answer:
+                    raise LearnerLost(answer["gone"])
+                return answer
             except nats.errors.NoRespondersError:
                 raise LearnerLost(f"learner {learner_id} is gone (nothing subscribed to its subject)") from None
             except TimeoutError:

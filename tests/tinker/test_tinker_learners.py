@@ -250,6 +250,49 @@ def test_calls_queued_before_a_loss_fail_as_the_call_that_found_it(tmp_path: Pat
         asyncio.run(main(nats_server.url))
 
 
+def test_a_learner_restarted_under_its_id_is_a_lost_one(tmp_path: Path) -> None:
+    """A learner that restarts under the same id between two calls answers that it holds no such run: the run is
+    restored from its last save_state as for a learner gone, and the call fails saying so."""
+
+    async def main(url: str) -> None:
+        nc = await bus.connect(url, "test")
+        transport = factory.transport(None, nc, bus.jetstream(nc))
+        host = TrainingHost(nc, transport, "same", [MODEL], max_runs=2, idle_s=60, compute=None, bases=SharedBases())
+        await host.start()
+        executor = concurrent.futures.ThreadPoolExecutor(1)
+        link = LearnerTraining(nc, transport, asyncio.get_running_loop(), "test-restart", timeout_s=30)
+        service = TinkerService(Limits((MODEL,), (), tmp_path, 64, 64, 8, 8, 8), RequestLog(executor), learners=link)
+
+        async def done(request: Request) -> Any:
+            return await asyncio.wrap_future(request.future)
+
+        try:
+            session = service.create_session("t")
+            created = await done(service.create_model("t", session, 0, MODEL, LoraRequest(rank=4, seed=3)))
+            model_id = created["model_id"]
+            data = [Datum(SEQUENCE[:-1], {"target_tokens": np.asarray(SEQUENCE[1:], dtype=np.int64)})]
+            await done(service.forward_backward("t", model_id, 1, data, "cross_entropy", {}, False))
+            await done(service.optim_step("t", model_id, 2, AdamParams(learning_rate=1e-2)))
+            await done(service.save_state("t", model_id, 3, "saved"))
+            at_save = (await done(service.forward_backward("t", model_id, 4, data, "cross_entropy", {}, True))).logprobs
+            await host.close()
+            host = TrainingHost(nc, transport, "same", [MODEL], max_runs=2, idle_s=60, compute=None,
+                                bases=SharedBases())
+            await host.start()
+            with pytest.raises(Unavailable, match=r"holds no training run .* restored on learner same"):
+                await done(service.forward_backward("t", model_id, 5, data, "cross_entropy", {}, True))
+            again = await done(service.forward_backward("t", model_id, 6, data, "cross_entropy", {}, True))
+            np.testing.assert_allclose(again.logprobs[0], at_save[0], atol=0)
+        finally:
+            await host.close()
+            await link.purge()
+            await nc.close()
+            executor.shutdown()
+
+    with EmbeddedNats(data_dir=tmp_path / "nats") as nats_server:
+        asyncio.run(main(nats_server.url))
+
+
 def test_a_run_whose_learner_is_busy_holds_no_other_run(tmp_path: Path) -> None:
     """Each training run's calls run on a lane of their own in the service: with one learner's compute held, a
     call of the run on the other learner is answered meanwhile, and the held one after. (Two hosts of one run
