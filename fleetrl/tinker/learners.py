@@ -16,7 +16,8 @@ service asks again (`PLACE_TRIES`).
 The tinker service's side, `LearnerTraining`: `create(...)` places a run and returns a `RemoteRun`, which the
 service uses as it uses a local `TrainingRun`, from its work thread. While a call waits for its answer the
 run's learner is pinged every `PING_S`; no subscriber on its subject (NATS answers "no responders" at once:
-the learner's process is gone) or no answer by `timeout_s` means the learner is lost. The run is then
+the learner's process is gone), no answer by `timeout_s`, or an answer that it holds no such run (it restarted
+under its id) means the learner is lost. The run is then
 restored on any learner from its newest `save_state` checkpoint (adapter, optimizer and step count, as
 `load_state` with the optimizer restores them), and the call fails with `Unavailable` saying so: the
 gradients and steps since that checkpoint are gone, nothing was applied to other weights, and every call of

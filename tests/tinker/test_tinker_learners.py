@@ -24,6 +24,7 @@ from fleetrl.errors import Unavailable
 from fleetrl.launcher.embedded import EmbeddedNats, EmbeddedValkey
 from fleetrl.policy.lora import SharedBases
 from fleetrl.tasks import bus
+from fleetrl.tinker import learners as learner_link
 from fleetrl.tinker.learners import LearnerTraining, TrainingHost
 from fleetrl.tinker.requests import Request, RequestLog
 from fleetrl.tinker.service import Limits, TinkerService
@@ -250,9 +251,11 @@ def test_calls_queued_before_a_loss_fail_as_the_call_that_found_it(tmp_path: Pat
         asyncio.run(main(nats_server.url))
 
 
-def test_a_learner_restarted_under_its_id_is_a_lost_one(tmp_path: Path) -> None:
+def test_a_learner_restarted_under_its_id_is_a_lost_one(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A learner that restarts under the same id between two calls answers that it holds no such run: the run is
-    restored from its last save_state as for a learner gone, and the call fails saying so."""
+    restored from its last save_state as for a learner gone, and the call fails saying so. Every body goes by
+    reference here (a tiny inline limit), and each is deleted by its reader."""
+    monkeypatch.setattr(learner_link, "INLINE_BYTES", 256)
 
     async def main(url: str) -> None:
         nc = await bus.connect(url, "test")
@@ -283,6 +286,7 @@ def test_a_learner_restarted_under_its_id_is_a_lost_one(tmp_path: Path) -> None:
                 await done(service.forward_backward("t", model_id, 5, data, "cross_entropy", {}, True))
             again = await done(service.forward_backward("t", model_id, 6, data, "cross_entropy", {}, True))
             np.testing.assert_allclose(again.logprobs[0], at_save[0], atol=0)
+            assert await transport.names(link.namespace) == []
         finally:
             await host.close()
             await link.purge()
