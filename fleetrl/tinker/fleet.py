@@ -91,6 +91,49 @@ def path_job_id(tenant: str, path: str) -> str:
     return bus.check_job_id(f"tk-p-{digest[:40]}")
 
 
+class SamplerVersions:
+    """Sampler versions published to the weight store, by namespace: the tinker service's (`FleetSampling`), or a
+    learner's for the runs it holds (`fleetrl.tinker.learners`: the adapter goes from the learner to the store,
+    not through the service). `epoch` is the pointer's fence: a learner holding a run restored elsewhere
+    publishes with the run's higher generation, so the learner it was lost on can no longer move the pointer."""
+
+    _store: WeightChannel
+    _publishers: dict[tuple[str, int], WeightPublisher]
+    _publishing: asyncio.Lock
+
+    def __init__(self, store: WeightChannel) -> None:
+        self._store = store
+        self._publishers = {}
+        self._publishing = asyncio.Lock()
+
+    async def publish(self, job_id: str, weights: SamplerWeights, *, keep: int, epoch: int = 0) -> SamplerWeights:
+        """The version with its adapter in the weight store under job_id (tensors dropped here); the base as it is.
+        A payload equal to the namespace's newest version is not published again."""
+        if weights.tensors is None:
+            return weights
+        tensors = {name: t.to(torch.float32).contiguous() for name, t in weights.tensors.items()}
+        sha256 = hashlib.sha256(encode_safetensors(tensors)).hexdigest()
+        async with self._publishing:
+            publisher = self._publishers.get((job_id, epoch))
+            if publisher is None:
+                publisher = WeightPublisher(self._store, job_id, DTYPE, interval=1, keep=keep, lease_epoch=epoch,
+                                            adapter_of=weights.base_model)
+                await publisher.sync()
+                self._publishers[(job_id, epoch)] = publisher
+            latest = await self._store.latest(job_id)
+            if latest is not None and latest.sha256 == sha256:
+                pointer = latest
+            else:
+                pointer = await publisher.publish_tensors(tensors, publisher.published_version + 1)
+        log.info("sampler version %s published as %s v%d", weights.version, job_id, pointer.version)
+        return dataclasses.replace(weights, tensors=None, job_id=job_id, pointer=pointer)
+
+    def drop(self, job_id: str) -> None:
+        """Forget the namespace's publishers (its run is gone from here)."""
+        for key in [key for key in self._publishers if key[0] == job_id]:
+            del self._publishers[key]
+
+
 class FleetSampling:
     """The tinker service's sampler versions in the weight store, and its sample requests to the actors."""
 
@@ -100,15 +143,13 @@ class FleetSampling:
     _requester: SampleRequester
     loop: asyncio.AbstractEventLoop
     """The service's event loop, where requests wait for their results."""
-    _publishers: dict[str, WeightPublisher]
-    _publishing: asyncio.Lock
+    versions: SamplerVersions
 
     def __init__(self, store: WeightChannel, requester: SampleRequester, loop: asyncio.AbstractEventLoop, *,
                  keep: int, timeout_s: float) -> None:
         self.keep, self.timeout_s = keep, timeout_s
         self._store, self._requester, self.loop = store, requester, loop
-        self._publishers = {}
-        self._publishing = asyncio.Lock()
+        self.versions = SamplerVersions(store)
 
     def published(self, job_id: str, weights: SamplerWeights) -> SamplerWeights:
         """`publish`, from a thread other than the event loop's (the service's work thread), within a deadline."""
@@ -116,31 +157,13 @@ class FleetSampling:
         return future.result(timeout=bus.OUTAGE_RETRY_S + bus.REQUEST_TIMEOUT_S)
 
     async def publish(self, job_id: str, weights: SamplerWeights) -> SamplerWeights:
-        """The version with its adapter in the weight store under job_id (tensors dropped here); the base as it is."""
-        if weights.tensors is None:
-            return weights
-        tensors = {name: t.to(torch.float32).contiguous() for name, t in weights.tensors.items()}
-        sha256 = hashlib.sha256(encode_safetensors(tensors)).hexdigest()
-        async with self._publishing:
-            publisher = self._publishers.get(job_id)
-            if publisher is None:
-                publisher = WeightPublisher(self._store, job_id, DTYPE, interval=1, keep=self.keep, lease_epoch=0,
-                                            adapter_of=weights.base_model)
-                await publisher.sync()
-                self._publishers[job_id] = publisher
-            latest = await self._store.latest(job_id)
-            if latest is not None and latest.sha256 == sha256:
-                pointer = latest
-            else:
-                pointer = await publisher.publish_tensors(tensors, publisher.published_version + 1)
-        log.info("sampler version %s published as %s v%d", weights.version, job_id, pointer.version)
-        return dataclasses.replace(weights, tensors=None, job_id=job_id, pointer=pointer)
+        return await self.versions.publish(job_id, weights, keep=self.keep)
 
     def forget(self, job_id: str) -> None:
         """A training run is gone (its session ended): delete its sampler versions from the weight store
         (`Transport.purge`, as `fleetrl delete` does a job's), in the background (a failure is logged; the
         namespace is then left)."""
-        self._publishers.pop(job_id, None)
+        self.versions.drop(job_id)
         deleting = asyncio.run_coroutine_threadsafe(self._store.transport.purge(job_id), self.loop)
 
         def logged(done: Future[None]) -> None:

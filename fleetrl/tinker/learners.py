@@ -65,8 +65,11 @@ from fleetrl.policy.lora import SharedBases
 from fleetrl.runtime import background
 from fleetrl.spec.config import LoraSpec
 from fleetrl.tasks import bus
+from fleetrl.tinker.fleet import SamplerVersions, run_job_id
+from fleetrl.tinker.sampling import SamplerWeights
 from fleetrl.tinker.training import TrainingRun
 from fleetrl.tinker.types import AdamParams, Datum, ForwardResult
+from fleetrl.weights.channel import WeightPointer
 from fleetrl.weights.transport import Transport
 
 log = logging.getLogger(__name__)
@@ -175,9 +178,11 @@ class TrainingHost:
     placements go to the others at once (and rejoins when a run leaves)."""
 
     def __init__(self, nc: NATS, transport: Transport, learner_id: str, models: list[str], *, max_runs: int,
-                 idle_s: float, compute: concurrent.futures.Executor | None, bases: SharedBases) -> None:
+                 idle_s: float, compute: concurrent.futures.Executor | None, bases: SharedBases,
+                 versions: SamplerVersions | None = None) -> None:
         self.learner_id, self.models, self.max_runs, self.idle_s = learner_id, tuple(models), max_runs, idle_s
         self._nc, self._transport, self._compute, self._bases = nc, transport, compute, bases
+        self._versions = versions
         self._runs, self._reserved, self._subs, self._placing = {}, 0, [], []
         self._placements: set[asyncio.Task[None]] = set()
 
@@ -278,16 +283,37 @@ class TrainingHost:
             hosted.last_call = time.monotonic()
             answer = hosted.answers.get(body["call"])
             if answer is None:  # a call sent again after a lost answer runs nothing twice
-                answer = await asyncio.get_running_loop().run_in_executor(self._compute, self._run, hosted, body)
+                answer = await self._computed(hosted, body)
                 hosted.answers[body["call"]] = answer
                 while len(hosted.answers) > REMEMBERED_CALLS:
                     hosted.answers.popitem(last=False)
             if body["op"] == "close":
                 self._runs.pop(body["placement"], None)
+                if self._versions is not None:
+                    self._versions.drop(run_job_id(hosted.run.model_id))
                 await self._take_placements()
         except Exception as error:
             answer = _error_body(error)
         await self._answer(msg, namespace, answer)
+
+    async def _computed(self, hosted: _Hosted, body: dict[str, Any]) -> dict[str, Any]:
+        """A call's answer: on the compute thread, and a sampler version's publish on the event loop after it."""
+        loop = asyncio.get_running_loop()
+        if body["op"] != "publish_sampler":
+            return await loop.run_in_executor(self._compute, self._run, hosted, body)
+        run = hosted.run
+        try:
+            if self._versions is None:
+                raise FailedPrecondition(f"learner {self.learner_id} has no weight store to publish sampler versions")
+            tensors = await loop.run_in_executor(self._compute, run.sampler_tensors)
+            weights = await self._versions.publish(
+                body["job_id"], SamplerWeights(body["version"], run.base_model, run.lora, tensors), keep=body["keep"],
+                epoch=body["epoch"])
+            assert weights.pointer is not None
+            return {"result": {"pointer": weights.pointer.to_json().decode()}, **self._progress(run)}
+        except Exception as error:  # NATS unreachable past its retries, the store full: the service's error
+            log.warning("publishing a sampler version of %s failed: %s: %s", run.model_id, type(error).__name__, error)
+            return _error_body(error)
 
     def _run(self, hosted: _Hosted, body: dict[str, Any]) -> dict[str, Any]:
         """One call on the compute thread: its result, or its error as an answer."""
@@ -541,6 +567,13 @@ class RemoteRun:
     def sampler_tensors(self) -> dict[str, torch.Tensor]:
         tensors: dict[str, torch.Tensor] = self._call("sampler_tensors")
         return tensors
+
+    def published_sampler(self, job_id: str, version: str, keep: int) -> SamplerWeights:
+        """The run's adapter as a sampler version in the weight store under job_id, published by its learner (the
+        tensors never come here), fenced with the run's generation."""
+        out = self._call("publish_sampler", job_id=job_id, version=version, keep=keep, epoch=self.generation)
+        pointer = WeightPointer.from_json(out["pointer"].encode())
+        return SamplerWeights(version, self.base_model, self.lora, None, job_id, pointer)
 
     def state(self, with_optimizer: bool = True) -> dict[str, Any]:
         state: dict[str, Any] = self._call("state", with_optimizer=with_optimizer)

@@ -444,8 +444,13 @@ class TinkerService:
         generation = run.generation
 
         def work() -> dict[str, Any]:
-            tensors = _same(run, generation).sampler_tensors()
             version = str(path) if path else f"{model_id}@{uuid.uuid4().hex}"
+            if path is None and self._fleet is not None and isinstance(run, RemoteRun):  # the learner publishes it
+                _same(run, generation)
+                published = run.published_sampler(run_job_id(model_id), version, self._fleet.keep)
+                session = self._new_sampler(tenant, model_id.partition(":")[0], published, None)
+                return {"sampling_session_id": session.id, "type": "save_weights_for_sampler"}
+            tensors = _same(run, generation).sampler_tensors()
             weights = SamplerWeights(version, run.base_model, run.lora, tensors)
             if path is not None:
                 self.checkpoints.save(tenant, path, run.base_model, run.lora, {"adapter": tensors, "steps": run.steps})

@@ -67,6 +67,7 @@ from fleetrl.runtime.grpcutil import RetryPolicy, stop_server
 from fleetrl.runtime.observe import serve_metrics
 from fleetrl.services.learner import server
 from fleetrl.tasks import bus
+from fleetrl.tinker.fleet import SamplerVersions
 from fleetrl.tinker.learners import TrainingHost
 from fleetrl.train.full_stores import HandedBack
 from fleetrl.train.leases import keep_alive
@@ -318,7 +319,7 @@ async def host_tinker_runs(settings: LearnerSettings, nc: NATS, weights: WeightC
     stops; runs idle past `tinker_run_idle_s` are dropped."""
     host = TrainingHost(nc, weights.transport, settings.learner_id, settings.tinker_models,
                         max_runs=settings.tinker_max_runs, idle_s=settings.tinker_run_idle_s, compute=compute,
-                        bases=bases)
+                        bases=bases, versions=SamplerVersions(weights))
     await host.start()
     stack.push_async_callback(host.close)
 

@@ -136,8 +136,8 @@ def test_top_fails_cleanly_without_a_fleet(tmp_path: Any, capsys: pytest.Capture
 def test_the_fleet_serves_the_tinker_api_to_the_official_sdk(fleet: TracedFleet) -> None:
     """`fleetrl up --tinker --tinker-on-actors MODEL --tinker-on-learner MODEL`: the official SDK, with any
     `tml-` key (open mode), gets the fleet's model allow-list, a sample of the base is served by the fleet's
-    actor, and a training run lives on the fleet's learner beside its job; the call is counted on the tinker
-    service's /metrics and written as its span."""
+    actor, and a training run lives on the fleet's learner beside its job, which publishes its sampler version
+    for the actor to sample; the call is counted on the tinker service's /metrics and written as its span."""
     import tinker
     from tinker import types
 
@@ -153,15 +153,18 @@ def test_the_fleet_serves_the_tinker_api_to_the_official_sdk(fleet: TracedFleet)
                             loss_fn_inputs={"target_tokens": tokens[1:]})
         trainer.forward_backward([datum], "cross_entropy").result(timeout=120)
         step = trainer.optim_step(types.AdamParams(learning_rate=1e-3)).result(timeout=120)
+        trained = trainer.save_weights_and_get_sampling_client().result(timeout=120)  # published by the learner
+        again = trained.sample(types.ModelInput.from_ints([1, 2, 3, 4]), 1, params).result(timeout=120)
     finally:
         service.close("success").result()
-    assert step.metrics["step:max"] == 1.0
+    assert step.metrics["step:max"] == 1.0 and len(again.sequences[0].tokens) == 4
     learner_log = fleet.fleet.supervisor.children["learner"].log_path.read_text(errors="replace")
     assert f"tinker training run {trainer.model_id}@" in learner_log
+    assert f"sampler version {trainer.model_id}@" in learner_log  # the learner published it, not the service
     assert MODEL in models
     assert len(result.sequences) == 1 and len(result.sequences[0].tokens) == 4
     assert total(scrape(fleet.layout.metrics_ports["actor-1"]), "fleetrl_actor_tinker_samples_total",
-                 outcome="served") == 1
+                 outcome="served") == 2
     route = "/api/v1/get_server_capabilities"
     assert total(scrape(fleet.layout.metrics_ports["tinker"]), "fleetrl_tinker_http_seconds_count", route=route,
                  status="200") == 1

@@ -25,12 +25,14 @@ from fleetrl.launcher.embedded import EmbeddedNats, EmbeddedValkey
 from fleetrl.policy.lora import SharedBases
 from fleetrl.tasks import bus
 from fleetrl.tinker import learners as learner_link
-from fleetrl.tinker.learners import LearnerTraining, TrainingHost
+from fleetrl.tinker.fleet import FleetSampling, SamplerVersions, run_job_id
+from fleetrl.tinker.learners import LearnerTraining, RemoteRun, TrainingHost
 from fleetrl.tinker.requests import Request, RequestLog
 from fleetrl.tinker.service import Limits, TinkerService
 from fleetrl.tinker.training import lora_spec
 from fleetrl.tinker.types import AdamParams, Datum, LoraRequest
 from fleetrl.weights import factory
+from fleetrl.weights.channel import WeightChannel, decode_safetensors
 from tests.tinker.conftest import MODEL, Processes, TinkerServer
 from tests.tinker.test_tinker_api import ADAM, SEQUENCE, datum, forward_logprobs, train
 
@@ -290,6 +292,80 @@ def test_a_learner_restarted_under_its_id_is_a_lost_one(tmp_path: Path, monkeypa
         finally:
             await host.close()
             await link.purge()
+            await nc.close()
+            executor.shutdown()
+
+    with EmbeddedNats(data_dir=tmp_path / "nats") as nats_server:
+        asyncio.run(main(nats_server.url))
+
+
+def test_a_learner_publishes_its_runs_sampler_versions(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With samples on the fleet, `save_weights_and_get_sampling_client` of a learner-held run has the learner
+    publish the adapter to the weight store (the service never holds the tensors): the version is the run's
+    adapter, versions move forward (the same weights again are the same version), and after a restore on another
+    learner the pointer is fenced with the run's higher generation, so the learner it was lost on can no longer
+    move it."""
+
+    async def main(url: str) -> None:
+        nc = await bus.connect(url, "test")
+        transport = factory.transport(None, nc, bus.jetstream(nc))
+        store = WeightChannel(transport)
+
+        def host(name: str) -> TrainingHost:
+            return TrainingHost(nc, transport, name, [MODEL], max_runs=2, idle_s=60, compute=None,
+                                bases=SharedBases(), versions=SamplerVersions(store))
+
+        first = host("p1")
+        await first.start()
+        executor = concurrent.futures.ThreadPoolExecutor(1)
+        loop = asyncio.get_running_loop()
+        link = LearnerTraining(nc, transport, loop, "test-publish", timeout_s=30)
+        fleet = FleetSampling(store, None, loop, keep=4, timeout_s=30)  # type: ignore[arg-type]  # publishes only
+        service = TinkerService(Limits((MODEL,), (), tmp_path, 64, 64, 8, 8, 8), RequestLog(executor), fleet,
+                                learners=link)
+        second = host("p2")
+
+        async def done(request: Request) -> Any:
+            return await asyncio.wrap_future(request.future)
+
+        def never(self: RemoteRun) -> None:
+            raise AssertionError("the adapter came to the service")
+
+        try:
+            session = service.create_session("t")
+            created = await done(service.create_model("t", session, 0, MODEL, LoraRequest(rank=4, seed=3)))
+            model_id, job_id = created["model_id"], run_job_id(created["model_id"])
+            data = [Datum(SEQUENCE[:-1], {"target_tokens": np.asarray(SEQUENCE[1:], dtype=np.int64)})]
+            await done(service.forward_backward("t", model_id, 1, data, "cross_entropy", {}, False))
+            await done(service.optim_step("t", model_id, 2, AdamParams(learning_rate=1e-2)))
+            await done(service.save_state("t", model_id, 3, "saved"))
+            run = service.run("t", model_id)
+            want = await asyncio.to_thread(run.sampler_tensors)  # a blocking call: not on the event loop
+            monkeypatch.setattr(RemoteRun, "sampler_tensors", never)
+            sampler_id = (await done(service.save_for_sampler("t", model_id, 4, None)))["sampling_session_id"]
+            weights = service.sampler("t", sampler_id).weights
+            assert weights.tensors is None and weights.job_id == job_id and weights.pointer is not None
+            assert (weights.pointer.version, weights.pointer.kind, weights.pointer.epoch) == (0, "adapter", 0)
+            got = decode_safetensors(await store.pull(job_id, weights.pointer))
+            assert got.keys() == want.keys() and all(torch.equal(got[k], want[k].float()) for k in want)
+
+            await first.close()  # lost: restored on p2 from "saved"
+            await second.start()
+            with pytest.raises(Unavailable, match="restored on learner p2"):
+                await done(service.forward_backward("t", model_id, 5, data, "cross_entropy", {}, True))
+            sampler_id = (await done(service.save_for_sampler("t", model_id, 6, None)))["sampling_session_id"]
+            pointer = service.sampler("t", sampler_id).weights.pointer  # the saved weights: v0's, now fenced
+            assert pointer is not None and (pointer.version, pointer.epoch) == (0, 1)
+            await done(service.forward_backward("t", model_id, 7, data, "cross_entropy", {}, False))
+            await done(service.optim_step("t", model_id, 8, AdamParams(learning_rate=1e-2)))
+            sampler_id = (await done(service.save_for_sampler("t", model_id, 9, None)))["sampling_session_id"]
+            pointer = service.sampler("t", sampler_id).weights.pointer
+            assert pointer is not None and (pointer.version, pointer.epoch) == (1, 1)
+        finally:
+            await first.close()
+            await second.close()
+            await link.purge()
+            await transport.purge(job_id)
             await nc.close()
             executor.shutdown()
 
