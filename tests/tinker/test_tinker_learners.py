@@ -11,7 +11,8 @@ import asyncio
 import concurrent.futures
 import sys
 import threading
-from collections.abc import Iterator
+import uuid
+from collections.abc import Callable, Coroutine, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +20,7 @@ import numpy as np
 import pytest
 import tinker
 import torch
+from nats.aio.client import Client as NATS
 
 from fleetrl.errors import Unavailable
 from fleetrl.launcher.embedded import EmbeddedNats, EmbeddedValkey
@@ -28,6 +30,7 @@ from fleetrl.tinker import learners as learner_link
 from fleetrl.tinker.fleet import FleetSampling, SamplerVersions, run_job_id
 from fleetrl.tinker.learners import LearnerTraining, RemoteRun, TrainingHost
 from fleetrl.tinker.requests import Request, RequestLog
+from fleetrl.tinker.sampling import SamplerWeights
 from fleetrl.tinker.service import Limits, TinkerService
 from fleetrl.tinker.training import lora_spec
 from fleetrl.tinker.types import AdamParams, Datum, LoraRequest
@@ -36,9 +39,27 @@ from fleetrl.weights.channel import WeightChannel, decode_safetensors
 from tests.tinker.conftest import MODEL, Processes, TinkerServer
 from tests.tinker.test_tinker_api import ADAM, SEQUENCE, datum, forward_logprobs, train
 
-ROOT = Path(__file__).resolve().parents[2]
 SAME_CODE_TOL = 1e-6
 """A run on a learner and one in the server compute with the same code on the same CPU, one thread each."""
+
+
+DATA = [Datum(SEQUENCE[:-1], {"target_tokens": np.asarray(SEQUENCE[1:], dtype=np.int64)})]
+"""One datum of next-token prediction, for the tests that drive `TinkerService` in the test's process."""
+
+
+async def done(request: Request) -> Any:
+    return await asyncio.wrap_future(request.future)
+
+
+async def saved_run(service: TinkerService, session: str, seed: int, name: str) -> tuple[str, list[np.ndarray]]:
+    """A run of tenant t trained one step and saved (save_state `name`): its id, and its log-probs at the save
+    (after seq_ids 1-4)."""
+    created = await done(service.create_model("t", session, 0, MODEL, LoraRequest(rank=4, seed=seed)))
+    model_id = created["model_id"]
+    await done(service.forward_backward("t", model_id, 1, DATA, "cross_entropy", {}, False))
+    await done(service.optim_step("t", model_id, 2, AdamParams(learning_rate=1e-2)))
+    await done(service.save_state("t", model_id, 3, name))
+    return model_id, (await done(service.forward_backward("t", model_id, 4, DATA, "cross_entropy", {}, True))).logprobs
 
 
 class Learners(Processes):
@@ -154,103 +175,116 @@ def test_a_run_lost_with_no_save_state_fails_every_later_call(fleet_server: Tink
         learners.wait_for(holder, "hosting tinker training runs of", 90)
 
 
-def test_a_call_sent_twice_runs_once(tmp_path: Path) -> None:
-    """The service sends a call again when its answer is lost: the learner answers from what it remembers,
-    and an optim_step is applied once. A placement with the learner full (it leaves the queue group until a run
-    leaves), or with no learner hosting the base, is refused naming the settings. (A NATS of its own: no other
-    learner to take the placements.)"""
+class Rig:
+    """A `TinkerService` training on `TrainingHost`s, all in the test's process on a real NATS: the hosts are
+    learners without their jobs; closing one takes its subscriptions away, as a SIGKILLed learner's go."""
+
+    def __init__(self, nc: NATS, tmp_path: Path, *, fleet: bool) -> None:
+        self.nc, self.transport = nc, factory.transport(None, nc, bus.jetstream(nc))
+        self.store = WeightChannel(self.transport)
+        self.hosts: dict[str, TrainingHost] = {}
+        self.executor = concurrent.futures.ThreadPoolExecutor(1)
+        loop = asyncio.get_running_loop()
+        self.link = LearnerTraining(nc, self.transport, loop, f"test-{uuid.uuid4().hex[:8]}", timeout_s=30)
+        self.log = RequestLog(self.executor)
+        requester: Any = None  # FleetSampling only publishes here: no sample is asked of an actor
+        sampling = FleetSampling(self.store, requester, loop, keep=4, timeout_s=30) if fleet else None
+        self.service = TinkerService(Limits((MODEL,), (), tmp_path, 64, 64, 8, 8, 8), self.log, sampling,
+                                     learners=self.link)
+
+    async def host(self, name: str, *, max_runs: int = 2,
+                   compute: concurrent.futures.Executor | None = None) -> TrainingHost:
+        host = TrainingHost(self.nc, self.transport, name, [MODEL], max_runs=max_runs, idle_s=60, compute=compute,
+                            bases=SharedBases(), versions=SamplerVersions(self.store))
+        await host.start()
+        self.hosts[name] = host
+        return host
+
+    async def lose(self, name: str) -> None:
+        await self.hosts.pop(name).close()
+
+    async def close(self) -> None:
+        for host in self.hosts.values():
+            await host.close()
+        await self.link.purge()
+        await self.nc.close()
+        self.executor.shutdown()
+
+
+def in_process(tmp_path: Path, test: Callable[[Rig], Coroutine[Any, Any, None]], *, fleet: bool = False) -> None:
+    """Run `test` on a `Rig` over a NATS of its own (no other learner takes its placements)."""
 
     async def main(url: str) -> None:
-        nc = await bus.connect(url, "test")
-        transport = factory.transport(None, nc, bus.jetstream(nc))
-        host = TrainingHost(nc, transport, "in-test", [MODEL], max_runs=1, idle_s=60, compute=None,
-                            bases=SharedBases())
-        link = LearnerTraining(nc, transport, asyncio.get_running_loop(), "test-sent-twice", timeout_s=30)
-        await host.start()
+        rig = Rig(await bus.connect(url, "test"), tmp_path, fleet=fleet)
         try:
-            body = {"model_id": "session-x:train:0", "tenant": "t", "base_model": MODEL, "seed": 1, "state": None,
-                    "lora": lora_spec(LoraRequest(rank=4)).model_dump(mode="json"), "with_optimizer": True}
-            pid = (await link.place(body))["placement"]
-            fb = {"op": "forward_backward", "placement": pid, "call": f"{pid}/1", "loss_fn": "cross_entropy",
-                  "settings": {}, "backward": True, "data": [_wire(SEQUENCE)]}
-            assert (await link.call("in-test", fb))["pending_chunks"] == 1
-            step = {"op": "optim_step", "placement": pid, "call": f"{pid}/2", "adam": {"learning_rate": 1e-2}}
-            first, again = await link.call("in-test", step), await link.call("in-test", step)
-            assert first == again and (first["steps"], first["result"]["step:max"]) == (1, 1.0)
-            with pytest.raises(Unavailable, match="tinker_max_runs"):  # the full learner left the queue group
-                await link.place({**body, "model_id": "session-x:train:1"})
-            with pytest.raises(Unavailable, match="tinker_models"):
-                await link.place({**body, "base_model": "a-base-no-learner-hosts"})
-            step = {"op": "close", "placement": pid, "call": f"{pid}/3"}
-            await link.call("in-test", step)  # a run leaves: the learner takes placements again
-            assert (await link.place({**body, "model_id": "session-x:train:2"}))["learner"] == "in-test"
+            await test(rig)
         finally:
-            await host.close()
-            await link.purge()
-            await nc.close()
+            await rig.close()
 
     with EmbeddedNats(data_dir=tmp_path / "nats") as nats_server:
         asyncio.run(main(nats_server.url))
+
+
+def test_a_call_sent_twice_runs_once(tmp_path: Path) -> None:
+    """The service sends a call again when its answer is lost: the learner answers from what it remembers,
+    and an optim_step is applied once. A placement with the learner full (it leaves the queue group until a run
+    leaves), or with no learner hosting the base, is refused naming the settings."""
+
+    async def test(rig: Rig) -> None:
+        await rig.host("in-test", max_runs=1)
+        link = rig.link
+        body = {"model_id": "session-x:train:0", "tenant": "t", "base_model": MODEL, "seed": 1, "state": None,
+                "lora": lora_spec(LoraRequest(rank=4)).model_dump(mode="json"), "with_optimizer": True}
+        pid = (await link.place(body))["placement"]
+        fb = {"op": "forward_backward", "placement": pid, "call": f"{pid}/1", "loss_fn": "cross_entropy",
+              "settings": {}, "backward": True, "data": [_wire(SEQUENCE)]}
+        assert (await link.call("in-test", fb))["pending_chunks"] == 1
+        step = {"op": "optim_step", "placement": pid, "call": f"{pid}/2", "adam": {"learning_rate": 1e-2}}
+        first, again = await link.call("in-test", step), await link.call("in-test", step)
+        assert first == again and (first["steps"], first["result"]["step:max"]) == (1, 1.0)
+        with pytest.raises(Unavailable, match="tinker_max_runs"):  # the full learner left the queue group
+            await link.place({**body, "model_id": "session-x:train:1"})
+        with pytest.raises(Unavailable, match="tinker_models"):
+            await link.place({**body, "base_model": "a-base-no-learner-hosts"})
+        await link.call("in-test", {"op": "close", "placement": pid, "call": f"{pid}/3"})  # a run leaves: room
+        assert (await link.place({**body, "model_id": "session-x:train:2"}))["learner"] == "in-test"
+
+    in_process(tmp_path, test)
 
 
 def test_calls_queued_before_a_loss_fail_as_the_call_that_found_it(tmp_path: Path) -> None:
     """Calls of a run that reached the service before its learner's loss was known (queued behind a held work
     thread here) fail with the restore's message, as the call that found the loss does; a call after runs on
-    the restored weights. In one process: two hosts on one NATS, the service's work thread held on purpose."""
+    the restored weights."""
 
-    async def main(url: str) -> None:
-        nc = await bus.connect(url, "test")
-        transport = factory.transport(None, nc, bus.jetstream(nc))
-        hosts = {name: TrainingHost(nc, transport, name, [MODEL], max_runs=4, idle_s=60, compute=None,
-                                    bases=SharedBases()) for name in ("a", "b")}
-        for host in hosts.values():
-            await host.start()
-        executor = concurrent.futures.ThreadPoolExecutor(1)
-        log = RequestLog(executor)
-        link = LearnerTraining(nc, transport, asyncio.get_running_loop(), "test-queued", timeout_s=30)
-        limits = Limits((MODEL,), (), tmp_path, 64, 64, 8, 8, 8)
-        service = TinkerService(limits, log, learners=link)
-
-        async def done(request: Request) -> Any:
-            return await asyncio.wrap_future(request.future)
-
+    async def test(rig: Rig) -> None:
+        for name in ("a", "b"):
+            await rig.host(name)
+        service = rig.service
+        model_id, at_save = await saved_run(service, service.create_session("t"), 1, "one")
+        await done(service.forward_backward("t", model_id, 5, DATA, "cross_entropy", {}, False))
+        gate = threading.Event()
+        held = rig.log.submit("t", ("hold", 0), "Hold", gate.wait)  # the service's work thread, held
         try:
-            session = service.create_session("t")
-            created = await done(service.create_model("t", session, 0, MODEL, LoraRequest(rank=4, seed=1)))
-            model_id = created["model_id"]
-            data = [Datum(SEQUENCE[:-1], {"target_tokens": np.asarray(SEQUENCE[1:], dtype=np.int64)})]
-            await done(service.forward_backward("t", model_id, 1, data, "cross_entropy", {}, False))
-            await done(service.optim_step("t", model_id, 2, AdamParams(learning_rate=1e-2)))
-            await done(service.save_state("t", model_id, 3, "one"))
-            at_save = (await done(service.forward_backward("t", model_id, 4, data, "cross_entropy", {}, True))).logprobs
-            await done(service.forward_backward("t", model_id, 5, data, "cross_entropy", {}, False))
-            gate = threading.Event()
-            held = log.submit("t", ("hold", 0), "Hold", gate.wait)
             step = service.optim_step("t", model_id, 6, AdamParams(learning_rate=1e-2))
-            queued = service.forward_backward("t", model_id, 7, data, "cross_entropy", {}, True)
+            queued = service.forward_backward("t", model_id, 7, DATA, "cross_entropy", {}, True)
             run = service.run("t", model_id)
             lost_on = run.learner_id
-            assert lost_on in hosts
-            await hosts.pop(lost_on).close()  # its subscriptions gone: as a SIGKILLed learner's
-            gate.set()
-            await done(held)
-            with pytest.raises(Unavailable, match="restored on learner") as first:
-                await done(step)
-            with pytest.raises(Unavailable) as second:
-                await done(queued)
-            assert str(first.value) == str(second.value) and "tinker://" in str(first.value)
-            after = await done(service.forward_backward("t", model_id, 8, data, "cross_entropy", {}, True))
-            np.testing.assert_allclose(after.logprobs[0], at_save[0], atol=0)
-            assert run.steps == 1 and run.learner_id != lost_on
+            assert lost_on in rig.hosts
+            await rig.lose(lost_on)
         finally:
-            for host in hosts.values():
-                await host.close()
-            await link.purge()
-            await nc.close()
-            executor.shutdown()
+            gate.set()
+        await done(held)
+        with pytest.raises(Unavailable, match="restored on learner") as first:
+            await done(step)
+        with pytest.raises(Unavailable) as second:
+            await done(queued)
+        assert str(first.value) == str(second.value) and "tinker://" in str(first.value)
+        after = await done(service.forward_backward("t", model_id, 8, DATA, "cross_entropy", {}, True))
+        np.testing.assert_allclose(after.logprobs[0], at_save[0], atol=0)
+        assert run.steps == 1 and run.learner_id != lost_on
 
-    with EmbeddedNats(data_dir=tmp_path / "nats") as nats_server:
-        asyncio.run(main(nats_server.url))
+    in_process(tmp_path, test)
 
 
 def test_a_learner_restarted_under_its_id_is_a_lost_one(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -259,44 +293,19 @@ def test_a_learner_restarted_under_its_id_is_a_lost_one(tmp_path: Path, monkeypa
     reference here (a tiny inline limit), and each is deleted by its reader."""
     monkeypatch.setattr(learner_link, "INLINE_BYTES", 256)
 
-    async def main(url: str) -> None:
-        nc = await bus.connect(url, "test")
-        transport = factory.transport(None, nc, bus.jetstream(nc))
-        host = TrainingHost(nc, transport, "same", [MODEL], max_runs=2, idle_s=60, compute=None, bases=SharedBases())
-        await host.start()
-        executor = concurrent.futures.ThreadPoolExecutor(1)
-        link = LearnerTraining(nc, transport, asyncio.get_running_loop(), "test-restart", timeout_s=30)
-        service = TinkerService(Limits((MODEL,), (), tmp_path, 64, 64, 8, 8, 8), RequestLog(executor), learners=link)
+    async def test(rig: Rig) -> None:
+        await rig.host("same")
+        service = rig.service
+        model_id, at_save = await saved_run(service, service.create_session("t"), 3, "saved")
+        await rig.lose("same")
+        await rig.host("same")
+        with pytest.raises(Unavailable, match=r"holds no training run .* restored on learner same"):
+            await done(service.forward_backward("t", model_id, 5, DATA, "cross_entropy", {}, True))
+        again = await done(service.forward_backward("t", model_id, 6, DATA, "cross_entropy", {}, True))
+        np.testing.assert_allclose(again.logprobs[0], at_save[0], atol=0)
+        assert await rig.transport.names(rig.link.namespace) == []
 
-        async def done(request: Request) -> Any:
-            return await asyncio.wrap_future(request.future)
-
-        try:
-            session = service.create_session("t")
-            created = await done(service.create_model("t", session, 0, MODEL, LoraRequest(rank=4, seed=3)))
-            model_id = created["model_id"]
-            data = [Datum(SEQUENCE[:-1], {"target_tokens": np.asarray(SEQUENCE[1:], dtype=np.int64)})]
-            await done(service.forward_backward("t", model_id, 1, data, "cross_entropy", {}, False))
-            await done(service.optim_step("t", model_id, 2, AdamParams(learning_rate=1e-2)))
-            await done(service.save_state("t", model_id, 3, "saved"))
-            at_save = (await done(service.forward_backward("t", model_id, 4, data, "cross_entropy", {}, True))).logprobs
-            await host.close()
-            host = TrainingHost(nc, transport, "same", [MODEL], max_runs=2, idle_s=60, compute=None,
-                                bases=SharedBases())
-            await host.start()
-            with pytest.raises(Unavailable, match=r"holds no training run .* restored on learner same"):
-                await done(service.forward_backward("t", model_id, 5, data, "cross_entropy", {}, True))
-            again = await done(service.forward_backward("t", model_id, 6, data, "cross_entropy", {}, True))
-            np.testing.assert_allclose(again.logprobs[0], at_save[0], atol=0)
-            assert await transport.names(link.namespace) == []
-        finally:
-            await host.close()
-            await link.purge()
-            await nc.close()
-            executor.shutdown()
-
-    with EmbeddedNats(data_dir=tmp_path / "nats") as nats_server:
-        asyncio.run(main(nats_server.url))
+    in_process(tmp_path, test)
 
 
 def test_a_learner_publishes_its_runs_sampler_versions(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -306,122 +315,73 @@ def test_a_learner_publishes_its_runs_sampler_versions(tmp_path: Path, monkeypat
     learner the pointer is fenced with the run's higher generation, so the learner it was lost on can no longer
     move it."""
 
-    async def main(url: str) -> None:
-        nc = await bus.connect(url, "test")
-        transport = factory.transport(None, nc, bus.jetstream(nc))
-        store = WeightChannel(transport)
+    def never(self: RemoteRun) -> None:
+        raise AssertionError("the adapter came to the service")
 
-        def host(name: str) -> TrainingHost:
-            return TrainingHost(nc, transport, name, [MODEL], max_runs=2, idle_s=60, compute=None,
-                                bases=SharedBases(), versions=SamplerVersions(store))
+    async def saved_for_sampler(rig: Rig, model_id: str, seq_id: int) -> SamplerWeights:
+        answer = await done(rig.service.save_for_sampler("t", model_id, seq_id, None))
+        return rig.service.sampler("t", answer["sampling_session_id"]).weights
 
-        first = host("p1")
-        await first.start()
-        executor = concurrent.futures.ThreadPoolExecutor(1)
-        loop = asyncio.get_running_loop()
-        link = LearnerTraining(nc, transport, loop, "test-publish", timeout_s=30)
-        fleet = FleetSampling(store, None, loop, keep=4, timeout_s=30)  # type: ignore[arg-type]  # publishes only
-        service = TinkerService(Limits((MODEL,), (), tmp_path, 64, 64, 8, 8, 8), RequestLog(executor), fleet,
-                                learners=link)
-        second = host("p2")
+    async def test(rig: Rig) -> None:
+        await rig.host("p1")
+        service = rig.service
+        model_id, _ = await saved_run(service, service.create_session("t"), 3, "saved")
+        job_id = run_job_id(model_id)
+        want = await asyncio.to_thread(service.run("t", model_id).sampler_tensors)  # blocking: not on the loop
+        monkeypatch.setattr(RemoteRun, "sampler_tensors", never)
+        weights = await saved_for_sampler(rig, model_id, 5)
+        assert weights.tensors is None and weights.job_id == job_id and weights.pointer is not None
+        assert (weights.pointer.version, weights.pointer.kind, weights.pointer.epoch) == (0, "adapter", 0)
+        got = decode_safetensors(await rig.store.pull(job_id, weights.pointer))
+        assert got.keys() == want.keys() and all(torch.equal(got[k], want[k].float()) for k in want)
 
-        async def done(request: Request) -> Any:
-            return await asyncio.wrap_future(request.future)
+        await rig.lose("p1")  # restored on p2 from "saved"
+        await rig.host("p2")
+        with pytest.raises(Unavailable, match="restored on learner p2"):
+            await done(service.forward_backward("t", model_id, 6, DATA, "cross_entropy", {}, True))
+        pointer = (await saved_for_sampler(rig, model_id, 7)).pointer  # the saved weights: v0's, now fenced
+        assert pointer is not None and (pointer.version, pointer.epoch) == (0, 1)
+        await done(service.forward_backward("t", model_id, 8, DATA, "cross_entropy", {}, False))
+        await done(service.optim_step("t", model_id, 9, AdamParams(learning_rate=1e-2)))
+        pointer = (await saved_for_sampler(rig, model_id, 10)).pointer
+        assert pointer is not None and (pointer.version, pointer.epoch) == (1, 1)
 
-        def never(self: RemoteRun) -> None:
-            raise AssertionError("the adapter came to the service")
-
-        try:
-            session = service.create_session("t")
-            created = await done(service.create_model("t", session, 0, MODEL, LoraRequest(rank=4, seed=3)))
-            model_id, job_id = created["model_id"], run_job_id(created["model_id"])
-            data = [Datum(SEQUENCE[:-1], {"target_tokens": np.asarray(SEQUENCE[1:], dtype=np.int64)})]
-            await done(service.forward_backward("t", model_id, 1, data, "cross_entropy", {}, False))
-            await done(service.optim_step("t", model_id, 2, AdamParams(learning_rate=1e-2)))
-            await done(service.save_state("t", model_id, 3, "saved"))
-            run = service.run("t", model_id)
-            want = await asyncio.to_thread(run.sampler_tensors)  # a blocking call: not on the event loop
-            monkeypatch.setattr(RemoteRun, "sampler_tensors", never)
-            sampler_id = (await done(service.save_for_sampler("t", model_id, 4, None)))["sampling_session_id"]
-            weights = service.sampler("t", sampler_id).weights
-            assert weights.tensors is None and weights.job_id == job_id and weights.pointer is not None
-            assert (weights.pointer.version, weights.pointer.kind, weights.pointer.epoch) == (0, "adapter", 0)
-            got = decode_safetensors(await store.pull(job_id, weights.pointer))
-            assert got.keys() == want.keys() and all(torch.equal(got[k], want[k].float()) for k in want)
-
-            await first.close()  # lost: restored on p2 from "saved"
-            await second.start()
-            with pytest.raises(Unavailable, match="restored on learner p2"):
-                await done(service.forward_backward("t", model_id, 5, data, "cross_entropy", {}, True))
-            sampler_id = (await done(service.save_for_sampler("t", model_id, 6, None)))["sampling_session_id"]
-            pointer = service.sampler("t", sampler_id).weights.pointer  # the saved weights: v0's, now fenced
-            assert pointer is not None and (pointer.version, pointer.epoch) == (0, 1)
-            await done(service.forward_backward("t", model_id, 7, data, "cross_entropy", {}, False))
-            await done(service.optim_step("t", model_id, 8, AdamParams(learning_rate=1e-2)))
-            sampler_id = (await done(service.save_for_sampler("t", model_id, 9, None)))["sampling_session_id"]
-            pointer = service.sampler("t", sampler_id).weights.pointer
-            assert pointer is not None and (pointer.version, pointer.epoch) == (1, 1)
-        finally:
-            await first.close()
-            await second.close()
-            await link.purge()
-            await transport.purge(job_id)
-            await nc.close()
-            executor.shutdown()
-
-    with EmbeddedNats(data_dir=tmp_path / "nats") as nats_server:
-        asyncio.run(main(nats_server.url))
+    in_process(tmp_path, test, fleet=True)
 
 
 def test_a_run_whose_learner_is_busy_holds_no_other_run(tmp_path: Path) -> None:
     """Each training run's calls run on a lane of their own in the service: with one learner's compute held, a
     call of the run on the other learner is answered meanwhile, and the held one after. (Two hosts of one run
     each: a full learner takes no placement, so the second run goes to the second host.)"""
+    busy = concurrent.futures.ThreadPoolExecutor(1)
+    gate = threading.Event()
 
-    async def main(url: str) -> None:
-        nc = await bus.connect(url, "test")
-        transport = factory.transport(None, nc, bus.jetstream(nc))
-        computes = [concurrent.futures.ThreadPoolExecutor(1) for _ in range(2)]
-        hosts = [TrainingHost(nc, transport, f"h{i}", [MODEL], max_runs=1, idle_s=60, compute=computes[i],
-                              bases=SharedBases()) for i in range(2)]
-        for host in hosts:
-            await host.start()
-        executor = concurrent.futures.ThreadPoolExecutor(1)
-        link = LearnerTraining(nc, transport, asyncio.get_running_loop(), "test-lanes", timeout_s=30)
-        service = TinkerService(Limits((MODEL,), (), tmp_path, 64, 64, 8, 8, 8), RequestLog(executor), learners=link)
-        gate = threading.Event()
-        try:
-            session = service.create_session("t")
-            models = []
-            for seq in range(2):
-                created = service.create_model("t", session, seq, MODEL, LoraRequest(rank=4, seed=seq))
-                models.append((await asyncio.wrap_future(created.future))["model_id"])
-            runs = [service.run("t", model_id) for model_id in models]
-            assert {run.learner_id for run in runs} == {"h0", "h1"}
-            held = next(i for i, run in enumerate(runs) if run.learner_id == "h0")
-            computes[0].submit(gate.wait)  # h0's compute thread is busy (a long step of its job, say)
-            data = [Datum(SEQUENCE[:-1], {"target_tokens": np.asarray(SEQUENCE[1:], dtype=np.int64)})]
-            waiting = service.forward_backward("t", models[held], 1, data, "cross_entropy", {}, True)
-            free = service.forward_backward("t", models[1 - held], 1, data, "cross_entropy", {}, True)
-            await asyncio.wait_for(asyncio.wrap_future(free.future), 30)
-            assert not waiting.future.done()
-            gate.set()
-            await asyncio.wait_for(asyncio.wrap_future(waiting.future), 30)
-            assert service.log.lanes() == 2
-            service.finish_session("t", session)
-            assert service.log.lanes() == 0
-        finally:
-            gate.set()
-            for host in hosts:
-                await host.close()
-            await link.purge()
-            await nc.close()
-            executor.shutdown()
-            for compute in computes:
-                compute.shutdown()
+    async def test(rig: Rig) -> None:
+        await rig.host("h0", max_runs=1, compute=busy)
+        await rig.host("h1", max_runs=1)
+        service = rig.service
+        session = service.create_session("t")
+        models = [(await done(service.create_model("t", session, seq, MODEL, LoraRequest(rank=4, seed=seq))))[
+            "model_id"] for seq in range(2)]
+        runs = [service.run("t", model_id) for model_id in models]
+        assert {run.learner_id for run in runs} == {"h0", "h1"}
+        held = next(i for i, run in enumerate(runs) if run.learner_id == "h0")
+        busy.submit(gate.wait)  # h0's compute thread is busy (a long step of its job, say)
+        waiting = service.forward_backward("t", models[held], 1, DATA, "cross_entropy", {}, True)
+        free = service.forward_backward("t", models[1 - held], 1, DATA, "cross_entropy", {}, True)
+        await asyncio.wait_for(done(free), 30)
+        assert not waiting.future.done()
+        gate.set()
+        await asyncio.wait_for(done(waiting), 30)
+        assert rig.log.lanes() == 2
+        service.finish_session("t", session)
+        assert rig.log.lanes() == 0
 
-    with EmbeddedNats(data_dir=tmp_path / "nats") as nats_server:
-        asyncio.run(main(nats_server.url))
+    try:
+        in_process(tmp_path, test)
+    finally:
+        gate.set()
+        busy.shutdown()
 
 
 def _wire(tokens: list[int]) -> dict[str, Any]:
