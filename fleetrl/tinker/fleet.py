@@ -216,8 +216,6 @@ class ActorSampling:
     """One batch of Tinker samples at a time on this actor (its adapters change between them)."""
     _loading: asyncio.Lock
     """One batch member's adapter set up at a time."""
-    _in_use: set[str]
-    """The namespaces of the batch being served: their adapters are never dropped to fit the budget."""
     account: Callable[[int], bool]
     """Told the bytes the samplers hold after every change (their adapters on the base, and the versions
     cached); answers whether the actor's memory budget still holds them (`MemoryBudget.samplers`). While it
@@ -231,7 +229,6 @@ class ActorSampling:
         self._adapters = OrderedDict()
         self._tensors = OrderedDict()
         self._sampling, self._loading = asyncio.Lock(), asyncio.Lock()
-        self._in_use = set()
         self.account = account
 
     def held_bytes(self) -> int:
@@ -252,58 +249,52 @@ class ActorSampling:
                 await asyncio.sleep(self.linger_s)
                 with contextlib.suppress(Exception):  # NATS restarting: serve what was taken
                     msgs += await queue.fetch(self.batch - len(msgs), LINGER_FETCH_S)
-            for wave, keys in self._waves(msgs):
+            for wave, in_use in self._waves(msgs):
                 async with self._sampling:
-                    self._in_use = keys
                     if len(wave) == 1:
                         await queue.handle(wave[0], self.serve)
                     else:
                         log.info("%d tinker samples of %s decoded in one batch", len(wave), queue.model)
                         together = RoundBatch("tinker", len(wave))
-                        await asyncio.gather(*(self._handle_in(queue, together, msg) for msg in wave))
+                        await asyncio.gather(*(self._handle_in(queue, together, in_use, msg) for msg in wave))
 
     def _waves(self, msgs: list[Msg]) -> list[tuple[list[Msg], set[str]]]:
-        """The deliveries in batches that can be decoded together, in order: each namespace at one version
-        (its adapter holds one at a time), at most `adapters_cached` namespaces; a request that cannot share a
-        batch (stop tokens of its own, or one that does not parse) alone. Each with its namespaces."""
-        waves: list[list[Msg]] = []
-        versions: list[dict[str, int]] = []
+        """The deliveries in batches that can be decoded together, in order, each with its namespaces: each
+        namespace at one version (its adapter holds one at a time), at most `adapters_cached` namespaces; a
+        request that cannot share a batch (stop tokens of its own, or one that does not parse) alone, with none."""
+        waves: list[tuple[list[Msg], dict[str, int]]] = []  # the version of each namespace of a wave; {}: alone
         for msg in msgs:
             try:
                 weights, params = decode_request(msg.data)
             except Exception:  # answered with its error by `serve`, alone
-                waves.append([msg])
-                versions.append({})
+                waves.append(([msg], {}))
+                continue
+            if not batchable(params):
+                waves.append(([msg], {}))
                 continue
             key, version = self._key(weights), weights.pointer.version if weights.pointer else -1
-            if not batchable(params):
-                waves.append([msg])
-                versions.append({})
-                continue
-            for wave, held in zip(waves, versions, strict=True):
-                fits = held.get(key, version) == version and (key in held or len(held) < self.adapters_cached)
-                if held and fits:
-                    wave.append(msg)
-                    held[key] = version
-                    break
+            joins = next(((wave, held) for wave, held in waves if held and held.get(key, version) == version
+                          and (key in held or len(held) < self.adapters_cached)), None)
+            if joins is None:
+                waves.append(([msg], {key: version}))
             else:
-                waves.append([msg])
-                versions.append({key: version})
-        return [(wave, set(held)) for wave, held in zip(waves, versions, strict=True)]
+                joins[0].append(msg)
+                joins[1][key] = version
+        return [(wave, set(held)) for wave, held in waves]
 
     async def serve(self, payload: bytes) -> bytes:
         """A request's result, or its error as a result; RETRIED errors are raised (redelivery)."""
         return await self._answered(self._sampled(payload))
 
-    async def _handle_in(self, queue: SampleQueue, together: RoundBatch, msg: Msg) -> None:
-        """One delivery of the batch `together`: served in it, or, when the queue serves it not (past its
-        deadline), absent from it, so the others do not wait for it."""
+    async def _handle_in(self, queue: SampleQueue, together: RoundBatch, in_use: set[str], msg: Msg) -> None:
+        """One delivery of the batch `together` (whose namespaces are `in_use`): served in it, or, when the queue
+        serves it not (past its deadline), absent from it, so the others do not wait for it."""
         served = False
 
         async def serve(payload: bytes) -> bytes:
             nonlocal served
             served = True
-            return await self._answered(self._sampled_in(together, payload))
+            return await self._answered(self._sampled_in(together, in_use, payload))
 
         try:
             await queue.handle(msg, serve)
@@ -328,14 +319,14 @@ class ActorSampling:
         await self._fit({self._key(weights)})
         return await asyncio.to_thread(sample_with, backend, params)
 
-    async def _sampled_in(self, together: RoundBatch, payload: bytes) -> SampleResult:
+    async def _sampled_in(self, together: RoundBatch, in_use: set[str], payload: bytes) -> SampleResult:
         seat = None
         try:
             weights, params = decode_request(payload)
             tensors = await self._pulled(weights)
             async with self._loading:
                 backend = await self._backend(weights, tensors)
-                await self._fit(self._in_use | {self._key(weights)})
+                await self._fit(in_use | {self._key(weights)})
             seat = together.seat(backend, lambda: 0)
             completions, _ = await seat.generate(group_request(params))
             prompt_logprobs = (await asyncio.to_thread(backend.prompt_logprobs, params.prompt)

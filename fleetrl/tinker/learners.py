@@ -43,7 +43,7 @@ import uuid
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NoReturn
 
 import nats.errors
 import torch
@@ -193,9 +193,12 @@ class TrainingHost:
         await self._take_placements()
         log.info("hosting tinker training runs of %s (at most %d)", ", ".join(self.models), self.max_runs)
 
+    def _has_room(self) -> bool:
+        return len(self._runs) + self._reserved < self.max_runs
+
     async def _take_placements(self) -> None:
         """Join (or leave) the placement queue groups as the learner has room (or not)."""
-        room = len(self._runs) + self._reserved < self.max_runs
+        room = self._has_room()
         if room and not self._placing:
             for model in self.models:
                 self._placing.append(await self._nc.subscribe(bus.train_place_subject(model), queue=bus.TRAIN_HOSTS,
@@ -213,9 +216,6 @@ class TrainingHost:
         for hosted in self._runs.values():
             hosted.run.close()
         self._runs.clear()
-
-    def held(self) -> int:
-        return len(self._runs)
 
     async def drop_idle(self, now: float | None = None) -> list[str]:
         """Drop the runs no call reached for `idle_s`; their placement ids."""
@@ -238,7 +238,7 @@ class TrainingHost:
         """A placement: answered "full" at once, or taken (its run created in a task of its own: the callback
         must return before the learner may leave the queue group, which ends the subscription's task)."""
         namespace = (msg.headers or {}).get(EXCHANGE_HEADER, "")
-        if len(self._runs) + self._reserved >= self.max_runs:
+        if not self._has_room():
             await self._answer(msg, namespace, {"full": True, "learner": self.learner_id})
             return
         self._reserved += 1
@@ -421,7 +421,7 @@ class LearnerTraining:
         subject = bus.train_host_subject(learner_id)
         for sent in range(2):
             try:
-                msg = await self._ask(learner_id, subject, body)
+                msg = await self._ask(subject, body)
                 answer = await _read(self._transport, msg)
                 if "gone" in answer:
                     raise LearnerLost(answer["gone"])
@@ -436,7 +436,7 @@ class LearnerTraining:
                             learner_id, body["call"], self.timeout_s)
         raise AssertionError("unreachable")
 
-    async def _ask(self, learner_id: str, subject: str, body: dict[str, Any]) -> Msg:
+    async def _ask(self, subject: str, body: dict[str, Any]) -> Msg:
         """Send a call and wait for its answer, pinging the learner every PING_S meanwhile: NoRespondersError
         as soon as nothing is subscribed to its subject (its process is gone), TimeoutError after timeout_s."""
         asked = asyncio.ensure_future(_send(self._nc, self._transport, self.namespace, subject, body,
@@ -449,15 +449,20 @@ class LearnerTraining:
                     assert msg is not None
                     return msg
                 try:
-                    await self._nc.request(f"{subject}.ping", b"", timeout=PING_S)
+                    await self._ping(subject)
                 except TimeoutError:  # stopped, or NATS slow: the call's own deadline decides
                     continue
         finally:
             asked.cancel()
 
+    async def _ping(self, subject: str) -> None:
+        """The learner's answer to a ping within PING_S: NoRespondersError when it is gone, TimeoutError when
+        it does not answer."""
+        await self._nc.request(f"{subject}.ping", b"", timeout=PING_S)
+
     async def _alive(self, subject: str) -> bool:
         try:
-            await self._nc.request(f"{subject}.ping", b"", timeout=PING_S)
+            await self._ping(subject)
         except (TimeoutError, nats.errors.NoRespondersError):
             return False
         return True
@@ -513,24 +518,25 @@ class RemoteRun:
         self.steps, self.pending_chunks = answer["steps"], answer["pending_chunks"]
         self._own_bytes = answer["own_bytes"]
 
+    def _next_call(self, op: str, **body: Any) -> dict[str, Any]:
+        """A call's body, named by the placement and a counter (the learner's memory of answers keys on it)."""
+        self._calls += 1
+        return {"op": op, "placement": self._placement, "call": f"{self._placement}/{self._calls}", **body}
+
     def _call(self, op: str, **body: Any) -> Any:
         if self._dead:
             raise FailedPrecondition(self._dead)
         if self.learner_id is None:
             self._restore(f"its learner was lost before {op}")
-        assert self.learner_id is not None
-        self._calls += 1
-        call = {"op": op, "placement": self._placement, "call": f"{self._placement}/{self._calls}", **body}
         try:
-            answer = self._link.blocking(self._link.call(self.learner_id, call))
+            answer = self._link.blocking(self._link.call(self.learner_id, self._next_call(op, **body)))
         except LearnerLost as lost:
             self._restore(f"{lost}, during {op}")
-            raise AssertionError("unreachable: _restore raises") from None
         answer = _raised(answer, f"{op} of {self.model_id} on learner {self.learner_id}")
         self._progress(answer)
         return answer["result"]
 
-    def _restore(self, why: str) -> None:
+    def _restore(self, why: str) -> NoReturn:
         """The run's learner is lost: restore the run from its newest save_state on any learner, and raise the
         error every call sent before now gets."""
         lost_on, self.learner_id = self.learner_id, None
@@ -591,9 +597,8 @@ class RemoteRun:
         learner_id, self.learner_id = self.learner_id, None
         if learner_id is None or self._dead:
             return
-        self._calls += 1
-        call = {"op": "close", "placement": self._placement, "call": f"{self._placement}/{self._calls}"}
-        closing = asyncio.run_coroutine_threadsafe(self._link.call(learner_id, call), self._link.loop)
+        closing = asyncio.run_coroutine_threadsafe(self._link.call(learner_id, self._next_call("close")),
+                                                   self._link.loop)
 
         def logged(done: concurrent.futures.Future[dict[str, Any]]) -> None:
             error = None if done.cancelled() else done.exception()

@@ -74,7 +74,7 @@ class RequestLog:
     keep_per_scope: int
     _executor: concurrent.futures.Executor
     _lanes: dict[str, concurrent.futures.ThreadPoolExecutor]
-    """One thread per lane, made at its first work and ended by `forget` of the scope of the same name."""
+    """One thread per lane, made at its first work and ended by `end_lanes`."""
     _requests: dict[str, Request]
     _scopes: dict[str, _Scope]
     _unfinished: dict[str, Request]
@@ -182,11 +182,7 @@ class RequestLog:
             self._lanes.pop(lane).shutdown(wait=False)
 
     def forget(self, scope: str) -> None:
-        """Drop a scope's names and results (its training run or sampling session is gone), and end the lane of
-        that name, once its queued work has run."""
-        lane = self._lanes.pop(scope, None)
-        if lane is not None:
-            lane.shutdown(wait=False)
+        """Drop a scope's names and results (its training run or sampling session is gone)."""
         known = self._scopes.pop(scope, None)
         for request_id in (known.names.values() if known else ()):
             self._requests.pop(request_id, None)

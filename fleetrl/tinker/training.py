@@ -37,7 +37,7 @@ from fleetrl.policy.lora import SharedBases, adapter_state_dict, load_adapters
 from fleetrl.spec.config import LoraSpec
 from fleetrl.tinker.losses import LOSSES, LossBatch
 from fleetrl.tinker.types import AdamParams, Datum, ForwardResult, LoraRequest
-from fleetrl.train.batch import kernel_mask, pack_prefix_runs, packing_pays, prefix_runs
+from fleetrl.train.batch import kernel_mask, pack_prefix_runs, packed_width, packing_pays, prefix_runs
 from fleetrl.train.optim import packing_cost_ratio
 from fleetrl.weights.adapters import adapter_tensors, wrap
 
@@ -178,9 +178,8 @@ class TrainingRun:
                     inputs[name][i, :n] = torch.from_numpy(d.inputs[name].astype(np.float32))
         sequences = [d.tokens for d in data]
         runs = prefix_runs(sequences, MIN_SHARED_PREFIX)
-        packed_width = max(shared + sum(lengths[i] - shared for i in range(a, b)) for a, b, shared in runs)
-        packed = len(runs) < len(data) and packing_pays((len(data), width), (len(runs), packed_width),
-                                                        self._packing_ratio)
+        packed = len(runs) < len(data) and packing_pays(
+            (len(data), width), (len(runs), packed_width(sequences, runs)), self._packing_ratio)
         self.model.train(grad)
         with torch.set_grad_enabled(grad):
             if packed:

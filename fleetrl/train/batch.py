@@ -343,10 +343,14 @@ def _common_prefix(a: list[int], b: list[int]) -> int:
     return n
 
 
+def packed_width(sequences: list[list[int]], runs: list[tuple[int, int, int]]) -> int:
+    """The width of `pack_prefix_runs`' rows: the longest run's prefix and its sequences' own tokens."""
+    return max(shared + sum(len(sequences[i]) - shared for i in range(start, end)) for start, end, shared in runs)
+
+
 def pack_prefix_runs(sequences: list[list[int]], runs: list[tuple[int, int, int]]) -> SharedPrefixRows:
     """Each run as one row: its prefix, then each sequence's own tokens at their true positions."""
-    lengths = [shared + sum(len(sequences[i]) - shared for i in range(start, end)) for start, end, shared in runs]
-    width, longest = max(lengths), max(len(t) for t in sequences)
+    width, longest = packed_width(sequences, runs), max(len(t) for t in sequences)
     input_ids = torch.zeros((len(runs), width), dtype=torch.long)
     position_ids = torch.zeros((len(runs), width), dtype=torch.long)
     segment = torch.full((len(runs), width), -1, dtype=torch.long)
