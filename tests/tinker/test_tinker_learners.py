@@ -37,7 +37,7 @@ from fleetrl.tinker.types import AdamParams, Datum, LoraRequest
 from fleetrl.weights import factory
 from fleetrl.weights.channel import WeightChannel, decode_safetensors
 from tests.tinker.conftest import MODEL, Processes, TinkerServer
-from tests.tinker.test_tinker_api import ADAM, SEQUENCE, datum, forward_logprobs, train
+from tests.tinker.test_tinker_api import ADAM, SEQUENCE, datum, forward_logprobs, post, train
 
 SAME_CODE_TOL = 1e-6
 """A run on a learner and one in the server compute with the same code on the same CPU, one thread each."""
@@ -107,8 +107,8 @@ def fleet_server(infra: tuple[EmbeddedNats, EmbeddedValkey, Path], learners: Lea
 
 def test_a_run_on_a_learner_trains_as_a_run_in_the_server(fleet_server: TinkerServer, learners: Learners,
                                                           tmp_path: Path) -> None:
-    """The same seed and steps give the same adapter on a learner as in a local-training server; the run's
-    save_state is a checkpoint the local server loads, and its sampler version samples there."""
+    """The same seed and steps give the same adapter on a learner as in a local-training server, and its
+    sampler version samples the same; another tenant's key reaches neither the learner-held run nor its state."""
     local = TinkerServer(tmp_path / "local").start()
     try:
         ours = fleet_server.client().create_lora_training_client(base_model=MODEL, rank=8, seed=3).result()
@@ -119,6 +119,11 @@ def test_a_run_on_a_learner_trains_as_a_run_in_the_server(fleet_server: TinkerSe
                                    atol=SAME_CODE_TOL)
         info = ours.get_info()
         assert (info.model_data.arch, info.lora_rank) == ("LlamaForCausalLM", 8)
+        saved = ours.save_state("ours").result().path  # another tenant reaches neither the run nor its state
+        assert post(fleet_server, "optim_step", {"model_id": ours.model_id, "seq_id": 90, "adam_params": {}},
+                    tenant="bob").status_code == 404
+        with pytest.raises(tinker.RequestFailedError, match=f"checkpoint {saved} not found"):  # read under bob's
+            fleet_server.client("bob").create_training_client_from_state(saved).result()
         sampler = ours.save_weights_and_get_sampling_client().result()  # the adapter comes from the learner
         prompt = tinker.types.ModelInput.from_ints(SEQUENCE[:8])
         params = tinker.types.SamplingParams(max_tokens=4, seed=1, temperature=1.0)
