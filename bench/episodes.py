@@ -14,6 +14,9 @@ length, done after `--turns`); `fleetrl.rollout.episodes.EpisodeRunner` plays gr
   overhead_per_call (goal <= 0.10), and rerender_changed: the fraction of agent episodes whose
   tokens would have changed had the conversation been re-rendered through the chat template from
   the decoded texts (what a trainer that re-tokenizes would have trained on);
+- concurrent_agent: an async agent running `--branches` chains of `--turns` calls each under
+  `asyncio.gather`: seconds and turns per group with its calls generated together (`max_parallel_calls`
+  = branches) against one at a time (`max_parallel_calls` 1), and the speedup;
 - episodes_per_s: with the fixed backend (`--fixed-latency-s` per turn), for 1, 2 and 4 runners
   playing different tasks concurrently against the one service. The runners share this process and
   its event loop (an actor process each would add their own CPU); the figure is the service's
@@ -64,6 +67,19 @@ def run(client, task, turns=3):
         messages += [reply.choices[0].message, {"role": "user", "content": f"You wrote {len(text)} characters. More."}]
     return 1.0
 '''
+CONCURRENT_AGENT = b'''
+import asyncio
+
+async def run(client, task, turns=3, branches=4):
+    async def chain(branch):
+        messages = [{"role": "user", "content": f"Tell me something about {branch}."}]
+        for _ in range(turns):
+            reply = await client.chat.completions.create(model="policy", messages=messages)
+            text = reply.choices[0].message.content
+            messages += [reply.choices[0].message, {"role": "user", "content": f"You wrote {len(text)} characters."}]
+    await asyncio.gather(*(chain(branch) for branch in range(branches)))
+    return 1.0
+'''
 FILES = {"env": ENV, "agent": AGENT}
 
 
@@ -88,9 +104,9 @@ def task(index: int) -> common_pb2.Task:
 
 
 async def play(runner: EpisodeRunner, backend: Backend, env: EnvironmentSpec, rollout: RolloutConfig,
-               tasks: list[common_pb2.Task]) -> list[common_pb2.Sample]:
+               tasks: list[common_pb2.Task], source: bytes | None = None) -> list[common_pb2.Sample]:
     samples: list[common_pb2.Sample] = []
-    proto = environment_to_proto(env, FILES[env.kind])
+    proto = environment_to_proto(env, source or FILES[env.kind])
     for one in tasks:
         samples += await runner.play("bench", 0, rollout, env, proto, backend, one)
     return samples
@@ -122,6 +138,8 @@ async def measure(args: argparse.Namespace) -> dict[str, object]:
             agent_figures["overhead_per_call"] = agent_figures.pop("overhead_per_turn")
             agent_figures["rerender_changed"] = rerender_changed(tokenizer, samples, rollout)
             out["agent"] = agent_figures
+            out["concurrent_agent"] = await concurrent_calls(client, HFBackend(model, tokenizer), agent, rollout,
+                                                             tasks, args.branches)
             out["episodes_per_s"] = {str(n): await throughput(client, tokenizer, env, rollout, n, args)
                                      for n in (1, 2, 4)}
         finally:
@@ -139,6 +157,29 @@ async def turn_costs(client: RewardClient, backend: Backend, spec: EnvironmentSp
     return {"env_open_ms": timings.mean_ms("env_open"), "env_step_ms": timings.mean_ms("env_step"),
             "env_step_sandbox_ms": sandbox_ms, "generate_ms": timings.mean_ms("generate"),
             "overhead_per_turn": timings.mean_ms("env_step") / timings.mean_ms("generate"), "samples": samples}
+
+
+async def concurrent_calls(client: RewardClient, backend: Backend, agent: EnvironmentSpec, rollout: RolloutConfig,
+                           tasks: list[common_pb2.Task], branches: int) -> dict[str, Any]:
+    """An async agent running `branches` chains of calls under `asyncio.gather`: seconds per group with its
+    calls generated together (`max_parallel_calls` = branches) against one at a time (1), in this run."""
+    turns = agent.params["turns"]
+    figures: dict[str, Any] = {"branches": branches}
+    for parallel in (branches, 1):
+        spec = agent.model_copy(update={"params": {"turns": turns, "branches": branches},
+                                        "max_parallel_calls": parallel, "max_turns": turns * branches})
+        runner = EpisodeRunner(ActorSettings(actor_id="bench"), client, Timings().stage)
+        await play(runner, backend, spec, rollout, [task(-2)], CONCURRENT_AGENT)  # warm its pool
+        timings = Timings()
+        runner = EpisodeRunner(ActorSettings(actor_id="bench"), client, timings.stage)
+        started = time.perf_counter()
+        samples = await play(runner, backend, spec, rollout, tasks, CONCURRENT_AGENT)
+        key = "together" if parallel > 1 else "one_at_a_time"
+        figures[f"seconds_per_group_{key}"] = (time.perf_counter() - started) / len(tasks)
+        figures[f"turns_per_group_{key}"] = len(timings.seconds["generate"]) / len(tasks)
+        assert all(s.episode_status == common_pb2.EPISODE_STATUS_DONE for s in samples), "an episode did not finish"
+    figures["speedup"] = figures["seconds_per_group_one_at_a_time"] / figures["seconds_per_group_together"]
+    return figures
 
 
 def rerender_changed(tokenizer: Any, samples: list[common_pb2.Sample], rollout: RolloutConfig) -> float:
@@ -178,6 +219,7 @@ def main() -> None:
     parser.add_argument("--turns", type=int, default=3)
     parser.add_argument("--new-tokens", type=int, default=32, help="max_new_tokens per turn")
     parser.add_argument("--groups", type=int, default=4, help="groups per measurement")
+    parser.add_argument("--branches", type=int, default=4, help="the concurrent agent's chains of calls")
     parser.add_argument("--fixed-latency-s", type=float, default=0.05, help="the fixed backend's time per turn")
     parser.add_argument("--json", action="store_true", help="print only the JSON object")
     args = parser.parse_args()

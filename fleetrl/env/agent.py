@@ -16,18 +16,20 @@ model (`OpenAIResponsesModel`) reach the policy too. What frameworks run in the 
 executor (a sync tool in `asyncio.to_thread`) runs inline (`InlineExecutor`): the sandbox allows no
 thread to outlive a call.
 
-The protocol with the service is the environment's (`fleetrl.env.host`): a reset runs `run` until
-its first call, whose request is the reset's reply; each step's action is the reply to the pending
-call, and the step is answered by the next call, or by the end of `run` (done, with its reward).
-What the service needs to keep the training tokens exact is decided here, where both the request
-and the reply the agent was given are known: a call whose messages are the previous call's, then
-the assistant message it returned, then new user, tool or system messages, is answered with only
-the new messages (the actor appends their tokens to what it generated: nothing is re-tokenized);
-any other call (the agent rewrote, cut or summarised its history, or changed its tools) is answered
-with its whole conversation and `"segment": true` (the actor starts a new segment from it).
-Calls are served one at a time: an async client's call is answered synchronously too, so while it
-waits for the actor no other task of the agent's loop runs, and calls an agent makes concurrently
-(`asyncio.gather`) reach the actor one after another, as consecutive turns.
+The protocol with the service is the environment's (`fleetrl.env.host`), with calls in place of
+observations: a reset runs `run` until its first call(s), which are the reset's reply (`{"calls": [...]}`);
+a step's actions (one per call, by call id) are the replies to the pending calls, and the step is
+answered by the next calls, or by the end of `run` (done, with its reward). A sync `run` makes one call at
+a time. An async `run`'s calls wait together: once its event loop has run SETTLE_HOPS rounds with no new
+call, the calls its tasks have pending (`asyncio.gather`, parallel branches of a graph), up to the job's
+`max_parallel_calls`, go to the service as one step, and the actor generates them in one batch.
+What the service needs to keep the training tokens exact is decided here, where both the request and
+the replies the agent was given are known. Each answered call is a branch: its messages, then the
+assistant message it returned. A call whose messages are a branch's, then new user, tool or system
+messages, is sent with only the new messages and `extends` naming that call (the actor appends their
+tokens to what it generated for it: nothing is re-tokenized); a branch is extended once. Any other call
+(the agent rewrote, cut or summarised its history, changed its tools, or a second call continues the
+same reply) is sent with its whole conversation and `"segment": true` (the actor starts a new segment).
 
 Supported: `POST .../chat/completions` with `messages` (text content, or lists of text parts), `tools`
 (their schemas go to the chat template), `max_tokens` / `max_completion_tokens` (a cap below the
@@ -45,8 +47,8 @@ in a last chunk when `stream_options.include_usage` asks), or the Responses stre
 at once: streaming is the wire format only (the text is one delta, each tool call one), and the turn
 recorded is the one an unstreamed call records.
 
-Here: the host (`AgentHost`: episodes, and the message diff that decides append or segment), a chat
-completion request's checks, and `run`'s final reply. Stdlib only; imported only by agent workers.
+Here: the host (`AgentHost`: episodes, pending calls, and the branches that decide append or segment), a
+chat completion request's checks, and `run`'s final reply. Stdlib only; imported only by agent workers.
 """
 
 from __future__ import annotations
@@ -59,6 +61,7 @@ import json
 import time
 import traceback
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from fleetrl.env import tools as env_tools
@@ -74,6 +77,10 @@ and the OpenAI Agents SDK keeps its tracing off (its exporter is a thread that w
 posting to a network the sandbox does not have)."""
 DRAIN_S = 1.0
 """How long tasks an async `run` left pending get to finish cancelling after it returned."""
+SETTLE_HOPS = 16
+"""Rounds of the event loop with no new call after which an async `run`'s pending calls are sent together:
+tasks started together (`asyncio.gather`) reach their calls within a few rounds; a task waiting on a timer or
+on something else comes later, and its call goes with the next turn."""
 
 Exchange = Callable[[dict[str, Any]], dict[str, Any]]
 """Answers the request in hand with a message and returns the next request ({} when the service hung up)."""
@@ -192,9 +199,22 @@ class InlineExecutor(concurrent.futures.ThreadPoolExecutor):
         return future
 
 
+@dataclass
+class Call:
+    """One chat completion the agent asked for, and what the service is sent for it."""
+
+    id: int
+    messages: list[dict[str, Any]]
+    tools: list[Any]
+    body: dict[str, Any]
+    sent: dict[str, Any]
+    """The call as the service gets it (`_observation`, plus its id and cap)."""
+
+
 class AgentHost:
-    """Runs the episodes of one agent file, one at a time; `handle` answers a request and `complete`
-    is the agent's chat-completion endpoint."""
+    """Runs the episodes of one agent file, one at a time; `handle` answers a request, and `complete`
+    (a sync client's call) and `complete_async` (an async client's, while an async `run` runs) are the
+    agent's chat-completion endpoint."""
 
     def __init__(self, run: Callable[..., Any], tmpdir: str, exchange: Exchange, loop: asyncio.AbstractEventLoop,
                  clients: tuple[Any, Any]) -> None:
@@ -204,9 +224,13 @@ class AgentHost:
         self.in_episode = False
         self.closed = False
         self.calls = 0
-        self.conversation: list[dict[str, Any]] = []
-        """The previous call's messages, then the reply it was given."""
-        self.tools: list[Any] = []
+        self.max_parallel = 1
+        self.branches: dict[int, tuple[list[dict[str, Any]], list[Any]]] = {}
+        """Calls answered and not extended yet, by id: their messages then the reply given, and their tools."""
+        self.pending: list[tuple[Call, asyncio.Future[dict[str, Any]]]] = []
+        """Async calls waiting to be sent, in the order they were made, with the futures their completions go to."""
+        self._wake: asyncio.Future[None] | None = None
+        """Set while an async `run` is driven: done when a call is made."""
 
     def handle(self, request: dict[str, Any]) -> dict[str, Any]:
         """The reply to a request outside a call; anything the agent raises ends the episode as an error."""
@@ -218,7 +242,8 @@ class AgentHost:
         if op != "reset":
             return {"error": f"unknown op {op!r}"}
         empty_dir(self.tmpdir)
-        self.in_episode, self.closed, self.calls, self.conversation, self.tools = True, False, 0, [], []
+        self.in_episode, self.closed, self.calls, self.branches, self.pending = True, False, 0, {}, []
+        self.max_parallel = max(1, int(request.get("max_parallel_calls", 1)))
         try:
             return final_reply(self._run(request["task"], request["params"]))
         except EpisodeClosed:
@@ -228,16 +253,36 @@ class AgentHost:
                 return {"error": str(error)}
             return {"error": "".join(traceback.format_exception(error, limit=-2))[-2000:].strip()}
         finally:
-            self.in_episode = False
+            self.in_episode, self._wake = False, None
 
     def _run(self, task: dict[str, Any], params: dict[str, Any]) -> Any:
         if inspect.iscoroutinefunction(self.run):
             main = self.loop.create_task(self.run(self.async_client, task, **params))
             try:
-                return self.loop.run_until_complete(main)
+                return self.loop.run_until_complete(self._drive(main))
             finally:
                 self._cancel_leftovers()
         return self.run(self.sync_client, task, **params)
+
+    async def _drive(self, main: asyncio.Task[Any]) -> Any:
+        """Run an async `run` to its end, sending the calls its tasks have pending together: once the loop has
+        run SETTLE_HOPS rounds with no new call, up to max_parallel of them go to the service as one step (the
+        loop waits meanwhile), and each completion is set on its call's future."""
+        while True:
+            if not self.pending:
+                self._wake = self.loop.create_future()
+                await asyncio.wait({main, self._wake}, return_when=asyncio.FIRST_COMPLETED)
+            quiet, seen = 0, len(self.pending)
+            while quiet < SETTLE_HOPS and not main.done():
+                await asyncio.sleep(0)
+                quiet, seen = (quiet + 1 if len(self.pending) == seen else 0), len(self.pending)
+            if main.done():
+                return main.result()
+            batch = [(call, future) for call, future in self.pending[:self.max_parallel] if not future.cancelled()]
+            del self.pending[:self.max_parallel]
+            if batch:
+                for (_, future), completion in zip(batch, self._send([call for call, _ in batch]), strict=True):
+                    future.set_result(completion)
 
     def _cancel_leftovers(self) -> None:
         """Cancel the tasks `run` left pending, and give them DRAIN_S to finish."""
@@ -248,45 +293,75 @@ class AgentHost:
             with contextlib.suppress(BaseException):
                 self.loop.run_until_complete(asyncio.wait(pending, timeout=DRAIN_S))
 
+    def driving(self) -> bool:
+        """Whether an async call made now can wait for its turn: an async `run` is being driven in this loop."""
+        with contextlib.suppress(RuntimeError):
+            return self._wake is not None and asyncio.get_running_loop() is self.loop
+        return False
+
     def complete(self, body: dict[str, Any]) -> dict[str, Any]:
-        """The ChatCompletion answering one request of the agent: the episode's next turn."""
+        """The ChatCompletion answering one request of the agent at once: the episode's next turn."""
+        call = self._call(body)
+        (completion,) = self._send([call])
+        return completion
+
+    async def complete_async(self, body: dict[str, Any]) -> dict[str, Any]:
+        """The ChatCompletion answering one request of an async `run`, generated with the calls its other tasks
+        have pending at the same time."""
+        future: asyncio.Future[dict[str, Any]] = self.loop.create_future()
+        self.pending.append((self._call(body), future))
+        if self._wake is not None and not self._wake.done():
+            self._wake.set_result(None)
+        return await future
+
+    def _call(self, body: dict[str, Any]) -> Call:
         if self.closed:
             raise EpisodeClosed()
         if not self.in_episode:
             raise CallError(400, "a chat completion outside an episode (after run returned)")
         messages, tools, cap = _checked_request(body)
-        step = self.exchange({**self._observation(messages, tools), "max_new_tokens": cap, "reward": 0.0,
-                              "done": False})
-        if step.get("op") != "step":
+        self.calls += 1
+        sent = {**self._observation(messages, tools), "call": self.calls, "max_new_tokens": cap}
+        return Call(self.calls, messages, tools, body, sent)
+
+    def _send(self, calls: list[Call]) -> list[dict[str, Any]]:
+        """Send calls to the service as one step's reply and wait for their actions: their completions."""
+        step = self.exchange({"calls": [call.sent for call in calls], "reward": 0.0, "done": False})
+        actions = {a.get("call"): a for a in step.get("actions") or [] if isinstance(a, dict)}
+        if step.get("op") != "step" or set(actions) != {call.id for call in calls}:
             self.closed = True
             raise EpisodeClosed()
-        text = str(step.get("action", ""))
-        calls = [c for c in env_tools.parse_tool_calls(text) if not c.error] if tools else []
+        return [self._completion(call, actions[call.id]) for call in calls]
+
+    def _completion(self, call: Call, action: dict[str, Any]) -> dict[str, Any]:
+        """The ChatCompletion for a call's action; the call becomes a branch a later call can extend."""
+        text = str(action.get("action", ""))
+        parsed = [c for c in env_tools.parse_tool_calls(text) if not c.error] if call.tools else []
         message: dict[str, Any] = {"role": "assistant", "content": text}
-        if calls:
-            message["tool_calls"] = [{"id": f"call_{self.calls}_{i}", "type": "function",
+        if parsed:
+            message["tool_calls"] = [{"id": f"call_{call.id}_{i}", "type": "function",
                                       "function": {"name": c.name, "arguments": json.dumps(c.arguments)}}
-                                     for i, c in enumerate(calls)]
-        self.conversation = [*messages, {"role": "assistant", "content": text, "tool_calls": _tool_calls(message)}]
-        self.tools = tools
-        self.calls += 1
-        finish = "length" if step.get("finish_reason") == "length" else "tool_calls" if calls else "stop"
-        prompt, completion = int(step.get("prompt_tokens", 0)), int(step.get("completion_tokens", 0))
-        return {"id": f"chatcmpl-fleetrl-{self.calls}", "object": "chat.completion", "created": int(time.time()),
-                "model": str(body.get("model", "policy")),
+                                     for i, c in enumerate(parsed)]
+        reply = {"role": "assistant", "content": text, "tool_calls": _tool_calls(message)}
+        self.branches[call.id] = ([*call.messages, reply], call.tools)
+        finish = "length" if action.get("finish_reason") == "length" else "tool_calls" if parsed else "stop"
+        prompt, completion = int(action.get("prompt_tokens", 0)), int(action.get("completion_tokens", 0))
+        return {"id": f"chatcmpl-fleetrl-{call.id}", "object": "chat.completion", "created": int(time.time()),
+                "model": str(call.body.get("model", "policy")),
                 "choices": [{"index": 0, "message": message, "finish_reason": finish, "logprobs": None}],
                 "usage": {"prompt_tokens": prompt, "completion_tokens": completion,
                           "total_tokens": prompt + completion}}
 
     def _observation(self, messages: list[dict[str, Any]], tools: list[Any]) -> dict[str, Any]:
-        """What the actor needs of a call: only its new messages when it extends the previous call and
-        the reply it was given, else its whole conversation as a new segment."""
-        before = self.conversation
-        extends = (bool(before) and tools == self.tools and len(messages) > len(before)
-                   and messages[:len(before) - 1] == before[:-1] and _same(before[-1], messages[len(before) - 1])
-                   and all(m["role"] in ROLES for m in messages[len(before):]))
-        if extends:
-            return {"observation": plain(messages[len(before):])}
+        """What the actor needs of a call: only its new messages when it extends an earlier call and the reply
+        it was given (that call's branch, which it takes: a second call extending it starts a segment), else
+        its whole conversation as a new segment."""
+        for id_, (before, before_tools) in reversed(self.branches.items()):
+            if (tools == before_tools and len(messages) > len(before)
+                    and messages[:len(before) - 1] == before[:-1] and _same(before[-1], messages[len(before) - 1])
+                    and all(m["role"] in ROLES for m in messages[len(before):])):
+                del self.branches[id_]
+                return {"observation": plain(messages[len(before):]), "extends": id_}
         return {"observation": plain(messages), "segment": True, "tools": tools}
 
 

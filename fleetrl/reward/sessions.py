@@ -12,6 +12,9 @@ live episodes their actions; `close` gives the workers back. Design choices:
   the actor releases the task for redelivery.
 - Steps are idempotent per (episode, turn): the last answer is kept, so a retried call gets it again
   instead of stepping twice. A session's calls run one at a time (its lock).
+- An agent's episode may have several calls pending at once (an async `run`'s concurrent chat
+  completions, at most the spec's `max_parallel_calls`): the open or step answers with one result per
+  call, and the next step must answer each of them, by call id, in one turn.
 - Deadlines: every reset and step has the spec's step_timeout_s, cut to what is left of the
   episode's episode_timeout_s (counted from the open). A session not called for
   `episode_idle_timeout_s` (its actor died) is reaped by `reap_idle`: its workers are killed,
@@ -79,11 +82,15 @@ class EpisodeResult:
     """Agent episodes that ended: the final answer for the job's verifier."""
     components: dict[str, float] = field(default_factory=dict)
     """Agent episodes that ended: the reward components `run` returned."""
+    call: int = 0
+    """Agent episodes: the id of the call this result carries (0: an environment's observation, or the end)."""
+    extends: int = 0
+    """Agent episodes: the call whose sequence this call's observation continues (0: a segment, or none)."""
 
 
 @dataclass(frozen=True)
 class Action:
-    """One episode's next action, as the actor sent it."""
+    """One episode's next action (an agent's: the reply to one of its pending calls), as the actor sent it."""
 
     episode: int
     turn: int
@@ -91,11 +98,21 @@ class Action:
     finish_reason: str = ""
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    call: int = 0
 
-    def request(self) -> dict[str, Any]:
-        """The worker's step request."""
-        return {"op": "step", "action": self.text, "finish_reason": self.finish_reason,
-                "prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens}
+    def fields(self) -> dict[str, Any]:
+        """The action as the worker gets it."""
+        return {"action": self.text, "finish_reason": self.finish_reason, "prompt_tokens": self.prompt_tokens,
+                "completion_tokens": self.completion_tokens, "call": self.call}
+
+
+def step_request(kind: str, actions: list[Action]) -> dict[str, Any]:
+    """The worker's step request for an episode's actions: an environment's one action, or an agent's
+    actions, one per pending call."""
+    if kind == "agent":
+        return {"op": "step", "actions": [action.fields() for action in actions]}
+    (action,) = actions
+    return {"op": "step", **action.fields()}
 
 
 MAX_TOOLS_JSON = 16 << 10
@@ -106,13 +123,15 @@ MAX_ANSWER_CHARS = 1 << 20
 
 @dataclass
 class Episode:
-    """One episode of a session: the worker it holds (None once ended) and its last answer."""
+    """One episode of a session: the worker it holds (None once ended), its last answer and its pending calls."""
 
     index: int
     worker: WorkerProcess | None
     turn: int = 0
-    """The turn of the next action."""
-    last: EpisodeResult | None = None
+    """The turn of the next actions."""
+    last: list[EpisodeResult] | None = None
+    pending: list[int] = field(default_factory=list)
+    """The ids of the calls the next actions answer (an environment's episode: [0])."""
     total_reward: float = 0.0
     """The sum of the rewards of its turns so far (which must stay finite)."""
 
@@ -130,21 +149,49 @@ class Session:
     touched: float
     episodes: list[Episode] = field(default_factory=list)
     first: list[EpisodeResult] = field(default_factory=list)
+    """The open's results: one per episode, or one per pending call of an agent's."""
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
 
 
-def check_reply(index: int, outcome: Outcome) -> EpisodeResult:
-    """An outcome of a reset or step as a result; anything malformed is an environment error."""
+def check_reply(index: int, outcome: Outcome, max_calls: int = 0) -> list[EpisodeResult]:
+    """An outcome of a reset or step as results: an environment's one (max_calls 0), or an agent's end or
+    its pending calls, one result each (at most max_calls); anything malformed is an environment error."""
     if outcome.kind != "reply":
         status = {"timeout": Status.TIMEOUT, "error": Status.ERROR}.get(outcome.kind, Status.KILLED)
-        return EpisodeResult(index, [], 0.0, True, status, outcome.reason, outcome.latency_s)
+        return [EpisodeResult(index, [], 0.0, True, status, outcome.reason, outcome.latency_s)]
     reply = outcome.reply
     if "error" in reply:
-        return EpisodeResult(index, [], 0.0, True, Status.ERROR, str(reply["error"])[:4000], outcome.latency_s)
+        return [EpisodeResult(index, [], 0.0, True, Status.ERROR, str(reply["error"])[:4000], outcome.latency_s)]
     try:
-        return _checked(index, reply, outcome.latency_s)
+        if max_calls and reply.get("done") is not True:
+            return _checked_calls(index, reply, outcome.latency_s, max_calls)
+        return [_checked(index, reply, outcome.latency_s)]
     except EnvError as error:
-        return EpisodeResult(index, [], 0.0, True, Status.ERROR, str(error), outcome.latency_s)
+        return [EpisodeResult(index, [], 0.0, True, Status.ERROR, str(error), outcome.latency_s)]
+
+
+def _checked_calls(index: int, reply: dict[str, Any], latency_s: float, max_calls: int) -> list[EpisodeResult]:
+    """An agent's pending calls: 1 to max_calls of them, with distinct ids >= 1, each extending an earlier
+    call (`extends` >= 1) or opening a segment, never both."""
+    calls = reply.get("calls")
+    if reply.get("done") is not False or not isinstance(calls, list) or not 0 < len(calls) <= max_calls:
+        raise EnvError(f"an agent's reply must hold 1 to {max_calls} pending calls (max_parallel_calls)")
+    results = []
+    for position, call in enumerate(calls):
+        if not isinstance(call, dict):
+            raise EnvError("a pending call is not an object")
+        reward = reply.get("reward") if position == 0 else 0.0  # the step's reward goes with its first call
+        result = _checked(index, {**call, "reward": reward, "done": False}, latency_s)
+        if not (_is_id(result.call, 1) and _is_id(result.extends, 0)) or result.segment == (result.extends > 0):
+            raise EnvError("a pending call needs an id >= 1, and extends an earlier call or opens a segment")
+        results.append(result)
+    if len({r.call for r in results}) != len(results):
+        raise EnvError("an agent's pending calls need distinct ids")
+    return results
+
+
+def _is_id(value: Any, least: int) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and least <= value < 1 << 32
 
 
 def _checked(index: int, reply: dict[str, Any], latency_s: float) -> EpisodeResult:
@@ -165,8 +212,11 @@ def _checked(index: int, reply: dict[str, Any], latency_s: float) -> EpisodeResu
     numbers = {str(k): finite_number(v) for k, v in components.items()} if isinstance(components, dict) else {}
     if not isinstance(components, dict) or len(numbers) > MAX_COMPONENTS or None in numbers.values():
         raise EnvError(f"the reward components are not at most {MAX_COMPONENTS} finite numbers")
+    call, extends = reply.get("call", 0), reply.get("extends", 0)
+    if not (_is_id(call, 0) and _is_id(extends, 0)):
+        raise EnvError("a call's id and the call it extends must be ints in [0, 2**32)")
     return EpisodeResult(index, observation, reward, done, Status.OK, "", latency_s, tools_json, segment, cap, answer,
-                         {k: v for k, v in numbers.items() if v is not None})
+                         {k: v for k, v in numbers.items() if v is not None}, call, extends)
 
 
 class EpisodeSessions:
@@ -258,91 +308,100 @@ class EpisodeSessions:
             except TimeoutError:
                 raise Unavailable(f"no sandboxed worker became free within {wait_s:g}s") from None
             session.episodes.append(Episode(index, worker))
-        request = {"op": "reset", "task": task, "params": session.spec.params}
-        session.first = list(await asyncio.gather(*(self._call(session, e, request, "reset")
-                                                    for e in session.episodes)))
+        request = {"op": "reset", "task": task, "params": session.spec.params,
+                   "max_parallel_calls": session.spec.max_parallel_calls}
+        opened = await asyncio.gather(*(self._call(session, e, request, "reset") for e in session.episodes))
+        session.first = [result for results in opened for result in results]
         session.touched = time.monotonic()
 
     async def step(self, job_id: str, session_id: str, actions: list[Action]) -> list[EpisodeResult]:
-        """One result per action, in order."""
+        """The results of the episodes stepped, in the order of their first action: one per episode, or one
+        per pending call of an agent's that made several at once."""
         session = self._sessions.get((job_id, session_id))
         if session is None:
             raise NotFound(f"no episode session {session_id!r} of job {job_id!r} (closed, reaped after idle, or the "
                            "reward service restarted)")
-        episodes = [action.episode for action in actions]
-        if len(set(episodes)) != len(episodes):
-            raise InvalidArgument("one action per episode", [FieldViolation("actions", "an episode appears twice")])
+        by_episode: dict[int, list[Action]] = {}
+        for position, action in enumerate(actions):
+            if not 0 <= action.episode < len(session.episodes):
+                raise InvalidArgument("no such episode", [FieldViolation(
+                    f"actions[{position}].episode", f"{action.episode} is not in [0, {len(session.episodes)})")])
+            by_episode.setdefault(action.episode, []).append(action)
         async with session.lock:
             session.touched = time.monotonic()
-            todo = [self._check_action(session, i, a) for i, a in enumerate(actions)]
-            fresh = [(episode, action) for episode, action in todo if episode is not None]
-            results = await asyncio.gather(*(self._step(session, e, action) for e, action in fresh))
-            answers = iter(results)
+            todo = [(session.episodes[index], group) for index, group in by_episode.items()]
+            fresh = [(episode, group) for episode, group in todo if not self._repeated(episode, group)]
+            await asyncio.gather(*(self._step(session, episode, group) for episode, group in fresh))
             session.touched = time.monotonic()
-            out = []
-            for (episode, _), action in zip(todo, actions, strict=True):
-                out.append(next(answers) if episode is not None else self._last(session, action.episode))
-            return out
-
-    def _check_action(self, session: Session, position: int, action: Action) -> tuple[Episode | None, Action]:
-        """The episode to step for an action, or None when the action is a repeat of the last one."""
-        index, turn = action.episode, action.turn
-        if not 0 <= index < len(session.episodes):
-            raise InvalidArgument("no such episode", [FieldViolation(
-                f"actions[{position}].episode", f"{index} is not in [0, {len(session.episodes)})")])
-        episode = session.episodes[index]
-        if turn + 1 == episode.turn and episode.last is not None:
-            return None, action
-        if turn != episode.turn:
-            raise FailedPrecondition(f"episode {index} expects turn {episode.turn}, not {turn}")
-        if episode.worker is None:
-            raise FailedPrecondition(f"episode {index} has ended")
-        return episode, action
+            return [result for episode, _ in todo for result in episode.last or ()]
 
     @staticmethod
-    def _last(session: Session, index: int) -> EpisodeResult:
-        last = session.episodes[index].last
-        assert last is not None
-        return last
+    def _repeated(episode: Episode, actions: list[Action]) -> bool:
+        """Whether an episode's actions repeat its last step (answered from memory); FailedPrecondition or
+        InvalidArgument when they do not fit the episode's turn or its pending calls."""
+        turns = {action.turn for action in actions}
+        if len(turns) != 1:
+            reason = f"episode {episode.index} has actions of turns {sorted(turns)}"
+            raise InvalidArgument(f"an episode's actions are one turn's: {reason}", [FieldViolation("actions", reason)])
+        (turn,) = turns
+        if turn + 1 == episode.turn and episode.last is not None:
+            return True
+        if turn != episode.turn:
+            raise FailedPrecondition(f"episode {episode.index} expects turn {episode.turn}, not {turn}")
+        if episode.worker is None:
+            raise FailedPrecondition(f"episode {episode.index} has ended")
+        calls = sorted(action.call for action in actions)
+        if calls != sorted(episode.pending):
+            reason = f"episode {episode.index} has calls {sorted(episode.pending)} pending, the actions answer {calls}"
+            raise InvalidArgument(f"one action per pending call: {reason}", [FieldViolation("actions", reason)])
+        return False
 
-    async def _step(self, session: Session, episode: Episode, action: Action) -> EpisodeResult:
-        result = await self._call(session, episode, action.request(), "step")
+    async def _step(self, session: Session, episode: Episode, actions: list[Action]) -> None:
+        results = await self._call(session, episode, step_request(session.spec.kind, actions), "step")
         episode.turn += 1
-        episode.last = result
-        return result
+        episode.last = results
 
-    def _add_reward(self, session: Session, episode: Episode, result: EpisodeResult) -> EpisodeResult:
-        """result, or an environment error ending the episode when its turns' rewards no longer sum to a
+    def _add_reward(self, session: Session, episode: Episode, results: list[EpisodeResult]) -> list[EpisodeResult]:
+        """results, or an environment error ending the episode when its turns' rewards no longer sum to a
         finite number."""
-        total = episode.total_reward + result.reward
+        total = episode.total_reward + sum(result.reward for result in results)
         if math.isfinite(total):
             episode.total_reward = total
-            return result
+            return results
         self._end(session, episode, "error")
-        return EpisodeResult(episode.index, [], 0.0, True, Status.ERROR,
-                             "the episode's turn rewards sum to a non-finite total", result.latency_s)
+        return [EpisodeResult(episode.index, [], 0.0, True, Status.ERROR,
+                              "the episode's turn rewards sum to a non-finite total", results[0].latency_s)]
 
-    async def _call(self, session: Session, episode: Episode, request: dict[str, Any], op: str) -> EpisodeResult:
-        """A reset or step of one episode under its deadlines; an episode that ends frees its worker."""
+    async def _call(self, session: Session, episode: Episode, request: dict[str, Any],
+                    op: str) -> list[EpisodeResult]:
+        """A reset or step of one episode under its deadlines: its result, or one per pending call of an agent's;
+        an episode that ends frees its worker."""
+        results = await self._outcome(session, episode, request, op)
+        episode.pending = [] if results[0].done else [result.call for result in results]
+        if results[0].done and episode.worker is not None:
+            status = results[0].status
+            self._end(session, episode, "done" if status == Status.OK else status.value)
+        return results
+
+    async def _outcome(self, session: Session, episode: Episode, request: dict[str, Any],
+                       op: str) -> list[EpisodeResult]:
         worker = episode.worker
         if worker is None or not session.pool.holds(worker):
             self._end(session, episode, "killed")
-            return EpisodeResult(episode.index, [], 0.0, True, Status.KILLED, "the episode's worker is gone")
+            return [EpisodeResult(episode.index, [], 0.0, True, Status.KILLED, "the episode's worker is gone")]
         left = session.opened + session.spec.episode_timeout_s - time.monotonic()
         if left <= 0:
             self._end(session, episode, "episode_timeout")
-            return EpisodeResult(episode.index, [], 0.0, True, Status.TIMEOUT,
-                                 f"episode ran past episode_timeout_s {session.spec.episode_timeout_s:g}")
+            return [EpisodeResult(episode.index, [], 0.0, True, Status.TIMEOUT,
+                                  f"episode ran past episode_timeout_s {session.spec.episode_timeout_s:g}")]
         outcome = await session.pool.call(worker, request, min(session.spec.step_timeout_s, left))
         self.metrics.env_latency.labels(op=op).observe(outcome.latency_s)
         if worker.dirty and outcome.kind == "reply":
             self._end(session, episode, "dirty")
-            return EpisodeResult(episode.index, [], 0.0, True, Status.ERROR,
-                                 f"the environment's {op} {worker.dirty}", outcome.latency_s)
-        result = self._add_reward(session, episode, check_reply(episode.index, outcome))
-        if result.done and episode.worker is not None:
-            self._end(session, episode, "done" if result.status == Status.OK else result.status.value)
-        return result
+            return [EpisodeResult(episode.index, [], 0.0, True, Status.ERROR,
+                                  f"the environment's {op} {worker.dirty}", outcome.latency_s)]
+        max_calls = session.spec.max_parallel_calls if session.spec.kind == "agent" else 0
+        return self._add_reward(session, episode, check_reply(episode.index, outcome, max_calls))
 
     def _end(self, session: Session, episode: Episode, status: str) -> None:
         """Free an episode's worker: given back after a clean end, killed otherwise."""

@@ -33,6 +33,10 @@ assistant turn of every live episode in one batch (`Backend.generate_batch`), se
   episode's last has `continues` set, and the learner's group baseline counts the episode once. A
   call's `max_tokens` caps its turn. `run` may return an answer (a str) for the job's verifier, which
   then scores it in place of the last action, or named components, which the sample reports.
+- An async agent's concurrent calls (`asyncio.gather`, up to `environment.max_parallel_calls`) come
+  together, one result per call, and are generated in the same batch as the other episodes' turns:
+  one turn of `max_turns`. Each call names the earlier call whose sequence it extends (`extends`), so
+  parallel branches grow as segments of their own; its action names the call it answers.
 - The observation that ends an episode (done) is not appended: nothing is generated after it.
   Each turn may generate up to `rollout.max_new_tokens`, less what is left of `max_total_tokens`;
   an observation that would leave no room for another token ends the episode as TRUNCATED.
@@ -120,8 +124,19 @@ class Segment:
 
 
 @dataclass
+class Pending:
+    """A turn an episode waits for: the call it answers (an agent's id; 0 for an environment), the segment it
+    continues, and the call's cap on new tokens (0: none)."""
+
+    call: int
+    segment: Segment
+    cap: int = 0
+
+
+@dataclass
 class Episode:
-    """One episode's sequence as it grows: its segments (one, unless an agent rewrote its history)."""
+    """One episode's sequence as it grows: its segments (one, unless an agent rewrote its history or made
+    calls that do not extend one another) and the turns it waits for."""
 
     index: int
     segments: list[Segment]
@@ -131,22 +146,19 @@ class Episode:
     last_action: str = ""
     """What the verifier scores: the last action, or the answer an agent's run returned."""
     components: dict[str, float] = field(default_factory=dict)
-    cap: int = 0
-    """The next turn's cap on new tokens an agent's call set (0: none)."""
     answered: bool = False
     """An agent's run returned a final answer (for the verifier) rather than a reward."""
+    pending: list[Pending] = field(default_factory=list)
+    """The next turn's calls: one for an environment, up to `max_parallel_calls` for an agent."""
+    heads: dict[int, tuple[Segment, bool]] = field(default_factory=dict)
+    """Calls answered and not extended yet, by id: the segment that ends with their action, and whether it
+    ended at EOS (the chat template's next tokens depend on it)."""
+    last_turn: common_pb2.Turn | None = None
+    """The latest action's turn, which the environment's next reward goes to."""
 
     @property
     def live(self) -> bool:
         return self.status == LIVE
-
-    @property
-    def current(self) -> Segment:
-        return self.segments[-1]
-
-    @property
-    def tokens(self) -> list[int]:
-        return self.current.tokens
 
     @property
     def turns(self) -> list[common_pb2.Turn]:
@@ -157,14 +169,16 @@ class Episode:
             reason: str = "") -> None:
         self.status, self.reward_status, self.reason = status, reward_status, reason
 
-    def add_action(self, completion: Completion, version: int = 0) -> None:
-        segment = self.current
+    def add_action(self, pending: Pending, completion: Completion, version: int = 0) -> None:
+        segment = pending.segment
         start = len(segment.completion_ids)
         segment.completion_ids += completion.token_ids
         segment.logprobs += completion.logprobs
         segment.mask += [True] * len(completion.token_ids)
-        segment.turns.append(common_pb2.Turn(start=start, end=len(segment.completion_ids),
-                                             finish_reason=completion.finish_reason, policy_version=version))
+        self.last_turn = common_pb2.Turn(start=start, end=len(segment.completion_ids),
+                                         finish_reason=completion.finish_reason, policy_version=version)
+        segment.turns.append(self.last_turn)
+        self.heads[pending.call] = (segment, completion.finish_reason == "eos")
         self.last_action = completion.text
 
     def verified(self, result: reward_pb2.ScoreResult) -> None:
@@ -178,8 +192,8 @@ class Episode:
         turns[-1].reward += result.reward
         self.components = {**result.components, "environment": steps, "verifier": result.reward}
 
-    def add_observation(self, token_ids: list[int]) -> None:
-        segment = self.current
+    @staticmethod
+    def add_observation(segment: Segment, token_ids: list[int]) -> None:
         segment.completion_ids += token_ids
         segment.logprobs += [0.0] * len(token_ids)
         segment.mask += [False] * len(token_ids)
@@ -253,7 +267,8 @@ class EpisodeRunner:
             opened = await self._host.open_episodes(job_id, session, env_proto, task, rollout.samples_per_prompt,
                                                     timeout_s, tenant=tenant)
         try:
-            episodes = [self._first(backend.tokenizer, result, rollout, env, task) for result in opened]
+            episodes = [self._first(backend.tokenizer, results, rollout, env, task)
+                        for results in _by_episode(opened, range(rollout.samples_per_prompt))]
             for turn in range(env.max_turns):
                 live = [e for e in episodes if e.live]
                 if not live:
@@ -293,69 +308,108 @@ class EpisodeRunner:
         for episode, result in zip(scored, results, strict=True):
             episode.verified(result)
 
-    @staticmethod
-    def _first(tokenizer: Any, result: reward_pb2.EpisodeResult, rollout: RolloutConfig, env: EnvironmentSpec,
-               task: common_pb2.Task) -> Episode:
-        if result.status != OK:
-            episode = Episode(result.episode, [Segment(prompt_tokens(tokenizer, task.prompt, rollout))])
-            episode.end(common_pb2.EPISODE_STATUS_ENV_ERROR, result.status, result.reason)
+    def _first(self, tokenizer: Any, results: list[reward_pb2.EpisodeResult], rollout: RolloutConfig,
+               env: EnvironmentSpec, task: common_pb2.Task) -> Episode:
+        first = results[0]
+        if first.status != OK:
+            episode = Episode(first.episode, [Segment(prompt_tokens(tokenizer, task.prompt, rollout))])
+            episode.end(common_pb2.EPISODE_STATUS_ENV_ERROR, first.status, first.reason)
             return episode
-        episode = Episode(result.episode, [Segment(conversation_of(tokenizer, result, rollout))])
-        episode.cap = result.max_new_tokens
-        if result.done:
-            episode.end(common_pb2.EPISODE_STATUS_DONE)
-        elif len(episode.tokens) >= env.max_total_tokens:
-            episode.end(common_pb2.EPISODE_STATUS_TRUNCATED)
+        episode = Episode(first.episode, [])
+        if first.done:  # its sample still needs a prompt
+            episode.segments.append(Segment(conversation_of(tokenizer, first, rollout)))
+        self._receive(tokenizer, rollout, env, episode, results)
         return episode
 
     async def _turn(self, job_id: str, seed: int, rollout: RolloutConfig, env: EnvironmentSpec, backend: Backend,
                     session: str, live: list[Episode], turn: int, timeout_s: float, version: int) -> None:
-        """One assistant turn of every live episode, then the environment's answers."""
-        budgets = [min(rollout.max_new_tokens, env.max_total_tokens - len(e.tokens), e.cap or rollout.max_new_tokens)
-                   for e in live]
+        """One assistant turn of every live episode (each of an agent's pending calls, all in one batch), then
+        the environment's answers."""
+        calls = [(episode, pending) for episode in live for pending in episode.pending]
+        budgets = [min(rollout.max_new_tokens, env.max_total_tokens - len(p.segment.tokens),
+                       p.cap or rollout.max_new_tokens) for _, p in calls]
         with self._stage("generate", "generating"):
             completions = await asyncio.to_thread(
-                backend.generate_batch, [e.tokens for e in live], max_new_tokens=budgets,
+                backend.generate_batch, [p.segment.tokens for _, p in calls], max_new_tokens=budgets,
                 temperature=rollout.temperature, top_p=rollout.top_p, seed=seed)
         metrics.GENERATED_TOKENS.labels(job_id).inc(sum(len(c.token_ids) for c in completions))
-        actions = [reward_pb2.Action(episode=e.index, turn=turn, text=c.text, finish_reason=c.finish_reason,
-                                     prompt_tokens=len(e.tokens), completion_tokens=len(c.token_ids))
-                   for e, c in zip(live, completions, strict=True)]
-        for episode, completion in zip(live, completions, strict=True):
-            episode.add_action(completion, version)
+        actions = [reward_pb2.Action(episode=e.index, turn=turn, call=p.call, text=c.text,
+                                     finish_reason=c.finish_reason, prompt_tokens=len(p.segment.tokens),
+                                     completion_tokens=len(c.token_ids))
+                   for (e, p), c in zip(calls, completions, strict=True)]
+        for (episode, pending), completion in zip(calls, completions, strict=True):
+            episode.add_action(pending, completion, version)
+        for episode in live:
+            episode.pending = []
         with self._stage("env_step", "stepping_env"):
             results = await self._host.step_episodes(job_id, session, actions, timeout_s)
-        if len(results) != len(actions):
-            raise RuntimeError(f"reward service returned {len(results)} results for {len(actions)} actions")
-        for episode, completion, result in zip(live, completions, results, strict=True):
-            self._answer(backend.tokenizer, rollout, env, episode, completion, result)
+        for episode, answers in zip(live, _by_episode(results, [e.index for e in live]), strict=True):
+            self._receive(backend.tokenizer, rollout, env, episode, answers)
 
     @staticmethod
-    def _answer(tokenizer: Any, rollout: RolloutConfig, env: EnvironmentSpec, episode: Episode,
-                completion: Completion, result: reward_pb2.EpisodeResult) -> None:
-        last = episode.current.turns[-1]
-        last.reward, last.env_latency_s = result.reward, result.latency_s
-        metrics.ENV_STEP_SECONDS.observe(result.latency_s)
-        episode.cap = result.max_new_tokens
-        if result.status != OK:
-            episode.end(common_pb2.EPISODE_STATUS_ENV_ERROR, result.status, result.reason)
-        elif result.done:
+    def _receive(tokenizer: Any, rollout: RolloutConfig, env: EnvironmentSpec, episode: Episode,
+                 results: list[reward_pb2.EpisodeResult]) -> None:
+        """An episode's answers from the open or a step: its end, or the calls (the observation) its next turn
+        answers, each appended to the sequence it extends or opening a segment."""
+        first = results[0]
+        if episode.last_turn is not None:
+            episode.last_turn.reward += sum(result.reward for result in results)
+            episode.last_turn.env_latency_s = first.latency_s
+            metrics.ENV_STEP_SECONDS.observe(first.latency_s)
+        if first.status != OK:
+            episode.end(common_pb2.EPISODE_STATUS_ENV_ERROR, first.status, first.reason)
+        elif first.done:
             episode.end(common_pb2.EPISODE_STATUS_DONE)
-            if result.answer:
-                episode.last_action, episode.answered = result.answer, True
-            if result.components:
-                episode.components = dict(result.components)
-        elif result.segment:
-            segment = Segment(conversation_of(tokenizer, result, rollout))
-            if len(segment.tokens) >= env.max_total_tokens:
-                episode.end(common_pb2.EPISODE_STATUS_TRUNCATED)
-            else:
-                episode.segments.append(segment)
-                metrics.AGENT_SEGMENTS.inc()
+            if first.answer:
+                episode.last_action, episode.answered = first.answer, True
+            if first.components:
+                episode.components = dict(first.components)
         else:
-            observed = observation_tokens(tokenizer, messages_of(tokenizer, result), rollout,
-                                          after_eos=completion.finish_reason == "eos")
-            if len(episode.tokens) + len(observed) >= env.max_total_tokens:
-                episode.end(common_pb2.EPISODE_STATUS_TRUNCATED)
-            else:
-                episode.add_observation(observed)
+            for result in results:
+                if not _continue(tokenizer, rollout, env, episode, result):
+                    return
+
+
+def _continue(tokenizer: Any, rollout: RolloutConfig, env: EnvironmentSpec, episode: Episode,
+              result: reward_pb2.EpisodeResult) -> bool:
+    """Queue the turn answering one call (or an environment's observation): a new segment from its whole
+    conversation, or its messages appended to the sequence it extends. False when the episode ended instead
+    (truncated at max_total_tokens, or a call that extends nothing answered)."""
+    if result.segment or not episode.segments:
+        segment = Segment(conversation_of(tokenizer, result, rollout))
+        if episode.segments:
+            metrics.AGENT_SEGMENTS.inc()
+        episode.segments.append(segment)
+        if len(segment.tokens) >= env.max_total_tokens:
+            episode.end(common_pb2.EPISODE_STATUS_TRUNCATED)
+            return False
+    else:
+        head = episode.heads.pop(result.extends, None)
+        if head is None:
+            episode.end(common_pb2.EPISODE_STATUS_ENV_ERROR, common_pb2.REWARD_STATUS_ERROR,
+                        f"call {result.call} extends call {result.extends}, which has no answered turn to extend")
+            return False
+        segment, after_eos = head
+        observed = observation_tokens(tokenizer, messages_of(tokenizer, result), rollout, after_eos=after_eos)
+        if len(segment.tokens) + len(observed) >= env.max_total_tokens:
+            episode.end(common_pb2.EPISODE_STATUS_TRUNCATED)
+            return False
+        episode.add_observation(segment, observed)
+    episode.pending.append(Pending(result.call, segment, result.max_new_tokens))
+    return True
+
+
+def _by_episode(results: Sequence[reward_pb2.EpisodeResult],
+                indices: Sequence[int]) -> list[list[reward_pb2.EpisodeResult]]:
+    """The reward service's results grouped by episode, one non-empty group per index in indices (an agent's
+    episode has one result per pending call); RuntimeError when an episode has none or one was not asked for."""
+    groups: dict[int, list[reward_pb2.EpisodeResult]] = {index: [] for index in indices}
+    for result in results:
+        if result.episode not in groups:
+            raise RuntimeError(f"reward service returned a result for episode {result.episode}, not one of "
+                               f"{list(indices)}")
+        groups[result.episode].append(result)
+    missing = [index for index, group in groups.items() if not group]
+    if missing:
+        raise RuntimeError(f"reward service returned no result for episodes {missing}")
+    return list(groups.values())

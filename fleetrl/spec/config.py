@@ -81,7 +81,11 @@ class EnvironmentSpec(Strict):
     them ends as `max_turns`."""
     max_total_tokens: int = Field(1024, ge=2, le=1_048_576)
     """Most tokens of an episode's whole sequence (prompt, every turn and every observation); an
-    episode that reaches it ends as `truncated`."""
+    episode that reaches it ends as `truncated`. An agent's segments are each bounded by it."""
+    max_parallel_calls: int = Field(8, ge=1, le=64)
+    """Agents: most chat completions of one episode generated together in one assistant turn. An async
+    `run` whose calls are pending at once (`asyncio.gather`, parallel tool branches) has up to this many
+    answered in one batch; the rest wait for the next turn. 1 serves its calls one at a time."""
     step_timeout_s: float = Field(10.0, gt=0, le=600)
     """Wall-clock limit of one `Env(...)` + `reset()` or one `step()` in the sandbox (for an agent:
     from its start or a completion it was given to its next call or its return); past it the episode

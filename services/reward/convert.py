@@ -56,7 +56,7 @@ def to_task(request: reward_pb2.OpenEpisodesRequest) -> dict[str, Any]:
 
 def to_actions(request: reward_pb2.StepEpisodesRequest) -> list[Action]:
     """The request's actions, in order."""
-    return [Action(a.episode, a.turn, a.text, a.finish_reason, a.prompt_tokens, a.completion_tokens)
+    return [Action(a.episode, a.turn, a.text, a.finish_reason, a.prompt_tokens, a.completion_tokens, a.call)
             for a in request.actions]
 
 
@@ -67,7 +67,8 @@ def episode_to_proto(result: EpisodeResult) -> reward_pb2.EpisodeResult:
                                              for m in result.observation],
         reward=result.reward, done=result.done, status=STATUS_TO_PROTO[result.status], reason=result.reason,
         latency_s=result.latency_s, tools_json=result.tools_json, segment=result.segment,
-        max_new_tokens=result.max_new_tokens, answer=result.answer, components=result.components)
+        max_new_tokens=result.max_new_tokens, answer=result.answer, components=result.components,
+        call=result.call, extends=result.extends)
 
 
 def to_proto(result: Result) -> reward_pb2.ScoreResult:

@@ -125,6 +125,69 @@ async def test_agent_groups_hold_exactly_the_generated_tokens(fleet: Fleet) -> N
     print(f"re-rendering through the chat template changed {rerendered} of 3 first segments")
 
 
+CONCURRENT_AGENT = b'''
+import asyncio
+
+async def run(client, task):
+    a_done = asyncio.Event()
+
+    async def chain(name):
+        if name == "C":
+            await a_done.wait()  # its calls come after A's: two turns of their own
+        messages = [{"role": "user", "content": f"{name}: {task['prompt']}"}]
+        first = await client.chat.completions.create(model="policy", messages=messages, max_tokens=4)
+        text = first.choices[0].message.content
+        messages += [first.choices[0].message, {"role": "tool", "content": f"{name} wrote {len(text)}"}]
+        second = await client.chat.completions.create(model="policy", messages=messages)
+        if name == "A":
+            a_done.set()
+        return len(text) + len(second.choices[0].message.content)
+
+    return float(sum(await asyncio.gather(chain("A"), chain("B"), chain("C"))) % 5)
+'''
+
+
+async def test_concurrent_agent_calls_share_a_batch_and_grow_their_own_segments(fleet: Fleet) -> None:
+    """An async agent's calls under `asyncio.gather` are generated together: chains A and B of each of the
+    three episodes make one batch of 6 rows per turn, then C's calls (made once A is done) batches of 3. Each
+    chain is a segment of its own holding exactly the tokens generated for its two calls, with the tool
+    message between them rendered alone; the episode's reward is what `run` computed from the texts."""
+    spec = agent_job()
+    assert spec.environment is not None
+    environment = spec.environment.model_copy(update={"max_turns": 4})
+    model, tokenizer = models.load(MODEL)
+    backend = Recording(model, tokenizer)
+    reward = RewardClient(fleet.services.reward_addr, timeout_s=30)
+    runner = EpisodeRunner(ActorSettings(actor_id="test"), reward, lambda name, state: contextlib.nullcontext())
+    task = common_pb2.Task(task_id="concurrent/0", prompt="the sea")
+    try:
+        samples = await runner.play("concurrent", spec.seed, spec.rollout, environment,
+                                    environment_to_proto(environment, CONCURRENT_AGENT), backend, task)
+    finally:
+        await reward.close()
+    assert [len(batch) for batch in backend.batches] == [6, 6, 3, 3]
+    assert [s.continues for s in samples] == [True, True, False] * 3
+    for episode in range(3):
+        generated = {"A": [backend.batches[0][2 * episode], backend.batches[1][2 * episode]],
+                     "B": [backend.batches[0][2 * episode + 1], backend.batches[1][2 * episode + 1]],
+                     "C": [backend.batches[2][episode], backend.batches[3][episode]]}
+        lengths = 0
+        for sample, (name, (first, second)) in zip(samples[3 * episode:3 * episode + 3], generated.items(),
+                                                   strict=True):
+            assert sample.episode_status == common_pb2.EPISODE_STATUS_DONE, sample.reward_reason
+            assert list(sample.prompt_token_ids) == conversation_tokens(
+                tokenizer, [{"role": "user", "content": f"{name}: the sea"}], spec.rollout)
+            assert [list(sample.completion_token_ids[t.start:t.end]) for t in sample.turns] == [
+                first.token_ids, second.token_ids]
+            tool = [{"role": "tool", "content": f"{name} wrote {len(first.text)}"}]
+            between = list(sample.completion_token_ids[sample.turns[0].end:sample.turns[1].start])
+            assert between == observation_tokens(tokenizer, tool, spec.rollout,
+                                                 after_eos=first.finish_reason == "eos")
+            assert full_forward_gap(model, sample) < LOGPROB_TOL[torch.float32]
+            lengths += len(first.text) + len(second.text)
+        assert {s.reward for s in samples[3 * episode:3 * episode + 3]} == {float(lengths % 5)}
+
+
 INFLIGHT_ENV = b'''
 import time
 

@@ -340,7 +340,7 @@ async def test_actor_sigkilled_mid_episode(kind: str, fleet: Fleet, tmp_path: Pa
 def test_unfinished_reward_replaces_the_sum_of_unfinished_episodes_only() -> None:
     def episode(status: common_pb2.EpisodeStatus, reward_status: common_pb2.RewardStatus = OK) -> Episode:
         made = Episode(0, [Segment([1, 2])])
-        made.current.turns.extend([common_pb2.Turn(start=0, end=1, reward=0.25),
+        made.segments[0].turns.extend([common_pb2.Turn(start=0, end=1, reward=0.25),
                                    common_pb2.Turn(start=1, end=2, reward=0.5)])
         made.end(status, reward_status)
         return made

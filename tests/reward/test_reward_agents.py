@@ -28,11 +28,15 @@ import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 
+import grpc
 import pytest
 
 from fleetrl.launcher.embedded import free_port, wait_for_port
 from fleetrl.proto.fleetrl.v1 import common_pb2, reward_pb2, reward_pb2_grpc
 from fleetrl.reward.client import environment_to_proto
+from fleetrl.reward.sandbox import Outcome
+from fleetrl.reward.scorer import Status
+from fleetrl.reward.sessions import check_reply
 from fleetrl.runtime.grpcutil import channel
 from fleetrl.spec.config import EnvironmentSpec
 from tests.reward.conftest import (
@@ -287,10 +291,21 @@ async def run(client, task, pause=False):
         messages = [{"role": "user", "content": name + "1"}]
         first = await client.chat.completions.create(model="m", messages=messages)
         if pause:
-            await asyncio.sleep(0)  # the other chain's call comes in between
+            await asyncio.sleep(0)  # the other chains' calls come in between
         messages += [first.choices[0].message, {"role": "user", "content": name + "2"}]
         return (await client.chat.completions.create(model="m", messages=messages)).choices[0].message.content
-    return float(await asyncio.gather(chain("A"), chain("B")) == ["a2", "b2"])
+    return float(await asyncio.gather(chain("A"), chain("B"), chain("C")) == ["a2", "b2", "c2"])
+'''
+
+CONCURRENT_FLOOD = '''
+import asyncio
+
+async def run(client, task):
+    async def ask(index):
+        messages = [{"role": "user", "content": str(index)}]
+        return await client.chat.completions.create(model="m", messages=messages)
+    await asyncio.gather(*(ask(index) for index in range(1000)))
+    return 1.0
 '''
 
 
@@ -326,9 +341,10 @@ async def run(client, task):
 """
 
 
-def agent_spec(source: str, step_timeout_s: float = 2.0, **params: object) -> reward_pb2.EnvironmentSpec:
+def agent_spec(source: str, step_timeout_s: float = 2.0, *, max_parallel_calls: int = 8,
+               **params: object) -> reward_pb2.EnvironmentSpec:
     spec = EnvironmentSpec(kind="agent", file="agent.py", step_timeout_s=step_timeout_s, memory_limit_mb=512,
-                           params=params)
+                           max_parallel_calls=max_parallel_calls, params=params)
     return environment_to_proto(spec, source.encode())
 
 
@@ -341,10 +357,24 @@ async def open_session(stub: reward_pb2_grpc.RewardServiceStub, session: str, sp
 
 async def act(stub: reward_pb2_grpc.RewardServiceStub, session: str, turn: int, text: str, episode: int = 0,
               **fields: object) -> reward_pb2.EpisodeResult:
+    fields.setdefault("call", turn + 1)  # an agent making one call at a time: turn k answers its call k + 1
     action = reward_pb2.Action(episode=episode, turn=turn, text=text, **fields)  # type: ignore[arg-type]
     request = reward_pb2.StepEpisodesRequest(job_id="j", session_id=session, actions=[action])
     (result,) = (await stub.StepEpisodes(request, timeout=20)).results
     return result
+
+
+async def answer(stub: reward_pb2_grpc.RewardServiceStub, session: str, turn: int,
+                 calls: list[reward_pb2.EpisodeResult]) -> list[reward_pb2.EpisodeResult]:
+    """Answer every pending call of episode 0 with its last message's text, lowercased, in one step."""
+    actions = [reward_pb2.Action(episode=0, turn=turn, call=c.call, text=messages(c)[-1][1].lower()) for c in calls]
+    request = reward_pb2.StepEpisodesRequest(job_id="j", session_id=session, actions=actions)
+    return list((await stub.StepEpisodes(request, timeout=20)).results)
+
+
+def shape(results: list[reward_pb2.EpisodeResult]) -> list[tuple[int, int, bool, list[tuple[str, str]]]]:
+    """Each call's id, the call it extends, whether it opens a segment, and its messages."""
+    return [(r.call, r.extends, r.segment, messages(r)) for r in results]
 
 
 def messages(result: reward_pb2.EpisodeResult) -> list[tuple[str, str]]:
@@ -458,7 +488,7 @@ async def test_streamed_tool_calls(tmp_path: Path) -> None:
     assert messages(second)[0] == ("tool", "4")
     assert json.loads(messages(second)[1][1]) == {
         "role": "assistant", "content": call, "finish": "tool_calls",
-        "calls": [["call_0_0", "calc", '{"expression": "2+2"}']], "usage": [9, 12, 21]}
+        "calls": [["call_1_0", "calc", '{"expression": "2+2"}']], "usage": [9, 12, 21]}
     assert last.status == OK and last.done and last.reward == 1.0, last.reason
 
 
@@ -547,26 +577,84 @@ async def test_an_openai_agents_sdk_agent_on_its_default_model(mode: str) -> Non
 
 
 @pytest.mark.parametrize("pause", [False, True])
-async def test_concurrent_calls_are_served_one_at_a_time(pause: bool, tmp_path: Path) -> None:
-    """Two chains of calls under `asyncio.gather` are turns one after another: a call holds the agent's event
-    loop until the actor answers it. Chains that never suspend between calls run whole, one after the other,
-    each extending itself; chains that interleave (an `asyncio.sleep(0)` is enough) start a segment at every
-    call, re-rendered."""
+async def test_concurrent_calls_are_served_together(pause: bool, tmp_path: Path) -> None:
+    """Three chains of calls under `asyncio.gather` reach the actor together: their first calls are the open's
+    three results (segments), their second calls one step's three results, each extending its own chain's
+    first call (only the new message goes out), whether or not the chains interleave (`asyncio.sleep(0)`)."""
     async with reward_service(tmp_path, **STARTS) as stub:
-        result = (await open_session(stub, "c", agent_spec(CONCURRENT, pause=pause)))[0]
-        seen = []
-        for turn in range(4):
-            assert result.status == OK and not result.done, result.reason
-            seen.append((result.segment, messages(result)))
-            result = await act(stub, "c", turn, messages(result)[-1][1].lower())
-        assert result.done and result.reward == 1.0, result.reason
-        if not pause:
-            assert seen == [(True, [("user", "A1")]), (False, [("user", "A2")]),
-                            (True, [("user", "B1")]), (False, [("user", "B2")])]
-        else:
-            assert seen == [(True, [("user", "A1")]), (True, [("user", "B1")]),
-                            (True, [("user", "A1"), ("assistant", "a1"), ("user", "A2")]),
-                            (True, [("user", "B1"), ("assistant", "b1"), ("user", "B2")])]
+        first = await open_session(stub, "c", agent_spec(CONCURRENT, pause=pause))
+        assert all(r.status == OK and not r.done for r in first), [r.reason for r in first]
+        assert shape(first) == [(1, 0, True, [("user", "A1")]), (2, 0, True, [("user", "B1")]),
+                                (3, 0, True, [("user", "C1")])]
+        second = await answer(stub, "c", 0, first)
+        assert shape(second) == [(4, 1, False, [("user", "A2")]), (5, 2, False, [("user", "B2")]),
+                                 (6, 3, False, [("user", "C2")])]
+        (last,) = await answer(stub, "c", 1, second)
+        assert last.done and last.status == OK and last.reward == 1.0, last.reason
+
+
+async def test_concurrent_calls_past_max_parallel_calls_wait_their_turn(tmp_path: Path) -> None:
+    """With `max_parallel_calls` 2, the three chains' calls go two by two in the order they were made, and each
+    second call still extends its own chain; an action missing for a pending call is refused, naming both."""
+    async with reward_service(tmp_path, **STARTS) as stub:
+        first = await open_session(stub, "p", agent_spec(CONCURRENT, max_parallel_calls=2))
+        assert shape(first) == [(1, 0, True, [("user", "A1")]), (2, 0, True, [("user", "B1")])]
+        half = reward_pb2.StepEpisodesRequest(job_id="j", session_id="p", actions=[
+            reward_pb2.Action(episode=0, turn=0, call=1, text="a1")])
+        with pytest.raises(grpc.aio.AioRpcError, match=r"calls \[1, 2\] pending, the actions answer \[1\]"):
+            await stub.StepEpisodes(half, timeout=20)
+        second = await answer(stub, "p", 0, first)
+        assert shape(second) == [(3, 0, True, [("user", "C1")]), (4, 1, False, [("user", "A2")])]
+        third = await answer(stub, "p", 1, second)
+        assert shape(third) == [(5, 2, False, [("user", "B2")]), (6, 3, False, [("user", "C2")])]
+        (last,) = await answer(stub, "p", 2, third)
+        assert last.done and last.reward == 1.0, last.reason
+
+
+async def test_a_flood_of_concurrent_calls_is_served_max_parallel_calls_at_a_time(tmp_path: Path) -> None:
+    """1,000 calls at once: each step carries 8 of them (the default `max_parallel_calls`); closing the session
+    kills the worker, whose `run` still waits inside calls, and the service keeps serving."""
+    async with reward_server(tmp_path, workers_per_pool=1, **STARTS) as (stub, service):
+        calls = await open_session(stub, "f", agent_spec(CONCURRENT_FLOOD))
+        for turn in range(3):
+            assert [c.call for c in calls] == list(range(8 * turn + 1, 8 * turn + 9)), [c.reason for c in calls]
+            calls = await answer(stub, "f", turn, calls)
+        await stub.CloseEpisodes(reward_pb2.CloseEpisodesRequest(job_id="j", session_id="f"), timeout=10)
+        restarts = "fleetrl_reward_worker_restarts_total"
+        assert service.scorer.metrics.registry.get_sample_value(restarts, {"reason": "cancelled"}) == 1.0
+        (fine,) = await open_session(stub, "fine", agent_spec(SCRIPTED))
+        assert fine.status == OK and fine.segment, fine.reason
+
+
+FORGED_CALLS = {
+    # a worker's reply is user code's to forge: what the service refuses in one, and why
+    "too_many": ([{"call": i, "segment": True} for i in range(1, 4)], "1 to 2 pending calls"),
+    "none": ([], "1 to 2 pending calls"),
+    "same_id": ([{"call": 1, "segment": True}, {"call": 1, "segment": True}], "distinct ids"),
+    "id_zero": ([{"call": 0, "segment": True}], "an id >= 1"),
+    "bool_id": ([{"call": True, "segment": True}], "ints in [0, 2**32)"),
+    "segment_and_extends": ([{"call": 2, "segment": True, "extends": 1}], "or opens a segment"),
+    "neither": ([{"call": 2}], "or opens a segment"),
+    "not_a_list": ({"call": 2}, "1 to 2 pending calls"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(FORGED_CALLS))
+def test_forged_pending_calls_end_the_episode(case: str) -> None:
+    calls, reason = FORGED_CALLS[case]
+    (result,) = check_reply(3, Outcome("reply", {"calls": calls, "reward": 0.0, "done": False}), max_calls=2)
+    assert (result.episode, result.done, result.status) == (3, True, Status.ERROR) and reason in result.reason
+
+
+def test_checked_pending_calls_keep_their_ids_and_the_call_they_extend() -> None:
+    reply = {"calls": [{"call": 4, "extends": 1, "observation": "x"}, {"call": 5, "segment": True}], "reward": 0.5,
+             "done": False}
+    results = check_reply(0, Outcome("reply", reply), max_calls=2)
+    assert [(r.call, r.extends, r.segment, r.reward, r.done) for r in results] == [
+        (4, 1, False, 0.5, False), (5, 0, True, 0.0, False)]
+    # an environment's reply is one result, whatever it holds
+    (env,) = check_reply(0, Outcome("reply", {**reply, "observation": "y"}))
+    assert (env.call, env.observation) == (0, [{"role": "user", "content": "y"}])
 
 
 async def test_a_bad_responses_input_is_named_as_sent(tmp_path: Path) -> None:

@@ -122,7 +122,7 @@ class Message(_message.Message):
     def __init__(self, role: _Optional[str] = ..., content: _Optional[str] = ...) -> None: ...
 
 class EpisodeResult(_message.Message):
-    __slots__ = ("episode", "observation", "reward", "done", "status", "reason", "latency_s", "tools_json", "segment", "max_new_tokens", "answer", "components")
+    __slots__ = ("episode", "observation", "reward", "done", "status", "reason", "latency_s", "tools_json", "segment", "max_new_tokens", "answer", "components", "call", "extends")
     class ComponentsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -142,6 +142,8 @@ class EpisodeResult(_message.Message):
     MAX_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
     ANSWER_FIELD_NUMBER: _ClassVar[int]
     COMPONENTS_FIELD_NUMBER: _ClassVar[int]
+    CALL_FIELD_NUMBER: _ClassVar[int]
+    EXTENDS_FIELD_NUMBER: _ClassVar[int]
     episode: int
     observation: _containers.RepeatedCompositeFieldContainer[Message]
     reward: float
@@ -154,7 +156,9 @@ class EpisodeResult(_message.Message):
     max_new_tokens: int
     answer: str
     components: _containers.ScalarMap[str, float]
-    def __init__(self, episode: _Optional[int] = ..., observation: _Optional[_Iterable[_Union[Message, _Mapping]]] = ..., reward: _Optional[float] = ..., done: _Optional[bool] = ..., status: _Optional[_Union[_common_pb2.RewardStatus, str]] = ..., reason: _Optional[str] = ..., latency_s: _Optional[float] = ..., tools_json: _Optional[str] = ..., segment: _Optional[bool] = ..., max_new_tokens: _Optional[int] = ..., answer: _Optional[str] = ..., components: _Optional[_Mapping[str, float]] = ...) -> None: ...
+    call: int
+    extends: int
+    def __init__(self, episode: _Optional[int] = ..., observation: _Optional[_Iterable[_Union[Message, _Mapping]]] = ..., reward: _Optional[float] = ..., done: _Optional[bool] = ..., status: _Optional[_Union[_common_pb2.RewardStatus, str]] = ..., reason: _Optional[str] = ..., latency_s: _Optional[float] = ..., tools_json: _Optional[str] = ..., segment: _Optional[bool] = ..., max_new_tokens: _Optional[int] = ..., answer: _Optional[str] = ..., components: _Optional[_Mapping[str, float]] = ..., call: _Optional[int] = ..., extends: _Optional[int] = ...) -> None: ...
 
 class OpenEpisodesRequest(_message.Message):
     __slots__ = ("job_id", "session_id", "spec", "prompt", "metadata_json", "count", "tenant")
@@ -181,20 +185,22 @@ class OpenEpisodesResponse(_message.Message):
     def __init__(self, episodes: _Optional[_Iterable[_Union[EpisodeResult, _Mapping]]] = ...) -> None: ...
 
 class Action(_message.Message):
-    __slots__ = ("episode", "turn", "text", "finish_reason", "prompt_tokens", "completion_tokens")
+    __slots__ = ("episode", "turn", "text", "finish_reason", "prompt_tokens", "completion_tokens", "call")
     EPISODE_FIELD_NUMBER: _ClassVar[int]
     TURN_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     COMPLETION_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    CALL_FIELD_NUMBER: _ClassVar[int]
     episode: int
     turn: int
     text: str
     finish_reason: str
     prompt_tokens: int
     completion_tokens: int
-    def __init__(self, episode: _Optional[int] = ..., turn: _Optional[int] = ..., text: _Optional[str] = ..., finish_reason: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ...) -> None: ...
+    call: int
+    def __init__(self, episode: _Optional[int] = ..., turn: _Optional[int] = ..., text: _Optional[str] = ..., finish_reason: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., call: _Optional[int] = ...) -> None: ...
 
 class StepEpisodesRequest(_message.Message):
     __slots__ = ("session_id", "actions", "job_id")
