@@ -133,10 +133,11 @@ async def test_environment_plays_a_scripted_episode_in_the_sandbox(path: Path, t
     scorer = Scorer(RewardSettings(workers_per_pool=1, sandbox_uid_base=UID_BASE, sandbox_dir=tmp_path))
     sessions = EpisodeSessions(scorer)
     try:
-        (first,) = await sessions.open("s", "examples", checked, task, 1)
-        assert first.status == Status.OK and first.observation, first.reason
+        (result,) = await sessions.open("s", "examples", checked, task, 1)
+        assert result.status == Status.OK and result.observation, result.reason
         for turn, (action, observed, reward, done) in enumerate(GOLD_EPISODES[_name(path)]):
-            (result,) = await sessions.step("examples", "s", [Action(0, turn, action.format(**task))])
+            # an agent's action answers its pending call by id (an environment's call is 0)
+            (result,) = await sessions.step("examples", "s", [Action(0, turn, action.format(**task), call=result.call)])
             assert result.status == Status.OK, result.reason
             assert (result.reward, result.done, result.segment) == (reward, done, _name(path) in SEGMENTED and not done)
             shown = [m["content"] for m in result.observation]
