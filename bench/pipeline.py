@@ -18,7 +18,9 @@ With `--job FILE` (`python -m bench.pipeline --job examples/addition/job.toml --
 this instead: the job file's job (the demo's: SmolLM2-135M) cut to --steps steps, on the whole local
 fleet with the launcher's thread budget in each of `--cores-modes` (default split,lend,turns; see
 fleetrl/launcher/cores.py), against the reference loop with every core, in the same run. Per mode:
-fleet_groups_per_s, ratio (fleet / reference; goal >= 1.2 on 2 cores), mean step time, threads per
+fleet_groups_per_s, ratio (fleet / reference; goal >= 1.2 on 2 cores), mean step time, the learner's idle
+fraction (`learner_idle_fraction`: the steps' `wait_for_data_s`, the time the learner waited for groups,
+over the wall time of steps 2..S; goal <= 0.15), threads per
 process, each process's share of the CPU seconds the fleet spent (`cpu_share`, from /proc) and how
 busy the cores were (`cpu_busy_fraction`); then reference_groups_per_s and its step time. The
 top-level fleet_* fields and `ratio` are those of `fleet_cores_mode`: the launcher's default mode
@@ -169,8 +171,10 @@ def fleet_rate(spec: JobSpec, run_dir: Path, actors: int, one_thread: bool,
         fleet.stop()
     ends = [m["unix_ms"] / 1000 for m in metrics]
     total_cpu = sum(cpu.values()) or 1.0
+    waited = sum(m["wait_for_data_s"] for m in metrics[1:])
     return {"groups_per_s": steady_rate(ends, spec.rollout.prompts_per_step), "wall_s": wall_s,
             "step_s": (ends[-1] - ends[0]) / (len(ends) - 1), "threads": dict(fleet.threads),
+            "learner_idle_fraction": round(waited / (ends[-1] - ends[0]), 3),
             "cpu_share": {name: round(seconds / total_cpu, 3) for name, seconds in sorted(cpu.items())},
             "cpu_busy_fraction": round(total_cpu / (wall_s * fleet.cores), 3)}
 
@@ -364,7 +368,8 @@ def run_demo(args: argparse.Namespace) -> dict[str, Any]:
     reference_gps, reference_step_s = reference_rate(spec, threads, args.device)
     by_mode = {mode: {"fleet_groups_per_s": round(f["groups_per_s"], 4),
                       "ratio": round(f["groups_per_s"] / reference_gps, 3), "fleet_step_s": round(f["step_s"], 1),
-                      "fleet_wall_s": round(f["wall_s"], 1), "threads": f["threads"], "cpu_share": f["cpu_share"],
+                      "fleet_wall_s": round(f["wall_s"], 1), "learner_idle_fraction": f["learner_idle_fraction"],
+                      "threads": f["threads"], "cpu_share": f["cpu_share"],
                       "cpu_busy_fraction": f["cpu_busy_fraction"]} for mode, f in fleets.items()}
     top = cores.DEFAULT_MODE if cores.DEFAULT_MODE in by_mode else modes[0]
     default = by_mode[top]
@@ -375,6 +380,7 @@ def run_demo(args: argparse.Namespace) -> dict[str, Any]:
         "fleet_groups_per_s": default["fleet_groups_per_s"], "fleet_step_s": default["fleet_step_s"],
         "fleet_threads": default["threads"], "fleet_cpu_share": default["cpu_share"],
         "fleet_cpu_busy_fraction": default["cpu_busy_fraction"],
+        "learner_idle_fraction": default["learner_idle_fraction"],
         "reference_groups_per_s": round(reference_gps, 4), "reference_step_s": round(reference_step_s, 1),
         "reference_threads": torch.get_num_threads(), "reference_device": args.device, "ratio": default["ratio"],
     }

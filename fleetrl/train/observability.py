@@ -97,6 +97,11 @@ class StepObserver:
             PHASE_SECONDS.labels(stage).observe((time.time_ns() - started_ns) / 1e9)
         return result
 
+    def seconds(self, stage: str) -> float:
+        """How long the step's stage took (0 before it ran)."""
+        started_ns, ended_ns = self._stage_ns.get(stage, (0, 0))
+        return (ended_ns - started_ns) / 1e9
+
     def sampled(self, groups: list[common_pb2.Group], started_ns: int) -> None:
         """A Sample call started at started_ns leased groups: a `learner.sample` span in each one's trace."""
         for group in groups:

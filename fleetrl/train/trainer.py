@@ -197,6 +197,7 @@ class JobRun:
         if data is None:
             return False
         values = await self.obs.timed("train", self.train(data))
+        values["wait_for_data_s"] = self.obs.seconds("wait_for_data")  # the learner's idle time this step
         self.obs.consumed(data.groups, self.step, values)
         if self.held_out is not None and self.held_out.due(self.step):
             values.update(await self.obs.timed("eval", self.held_out.run(self.policy)))

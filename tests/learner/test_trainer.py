@@ -153,6 +153,28 @@ async def test_lora_job_trains_and_publishes_adapters_only(nats_url: str, redis_
     assert all(torch.allclose(exported[name], merged[name], atol=1e-6) for name in exported)
 
 
+async def test_step_metrics_count_the_time_the_learner_waited_for_groups(nats_url: str, redis_url: str,
+                                                                          tmp_path: Path) -> None:
+    """`wait_for_data_s` (what bench.pipeline's learner idle fraction sums): step 1's groups are there from the
+    start, step 2's are inserted 2 s after step 1 is reported, so step 2 waited at least about that long."""
+    jobs = JobStore.from_url(redis_url)
+    record = await create_job(jobs, spec_for(max_steps=2, max_staleness=1, checkpoint_interval=2))
+    async with replay_service(redis_url) as addr, ReplayClient(addr) as replay:
+        await insert_groups(replay, record, 2)
+        learner = asyncio.create_task(serve(settings(nats_url, redis_url, addr, tmp_path), asyncio.Event(), once=True))
+        deadline = asyncio.get_running_loop().time() + 120
+        while not await jobs.steps(record.job_id):
+            assert asyncio.get_running_loop().time() < deadline and not learner.done(), "step 1 never reported"
+            await asyncio.sleep(0.05)
+        await asyncio.sleep(2.0)
+        await insert_groups(replay, record, 4, skip=2)
+        await asyncio.wait_for(learner, 120)
+    await jobs.close()
+    lines = [json.loads(x) for x in (tmp_path / "jobs" / record.job_id / "metrics.jsonl").read_text().splitlines()]
+    first, second = (line["wait_for_data_s"] for line in lines)
+    assert second >= 1.5 and first < second, (first, second)
+
+
 async def test_staleness_drops_old_groups(nats_url: str, redis_url: str, tmp_path: Path) -> None:
     """max_staleness 0: a group of version 0 cannot be trained at step 2 (learner at version 1)."""
     jobs = JobStore.from_url(redis_url)
