@@ -229,8 +229,10 @@ class AgentHost:
         """Calls answered and not extended yet, by id: their messages then the reply given, and their tools."""
         self.pending: list[tuple[Call, asyncio.Future[dict[str, Any]]]] = []
         """Async calls waiting to be sent, in the order they were made, with the futures their completions go to."""
+        self.async_run = False
+        """An async `run` is running: its async calls wait to be sent together (`_drive`)."""
         self._wake: asyncio.Future[None] | None = None
-        """Set while an async `run` is driven: done when a call is made."""
+        """What `_drive` waits on while no call is pending: done when a call is made."""
 
     def handle(self, request: dict[str, Any]) -> dict[str, Any]:
         """The reply to a request outside a call; anything the agent raises ends the episode as an error."""
@@ -253,10 +255,11 @@ class AgentHost:
                 return {"error": str(error)}
             return {"error": "".join(traceback.format_exception(error, limit=-2))[-2000:].strip()}
         finally:
-            self.in_episode, self._wake = False, None
+            self.in_episode, self.async_run, self._wake = False, False, None
 
     def _run(self, task: dict[str, Any], params: dict[str, Any]) -> Any:
         if inspect.iscoroutinefunction(self.run):
+            self.async_run = True
             main = self.loop.create_task(self.run(self.async_client, task, **params))
             try:
                 return self.loop.run_until_complete(self._drive(main))
@@ -296,7 +299,7 @@ class AgentHost:
     def driving(self) -> bool:
         """Whether an async call made now can wait for its turn: an async `run` is being driven in this loop."""
         with contextlib.suppress(RuntimeError):
-            return self._wake is not None and asyncio.get_running_loop() is self.loop
+            return self.async_run and asyncio.get_running_loop() is self.loop
         return False
 
     def complete(self, body: dict[str, Any]) -> dict[str, Any]:
