@@ -5,7 +5,8 @@ must be a valid JobSpec, and its prompts must pass the gateway's line checks. It
 through the reward service's own submission check (`parse_spec`, then a sandboxed worker pool
 that loads the file) and scores a prompt's gold answer: a reward file must expose `reward`. An
 environment opens an episode for the first prompt in the sandbox and plays a scripted trajectory
-to its known rewards. An sft job's demonstrations pass the gateway's line checks, and the calculator's
+to its known rewards; the LangGraph version of the openai_agent example sends the actor exactly what
+its agent.py sends. An sft job's demonstrations pass the gateway's line checks, and the calculator's
 replay, turn by turn, in its environment: what the environment answers is what the demonstration
 holds, and the demonstrated answer scores 1. Prompt and demonstration generators must reproduce their
 committed files byte for byte.
@@ -13,6 +14,7 @@ committed files byte for byte.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 import tomllib
@@ -22,7 +24,7 @@ from types import ModuleType
 import pytest
 
 from fleetrl.reward.scorer import Item, Scorer, Status, parse_environment, parse_spec
-from fleetrl.reward.sessions import Action, EpisodeSessions
+from fleetrl.reward.sessions import Action, EpisodeResult, EpisodeSessions
 from fleetrl.reward.settings import RewardSettings
 from fleetrl.sdk.client import load_job_file
 from fleetrl.spec.config import JobSpec, parse_job_spec
@@ -111,6 +113,11 @@ GOLD_EPISODES: dict[str, list[tuple[str, str, float, bool]]] = {
         ("I think 0.", "Not quite, try again. Answer with just the number.", 0.0, False),
         ('<tool_call>{{"name": "calculator", "arguments": {{"expression": "40 + 2"}}}}</tool_call>', "42", 0.0, False),
         ("{answer}", "", 0.5, True)],
+    # LangChain's ChatOpenAI, streamed, sends the graph's messages with every call: each call extends the one before
+    "openai_agent/langgraph_job": [
+        ("I think 0.", "Not quite, try again. Answer with just the number.", 0.0, False),
+        ('<tool_call>{{"name": "calculator", "arguments": {{"expression": "40 + 2"}}}}</tool_call>', "42", 0.0, False),
+        ("{answer}", "", 0.5, True)],
     # smolagents rewrites its history at every step: each call after the first is a new segment
     "openai_agent/smolagents_job": [
         ('<tool_call>{{"name": "final_answer", "arguments": {{"answer": "0"}}}}</tool_call>',
@@ -124,8 +131,9 @@ GOLD_EPISODES: dict[str, list[tuple[str, str, float, bool]]] = {
 SEGMENTED = {"openai_agent/smolagents_job"}
 
 
-@pytest.mark.parametrize("path", ENV_JOBS, ids=lambda p: str(p.relative_to(EXAMPLES)))
-async def test_environment_plays_a_scripted_episode_in_the_sandbox(path: Path, tmp_path: Path) -> None:
+async def _scripted_episode(path: Path, tmp_path: Path, actions: list[str]) -> list[EpisodeResult]:
+    """The job's environment or agent, in the sandbox, on its first prompt, played with these actions (filled
+    from the prompt line): the open's result, then each step's, their latencies cleared."""
     spec, prompts, environment_file = _load(path)
     assert spec.environment is not None
     checked = parse_environment(spec.environment.model_dump_json(), environment_file)
@@ -134,18 +142,52 @@ async def test_environment_plays_a_scripted_episode_in_the_sandbox(path: Path, t
     sessions = EpisodeSessions(scorer)
     try:
         (result,) = await sessions.open("s", "examples", checked, task, 1)
-        assert result.status == Status.OK and result.observation, result.reason
-        for turn, (action, observed, reward, done) in enumerate(GOLD_EPISODES[_name(path)]):
+        results = [result]
+        for turn, action in enumerate(actions):
+            assert result.status == Status.OK and not result.done, result.reason
             # an agent's action answers its pending call by id (an environment's call is 0)
             (result,) = await sessions.step("examples", "s", [Action(0, turn, action.format(**task), call=result.call)])
-            assert result.status == Status.OK, result.reason
-            assert (result.reward, result.done, result.segment) == (reward, done, _name(path) in SEGMENTED and not done)
-            shown = [m["content"] for m in result.observation]
-            assert (shown[-1:] if result.segment else shown) == ([observed.format(**task)] if observed else [])
-        assert spec.environment.max_turns >= len(GOLD_EPISODES[_name(path)])
+            results.append(result)
     finally:
         sessions.close_all()
         await scorer.close()
+    return [dataclasses.replace(result, latency_s=0.0) for result in results]
+
+
+@pytest.mark.parametrize("path", ENV_JOBS, ids=lambda p: str(p.relative_to(EXAMPLES)))
+async def test_environment_plays_a_scripted_episode_in_the_sandbox(path: Path, tmp_path: Path) -> None:
+    spec, prompts, _ = _load(path)
+    assert spec.environment is not None
+    task = json.loads(prompts.decode().splitlines()[0])
+    first, *results = await _scripted_episode(path, tmp_path, [turn[0] for turn in GOLD_EPISODES[_name(path)]])
+    assert first.status == Status.OK and first.observation, first.reason
+    for result, (_, observed, reward, done) in zip(results, GOLD_EPISODES[_name(path)], strict=True):
+        assert result.status == Status.OK, result.reason
+        assert (result.reward, result.done, result.segment) == (reward, done, _name(path) in SEGMENTED and not done)
+        shown = [m["content"] for m in result.observation]
+        assert (shown[-1:] if result.segment else shown) == ([observed.format(**task)] if observed else [])
+    assert spec.environment.max_turns >= len(GOLD_EPISODES[_name(path)])
+
+
+ODD_TOOL_CALLS = [
+    # two tool calls in one reply, one naming another tool with another argument, one a number; then 3 wrong answers
+    '<tool_call>{{"name": "calc", "arguments": {{"expr": "1 + 1"}}}}</tool_call>'
+    '<tool_call>{{"name": "calculator", "arguments": {{"expression": 42}}}}</tool_call>',
+    "I think 0.", "1", "2"]
+
+
+@pytest.mark.parametrize("script", ["gold", "odd_tool_calls"])
+async def test_the_langgraph_agent_sends_what_agent_py_sends(script: str, tmp_path: Path) -> None:
+    """The LangGraph version of the addition agent, given the same actions, sends the actor exactly what agent.py
+    sends: the same messages and tool schema on the open, the same new messages extending the same calls (the
+    tool's outputs, the feedback), the same reward. The actor renders the training tokens from these alone, so
+    its episodes train as agent.py's do."""
+    actions = [turn[0] for turn in GOLD_EPISODES["openai_agent"]] if script == "gold" else ODD_TOOL_CALLS
+    plain = await _scripted_episode(EXAMPLES / "openai_agent" / "job.toml", tmp_path / "plain", actions)
+    langgraph = await _scripted_episode(EXAMPLES / "openai_agent" / "langgraph_job.toml", tmp_path / "lg", actions)
+    assert json.loads(langgraph[0].tools_json)[0]["function"]["name"] == "calculator"
+    assert langgraph[-1].done and langgraph[-1].reward == (0.5 if script == "gold" else 0.0), langgraph[-1].reason
+    assert langgraph == plain
 
 
 @pytest.mark.parametrize("path", REWARD_JOBS, ids=lambda p: str(p.relative_to(EXAMPLES)))
