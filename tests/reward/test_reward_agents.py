@@ -6,12 +6,13 @@ messages only, `run`'s return as the final reward; the completion the agent rece
 actor's text, finish reason, usage and parsed tool calls. An async agent reaches the policy through
 an `openai.AsyncOpenAI()` built from the environment alone, even at import, and gets what agent
 frameworks expect (sync tools in `asyncio.to_thread`, `inspect.getsource`, no tracing). A streamed
-call (`stream=True` on the openai client, `Runner.run_streamed` in the OpenAI Agents SDK) gets the
-reply as deltas that assemble into what the actor generated, and its episode records the turns the
-same episode unstreamed records. The Agents SDK's agent runs in a service run as root and as an
-ordinary user. Hostile agents (a hang between calls, a flood of calls, a huge message, a call after
-`run` returned, network attempts, a write outside the sandbox) end their episodes within their
-limits, and the service keeps serving.
+call (`stream=True` on the openai client, `Runner.run_streamed` in the OpenAI Agents SDK, LangChain's
+`ChatOpenAI(streaming=True)`) gets the reply as deltas that assemble into what the actor generated, and
+its episode records the turns the same episode unstreamed records. The Agents SDK's agent runs in a
+service run as root and as an ordinary user. A LangGraph graph's parallel branches have their calls
+generated together, each branch extending its own. Hostile agents (a hang between calls, a flood of
+calls, a huge message, a call after `run` returned, network attempts, a write outside the sandbox) end
+their episodes within their limits, and the service keeps serving.
 """
 
 from __future__ import annotations
@@ -295,6 +296,88 @@ async def run(client, task, pause=False):
         messages += [first.choices[0].message, {"role": "user", "content": name + "2"}]
         return (await client.chat.completions.create(model="m", messages=messages)).choices[0].message.content
     return float(await asyncio.gather(chain("A"), chain("B"), chain("C")) == ["a2", "b2", "c2"])
+'''
+
+LANGGRAPH_BRANCHES = '''
+from typing import TypedDict
+
+from langchain_core.messages import HumanMessage
+from langchain_openai import ChatOpenAI
+from langgraph.graph import END, START, StateGraph
+
+
+class Replies(TypedDict):
+    a: str
+    b: str
+    both: str
+
+
+def branch(name):
+    """A node asking the model twice, its second call continuing the first's conversation."""
+    async def ask(state):
+        model = ChatOpenAI(model="policy")
+        messages = [HumanMessage(name.upper() + "1")]
+        messages += [await model.ainvoke(messages), HumanMessage(name.upper() + "2")]
+        return {name: (await model.ainvoke(messages)).content}
+    return ask
+
+
+async def run(client, task):
+    """START fans out to the nodes a and b, which run in parallel; join waits for both."""
+    graph = StateGraph(Replies)
+    graph.add_node("a", branch("a"))
+    graph.add_node("b", branch("b"))
+    graph.add_node("join", lambda state: {"both": state["a"] + " " + state["b"]})
+    graph.add_edge(START, "a")
+    graph.add_edge(START, "b")
+    graph.add_edge(["a", "b"], "join")
+    graph.add_edge("join", END)
+    updates = [update async for update in graph.compile().astream({"a": "", "b": ""}, stream_mode="updates")]
+    return {"a": float({"a": {"a": "a2"}} in updates[:2]), "b": float({"b": {"b": "b2"}} in updates[:2]),
+            "join": float(updates[2:] == [{"join": {"both": "a2 b2"}}])}
+'''
+
+LANGCHAIN_STREAMED = '''
+import json
+
+import openai
+from langchain_core.messages import HumanMessage, ToolMessage
+from langchain_core.tools import tool
+from langchain_openai import ChatOpenAI
+
+MEDIA_TYPES = []
+
+
+@tool
+def calc(expression: str) -> str:
+    """Evaluate a sum of integers such as '40 + 2'."""
+    return str(sum(int(term) for term in expression.split("+")))
+
+
+async def seen(response):
+    MEDIA_TYPES.append(response.headers["content-type"].split(";")[0])
+
+
+def received(reply):
+    """What LangChain made of a completion: from the chunks it assembled when it streams."""
+    return {"content": reply.content, "calls": [[c["id"], c["name"], c["args"]] for c in reply.tool_calls],
+            "finish": reply.response_metadata.get("finish_reason"),
+            "usage": [reply.usage_metadata[key] for key in ("input_tokens", "output_tokens", "total_tokens")]}
+
+
+async def run(client, task, stream=False):
+    """Two calls of a ChatOpenAI bound to a tool: the first's reply and its tool calls' outputs go back with a
+    report of what LangChain received, which the actor sees as the second call's new user message."""
+    http = openai.DefaultAsyncHttpxClient(event_hooks={"response": [seen]})
+    model = ChatOpenAI(model="policy", streaming=stream, stream_usage=True, http_async_client=http)
+    model = model.bind_tools([calc])
+    messages = [HumanMessage(task["prompt"])]
+    reply = await model.ainvoke(messages)
+    messages += [reply, *(ToolMessage(calc.invoke(call["args"]), tool_call_id=call["id"]) for call in reply.tool_calls)]
+    messages.append(HumanMessage(json.dumps(received(reply))))
+    last = await model.ainvoke(messages)
+    assert MEDIA_TYPES == ["text/event-stream" if stream else "application/json"] * 2, MEDIA_TYPES
+    return float(last.content == "done" and received(last)["finish"] == "stop")
 '''
 
 CONCURRENT_FLOOD = '''
@@ -609,6 +692,40 @@ async def test_concurrent_calls_past_max_parallel_calls_wait_their_turn(tmp_path
         assert shape(third) == [(5, 2, False, [("user", "B2")]), (6, 3, False, [("user", "C2")])]
         (last,) = await answer(stub, "p", 2, third)
         assert last.done and last.reward == 1.0, last.reason
+
+
+async def test_a_langgraph_graph_s_parallel_branches_are_served_together(tmp_path: Path) -> None:
+    """A LangGraph `StateGraph` fanning out from START to two nodes that each call `ChatOpenAI` twice, run by
+    `astream`: the open returns both branches' first calls (two results, two segments), one step answers them by
+    id, and the next step returns both second calls, each extending its own branch's first; the graph's updates
+    hold each branch's reply and the join of both."""
+    async with reward_service(tmp_path, **STARTS) as stub:
+        first = await open_session(stub, "g", agent_spec(LANGGRAPH_BRANCHES))
+        assert all(r.status == OK and not r.done for r in first), [r.reason for r in first]
+        assert shape(first) == [(1, 0, True, [("user", "A1")]), (2, 0, True, [("user", "B1")])]
+        second = await answer(stub, "g", 0, first)
+        assert shape(second) == [(3, 1, False, [("user", "A2")]), (4, 2, False, [("user", "B2")])]
+        (last,) = await answer(stub, "g", 1, second)
+        assert last.status == OK and last.done, last.reason
+        assert dict(last.components) == {"a": 1.0, "b": 1.0, "join": 1.0}
+
+
+async def test_a_streamed_langchain_chat_openai(tmp_path: Path) -> None:
+    """LangChain's `ChatOpenAI(streaming=True)` (what LangGraph nodes call) gets server-sent events and assembles
+    from them the reply it gets unstreamed: text, tool call (id, name, arguments), finish reason and usage; the
+    reply sent back with the tool's output extends the call, and the episode records the turns it records
+    unstreamed."""
+    call = '<tool_call>{"name": "calc", "arguments": {"expression": "2+2"}}</tool_call>'
+    async with reward_service(tmp_path, **STARTS) as stub:
+        first, second, last = await streamed_and_not(stub, LANGCHAIN_STREAMED, [
+            (call, {"prompt_tokens": 9, "completion_tokens": 12}), ("done", {})])
+    assert first.segment and [t["function"]["name"] for t in json.loads(first.tools_json)] == ["calc"], first.reason
+    assert not second.segment and [role for role, _ in messages(second)] == ["tool", "user"], second.reason
+    assert messages(second)[0] == ("tool", "4")
+    assert json.loads(messages(second)[1][1]) == {
+        "content": call, "calls": [["call_1_0", "calc", {"expression": "2+2"}]], "finish": "tool_calls",
+        "usage": [9, 12, 21]}
+    assert last.status == OK and last.done and last.reward == 1.0, last.reason
 
 
 async def test_a_flood_of_concurrent_calls_is_served_max_parallel_calls_at_a_time(tmp_path: Path) -> None:
