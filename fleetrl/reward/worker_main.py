@@ -25,6 +25,7 @@ import resource
 import socket
 import sys
 import traceback
+import types
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -133,16 +134,21 @@ def _preload_agent() -> None:
 
 
 def run_user_file(source: str, tmpdir: str, root: str, name: str) -> dict[str, Any]:
-    """Execute a user's file under the audit hook; its module namespace."""
+    """Execute a user's file under the audit hook, as the module `name` (in `sys.modules`, as an import would
+    put it); its namespace. It is compiled with its own future imports only, not this module's: postponed
+    annotations here would turn its every annotation into a string that `typing.get_type_hints` (LangGraph's
+    state classes, pydantic, dataclasses) then fails to resolve."""
     sys.path[:] = [p for p in sys.path if p != root]
     guard.install_hook(tmpdir)
     filename = f"{name}.py"
     # the file exists only here: its lines in linecache give `inspect.getsource` (smolagents' @tool reads
     # a tool's source) and tracebacks its text; an entry with no mtime is never checked against a file
     linecache.cache[filename] = (len(source), None, source.splitlines(keepends=True), filename)
-    namespace: dict[str, Any] = {"__name__": name, "__file__": filename}
-    exec(compile(source, filename, "exec"), namespace)
-    return namespace
+    module = types.ModuleType(name)
+    module.__file__ = filename
+    sys.modules[name] = module
+    exec(compile(source, filename, "exec", dont_inherit=True), module.__dict__)
+    return module.__dict__
 
 
 def load_file(source: str, tmpdir: str, root: str) -> RewardFn:

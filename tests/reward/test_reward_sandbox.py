@@ -128,6 +128,47 @@ async def test_dict_rewards_params_and_temp_dir_writes(reward_stub: reward_pb2_g
     assert result.reward == 1.25 and dict(result.components) == {"correct": 1.0, "bonus": 0.25}
 
 
+TYPE_HINTS = {
+    # a class made in a function, annotated with the function's local: resolvable only if the annotation was
+    # evaluated when the class was made (the file does not inherit the worker's postponed annotations)
+    "local": """
+import typing
+from typing import Annotated
+
+def state_class():
+    Items = Annotated[list, "merge"]
+    class State(typing.TypedDict):
+        items: Items
+    return State
+
+def reward(completion, prompt, **meta):
+    return float(typing.get_type_hints(state_class(), include_extras=True) == {"items": Annotated[list, "merge"]})
+""",
+    # the file's own postponed annotations: strings, resolved in its module's namespace (it is in sys.modules)
+    "future": """
+from __future__ import annotations
+import typing
+from typing import Annotated
+
+class State(typing.TypedDict):
+    items: Annotated[list, "merge"]
+
+def reward(completion, prompt, **meta):
+    return float(typing.get_type_hints(State, include_extras=True) == {"items": Annotated[list, "merge"]})
+""",
+}
+
+
+@pytest.mark.parametrize("case", sorted(TYPE_HINTS))
+async def test_a_user_files_annotations_resolve_as_in_an_imported_module(
+        case: str, reward_stub: reward_pb2_grpc.RewardServiceStub) -> None:
+    """`typing.get_type_hints` on a class of the user's file (what LangGraph does to a graph's state class, and
+    pydantic to a model) sees what it would see in an imported module."""
+    reply = await reward_stub.Score(reward_pb2.ScoreRequest(
+        job_id="j", spec=file_spec(TYPE_HINTS[case]), items=items(("x", {}))), timeout=10)
+    assert reply.results[0].status == OK and reply.results[0].reward == 1.0, reply.results[0].reason
+
+
 async def test_workers_are_isolated_and_the_pool_logs_how(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     before = set(descendants())
     scorer = Scorer(RewardSettings(workers_per_pool=1, sandbox_uid_base=UID_BASE, sandbox_dir=tmp_path))
