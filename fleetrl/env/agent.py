@@ -206,7 +206,8 @@ class Call:
     id: int
     messages: list[dict[str, Any]]
     tools: list[Any]
-    body: dict[str, Any]
+    model: str
+    """The model the request named, which its completion repeats."""
     sent: dict[str, Any]
     """The call as the service gets it (`_observation`, plus its id and cap)."""
 
@@ -325,7 +326,7 @@ class AgentHost:
         messages, tools, cap = _checked_request(body)
         self.calls += 1
         sent = {**self._observation(messages, tools), "call": self.calls, "max_new_tokens": cap}
-        return Call(self.calls, messages, tools, body, sent)
+        return Call(self.calls, messages, tools, str(body.get("model", "policy")), sent)
 
     def _send(self, calls: list[Call]) -> list[dict[str, Any]]:
         """Send calls to the service as one step's reply and wait for their actions: their completions."""
@@ -350,7 +351,7 @@ class AgentHost:
         finish = "length" if action.get("finish_reason") == "length" else "tool_calls" if parsed else "stop"
         prompt, completion = int(action.get("prompt_tokens", 0)), int(action.get("completion_tokens", 0))
         return {"id": f"chatcmpl-fleetrl-{call.id}", "object": "chat.completion", "created": int(time.time()),
-                "model": str(call.body.get("model", "policy")),
+                "model": call.model,
                 "choices": [{"index": 0, "message": message, "finish_reason": finish, "logprobs": None}],
                 "usage": {"prompt_tokens": prompt, "completion_tokens": completion,
                           "total_tokens": prompt + completion}}

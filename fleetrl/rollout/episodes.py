@@ -122,6 +122,12 @@ class Segment:
     def tokens(self) -> list[int]:
         return self.prompt_ids + self.completion_ids
 
+    def add_observation(self, token_ids: list[int]) -> None:
+        """The environment's tokens: no log-probs, outside the loss."""
+        self.completion_ids += token_ids
+        self.logprobs += [0.0] * len(token_ids)
+        self.mask += [False] * len(token_ids)
+
 
 @dataclass
 class Pending:
@@ -191,12 +197,6 @@ class Episode:
         steps = sum(t.reward for t in turns)
         turns[-1].reward += result.reward
         self.components = {**result.components, "environment": steps, "verifier": result.reward}
-
-    @staticmethod
-    def add_observation(segment: Segment, token_ids: list[int]) -> None:
-        segment.completion_ids += token_ids
-        segment.logprobs += [0.0] * len(token_ids)
-        segment.mask += [False] * len(token_ids)
 
     def check_total(self) -> None:
         """Fails the episode's reward (REWARD_STATUS_ERROR) when the sum of its turns' rewards is not finite."""
@@ -394,7 +394,7 @@ def _continue(tokenizer: Any, rollout: RolloutConfig, env: EnvironmentSpec, epis
         if len(segment.tokens) + len(observed) >= env.max_total_tokens:
             episode.end(common_pb2.EPISODE_STATUS_TRUNCATED)
             return False
-        episode.add_observation(segment, observed)
+        segment.add_observation(observed)
     episode.pending.append(Pending(result.call, segment, result.max_new_tokens))
     return True
 
