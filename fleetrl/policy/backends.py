@@ -578,8 +578,9 @@ def resolve_backend(kind: str, model_name: str, device: str, lora: LoraSpec | No
     at 64 new tokens): `backend = "vllm"` asks for it, on a model whose head size its CPU attention takes."""
     if kind != "auto":
         return kind
-    on_cpu = device == "cpu" or (device == "auto" and not torch.cuda.is_available())
-    if on_cpu or importlib.util.find_spec("vllm") is None:
+    from fleetrl.policy.models import resolve_device
+
+    if resolve_device(device) == "cpu" or importlib.util.find_spec("vllm") is None:
         return "hf"
     from fleetrl.policy.vllm_backend import ENGINE_RANKS
 

@@ -368,6 +368,16 @@ def model_config(name_or_path: str, cache_dir: Path | None = None) -> Pretrained
     return config
 
 
+def resolve_device(device: str) -> str:
+    """The device a `device` setting stands for: "auto" is cuda where torch sees a GPU, else cpu; any other
+    as it is."""
+    if device != "auto":
+        return device
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
 def head_size(name_or_path: str, cache_dir: Path | None = None) -> int:
     """The model's attention head size (its config's head_dim, else hidden size over heads)."""
     config = model_config(name_or_path, cache_dir)

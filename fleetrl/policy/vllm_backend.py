@@ -159,7 +159,7 @@ class VLLMBackend:
     def __init__(self, model_name: str, *, dtype: str, device: str, lora: LoraSpec | None = None,
                  kv_cache_gib: int = DEFAULT_KV_CACHE_GIB,
                  gpu_memory_utilization: float = 0.5) -> None:
-        on_cpu = device == "cpu" or (device == "auto" and not torch.cuda.is_available())
+        on_cpu = models.resolve_device(device) == "cpu"
         device = "cpu" if on_cpu else device
         if on_cpu and (size := models.head_size(model_name)) not in CPU_HEAD_SIZES:
             raise FailedPrecondition(f"vLLM's CPU attention does not take {model_name}'s head size {size} (it takes "

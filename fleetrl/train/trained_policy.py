@@ -42,12 +42,6 @@ from fleetrl.train.optim import (
 )
 
 
-def resolve_device(device: str) -> str:
-    if device == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    return device
-
-
 def checkpoint_activations(model: PreTrainedModel) -> None:
     """`train.activation_checkpointing`: each decoder layer's activations recomputed in the backward
     (non-reentrant checkpointing: it needs no input that requires grad, so it works under LoRA's

@@ -44,6 +44,7 @@ from fleetrl.errors import Cancelled, DeadlineExceeded, FailedPrecondition, Fenc
 from fleetrl.eval.heldout import HeldOutEval, parse_eval_prompts
 from fleetrl.jobs.store import JobRecord, JobState, JobStore, job_dir
 from fleetrl.policy.lora import SharedBases
+from fleetrl.policy.models import resolve_device
 from fleetrl.proto.fleetrl.v1 import common_pb2
 from fleetrl.replay.client import ReplayClient
 from fleetrl.replay.samplers import SAMPLERS
@@ -62,7 +63,7 @@ from fleetrl.train.leases import LeaseBook, LeaseRecord
 from fleetrl.train.observability import StepObserver
 from fleetrl.train.settings import LearnerSettings
 from fleetrl.train.status import JobStatus, StepRecord
-from fleetrl.train.trained_policy import Followers, Policy, resolve_device
+from fleetrl.train.trained_policy import Followers, Policy
 from fleetrl.weights.channel import WeightChannel
 from fleetrl.weights.publish import WeightPublisher
 

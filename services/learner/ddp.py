@@ -21,8 +21,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from fleetrl.policy.models import resolve_device
 from fleetrl.train.settings import LearnerSettings
-from fleetrl.train.trained_policy import Followers, follow, resolve_device
+from fleetrl.train.trained_policy import Followers, follow
 
 log = logging.getLogger(__name__)
 
