@@ -676,6 +676,20 @@ async def test_concurrent_calls_are_served_together(pause: bool, tmp_path: Path)
         assert last.done and last.status == OK and last.reward == 1.0, last.reason
 
 
+async def test_concurrent_calls_in_a_service_run_as_an_ordinary_user() -> None:
+    """The same three interleaving chains, with the reward service run as an ordinary user (the sandbox then
+    cannot use root's means): their calls still reach the actor together and extend their own chains."""
+    async with reward_process("user") as (stub, _):
+        first = await open_session(stub, "u", agent_spec(CONCURRENT, pause=True))
+        assert shape(first) == [(1, 0, True, [("user", "A1")]), (2, 0, True, [("user", "B1")]),
+                                (3, 0, True, [("user", "C1")])], [r.reason for r in first]
+        second = await answer(stub, "u", 0, first)
+        assert shape(second) == [(4, 1, False, [("user", "A2")]), (5, 2, False, [("user", "B2")]),
+                                 (6, 3, False, [("user", "C2")])]
+        (last,) = await answer(stub, "u", 1, second)
+        assert last.done and last.status == OK and last.reward == 1.0, last.reason
+
+
 async def test_concurrent_calls_past_max_parallel_calls_wait_their_turn(tmp_path: Path) -> None:
     """With `max_parallel_calls` 2, the three chains' calls go two by two in the order they were made, and each
     second call still extends its own chain; an action missing for a pending call is refused, naming both."""
