@@ -138,7 +138,8 @@ def episode_turns(backend: HFBackend, args: argparse.Namespace) -> dict[str, Any
         for turn in range(args.turns):
             if not keep_cache:
                 backend._turns = None
-            out = backend.generate_batch(rows, max_new_tokens=[args.turn_tokens] * len(rows), seed=turn,
+            out = backend.generate_batch(rows, max_new_tokens=[args.turn_tokens] * len(rows),
+                                         seeds=[turn * len(rows) + i for i in range(len(rows))],
                                          temperature=args.temperature, top_p=args.top_p)
             lengths.append([len(c.token_ids) for c in out])
             rows = [row + c.token_ids + observation_tokens(backend.tokenizer, feedback, rollout,

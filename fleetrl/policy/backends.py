@@ -28,7 +28,7 @@ things `generate` does not give cheaply or reproducibly:
   KV cache repeated n times, then all n rows decode together (`python -m bench.generate` compares it
   with `model.generate`).
 - `generate_batch` left-pads different prompts (attention mask, position ids counted over real
-  tokens) and decodes them together, each row to its own token budget. It keeps the KV cache it
+  tokens) and decodes them together, each row to its own token budget and from its own seed. It keeps the KV cache it
   leaves (`_TurnCache`: per row, the real tokens the cache holds; tokens decoded after a row ended
   stay in the cache, masked out): when every prompt of the next call extends a distinct cached row
   (an episode's next turn: its tokens so far, then the last action's unfed token and the
@@ -105,9 +105,10 @@ class Backend(Protocol):
         ...
 
     def generate_batch(
-        self, prompts: list[list[int]], *, max_new_tokens: list[int], temperature: float, top_p: float, seed: int,
+        self, prompts: list[list[int]], *, max_new_tokens: list[int], temperature: float, top_p: float,
+        seeds: list[int],
     ) -> list[Completion]:
-        """One completion per prompt, row i at most max_new_tokens[i] tokens, sampled reproducibly from `seed`."""
+        """One completion per prompt, row i at most max_new_tokens[i] tokens, drawn from its own seed seeds[i]."""
         ...
 
     def generate_groups(self, requests: list[GroupRequest]) -> list[list[Completion]]:
@@ -305,11 +306,16 @@ class HFBackend:
 
     @torch.inference_mode()
     def generate_batch(
-        self, prompts: list[list[int]], *, max_new_tokens: list[int], temperature: float, top_p: float, seed: int,
+        self, prompts: list[list[int]], *, max_new_tokens: list[int], temperature: float, top_p: float,
+        seeds: list[int],
     ) -> list[Completion]:
-        """One completion per prompt (left-padded together); every draw comes from a generator seeded with `seed`."""
-        generator = torch.Generator(device=self.device).manual_seed(seed)
-        tokens_T, logprobs_T = self._sample_rows(prompts, max_new_tokens, temperature, top_p, generator)
+        """One completion per prompt (left-padded together). Row i draws from a generator seeded with seeds[i],
+        one (1, 1) draw per position as `generate` with n=1 makes, so its tokens do not depend on the rows
+        beside it (up to the padded forward's rounding, as in `generate_groups`)."""
+        if len(seeds) != len(prompts):
+            raise ValueError(f"generate_batch: {len(seeds)} seeds for {len(prompts)} prompts")
+        generators = [torch.Generator(device=self.device).manual_seed(seed) for seed in seeds]
+        tokens_T, logprobs_T = self._sample_rows(prompts, max_new_tokens, temperature, top_p, generators)
         tokens_B_T = torch.stack(tokens_T, dim=1).tolist()  # (B, T)
         logprobs_B_T = torch.stack(logprobs_T, dim=1).tolist()
         return [self._cut(tokens_B_T[b][: max_new_tokens[b]], logprobs_B_T[b][: max_new_tokens[b]], self.eos_ids)
@@ -317,15 +323,18 @@ class HFBackend:
 
     def _sample_rows(
         self, prompts: list[list[int]], max_new_tokens: list[int], temperature: float, top_p: float,
-        generator: torch.Generator,
+        generators: list[torch.Generator],
     ) -> tuple[list[Tensor], list[Tensor]]:
-        """Per position: sampled tokens (B,) and their log-probs (B,), until every row hit eos or its budget."""
+        """Per position: sampled tokens (B,) and their log-probs (B,), until every row hit eos or its budget;
+        row b draws from generators[b]."""
         turns, self._turns = self._turns, None
         out, attention, next_position, held = self._prefill_rows(prompts, turns)
 
         def draw(last: Tensor, step: int) -> tuple[Tensor, Tensor]:
             logp = torch.log_softmax(last / temperature, dim=-1)  # (B, V)
-            token = torch.multinomial(nucleus(logp.exp(), top_p), 1, generator=generator)  # (B, 1)
+            probs = nucleus(logp.exp(), top_p)
+            token = torch.cat([torch.multinomial(probs[b:b + 1], 1, generator=generator)
+                               for b, generator in enumerate(generators)])  # (B, 1)
             return token[:, 0], logp.gather(-1, token)[:, 0]
 
         budget = torch.tensor(max_new_tokens, device=self.device)  # (B,)
@@ -539,18 +548,11 @@ class FixedBackend:
         return out
 
     def generate_batch(
-        self, prompts: list[list[int]], *, max_new_tokens: list[int], temperature: float, top_p: float, seed: int,
+        self, prompts: list[list[int]], *, max_new_tokens: list[int], temperature: float, top_p: float,
+        seeds: list[int],
     ) -> list[Completion]:
         time.sleep(self.latency_s)
-        vocab = len(self.tokenizer)
-        rng = random.Random(seed)
-        logprob = -math.log(vocab)
-        out = []
-        for budget in max_new_tokens:
-            tokens = [rng.randrange(vocab) for _ in range(budget)]
-            out.append(Completion(tokens, [logprob] * budget, self.tokenizer.decode(tokens, skip_special_tokens=True),
-                                  "length"))
-        return out
+        return [self._draw(1, budget, seed)[0] for budget, seed in zip(max_new_tokens, seeds, strict=True)]
 
     def generate_groups(self, requests: list[GroupRequest]) -> list[list[Completion]]:
         """One sleep of latency_s for the whole batch (a batched engine's cost), then each group as `generate`."""

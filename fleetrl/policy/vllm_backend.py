@@ -11,7 +11,7 @@ temperature-scaled distribution the learner scores; with top_p < 1 vLLM's proces
 renormalised over the nucleus, unlike the HF backend's (documented gap). Seeds make a task's samples
 reproducible within vLLM (same engine, same version), not identical to the HF backend's.
 `generate_batch` (an episode turn) sends one request per prompt in one `generate` call, each with its
-own `max_tokens` and seed `seed + i`; the prefix cache keeps the KV of earlier turns, so a turn
+own `max_tokens` and its own seed; the prefix cache keeps the KV of earlier turns, so a turn
 prefills only what its prompt adds.
 
 Weights. A new version is loaded in place, with no engine restart: the workers' `reload_weights`
@@ -209,10 +209,12 @@ class VLLMBackend:
         return [self._completion(output) for output in request.outputs]
 
     def generate_batch(
-        self, prompts: list[list[int]], *, max_new_tokens: list[int], temperature: float, top_p: float, seed: int,
+        self, prompts: list[list[int]], *, max_new_tokens: list[int], temperature: float, top_p: float,
+        seeds: list[int],
     ) -> list[Completion]:
         params = [self._vllm.SamplingParams(n=1, temperature=temperature, top_p=top_p, max_tokens=budget, logprobs=0,
-                                            seed=(seed + i) % (2**31)) for i, budget in enumerate(max_new_tokens)]
+                                            seed=seed % (2**31))
+                  for budget, seed in zip(max_new_tokens, seeds, strict=True)]
         requests = self._engine.run(self.llm.generate, [{"prompt_token_ids": p} for p in prompts], params,
                                     use_tqdm=False, lora_request=self._adapter)
         self.cached_prompt_tokens += sum(request.num_cached_tokens or 0 for request in requests)

@@ -45,8 +45,10 @@ assistant turn of every live episode in one batch (`Backend.generate_batch`), se
   turn after the first. Each turn records the version that generated it (`Turn.policy_version`),
   and its behaviour log-probs are that version's, which is what the learner's off-policy
   correction reads; the group's `policy_version` is the first turn's (the oldest).
-- Turn k of a task is sampled with the seed `task_seed(job seed, "<task id>/turn<k>")`, so a
-  redelivery under the same weights and a deterministic environment gives the same group.
+- Each call is sampled from its own seed, `task_seed(job seed, "<task id>/e<episode>/turn<k>/call<c>")`
+  (call 0 for an environment's turn), so a redelivery under the same weights and a deterministic
+  environment gives the same group, and one episode's tokens do not depend on which other episodes or
+  calls share its batch (up to the padded forward's rounding).
 - The session id is fresh per delivery. If the reward service restarts, its next step is NOT_FOUND
   and the error propagates: the queue releases the task for redelivery. The session is closed in
   any case (best effort; the service reaps sessions left idle).
@@ -277,8 +279,8 @@ class EpisodeRunner:
                     with self._stage("ensure_weights", "waiting_for_weights"):
                         await weights.refresh()
                 version = weights.version if weights is not None else 0
-                await self._turn(job_id, task_seed(spec_seed, f"{task.task_id}/turn{turn}"), rollout, env,
-                                 backend, session, live, turn, timeout_s, version)
+                await self._turn(job_id, spec_seed, task, rollout, env, backend, session, live, turn, timeout_s,
+                                 version)
             for episode in episodes:
                 if episode.live:
                     episode.end(common_pb2.EPISODE_STATUS_MAX_TURNS)
@@ -321,17 +323,19 @@ class EpisodeRunner:
         self._receive(tokenizer, rollout, env, episode, results)
         return episode
 
-    async def _turn(self, job_id: str, seed: int, rollout: RolloutConfig, env: EnvironmentSpec, backend: Backend,
-                    session: str, live: list[Episode], turn: int, timeout_s: float, version: int) -> None:
-        """One assistant turn of every live episode (each of an agent's pending calls, all in one batch), then
-        the environment's answers."""
+    async def _turn(self, job_id: str, spec_seed: int, task: common_pb2.Task, rollout: RolloutConfig,
+                    env: EnvironmentSpec, backend: Backend, session: str, live: list[Episode], turn: int,
+                    timeout_s: float, version: int) -> None:
+        """One assistant turn of every live episode (each of an agent's pending calls, all in one batch, each
+        from its own seed), then the environment's answers."""
         calls = [(episode, pending) for episode in live for pending in episode.pending]
         budgets = [min(rollout.max_new_tokens, env.max_total_tokens - len(p.segment.tokens),
                        p.cap or rollout.max_new_tokens) for _, p in calls]
+        seeds = [task_seed(spec_seed, f"{task.task_id}/e{e.index}/turn{turn}/call{p.call}") for e, p in calls]
         with self._stage("generate", "generating"):
             completions = await asyncio.to_thread(
                 backend.generate_batch, [p.segment.tokens for _, p in calls], max_new_tokens=budgets,
-                temperature=rollout.temperature, top_p=rollout.top_p, seed=seed)
+                temperature=rollout.temperature, top_p=rollout.top_p, seeds=seeds)
         metrics.GENERATED_TOKENS.labels(job_id).inc(sum(len(c.token_ids) for c in completions))
         actions = [reward_pb2.Action(episode=e.index, turn=turn, call=p.call, text=c.text,
                                      finish_reason=c.finish_reason, prompt_tokens=len(p.segment.tokens),

@@ -182,6 +182,31 @@ def _calc(expression: str) -> str:
     return expression
 
 
+def test_a_batch_row_draws_from_its_own_seed_as_generate_does_alone() -> None:
+    """generate_batch's row i draws from seeds[i] exactly as `generate(n=1, seed=seeds[i])` does, so a row's
+    tokens do not depend on the rows beside it, their number or their order (an episode's call in a turn
+    shared with other episodes and calls); only the padded forward's rounding differs."""
+    model, tokenizer = models.load("tiny-llama")
+    backend = HFBackend(model, tokenizer)
+    rows = [prompt_tokens(tokenizer, f"What is {a} + 7?", ROLLOUT) for a in (1, 4444, 22, 333)]
+    seeds = [101, 202, 303, 404]
+    alone = [backend.generate(row, 1, max_new_tokens=12, temperature=1.0, top_p=0.9, seed=seed)[0]
+             for row, seed in zip(rows, seeds, strict=True)]
+    backend._turns = None
+    together = backend.generate_batch(rows, max_new_tokens=[12] * 4, temperature=1.0, top_p=0.9, seeds=seeds)
+    backend._turns = None
+    others = backend.generate_batch(rows[:0:-1], max_new_tokens=[12] * 3, temperature=1.0, top_p=0.9,
+                                    seeds=seeds[:0:-1])[::-1]  # rows 1-3, reversed, without row 0
+    assert len({tuple(c.token_ids) for c in alone}) == 4  # the seeds draw different completions
+    assert [c.token_ids for c in together] == [c.token_ids for c in alone]
+    assert [c.token_ids for c in others] == [c.token_ids for c in alone[1:]]
+    for batched, single in [*zip(together, alone, strict=True), *zip(others, alone[1:], strict=True)]:
+        assert max(abs(a - b) for a, b in zip(batched.logprobs, single.logprobs, strict=True)) \
+            <= LOGPROB_TOL[torch.float32]
+    with pytest.raises(ValueError, match="3 seeds for 4 prompts"):
+        backend.generate_batch(rows, max_new_tokens=[12] * 4, temperature=1.0, top_p=0.9, seeds=seeds[:3])
+
+
 def test_episode_turns_prefill_only_what_they_add_to_the_cached_rows() -> None:
     """generate_batch's turn cache: each call after the first prefills only the tokens a row adds
     (the unfed last action token and the observation), and every behaviour log-prob still matches a
@@ -197,10 +222,11 @@ def test_episode_turns_prefill_only_what_they_add_to_the_cached_rows() -> None:
     budgets = [3, 10, 6, 10]
     for turn in range(3):
         widths.clear()
-        got = cached.generate_batch(rows, max_new_tokens=budgets, temperature=0.7, top_p=0.9, seed=turn)
+        seeds = [turn * 10 + i for i in range(len(rows))]
+        got = cached.generate_batch(rows, max_new_tokens=budgets, temperature=0.7, top_p=0.9, seeds=seeds)
         prefill = widths[0]
         fresh._turns = None
-        want = fresh.generate_batch(rows, max_new_tokens=budgets, temperature=0.7, top_p=0.9, seed=turn)
+        want = fresh.generate_batch(rows, max_new_tokens=budgets, temperature=0.7, top_p=0.9, seeds=seeds)
         assert prefill < max(len(r) for r in rows) if turn else prefill == max(len(r) for r in rows)
         for row, g, w in zip(rows, got, want, strict=True):
             assert g.token_ids == w.token_ids

@@ -42,7 +42,7 @@ def version(seed: int) -> dict[str, torch.Tensor]:
 
 def sample(backend: object, seed: int = 1) -> tuple[list[list[int]], list[list[float]]]:
     completions = backend.generate_batch([[1, 2, 3, 4], [5, 6, 7]], max_new_tokens=[6, 6],  # type: ignore[attr-defined]
-                                         temperature=1.0, top_p=1.0, seed=seed)
+                                         temperature=1.0, top_p=1.0, seeds=[seed, seed + 1])
     return [c.token_ids for c in completions], [c.logprobs for c in completions]
 
 

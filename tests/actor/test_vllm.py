@@ -138,13 +138,15 @@ def test_an_episode_turn_is_served_from_the_prefix_cache(engine: vllm_backend.VL
     rollout = RolloutConfig()
     rows = [prompt_tokens(engine.tokenizer, f"{LONG} Question {i}: how many apples?", rollout) for i in range(4)]
     budgets = [12] * len(rows)
-    turn1 = engine.generate_batch(rows, max_new_tokens=budgets, temperature=1.0, top_p=1.0, seed=11)
+    turn1 = engine.generate_batch(rows, max_new_tokens=budgets, temperature=1.0, top_p=1.0,
+                                  seeds=[11 + i for i in range(len(rows))])
     feedback = [{"role": "user", "content": "Not quite. Try again."}]
     rows2 = [row + c.token_ids + observation_tokens(engine.tokenizer, feedback, rollout,
                                                     after_eos=c.finish_reason == "eos")
              for row, c in zip(rows, turn1, strict=True)]
     cached_before = engine.cached_prompt_tokens
-    turn2 = engine.generate_batch(rows2, max_new_tokens=budgets, temperature=1.0, top_p=1.0, seed=12)
+    turn2 = engine.generate_batch(rows2, max_new_tokens=budgets, temperature=1.0, top_p=1.0,
+                                  seeds=[12 + i for i in range(len(rows))])
     cached = engine.cached_prompt_tokens - cached_before
     print(f"turn 2: {cached} of {sum(map(len, rows2))} prompt tokens from the prefix cache")
     assert cached >= sum(len(row) for row in rows) // 2  # most of each row's first turn was not prefilled again
