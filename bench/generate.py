@@ -24,6 +24,10 @@ K different prompts, each from its own seed, eos allowed), generated one task at
 `HFBackend.generate` and then as one `HFBackend.generate_groups` call (`fleetrl.rollout.batching`):
 - groups_serial_s / groups_batched_s: the K groups' seconds; groups_speedup: their ratio (the actor's
   gain from batching across tasks); groups_tokens_serial / groups_tokens_batched: the tokens each made.
+  With `--top-p` below 1 the batched round is also timed with the nucleus filter sorting the whole
+  vocabulary at every position (the baseline) against `backends.nucleus`, which ranks each row's top
+  `NUCLEUS_CANDIDATES` first, alternately: groups_batched_full_sort_s / groups_batched_candidates_s,
+  nucleus_speedup, and nucleus_same_tokens (both drew the same tokens).
 
 With `--backends hf,vllm` it compares the actor's backends instead (`fleetrl.policy.make_backend`, as
 an actor builds them), all in one child process (vLLM configures the process it runs in): for each
@@ -49,6 +53,7 @@ from typing import Any
 import torch
 
 from bench.train_step import synchronize
+from fleetrl.policy import backends as policy_backends
 from fleetrl.policy import models
 from fleetrl.policy.backends import GroupRequest, HFBackend, observation_tokens, prompt_tokens
 from fleetrl.spec.config import RolloutConfig
@@ -120,7 +125,37 @@ def round_of_groups(backend: HFBackend, args: argparse.Namespace) -> dict[str, A
     serial_s, batched_s = best_time(serial, args.repeats), best_time(batched, args.repeats)
     return {"groups": args.groups, "groups_serial_s": round(serial_s, 3), "groups_batched_s": round(batched_s, 3),
             "groups_speedup": round(serial_s / batched_s, 3), "groups_tokens_serial": made["serial"],
-            "groups_tokens_batched": made["batched"]}
+            "groups_tokens_batched": made["batched"],
+            **(nucleus_figures(backend, requests, args.repeats) if args.top_p < 1.0 else {})}
+
+
+def full_sort_nucleus(probs: torch.Tensor, top_p: float) -> torch.Tensor:
+    """The baseline: the nucleus by a sort of the whole vocabulary at every position."""
+    ranked, order = probs.sort(dim=-1, descending=True)
+    return probs.scatter(-1, order, ranked.masked_fill(ranked.cumsum(-1) - ranked > top_p, 0.0))
+
+
+def nucleus_figures(backend: HFBackend, requests: list[GroupRequest], repeats: int) -> dict[str, Any]:
+    """With --top-p < 1: the round's groups with `backends.nucleus` (candidates first) against the same round
+    with the whole vocabulary sorted, timed alternately; and whether both drew the same tokens."""
+    made: dict[str, list[list[int]]] = {}
+    best = {"candidates": math.inf, "full_sort": math.inf}
+    ours = policy_backends.nucleus
+    for round_ in range(repeats + 1):  # the first round warms up and is not counted
+        for name, function in (("candidates", ours), ("full_sort", full_sort_nucleus)):
+            policy_backends.nucleus = function
+            try:
+                began = time.perf_counter()
+                made[name] = [c.token_ids for group in backend.generate_groups(requests) for c in group]
+                took = time.perf_counter() - began
+            finally:
+                policy_backends.nucleus = ours
+            if round_:
+                best[name] = min(best[name], took)
+    return {"groups_batched_full_sort_s": round(best["full_sort"], 3),
+            "groups_batched_candidates_s": round(best["candidates"], 3),
+            "nucleus_speedup": round(best["full_sort"] / best["candidates"], 3),
+            "nucleus_same_tokens": made["candidates"] == made["full_sort"]}
 
 
 def episode_turns(backend: HFBackend, args: argparse.Namespace) -> dict[str, Any]:

@@ -188,13 +188,35 @@ def eos_ids_of(model: Any, tokenizer: Any) -> set[int]:
     return {int(i) for i in [tokenizer.eos_token_id, *listed] if i is not None}
 
 
+NUCLEUS_CANDIDATES = 512
+"""How many of a row's most likely tokens `nucleus` ranks first; the whole vocabulary only when they do not
+hold the top_p mass."""
+
+
 def nucleus(probs: Tensor, top_p: float) -> Tensor:
-    """probs (G, V) with everything outside the top_p mass zeroed (the top token always kept)."""
+    """probs (G, V) with everything outside the top_p mass zeroed (the top token always kept).
+
+    A token is kept when the mass of the tokens ranked before it is at most top_p. Ranking the whole
+    vocabulary is a sort of V values per row at every position, which can cost as much as the decode's
+    forward on CPU; so each row's `NUCLEUS_CANDIDATES` most likely tokens are ranked first (`topk`). When a
+    row's last candidate is already outside its nucleus, no token after it can be inside: the row keeps the
+    same tokens as with a full sort (up to the order of exactly equal probabilities). Only the other rows
+    (flat distributions) are sorted whole."""
     if top_p >= 1.0:
         return probs
-    sorted_probs, order = probs.sort(dim=-1, descending=True)
-    outside = sorted_probs.cumsum(-1) - sorted_probs > top_p
-    return probs.scatter(-1, order, sorted_probs.masked_fill(outside, 0.0))
+    candidates = min(NUCLEUS_CANDIDATES, probs.shape[-1])
+    out, closed = _within_top_p(probs, *probs.topk(candidates, dim=-1), top_p)
+    if candidates < probs.shape[-1] and not bool(closed.all()):
+        wide = (~closed).nonzero()[:, 0]
+        out[wide] = _within_top_p(probs[wide], *probs[wide].sort(dim=-1, descending=True), top_p)[0]
+    return out
+
+
+def _within_top_p(probs: Tensor, ranked: Tensor, order: Tensor, top_p: float) -> tuple[Tensor, Tensor]:
+    """(probs (G, V) with every token but the ranked ones (G, K, descending) inside the top_p mass zeroed,
+    whether each row's last ranked token is outside it (G,))."""
+    outside = ranked.cumsum(-1) - ranked > top_p
+    return torch.zeros_like(probs).scatter(-1, order, ranked.masked_fill(outside, 0.0)), outside[:, -1]
 
 
 class _Step(NamedTuple):

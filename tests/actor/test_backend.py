@@ -17,11 +17,13 @@ from fleetrl.env.tools import tool_schemas
 from fleetrl.policy import models
 from fleetrl.policy.backends import (
     LOGPROB_TOL,
+    NUCLEUS_CANDIDATES,
     FixedBackend,
     GroupRequest,
     HFBackend,
     conversation_tokens,
     make_backend,
+    nucleus,
     prompt_tokens,
     resolve_backend,
 )
@@ -180,6 +182,25 @@ def test_an_environments_tools_reach_a_chat_template_with_a_tool_format() -> Non
 def _calc(expression: str) -> str:
     """Evaluate an arithmetic expression."""
     return expression
+
+
+def _nucleus_by_full_sort(probs: torch.Tensor, top_p: float) -> torch.Tensor:
+    ranked, order = probs.sort(dim=-1, descending=True)
+    return probs.scatter(-1, order, ranked.masked_fill(ranked.cumsum(-1) - ranked > top_p, 0.0))
+
+
+@pytest.mark.parametrize("top_p", [0.5, 0.9, 0.99])
+def test_nucleus_keeps_what_a_full_sort_keeps(top_p: float) -> None:
+    """The candidates-first nucleus keeps exactly the tokens a sort of the whole vocabulary keeps: on peaked
+    rows (the candidates hold the mass), on flat rows (it falls back to the sort) and on a batch of both."""
+    generator = torch.Generator().manual_seed(7)
+    logits = torch.randn(6, 49152, generator=generator)
+    peaked = torch.softmax(logits * 6.0, dim=-1)  # a trained model's: the nucleus is a few hundred tokens
+    flat = torch.softmax(logits * 0.5, dim=-1)  # an untrained one's: the nucleus outgrows the candidates
+    for probs in (peaked, flat, torch.cat([peaked[:3], flat[:3]])):
+        assert torch.equal(nucleus(probs, top_p), _nucleus_by_full_sort(probs, top_p))
+    assert int((nucleus(peaked, top_p) > 0).sum(-1).max()) < NUCLEUS_CANDIDATES  # the candidates' path
+    assert int((nucleus(flat, top_p) > 0).sum(-1).min()) > NUCLEUS_CANDIDATES  # the sort's
 
 
 def test_a_batch_row_draws_from_its_own_seed_as_generate_does_alone() -> None:
