@@ -29,6 +29,7 @@ import torch
 from actor_fleet import MODEL, Fleet, start_service, wait_until
 from prometheus_client.parser import text_string_to_metric_families
 
+from fleetrl.jobs.store import JobState
 from fleetrl.launcher.embedded import free_port
 from fleetrl.policy import models
 from fleetrl.policy.backends import LOGPROB_TOL, HFBackend, observation_tokens
@@ -191,6 +192,33 @@ async def test_scripted_environment_groups_are_stored_exactly(fleet: Fleet) -> N
         assert "timed out after 1s" in sample.reward_reason and len(sample.turns) == 1
         assert sample.turns[0].env_latency_s < 3
     check_verified(verified_group, tokenizer)
+
+
+async def test_an_episode_plays_the_same_alone_as_beside_others(fleet: Fleet) -> None:
+    """Each call of an episode draws from its own seed (task, episode, turn, call), so episode 0 of a group of
+    three plays exactly as episode 0 played alone: the same tokens at every turn, its log-probs within float
+    rounding of the padded batch. With one seed per turn shared by the batch, its tokens changed with the
+    number of episodes beside it."""
+    spec = env_job(params={"turns": 3})
+    assert spec.environment is not None
+    job = await fleet.create_job(spec, [], environment_file=SCRIPTED_ENV)
+    task = common_pb2.Task(job_id=job, task_id="0/0", epoch=0, prompt_index=0, prompt="the sea", metadata_json="{}")
+    model, tokenizer = models.load(MODEL)
+    reward = RewardClient(fleet.services.reward_addr, timeout_s=30)
+    runner = EpisodeRunner(ActorSettings(actor_id="test"), reward, lambda name, state: contextlib.nullcontext())
+    env_proto = environment_to_proto(spec.environment, SCRIPTED_ENV)
+    try:
+        played = {n: await runner.play(job, spec.seed, spec.rollout.model_copy(update={"samples_per_prompt": n}),
+                                       spec.environment, env_proto, HFBackend(model, tokenizer), task)
+                  for n in (3, 1)}
+    finally:
+        await reward.close()
+        await fleet.jobs.set_state(job, JobState.SUCCEEDED)
+    beside, alone = played[3][0], played[1][0]
+    assert len(alone.turns) == 3 and comparable(beside) == comparable(alone)
+    gap = max(abs(a - b) for a, b in zip(beside.behaviour_logprobs, alone.behaviour_logprobs, strict=True))
+    assert gap < LOGPROB_TOL[torch.float32]
+    assert {tuple(s.completion_token_ids) for s in played[3]} != {tuple(alone.completion_token_ids)}  # 3 differ
 
 
 VERIFIER = RewardSpec(builtin="length_penalty", params={"max_length": 12, "penalty": 2.0})
