@@ -746,7 +746,7 @@ async def test_a_flood_of_concurrent_calls_is_served_max_parallel_calls_at_a_tim
     """1,000 calls at once: each step carries 8 of them (the default `max_parallel_calls`); closing the session
     kills the worker, whose `run` still waits inside calls, and the service keeps serving."""
     async with reward_server(tmp_path, workers_per_pool=1, **STARTS) as (stub, service):
-        calls = await open_session(stub, "f", agent_spec(CONCURRENT_FLOOD))
+        calls = await open_session(stub, "f", agent_spec(CONCURRENT_FLOOD, step_timeout_s=15.0))  # 1,000 requests
         for turn in range(3):
             assert [c.call for c in calls] == list(range(8 * turn + 1, 8 * turn + 9)), [c.reason for c in calls]
             calls = await answer(stub, "f", turn, calls)
