@@ -28,9 +28,10 @@ things `generate` does not give cheaply or reproducibly:
   KV cache repeated n times, then all n rows decode together (`python -m bench.generate` compares it
   with `model.generate`).
 - `generate_batch` left-pads different prompts (attention mask, position ids counted over real
-  tokens) and decodes them together, each row to its own token budget and from its own seed. It keeps the KV cache it
-  leaves (`_TurnCache`: per row, the real tokens the cache holds; tokens decoded after a row ended
-  stay in the cache, masked out): when every prompt of the next call extends a distinct cached row
+  tokens) and decodes them together, each row to its own token budget and from its own seed. It
+  keeps the KV cache it leaves (`_TurnCache`: per row, the real tokens the cache holds; tokens
+  decoded after a row ended stay in the cache, masked out): when every prompt of the next call
+  extends a distinct cached row
   (an episode's next turn: its tokens so far, then the last action's unfed token and the
   observation), only those new tokens are prefilled, left-padded into one chunk, at their true
   positions. Otherwise (a new group, a finished episode's row dropped is fine) the prompts are
