@@ -220,6 +220,37 @@ def _within_top_p(probs: Tensor, ranked: Tensor, order: Tensor, top_p: float) ->
     return torch.zeros_like(probs).scatter(-1, order, ranked.masked_fill(outside, 0.0)), outside[:, -1]
 
 
+class _Draws(NamedTuple):
+    """Rows of a decode that draw together: from one generator, at one temperature and top_p, for at most
+    `budget` positions."""
+
+    rows: slice
+    generator: torch.Generator
+    temperature: float
+    top_p: float
+    budget: int
+
+
+def _seeded_draw(draws: list[_Draws]) -> Callable[[Tensor, int], tuple[Tensor, Tensor]]:
+    """The draw of `HFBackend._decode`: at each position each `_Draws` takes its rows' tokens (one (rows, 1)
+    multinomial from its own generator, as `generate` draws a group), so no rows' draws depend on the others
+    in the batch; a `_Draws` past its budget draws nothing (its rows are done and nothing of them is kept).
+    (tokens (R,), their log-probs (R,)) from the last logits (R, V) in float32."""
+
+    def draw(last: Tensor, step: int) -> tuple[Tensor, Tensor]:
+        token = torch.zeros(last.shape[0], dtype=torch.long, device=last.device)  # (R,)
+        logprob = torch.zeros(last.shape[0], device=last.device)
+        for d in draws:
+            if step >= d.budget:
+                continue
+            logp = torch.log_softmax(last[d.rows] / d.temperature, dim=-1)  # (n, V)
+            drawn = torch.multinomial(nucleus(logp.exp(), d.top_p), 1, generator=d.generator)  # (n, 1)
+            token[d.rows], logprob[d.rows] = drawn[:, 0], logp.gather(-1, drawn)[:, 0]
+        return token, logprob
+
+    return draw
+
+
 class _Step(NamedTuple):
     """A forward's last logits and the KV cache it extended."""
 
@@ -352,14 +383,8 @@ class HFBackend:
         row b draws from generators[b]."""
         turns, self._turns = self._turns, None
         out, attention, next_position, held = self._prefill_rows(prompts, turns)
-
-        def draw(last: Tensor, step: int) -> tuple[Tensor, Tensor]:
-            logp = torch.log_softmax(last / temperature, dim=-1)  # (B, V)
-            probs = nucleus(logp.exp(), top_p)
-            token = torch.cat([torch.multinomial(probs[b:b + 1], 1, generator=generator)
-                               for b, generator in enumerate(generators)])  # (B, 1)
-            return token[:, 0], logp.gather(-1, token)[:, 0]
-
+        draw = _seeded_draw([_Draws(slice(b, b + 1), generator, temperature, top_p, budget) for b, (generator, budget)
+                             in enumerate(zip(generators, max_new_tokens, strict=True))])
         budget = torch.tensor(max_new_tokens, device=self.device)  # (B,)
         out, attention, tokens_T, logprobs_T = self._decode(out, attention, next_position, budget, draw)
         self._turns = self._left_in_cache(out.cache, attention, held, tokens_T, max_new_tokens)
@@ -448,19 +473,8 @@ class HFBackend:
         attention, next_position = attention[group_of], next_position[group_of]
         ends = torch.tensor([r.n for r in requests]).cumsum(0).tolist()
         slices = [slice(end - r.n, end) for r, end in zip(requests, ends, strict=True)]
-        generators = [torch.Generator(device=device).manual_seed(r.seed) for r in requests]
-
-        def draw(last: Tensor, step: int) -> tuple[Tensor, Tensor]:
-            token = torch.zeros(len(group_of), dtype=torch.long, device=device)  # (R,)
-            logprob = torch.zeros(len(group_of), device=device)
-            for r, rows, generator in zip(requests, slices, generators, strict=True):
-                if step >= r.max_new_tokens:
-                    continue  # the group is over: its rows are done and nothing of them is kept
-                logp = torch.log_softmax(last[rows] / r.temperature, dim=-1)  # (n, V)
-                drawn = torch.multinomial(nucleus(logp.exp(), r.top_p), 1, generator=generator)  # (n, 1)
-                token[rows], logprob[rows] = drawn[:, 0], logp.gather(-1, drawn)[:, 0]
-            return token, logprob
-
+        draw = _seeded_draw([_Draws(rows, torch.Generator(device=device).manual_seed(r.seed), r.temperature, r.top_p,
+                                    r.max_new_tokens) for r, rows in zip(requests, slices, strict=True)])
         budget = torch.tensor([r.max_new_tokens for r in requests], device=device)[group_of]  # (R,)
         _, _, tokens_T, logprobs_T = self._decode(out, attention, next_position, budget, draw, **row_adapters)
         tokens_R_T = torch.stack(tokens_T, dim=1).tolist()  # (R, T)
@@ -482,6 +496,7 @@ class HFBackend:
             attention[row, attention.shape[1] - fed + end:] = 0
             kept.append((*before, *sampled[:end]))
         return _TurnCache(cache, attention, kept)
+
     def _cut(self, tokens: list[int], logprobs: list[float], eos_ids: set[int]) -> Completion:
         """A row up to and including its first eos."""
         end, reason = len(tokens), "length"
